@@ -1,0 +1,111 @@
+"""One CPU training step (forward, backward, clip, AdamW): fmeg eager and compiled vs transformers eager.
+
+    python bench/step_cpu.py                 # GPT-2 shape: 6 layers, hidden 384, 6 heads, seq 256, batch 8
+    python bench/step_cpu.py --steps 5 --layers 2    # a quicker look
+
+All variants train the same weights on the same batch in one process; rounds alternate between them so
+drift in the machine's speed touches each alike. Prints median step times and ratios to transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation happens here)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled fmeg variant")
+    return p.parse_args()
+
+
+def hf_step_fn(model, batch):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(batch["tokens"]).logits
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), batch["labels"].view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def fmeg_step_fn(params, config, batch, compiled: bool):
+    from fmeg import optim
+    from fmeg.models import gpt
+    from fmeg.train_step import compile_train_step, make_train_step
+
+    step = make_train_step(partial(gpt.loss, config=config), optim.adamw(), clip_grad=1.0)
+    if compiled:
+        step = compile_train_step(step)
+    state = {"params": params, "opt": optim.adamw().init(params)}
+    lr, wd = torch.tensor(1e-4), torch.tensor(0.01)
+
+    def run():
+        state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch, lr, wd)
+        return metrics["loss"]
+
+    return run
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fmeg.interop.hf import from_hf
+
+    torch.manual_seed(0)
+    hf_config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
+                           n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(hf_config).float().train()
+    config, params = from_hf(model)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    variants = {"transformers eager": hf_step_fn(model, batch),
+                "fmeg eager": fmeg_step_fn(params, config, batch, compiled=False)}
+    if not args.no_compile:
+        variants["fmeg compiled"] = fmeg_step_fn(params, config, batch, compiled=True)
+
+    first_loss = {}
+    for name, fn in variants.items():
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            first_loss.setdefault(name, float(fn()))
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.steps):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+
+    base = statistics.median(times["transformers eager"])
+    print(f"\nGPT-2 shape: layers={args.layers} hidden={args.hidden} heads={args.heads} seq={args.seq} "
+          f"batch={args.batch} vocab={args.vocab} fp32, threads={torch.get_num_threads()}, torch {torch.__version__}")
+    print(f"{'variant':<20} {'median ms':>10} {'ratio to transformers':>22} {'first loss':>11}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<20} {med * 1e3:>10.1f} {med / base:>22.3f} {first_loss[name]:>11.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Conversions between fmeg parameter pytrees and other libraries' models."""

@@ -1,0 +1,211 @@
+"""Hugging Face transformers <-> fmeg: GPT2LMHeadModel and LlamaForCausalLM.
+
+    config, params = from_hf(hf_model)
+    hf_model = to_hf(params, config)
+
+Both directions are pure renamings and reshapes of tensors (copies, never views of the other side's
+storage). transformers is imported lazily: it is a test and interop extra, not a dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fmeg import tree
+from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, split_qkv
+
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
+    """(GPTConfig, params) holding the same function as a transformers causal LM."""
+    kind = type(hf_model).__name__
+    state = {k: v.detach().clone().float() for k, v in hf_model.state_dict().items()}
+    if kind == "GPT2LMHeadModel":
+        config = _gpt2_config(hf_model.config)
+        return config, tree.unflatten(_gpt2_params(state, config))
+    if kind == "LlamaForCausalLM":
+        config = _llama_config(hf_model.config)
+        return config, tree.unflatten(_llama_params(state, config))
+    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel or LlamaForCausalLM")
+
+
+def to_hf(params: Params, config: GPTConfig) -> Any:
+    """A transformers model (GPT2LMHeadModel or LlamaForCausalLM, chosen by the config) with params loaded."""
+    flat = {k: v.detach().float() for k, v in tree.flatten(params).items()}
+    if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
+        if not config.bias or config.num_kv_heads != config.num_heads:
+            raise ValueError("to_hf: GPT-2 needs bias=True and num_kv_heads == num_heads")
+        model, state = _new_model("GPT2", _gpt2_hf_config(config)), _gpt2_state(flat, config)
+    elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
+        model, state = _new_model("Llama", _llama_hf_config(config)), _llama_state(flat, config)
+    else:
+        raise ValueError(
+            "to_hf: only GPT-2 style (learned, layernorm, gelu) and Llama style (rope, rmsnorm, swiglu) "
+            f"configs have a transformers class; got position={config.position}, norm={config.norm}, "
+            f"activation={config.activation}")
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _new_model(family: str, hf_config: Any) -> Any:
+    import transformers
+
+    cls = getattr(transformers, f"{family}LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM")
+    with torch.device("cpu"):
+        return cls(hf_config).float()
+
+
+# --- GPT-2 ------------------------------------------------------------------------------------------
+# Conv1D stores weights [in, out]; q, k and v are three contiguous blocks of c_attn's outputs.
+
+
+def _gpt2_config(hf: Any) -> GPTConfig:
+    act = _GPT2_ACTIVATIONS.get(hf.activation_function)
+    if act is None:
+        raise ValueError(f"from_hf: GPT-2 activation_function {hf.activation_function!r} is not supported")
+    if not hf.scale_attn_weights or hf.scale_attn_by_inverse_layer_idx or hf.reorder_and_upcast_attn:
+        raise ValueError("from_hf: GPT-2 attention variants (unscaled, layer-scaled, upcast) are not supported")
+    return GPTConfig(vocab_size=hf.vocab_size, max_seq_len=hf.n_positions, num_layers=hf.n_layer,
+                     hidden_size=hf.n_embd, num_heads=hf.n_head, ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
+                     norm="layernorm", activation=act, position="learned",
+                     tie_embeddings=bool(hf.tie_word_embeddings), bias=True, norm_eps=hf.layer_norm_epsilon,
+                     init_std=hf.initializer_range)
+
+
+def _gpt2_hf_config(c: GPTConfig) -> Any:
+    from transformers import GPT2Config
+
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[c.activation]
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.max_seq_len, n_layer=c.num_layers,
+                      n_embd=c.hidden_size, n_head=c.num_heads, n_inner=c.ffn_hidden_size,
+                      activation_function=act, layer_norm_epsilon=c.norm_eps, initializer_range=c.init_std,
+                      tie_word_embeddings=c.tie_embeddings, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      bos_token_id=None, eos_token_id=None)
+
+
+def _gpt2_qkv_to_grouped(t: torch.Tensor, heads: int) -> torch.Tensor:
+    q, k, v = t.chunk(3, dim=0)
+    return fuse_qkv(q, k, v, heads)
+
+
+def _gpt2_params(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    out = {"embedding.word.weight": s["transformer.wte.weight"],
+           "embedding.position.weight": s["transformer.wpe.weight"]}
+    for i in range(c.num_layers):
+        hf, at = f"transformer.h.{i}", f"layers.{i}"
+        out |= {
+            f"{at}.attn_norm.weight": s[f"{hf}.ln_1.weight"], f"{at}.attn_norm.bias": s[f"{hf}.ln_1.bias"],
+            f"{at}.attn.qkv.weight": _gpt2_qkv_to_grouped(s[f"{hf}.attn.c_attn.weight"].T, c.num_heads),
+            f"{at}.attn.qkv.bias": _gpt2_qkv_to_grouped(s[f"{hf}.attn.c_attn.bias"], c.num_heads),
+            f"{at}.attn.proj.weight": s[f"{hf}.attn.c_proj.weight"].T.contiguous(),
+            f"{at}.attn.proj.bias": s[f"{hf}.attn.c_proj.bias"],
+            f"{at}.mlp_norm.weight": s[f"{hf}.ln_2.weight"], f"{at}.mlp_norm.bias": s[f"{hf}.ln_2.bias"],
+            f"{at}.mlp.fc1.weight": s[f"{hf}.mlp.c_fc.weight"].T.contiguous(),
+            f"{at}.mlp.fc1.bias": s[f"{hf}.mlp.c_fc.bias"],
+            f"{at}.mlp.fc2.weight": s[f"{hf}.mlp.c_proj.weight"].T.contiguous(),
+            f"{at}.mlp.fc2.bias": s[f"{hf}.mlp.c_proj.bias"],
+        }
+    out |= {"final_norm.weight": s["transformer.ln_f.weight"], "final_norm.bias": s["transformer.ln_f.bias"]}
+    if not c.tie_embeddings:
+        out["output.weight"] = s["lm_head.weight"]
+    return out
+
+
+def _gpt2_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    s = {"transformer.wte.weight": f["embedding.word.weight"],
+         "transformer.wpe.weight": f["embedding.position.weight"]}
+    for i in range(c.num_layers):
+        hf, at = f"transformer.h.{i}", f"layers.{i}"
+        qkv_w = torch.cat(split_qkv(f[f"{at}.attn.qkv.weight"], c), dim=0)
+        qkv_b = torch.cat(split_qkv(f[f"{at}.attn.qkv.bias"], c), dim=0)
+        s |= {
+            f"{hf}.ln_1.weight": f[f"{at}.attn_norm.weight"], f"{hf}.ln_1.bias": f[f"{at}.attn_norm.bias"],
+            f"{hf}.attn.c_attn.weight": qkv_w.T.contiguous(), f"{hf}.attn.c_attn.bias": qkv_b,
+            f"{hf}.attn.c_proj.weight": f[f"{at}.attn.proj.weight"].T.contiguous(),
+            f"{hf}.attn.c_proj.bias": f[f"{at}.attn.proj.bias"],
+            f"{hf}.ln_2.weight": f[f"{at}.mlp_norm.weight"], f"{hf}.ln_2.bias": f[f"{at}.mlp_norm.bias"],
+            f"{hf}.mlp.c_fc.weight": f[f"{at}.mlp.fc1.weight"].T.contiguous(),
+            f"{hf}.mlp.c_fc.bias": f[f"{at}.mlp.fc1.bias"],
+            f"{hf}.mlp.c_proj.weight": f[f"{at}.mlp.fc2.weight"].T.contiguous(),
+            f"{hf}.mlp.c_proj.bias": f[f"{at}.mlp.fc2.bias"],
+        }
+    s |= {"transformer.ln_f.weight": f["final_norm.weight"], "transformer.ln_f.bias": f["final_norm.bias"]}
+    s["lm_head.weight"] = f["embedding.word.weight"] if c.tie_embeddings else f["output.weight"]
+    return s
+
+
+# --- Llama ------------------------------------------------------------------------------------------
+
+
+def _llama_config(hf: Any) -> GPTConfig:
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"from_hf: Llama rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    if hf.hidden_act != "silu":
+        raise ValueError(f"from_hf: Llama hidden_act {hf.hidden_act!r} is not supported (only 'silu')")
+    if hf.attention_bias != hf.mlp_bias:
+        raise ValueError("from_hf: Llama attention_bias and mlp_bias must agree")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ValueError("from_hf: Llama head_dim * num_attention_heads must equal hidden_size")
+    return GPTConfig(vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
+                     num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+                     num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+                     ffn_hidden_size=hf.intermediate_size, norm="rmsnorm", activation="swiglu", position="rope",
+                     tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
+                     norm_eps=hf.rms_norm_eps, rope_theta=float(rope["rope_theta"]), init_std=hf.initializer_range)
+
+
+def _llama_hf_config(c: GPTConfig) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=c.vocab_size, max_position_embeddings=c.max_seq_len,
+                       num_hidden_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+                       num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_hidden_size, hidden_act="silu",
+                       rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias,
+                       mlp_bias=c.bias, initializer_range=c.init_std,
+                       rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+_LLAMA_LINEARS = {"attn.proj": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj"}
+_LLAMA_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def _llama_params(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    out = {"embedding.word.weight": s["model.embed_tokens.weight"], "final_norm.weight": s["model.norm.weight"]}
+    kinds = ("weight", "bias") if c.bias else ("weight",)
+    for i in range(c.num_layers):
+        hf, at = f"model.layers.{i}", f"layers.{i}"
+        for ours, theirs in _LLAMA_NORMS.items():
+            out[f"{at}.{ours}.weight"] = s[f"{hf}.{theirs}.weight"]
+        for kind in kinds:
+            attn = [s[f"{hf}.self_attn.{x}_proj.{kind}"] for x in "qkv"]
+            out[f"{at}.attn.qkv.{kind}"] = fuse_qkv(*attn, c.num_kv_heads)
+            out[f"{at}.mlp.fc1.{kind}"] = torch.stack([s[f"{hf}.mlp.gate_proj.{kind}"], s[f"{hf}.mlp.up_proj.{kind}"]])
+            for ours, theirs in _LLAMA_LINEARS.items():
+                out[f"{at}.{ours}.{kind}"] = s[f"{hf}.{theirs}.{kind}"]
+    if not c.tie_embeddings:
+        out["output.weight"] = s["lm_head.weight"]
+    return out
+
+
+def _llama_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tensor]:
+    s = {"model.embed_tokens.weight": f["embedding.word.weight"], "model.norm.weight": f["final_norm.weight"]}
+    kinds = ("weight", "bias") if c.bias else ("weight",)
+    for i in range(c.num_layers):
+        hf, at = f"model.layers.{i}", f"layers.{i}"
+        for ours, theirs in _LLAMA_NORMS.items():
+            s[f"{hf}.{theirs}.weight"] = f[f"{at}.{ours}.weight"]
+        for kind in kinds:
+            for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.{kind}"], c)):
+                s[f"{hf}.self_attn.{x}_proj.{kind}"] = t.contiguous()
+            gate, up = f[f"{at}.mlp.fc1.{kind}"].unbind(0)
+            s[f"{hf}.mlp.gate_proj.{kind}"], s[f"{hf}.mlp.up_proj.{kind}"] = gate.contiguous(), up.contiguous()
+            for ours, theirs in _LLAMA_LINEARS.items():
+                s[f"{hf}.{theirs}.{kind}"] = f[f"{at}.{ours}.{kind}"]
+    s["lm_head.weight"] = f["embedding.word.weight"] if c.tie_embeddings else f["output.weight"]
+    return s

@@ -1,0 +1,1 @@
+"""Models: configs plus pure init/apply functions."""

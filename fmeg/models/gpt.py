@@ -1,0 +1,293 @@
+"""A GPT as pure functions over a parameter pytree.
+
+    params = init(config, seed)                      # nested dicts and lists of tensors
+    logits = apply(params, tokens, config)           # [batch, seq, vocab]
+    value  = loss(params, batch, config)             # scalar, differentiable with torch.func
+
+Parameter paths (leaves present depending on config):
+
+    embedding.word.weight          [V, H]
+    embedding.position.weight      [S, H]                          position == "learned"
+    layers.{i}.attn_norm.{weight,bias}                             bias for layernorm only
+    layers.{i}.attn.qkv.{weight,bias}   [G * (N/G + 2) * D, H]     Megatron's grouped q-k-v order
+    layers.{i}.attn.proj.{weight,bias}  [H, N * D]
+    layers.{i}.mlp_norm.{weight,bias}
+    layers.{i}.mlp.fc1.{weight,bias}    [F, H], or [2, F, H] (gate, up) for swiglu
+    layers.{i}.mlp.fc2.{weight,bias}    [H, F]
+    final_norm.{weight,bias}
+    output.weight                  [V, H]                          unless tie_embeddings
+
+The qkv rows are grouped per key/value head g: its N/G query heads, then its key, then its value. A
+contiguous slice of rows is then a whole set of groups, which is what tensor parallelism needs; for
+the same reason apply reads head counts from the weights' shapes, so it runs unchanged on a shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from einops import rearrange
+
+from fmeg import ops
+
+Params = dict[str, Any]
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    max_seq_len: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
+    ffn_hidden_size: int | None = None  # None: 4 * hidden, or 8/3 * hidden rounded up to 64 for swiglu
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    position: str = "learned"
+    tie_embeddings: bool = True
+    bias: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    hidden_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.ffn_hidden_size is None:
+            ffn = 4 * self.hidden_size
+            if self.activation == "swiglu":
+                ffn = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+            object.__setattr__(self, "ffn_hidden_size", ffn)
+        _validate(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes: Any) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def gpt2(cls, **overrides: Any) -> "GPTConfig":
+        """GPT-2 small (124M) unless overridden: learned positions, LayerNorm, tanh GELU, tied, biased."""
+        base = dict(vocab_size=50257, max_seq_len=1024, num_layers=12, hidden_size=768, num_heads=12,
+                    norm="layernorm", activation="gelu_tanh", position="learned", tie_embeddings=True,
+                    bias=True, norm_eps=1e-5)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def llama(cls, **overrides: Any) -> "GPTConfig":
+        """A Llama-style model (RoPE, RMSNorm, SwiGLU, no biases, untied) of about 1.3B by default."""
+        base = dict(vocab_size=32000, max_seq_len=2048, num_layers=24, hidden_size=2048, num_heads=16,
+                    num_kv_heads=8, norm="rmsnorm", activation="swiglu", position="rope",
+                    tie_embeddings=False, bias=False, norm_eps=1e-6, rope_theta=10000.0)
+        return cls(**{**base, **overrides})
+
+
+def _validate(c: GPTConfig) -> None:
+    def need(ok: bool, field: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"GPTConfig.{field}: {why}")
+
+    for name in ("vocab_size", "max_seq_len", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                 "ffn_hidden_size"):
+        need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
+    need(c.norm in NORMS, "norm", f"must be one of {NORMS}, got {c.norm!r}")
+    need(c.activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {c.activation!r}")
+    need(c.position in POSITIONS, "position", f"must be one of {POSITIONS}, got {c.position!r}")
+    need(c.hidden_size % c.num_heads == 0, "hidden_size",
+         f"{c.hidden_size} must be divisible by num_heads={c.num_heads}")
+    need(c.num_heads % c.num_kv_heads == 0, "num_kv_heads",
+         f"{c.num_kv_heads} must divide num_heads={c.num_heads}")
+    need(c.position != "rope" or c.head_dim % 2 == 0, "position",
+         f"rope needs an even head dimension, got hidden_size/num_heads={c.head_dim}")
+    need(c.norm_eps > 0, "norm_eps", f"must be positive, got {c.norm_eps}")
+    need(c.init_std > 0, "init_std", f"must be positive, got {c.init_std}")
+    need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# init: every leaf drawn on CPU in fp32 from its own generator, seeded by (seed, path), so a leaf does
+# not depend on which other leaves exist (a pipeline stage can build only its layers) or on the machine.
+
+
+def leaf_seed(seed: int, path: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
+
+
+def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(leaf_seed(seed, path))
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def _norm_params(c: GPTConfig) -> Params:
+    p = {"weight": torch.ones(c.hidden_size)}
+    if c.norm == "layernorm":
+        p["bias"] = torch.zeros(c.hidden_size)
+    return p
+
+
+def _linear_params(shape: tuple[int, ...], std: float, bias: bool, seed: int, path: str) -> Params:
+    p = {"weight": _normal(shape, std, seed, f"{path}.weight")}
+    if bias:
+        p["bias"] = torch.zeros(shape[:-1])
+    return p
+
+
+def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
+    """Parameters of layer `index`; output projections get Megatron's std / sqrt(2 * num_layers)."""
+    c, at = config, f"layers.{index}"
+    std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
+    qkv_rows = c.num_kv_heads * (c.heads_per_group + 2) * c.head_dim
+    fc1_shape = (2, c.ffn_hidden_size, c.hidden_size) if c.activation == "swiglu" else (c.ffn_hidden_size, c.hidden_size)
+    return {
+        "attn_norm": _norm_params(c),
+        "attn": {
+            "qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias, seed, f"{at}.attn.qkv"),
+            "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj"),
+        },
+        "mlp_norm": _norm_params(c),
+        "mlp": {
+            "fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
+            "fc2": _linear_params((c.hidden_size, c.ffn_hidden_size), out_std, c.bias, seed, f"{at}.mlp.fc2"),
+        },
+    }
+
+
+def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Params:
+    """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine."""
+    c = config
+    params: Params = {"embedding": {"word": {"weight": _normal((c.vocab_size, c.hidden_size), c.init_std, seed,
+                                                               "embedding.word.weight")}}}
+    if c.position == "learned":
+        params["embedding"]["position"] = {
+            "weight": _normal((c.max_seq_len, c.hidden_size), c.init_std, seed, "embedding.position.weight")}
+    params["layers"] = [init_layer(c, seed, i) for i in range(c.num_layers)]
+    params["final_norm"] = _norm_params(c)
+    if not c.tie_embeddings:
+        params["output"] = {"weight": _normal((c.vocab_size, c.hidden_size), c.init_std, seed, "output.weight")}
+    return torch.utils._pytree.tree_map(lambda t: t.to(device=device, dtype=dtype), params)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Separate q [N*D, ...], k and v [G*D, ...] (weights or biases) -> the grouped qkv layout."""
+    g = num_kv_heads
+    q, k, v = (rearrange(t, "(g rd) ... -> g rd ...", g=g) for t in (q, k, v))
+    return rearrange(torch.cat([q, k, v], dim=1), "g rd ... -> (g rd) ...")
+
+
+def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_qkv: grouped qkv rows -> (q [N*D, ...], k [G*D, ...], v [G*D, ...])."""
+    d, per_group = config.head_dim, config.heads_per_group
+    grouped = rearrange(qkv, "(g rd) ... -> g rd ...", rd=(per_group + 2) * d)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return tuple(rearrange(t, "g rd ... -> (g rd) ...") for t in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------------
+# apply
+
+
+def norm(p: Params, x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    if config.norm == "rmsnorm":
+        return ops.rms_norm(x, p["weight"], config.norm_eps)
+    return ops.layer_norm(x, p["weight"], p.get("bias"), config.norm_eps)
+
+
+def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None) -> torch.Tensor:
+    """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard)."""
+    d, per_group = config.head_dim, config.heads_per_group
+    qkv = ops.linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"))
+    qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
+    q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
+    k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
+    if rope is not None:
+        q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+    out = rearrange(ops.causal_attention(q, k, v), "b n s d -> b s (n d)")
+    return ops.linear(out, p["proj"]["weight"], p["proj"].get("bias"))
+
+
+def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    h = ops.linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"))
+    if config.activation == "swiglu":
+        gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
+        h = ops.swiglu(gate, up)
+    elif config.activation == "gelu_tanh":
+        h = ops.gelu_tanh(h)
+    else:
+        h = ops.gelu(h)
+    return ops.linear(h, p["fc2"]["weight"], p["fc2"].get("bias"))
+
+
+def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, *site: int) -> torch.Tensor:
+    if key is None or config.hidden_dropout == 0.0:
+        return x
+    return ops.dropout(x, config.hidden_dropout, ops.fold_in(key, *site))
+
+
+def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None,
+          key: Any = None, index: int = 0) -> torch.Tensor:
+    """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both."""
+    x_BSH = x_BSH + _dropout(attention(p["attn"], norm(p["attn_norm"], x_BSH, config), config, rope),
+                             config, key, index, 0)
+    return x_BSH + _dropout(mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config), config), config, key, index, 1)
+
+
+def embed(params: Params, tokens: torch.Tensor, config: GPTConfig, positions: torch.Tensor) -> torch.Tensor:
+    x = ops.embedding(tokens, params["embedding"]["word"]["weight"])
+    if config.position == "learned":
+        x = x + ops.embedding(positions, params["embedding"]["position"]["weight"])
+    return x
+
+
+def output_weight(params: Params, config: GPTConfig) -> torch.Tensor:
+    return params["embedding"]["word"]["weight"] if config.tie_embeddings else params["output"]["weight"]
+
+
+def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *,
+                  positions: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
+    """The final-normed hidden states [batch, seq, hidden] that the output layer projects to logits."""
+    seq = tokens.shape[-1]
+    if seq > config.max_seq_len:
+        raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device)
+    rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
+    x = _dropout(embed(params, tokens, config, positions), config, key, -1, 0)
+    for i, p in enumerate(params["layers"]):
+        x = layer(p, x, config, rope=rope, key=key, index=i)
+    return norm(params["final_norm"], x, config)
+
+
+def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
+          key: Any = None) -> torch.Tensor:
+    """Logits [batch, seq, vocab] for tokens [batch, seq]. A key turns hidden dropout on (training)."""
+    x = hidden_states(params, tokens, config, positions=positions, key=key)
+    return ops.linear(x, output_weight(params, config))
+
+
+def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, key: Any = None,
+         label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross entropy over batch["labels"] where batch.get("loss_mask", 1) is nonzero.
+
+    Equal to ops.cross_entropy(apply(...), labels, ...); the output projection and the loss run as one
+    fused op so the [batch, seq, vocab] logits are walked fewer times (ops.linear_cross_entropy).
+    """
+    x = hidden_states(params, batch["tokens"], config, key=key)
+    return ops.linear_cross_entropy(x, output_weight(params, config), batch["labels"],
+                                    loss_mask=batch.get("loss_mask"), label_smoothing=label_smoothing)

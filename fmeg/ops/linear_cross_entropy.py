@@ -1,0 +1,99 @@
+"""Output projection and cross entropy in one differentiable op.
+
+    loss = linear_cross_entropy(x, weight, labels, loss_mask=mask)
+         == cross_entropy(x @ weight.T, labels, loss_mask=mask)      (the same numbers)
+
+Why fuse: the [tokens, vocab] logits dominate a small model's step. The forward pass already holds
+softmax(logits), so it keeps G = softmax - (1 - e) * onehot - e / V, the gradient of each token's loss
+with respect to its logits, in the logits' own buffer. Per-token weights (mask / count, times the
+incoming gradient) then scale only the [tokens, hidden] operands of the two backward matmuls, and the
+[tokens, vocab] tensor is read once per matmul and never rescaled. Memory is the same as for plain
+logits (one [tokens, vocab] fp32 buffer is kept for backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fmeg.ops.cross_entropy import IGNORE_INDEX
+from fmeg.ops.precision import upcast
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * loss_i(x_i @ W.T); w (no gradient) carries the mask and the mean's 1 / count."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, smoothing: float):
+        logprobs = torch.log_softmax(upcast(F.linear(x, weight)), dim=-1)
+        safe = labels.clamp_min(0).unsqueeze(-1)
+        losses = -logprobs.gather(-1, safe).squeeze(-1)
+        if smoothing:
+            losses = (1.0 - smoothing) * losses - smoothing * logprobs.mean(-1)
+        loss = (losses * w).sum()
+        # Turn the log-probabilities into G in place: the buffer is ours, never an input.
+        g = logprobs.exp_()
+        g.scatter_add_(-1, safe, torch.full_like(safe, -(1.0 - smoothing), dtype=g.dtype))
+        if smoothing:
+            g.sub_(smoothing / g.shape[-1])
+        return loss, g
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, labels, w, _ = inputs
+        _, g = output
+        ctx.save_for_backward(x, weight, w, g)
+        ctx.save_for_forward(x, weight, w, g)
+        ctx.mark_non_differentiable(g)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_g):
+        x, weight, w, g = ctx.saved_tensors
+        scale = (grad_loss * w).unsqueeze(-1)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.mT @ (x.to(g.dtype) * scale)).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class _LinearCrossEntropyWithJvp(_LinearCrossEntropy):
+    """The same op with a forward-mode rule. Dynamo cannot trace a Function that defines jvp (it breaks
+    the graph), so compiled code uses the parent class and eager code, where jvp may be asked for, this."""
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, _labels_t, _w_t, _smoothing_t):
+        x, weight, w, g = ctx.saved_tensors
+        tangent = torch.zeros((), dtype=g.dtype, device=x.device)
+        if x_t is not None:
+            tangent = tangent + ((g @ weight.to(g.dtype)) * x_t.to(g.dtype) * w.unsqueeze(-1)).sum()
+        if weight_t is not None:
+            tangent = tangent + ((g.mT @ (x.to(g.dtype) * w.unsqueeze(-1))) * weight_t.to(g.dtype)).sum()
+        return tangent, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Mean cross entropy of logits x @ weight.T over tokens with a valid label and nonzero mask.
+
+    x [..., hidden], weight [vocab, hidden], labels [...]. Equal to ops.cross_entropy(linear(x, weight),
+    ...) in value and in gradients for x and weight, under autograd, torch.func.grad/vjp/jvp and vmap.
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    valid = (labels != ignore_index).to(acc)
+    mask = valid if loss_mask is None else valid * loss_mask.to(acc)
+    w = (mask / mask.sum().clamp_min(1.0)).reshape(-1)
+    safe_labels = torch.where(labels == ignore_index, 0, labels).reshape(-1)
+    fn = _LinearCrossEntropy if torch.compiler.is_compiling() else _LinearCrossEntropyWithJvp
+    loss, _ = fn.apply(x.reshape(-1, x.shape[-1]), weight, safe_labels, w, float(label_smoothing))
+    return loss
