@@ -5,7 +5,7 @@
 
 Why fuse: the [tokens, vocab] logits dominate a small model's step. The forward pass already holds
 softmax(logits), so it keeps G = softmax - (1 - e) * onehot - e / V, the gradient of each token's loss
-with respect to its logits, in the logits' own buffer. Per-token weights (mask / count, times the
+with respect to its logits. Per-token weights (mask / count, times the
 incoming gradient) then scale only the [tokens, hidden] operands of the two backward matmuls, and the
 [tokens, vocab] tensor is read once per matmul and never rescaled. Memory is the same as for plain
 logits (one [tokens, vocab] fp32 buffer is kept for backward).
@@ -33,11 +33,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if smoothing:
             losses = (1.0 - smoothing) * losses - smoothing * logprobs.mean(-1)
         loss = (losses * w).sum()
-        # Turn the log-probabilities into G in place: the buffer is ours, never an input.
-        g = logprobs.exp_()
-        g.scatter_add_(-1, safe, torch.full_like(safe, -(1.0 - smoothing), dtype=g.dtype))
+        # Out of place on purpose: dynamo traces this forward under autograd, where mutating the
+        # log-probabilities silently corrupted the weight gradient (torch 2.13).
+        g = logprobs.exp().scatter_add(-1, safe, torch.full_like(safe, -(1.0 - smoothing), dtype=logprobs.dtype))
         if smoothing:
-            g.sub_(smoothing / g.shape[-1])
+            g = g - smoothing / g.shape[-1]
         return loss, g
 
     @staticmethod
@@ -52,11 +52,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_g):
         x, weight, w, g = ctx.saved_tensors
         scale = (grad_loss * w).unsqueeze(-1)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.mT @ (x.to(g.dtype) * scale)).to(weight.dtype)
+        # Both gradients always: under torch.compile(torch.func.grad(...)) ctx.needs_input_grad said
+        # False for the weight (torch 2.13) and skipping it silently zeroed the weight gradient.
+        grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
+        grad_w = (g.mT @ (x.to(g.dtype) * scale)).to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
 

@@ -1,0 +1,68 @@
+"""A flat stream of token ids, and fixed-length training windows drawn from it.
+
+Sources: a .npy array (read with allow_pickle=False), a raw .bin of one integer dtype (nanoGPT's
+train.bin), or text turned into bytes (vocabulary 256, no tokenizer needed). Megatron's indexed
+.bin/.idx datasets have their own module; this one is for the quickest start.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BYTE_VOCAB_SIZE = 256
+
+
+def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
+    """Token ids from path (.npy, or raw .bin of `dtype`), memory-mapped; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--data-path {path}: no such file")
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"--data-path {path}: not a plain .npy array ({e})") from None
+    else:
+        itemsize = np.dtype(dtype).itemsize
+        if path.stat().st_size % itemsize:
+            raise ValueError(f"--data-path {path}: size {path.stat().st_size} is not a multiple of {dtype}'s "
+                             f"{itemsize} bytes; pass the right --token-dtype")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"--data-path {path}: expected a 1-D array of integer token ids, got "
+                         f"{tokens.dtype} with shape {tokens.shape}")
+    return tokens
+
+
+def bytes_of_text(text: str) -> np.ndarray:
+    """UTF-8 bytes as token ids (vocabulary 256)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def default_text() -> str:
+    """Text every Python installation has: the sources of a few standard-library modules."""
+    import argparse
+    import dataclasses
+    import functools
+    import inspect
+    import json.decoder
+    import textwrap
+
+    return "\n".join(inspect.getsource(m) for m in (argparse, dataclasses, functools, json.decoder, textwrap))
+
+
+def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int) -> dict:
+    """A batch of windows of seq_len + 1 tokens at random offsets, a pure function of (seed, step).
+
+    Returns {"tokens": [batch, seq], "labels": [batch, seq]} (labels are tokens shifted by one).
+    """
+    if len(tokens) < seq_len + 2:
+        raise ValueError(f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has {len(tokens)}")
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+    windows = torch.from_numpy(np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts]))
+    return {"tokens": windows[:, :-1], "labels": windows[:, 1:]}

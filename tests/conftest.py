@@ -1,0 +1,16 @@
+"""Hypothesis profiles: "ci" (the default) keeps the suite within CI's budget; "dev" searches harder.
+
+    HYPOTHESIS_PROFILE=dev pytest
+"""
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
