@@ -4,7 +4,9 @@
     python bench/step_cpu.py --steps 5 --layers 2    # a quicker look
 
 All variants train the same weights on the same batch in one process; rounds alternate between them so
-drift in the machine's speed touches each alike. Prints median step times and ratios to transformers.
+drift in the machine's speed touches each alike. Prints median step times and ratios to transformers,
+and the fp32 matmul floor: the step's model FLOPs (Megatron's formula) at this machine's peak sgemm
+rate, measured in the same run. No fp32 implementation of the same math can step faster than that.
 """
 
 from __future__ import annotations
@@ -65,6 +67,25 @@ def fmeg_step_fn(params, config, batch, compiled: bool):
     return run
 
 
+def model_flops(layers: int, hidden: int, seq: int, batch: int, vocab: int) -> float:
+    """Megatron's FLOPs per iteration for a dense GPT with a 4h GELU MLP (forward and backward)."""
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def peak_sgemm_flops(n: int = 2048, repeats: int = 5) -> float:
+    """The best fp32 matmul rate seen on square n x n matrices (FLOP/s)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     args = parse_args()
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -99,12 +120,16 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
 
     base = statistics.median(times["transformers eager"])
+    flops, peak = model_flops(args.layers, args.hidden, args.seq, args.batch, args.vocab), peak_sgemm_flops()
     print(f"\nGPT-2 shape: layers={args.layers} hidden={args.hidden} heads={args.heads} seq={args.seq} "
           f"batch={args.batch} vocab={args.vocab} fp32, threads={torch.get_num_threads()}, torch {torch.__version__}")
     print(f"{'variant':<20} {'median ms':>10} {'ratio to transformers':>22} {'first loss':>11}")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"{name:<20} {med * 1e3:>10.1f} {med / base:>22.3f} {first_loss[name]:>11.4f}")
+    floor = flops / peak
+    print(f"{'fp32 matmul floor':<20} {floor * 1e3:>10.1f} {floor / base:>22.3f}"
+          f"   ({flops / 1e9:.0f} GFLOP per step at a peak sgemm of {peak / 1e9:.0f} GFLOP/s)")
 
 
 if __name__ == "__main__":

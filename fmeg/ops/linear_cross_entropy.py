@@ -33,12 +33,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if smoothing:
             losses = (1.0 - smoothing) * losses - smoothing * logprobs.mean(-1)
         loss = (losses * w).sum()
-        # Out of place on purpose: dynamo traces this forward under autograd, where mutating the
-        # log-probabilities silently corrupted the weight gradient (torch 2.13).
-        g = logprobs.exp().scatter_add(-1, safe, torch.full_like(safe, -(1.0 - smoothing), dtype=logprobs.dtype))
-        if smoothing:
-            g = g - smoothing / g.shape[-1]
-        return loss, g
+        target = torch.full_like(safe, -(1.0 - smoothing), dtype=logprobs.dtype)
+        if torch.compiler.is_compiling():
+            # Dynamo traces this forward under autograd, where mutating a tensor that an earlier op
+            # saved silently corrupted the weight gradient (torch 2.13); inductor fuses these anyway.
+            g = logprobs.exp().scatter_add(-1, safe, target)
+            return loss, (g - smoothing / g.shape[-1]) if smoothing else g
+        g = logprobs.exp_()  # eager forward runs without autograd: reuse the [tokens, vocab] buffer
+        g.scatter_add_(-1, safe, target)
+        return loss, g.sub_(smoothing / g.shape[-1]) if smoothing else g
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -47,6 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x, weight, w, g)
         ctx.save_for_forward(x, weight, w, g)
         ctx.mark_non_differentiable(g)
+        ctx.set_materialize_grads(False)  # g gets no gradient; don't allocate a [tokens, vocab] zero one
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_g):

@@ -50,18 +50,25 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def update(grads: Tree, state: AdamState, params: Tree, *, lr: Any, weight_decay: Any = 0.0):
         g, spec = tree.tree_flatten(grads)
-        p = tree.tree_leaves(params)
-        mu = torch._foreach_lerp(tree.tree_leaves(state.mu), g, 1.0 - b1)
-        nu = torch._foreach_addcmul(torch._foreach_mul(tree.tree_leaves(state.nu), b2), g, g, value=1.0 - b2)
         count = state.count + 1
         t = count.to(torch.float64)
-        bias1, bias2 = 1.0 - b1**t, 1.0 - b2**t
         lr = torch.as_tensor(lr, dtype=torch.float64)
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(nu), bias2.sqrt().float()), eps)
-        steps = torch._foreach_mul(torch._foreach_div(mu, denom), (-lr / bias1).float())
+        step_size = (-lr / (1.0 - b1**t)).float()
         decay = (-lr * torch.as_tensor(weight_decay, dtype=torch.float64)).float()
-        masks = [decay_mask(path, leaf) for path, leaf in tree.items(params)]
-        updates = [s + decay * w if m else s for s, w, m in zip(steps, p, masks)]
+        # Three new buffers per leaf (mu, nu, updates); the in-place ops below touch only those, never
+        # an argument. Fewer fresh buffers matter: each costs a pass of page faults on CPU.
+        mu = torch._foreach_lerp(tree.tree_leaves(state.mu), g, 1.0 - b1)
+        nu = torch._foreach_mul(tree.tree_leaves(state.nu), b2)
+        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+        updates = torch._foreach_sqrt(nu)
+        torch._foreach_div_(updates, (1.0 - b2**t).sqrt().float())
+        torch._foreach_add_(updates, eps)
+        torch._foreach_reciprocal_(updates)
+        torch._foreach_mul_(updates, mu)
+        torch._foreach_mul_(updates, step_size)
+        for u, (path, p) in zip(updates, tree.items(params)):
+            if decay_mask(path, p):
+                u.addcmul_(p, decay)
         unflat = lambda leaves: tree.tree_unflatten(leaves, spec)  # noqa: E731
         return unflat(updates), AdamState(count, unflat(mu), unflat(nu))
 
