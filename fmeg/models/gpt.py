@@ -34,6 +34,9 @@ import torch
 from einops import rearrange
 
 from fmeg import ops
+from fmeg.parallel.sharding import Partition
+from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, replicated_param,
+                                  row_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding)
 
 Params = dict[str, Any]
 
@@ -203,27 +206,29 @@ def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch
 # apply
 
 
-def norm(p: Params, x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    weight, bias = replicated_param(p["weight"], tp), replicated_param(p.get("bias"), tp)
     if config.norm == "rmsnorm":
-        return ops.rms_norm(x, p["weight"], config.norm_eps)
-    return ops.layer_norm(x, p["weight"], p.get("bias"), config.norm_eps)
+        return ops.rms_norm(x, weight, config.norm_eps)
+    return ops.layer_norm(x, weight, bias, config.norm_eps)
 
 
-def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None) -> torch.Tensor:
+def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
+              tp: TensorParallel = NO_TP) -> torch.Tensor:
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard)."""
     d, per_group = config.head_dim, config.heads_per_group
-    qkv = ops.linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"))
+    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
     q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if rope is not None:
         q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
     out = rearrange(ops.causal_attention(q, k, v), "b n s d -> b s (n d)")
-    return ops.linear(out, p["proj"]["weight"], p["proj"].get("bias"))
+    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
 
 
-def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    h = ops.linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"))
+def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp)
     if config.activation == "swiglu":
         gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
         h = ops.swiglu(gate, up)
@@ -231,27 +236,39 @@ def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig) -> torch.Tensor:
         h = ops.gelu_tanh(h)
     else:
         h = ops.gelu(h)
-    return ops.linear(h, p["fc2"]["weight"], p["fc2"].get("bias"))
+    return row_parallel_linear(h, p["fc2"]["weight"], p["fc2"].get("bias"), tp)
 
 
-def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, *site: int) -> torch.Tensor:
+def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *site: int) -> torch.Tensor:
+    """Hidden dropout keyed by (key, site) and each element's position in the full [b, s, h] tensor, so
+    the mask is the same whatever the sequence sharding."""
     if key is None or config.hidden_dropout == 0.0:
         return x
-    return ops.dropout(x, config.hidden_dropout, ops.fold_in(key, *site))
+    index = None
+    if tp.sp:
+        b, s, h = x.shape
+        rows = torch.arange(b, device=x.device)[:, None] * (s * tp.size) + tp.rank * s + torch.arange(s, device=x.device)
+        index = rows[:, :, None] * h + torch.arange(h, device=x.device)
+    return ops.dropout(x, config.hidden_dropout, ops.fold_in(key, *site), index=index)
 
 
-def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None,
-          key: Any = None, index: int = 0) -> torch.Tensor:
+def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
+          index: int = 0, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both."""
-    x_BSH = x_BSH + _dropout(attention(p["attn"], norm(p["attn_norm"], x_BSH, config), config, rope),
-                             config, key, index, 0)
-    return x_BSH + _dropout(mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config), config), config, key, index, 1)
+    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp)
+    x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
+    out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp)
+    return x_BSH + _dropout(out, config, key, tp, index, 1)
 
 
-def embed(params: Params, tokens: torch.Tensor, config: GPTConfig, positions: torch.Tensor) -> torch.Tensor:
-    x = ops.embedding(tokens, params["embedding"]["word"]["weight"])
+def embed(params: Params, tokens: torch.Tensor, config: GPTConfig, positions: torch.Tensor,
+          tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """Word (+ learned position) embeddings; [b, s/t, h] under sequence parallelism."""
+    x = vocab_parallel_embedding(tokens, params["embedding"]["word"]["weight"], tp)
     if config.position == "learned":
-        x = x + ops.embedding(positions, params["embedding"]["position"]["weight"])
+        if tp.sp:
+            positions = positions.chunk(tp.size)[tp.rank]
+        x = x + ops.embedding(positions, replicated_param(params["embedding"]["position"]["weight"], tp))
     return x
 
 
@@ -259,35 +276,66 @@ def output_weight(params: Params, config: GPTConfig) -> torch.Tensor:
     return params["embedding"]["word"]["weight"] if config.tie_embeddings else params["output"]["weight"]
 
 
-def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *,
-                  positions: torch.Tensor | None = None, key: Any = None) -> torch.Tensor:
-    """The final-normed hidden states [batch, seq, hidden] that the output layer projects to logits."""
+def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
+                  key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """The final-normed hidden states [batch, seq, hidden] ([b, s/t, h] with sequence parallelism)."""
     seq = tokens.shape[-1]
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
+    if tp.sp and seq % tp.size:
+        raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
     rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
-    x = _dropout(embed(params, tokens, config, positions), config, key, -1, 0)
+    x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
-        x = layer(p, x, config, rope=rope, key=key, index=i)
-    return norm(params["final_norm"], x, config)
+        x = layer(p, x, config, rope=rope, key=key, index=i, tp=tp)
+    return norm(params["final_norm"], x, config, tp)
 
 
 def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
-          key: Any = None) -> torch.Tensor:
-    """Logits [batch, seq, vocab] for tokens [batch, seq]. A key turns hidden dropout on (training)."""
-    x = hidden_states(params, tokens, config, positions=positions, key=key)
-    return ops.linear(x, output_weight(params, config))
+          key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """Logits [batch, seq, vocab] for tokens [batch, seq]; under tensor parallelism this rank's vocabulary
+    shard [batch, seq, vocab/t] (gather with collectives.gather_from if the full logits are needed).
+    A key turns hidden dropout on (training)."""
+    x = hidden_states(params, tokens, config, positions=positions, key=key, tp=tp)
+    return column_parallel_linear(x, output_weight(params, config), None, tp)
 
 
 def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, key: Any = None,
-         label_smoothing: float = 0.0) -> torch.Tensor:
+         label_smoothing: float = 0.0, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """Mean cross entropy over batch["labels"] where batch.get("loss_mask", 1) is nonzero.
 
-    Equal to ops.cross_entropy(apply(...), labels, ...); the output projection and the loss run as one
-    fused op so the [batch, seq, vocab] logits are walked fewer times (ops.linear_cross_entropy).
+    Equal to ops.cross_entropy(apply(...), labels, ...). On one rank the output projection and the loss
+    run as one fused op (ops.linear_cross_entropy); under tensor parallelism the loss is vocabulary-parallel
+    and never gathers the logits.
     """
-    x = hidden_states(params, batch["tokens"], config, key=key)
-    return ops.linear_cross_entropy(x, output_weight(params, config), batch["labels"],
-                                    loss_mask=batch.get("loss_mask"), label_smoothing=label_smoothing)
+    x = hidden_states(params, batch["tokens"], config, key=key, tp=tp)
+    labels, loss_mask = batch["labels"], batch.get("loss_mask")
+    if tp.group is None:
+        return ops.linear_cross_entropy(x, output_weight(params, config), labels, loss_mask=loss_mask,
+                                        label_smoothing=label_smoothing)
+    logits = column_parallel_linear(x, output_weight(params, config), None, tp)
+    losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing)
+    mask = (labels != ops.IGNORE_INDEX).to(losses.dtype)
+    return ops.masked_mean(losses, mask if loss_mask is None else mask * loss_mask.to(losses.dtype))
+
+
+# Tensor-parallel partitions of every leaf (dims from the end, so SwiGLU's stacked fc1 needs no special
+# case): vocabulary rows, qkv groups, MLP columns, and the input side of the row-parallel projections.
+TP_RULES = (
+    ("embedding.word.weight", Partition(-2)), ("output.weight", Partition(-2)),
+    ("layers.*.attn.qkv.weight", Partition(-2)), ("layers.*.attn.qkv.bias", Partition(-1)),
+    ("layers.*.attn.proj.weight", Partition(-1)),
+    ("layers.*.mlp.fc1.weight", Partition(-2)), ("layers.*.mlp.fc1.bias", Partition(-1)),
+    ("layers.*.mlp.fc2.weight", Partition(-1)),
+)
+
+
+def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
+    """Raise ValueError naming the field if the model does not split over tp ranks."""
+    for field, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                         ("ffn_hidden_size", config.ffn_hidden_size), ("vocab_size", config.vocab_size)):
+        if value % tp:
+            hint = " (pad it: Megatron pads to a multiple of 128 * tp)" if field == "vocab_size" else ""
+            raise ValueError(f"GPTConfig.{field}={value} must be divisible by the tensor-parallel size {tp}{hint}")

@@ -1,0 +1,1 @@
+"""Parallelism as composable transforms: mesh, collectives, tensor/sequence parallel, sharding."""

@@ -1,0 +1,148 @@
+"""Differentiable collectives: Megatron's tensor-parallel regions as autograd Functions.
+
+| function                     | forward                | backward               |
+|------------------------------|------------------------|------------------------|
+| copy_to(x, g)                | identity               | all-reduce             |
+| reduce_from(x, g)            | all-reduce             | identity               |
+| scatter_to(x, g, dim)        | keep this rank's chunk | all-gather             |
+| gather_from(x, g, dim)       | all-gather             | keep this rank's chunk |
+| gather_from_sp(x, g, dim)    | all-gather             | reduce-scatter         |
+| reduce_scatter_to(x, g, dim) | reduce-scatter         | all-gather             |
+| all_to_all(x, g, s, c)       | all-to-all (s -> c)    | all-to-all (c -> s)    |
+
+Each forward is linear, so its jvp applies the same forward to the tangent; each has a vmap rule that
+moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad, vjp, jvp
+and vmap (setup_context style). A group of None (a single rank) makes every function the identity.
+Inputs are never mutated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Group = Any  # fmeg.parallel.comm.Group or None
+
+
+def _chunk(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
+    if x.shape[dim] % g.size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split evenly over {g.size} ranks")
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+# Primitive maps: (x, group, dims) -> tensor. Backward and jvp of each region are built from them.
+_PRIMS: dict[str, Callable] = {
+    "identity": lambda x, g, d: x.clone(),
+    "all_reduce": lambda x, g, d: g.all_reduce(x),
+    "split": lambda x, g, d: _chunk(x, g, d[0]),
+    "all_gather": lambda x, g, d: g.all_gather(x, d[0]),
+    "reduce_scatter": lambda x, g, d: g.reduce_scatter(x, d[0]),
+    "all_to_all": lambda x, g, d: g.all_to_all(x, d[0], d[1]),
+    "all_to_all_back": lambda x, g, d: g.all_to_all(x, d[1], d[0]),
+}
+
+
+def _region(name: str, forward: str, backward: str) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is _PRIMS[forward] and whose backward is _PRIMS[backward]."""
+
+    def fwd(x, group, dims):
+        return _PRIMS[forward](x, group, dims)
+
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dims = inputs
+
+    def bwd(ctx, grad):
+        return _PRIMS[backward](grad, ctx.group, ctx.dims), None, None
+
+    def jvp(ctx, x_t, _group_t, _dims_t):
+        return _PRIMS[forward](x_t, ctx.group, ctx.dims)
+
+    def vmap(info, in_dims, x, group, dims):
+        if in_dims[0] is None:
+            return cls.apply(x, group, dims), None
+        x = x.movedim(in_dims[0], 0)
+        rank = x.dim() - 1
+        shifted = tuple(d % rank + 1 for d in dims)
+        return cls.apply(x, group, shifted), 0
+
+    cls = type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(bwd), "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
+    return cls
+
+
+_CopyTo = _region("_CopyTo", "identity", "all_reduce")
+_ReduceFrom = _region("_ReduceFrom", "all_reduce", "identity")
+_ScatterTo = _region("_ScatterTo", "split", "all_gather")
+_GatherFrom = _region("_GatherFrom", "all_gather", "split")
+_GatherFromSP = _region("_GatherFromSP", "all_gather", "reduce_scatter")
+_ReduceScatterTo = _region("_ReduceScatterTo", "reduce_scatter", "all_gather")
+_AllToAll = _region("_AllToAll", "all_to_all", "all_to_all_back")
+
+
+def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a parallel region with a replicated x: identity forward, gradients summed over the group."""
+    return x if group is None else _CopyTo.apply(x, group, ())
+
+
+def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
+    return x if group is None else _ReduceFrom.apply(x, group, ())
+
+
+def scatter_to(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """This rank's chunk of a replicated x along dim; the backward all-gathers."""
+    return x if group is None else _ScatterTo.apply(x, group, (dim,))
+
+
+def gather_from(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' chunks along dim into a replicated tensor; the backward keeps our chunk."""
+    return x if group is None else _GatherFrom.apply(x, group, (dim,))
+
+
+def gather_from_sp(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sequence parallel -> tensor parallel: all-gather along the sequence dim; the backward
+    reduce-scatters, because each rank's consumer produced a partial gradient of the whole sequence."""
+    return x if group is None else _GatherFromSP.apply(x, group, (dim,))
+
+
+def reduce_scatter_to(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Tensor parallel -> sequence parallel: sum partial results and keep this rank's sequence chunk."""
+    return x if group is None else _ReduceScatterTo.apply(x, group, (dim,))
+
+
+def all_to_all(x: torch.Tensor, group: Group, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Chunk j of x (along split_dim) goes to rank j; received chunks are concatenated along cat_dim."""
+    return x if group is None else _AllToAll.apply(x, group, (split_dim, cat_dim))
+
+
+class _AllReduceMax(torch.autograd.Function):
+    """Elementwise maximum over the group, treated as a constant (for numerical shifts that cancel)."""
+
+    @staticmethod
+    def forward(x, group):
+        return group.all_reduce(x, "max")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _group_t):
+        return torch.zeros_like(x_t)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _AllReduceMax.apply(x, group), in_dims[0]
+
+
+def all_reduce_max_constant(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """max over the group of x, with no gradient (the caller's result must not depend on it)."""
+    if group is None:
+        return x.detach()
+    return _AllReduceMax.apply(x.detach(), group)

@@ -1,0 +1,148 @@
+"""Communicators: the few out-of-place collectives fmeg needs, over one group of ranks.
+
+A Group has `size`, `rank` (index inside the group) and returns new tensors, never mutating its input:
+
+    all_reduce(x, op)                 sum ("sum") or maximum ("max") over the group
+    all_gather(x, dim)                concatenation of every rank's x along dim, in rank order
+    reduce_scatter(x, dim)            this rank's chunk (along dim) of the sum over the group
+    all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along cat_dim
+
+Implementations: TorchGroup (a torch.distributed process group: gloo or NCCL), ThreadGroup (ranks as
+threads of one process, for tests and notebooks) and RecordingGroup (counts bytes, wraps either).
+These calls are not differentiable; fmeg.parallel.collectives wraps them with autograd rules.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class TorchGroup:
+    """A torch.distributed process group seen from one of its members."""
+
+    def __init__(self, process_group: Any, rank: int):
+        self.pg, self.rank, self.size = process_group, rank, dist.get_world_size(process_group)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        y = x.contiguous().clone()
+        dist.all_reduce(y, op=_OPS[op], group=self.pg)
+        return y
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.pg)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if dist.get_backend(self.pg) == "gloo":  # gloo has no reduce_scatter: reduce, keep our chunk
+            return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
+        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.pg)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        inputs = [c.contiguous() for c in x.chunk(self.size, dim=split_dim)]
+        outputs = [torch.empty_like(c) for c in inputs]
+        dist.all_to_all(outputs, inputs, group=self.pg)
+        return torch.cat(outputs, dim=cat_dim)
+
+
+class _Rendezvous:
+    def __init__(self, size: int, timeout: float):
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list[Any] = [None] * size
+
+
+class ThreadWorld:
+    """Shared state for ranks that are threads of one process; one per simulated world."""
+
+    def __init__(self, world_size: int, timeout: float = 60.0):
+        self.world_size, self.timeout = world_size, timeout
+        self._rendezvous: dict[tuple[int, ...], _Rendezvous] = {}
+        self._lock = threading.Lock()
+
+    def group(self, ranks: list[int], rank: int) -> "ThreadGroup | None":
+        if rank not in ranks:
+            return None
+        with self._lock:
+            rv = self._rendezvous.setdefault(tuple(ranks), _Rendezvous(len(ranks), self.timeout))
+        return ThreadGroup(rv, ranks.index(rank), len(ranks))
+
+    def abort(self) -> None:
+        """Wake every waiting rank with an error (one rank failed; the others must not hang)."""
+        with self._lock:
+            for rv in self._rendezvous.values():
+                rv.barrier.abort()
+
+
+class ThreadGroup:
+    """A group whose members are threads: each call exchanges tensors through shared slots."""
+
+    def __init__(self, rendezvous: _Rendezvous, rank: int, size: int):
+        self._rv, self.rank, self.size = rendezvous, rank, size
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self._rv.slots[self.rank] = x
+        self._rv.barrier.wait()
+        everyone = list(self._rv.slots)
+        self._rv.barrier.wait()  # nobody overwrites a slot before all have read
+        return everyone
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        parts = self._exchange(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out = out + p if op == "sum" else torch.maximum(out, p)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat(self._exchange(x), dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        parts = self._exchange(x)
+        return torch.cat([p.chunk(self.size, dim=split_dim)[self.rank] for p in parts], dim=cat_dim)
+
+
+@dataclass
+class RecordingGroup:
+    """Wraps a group and records (operation, bytes) per call: the logical volume, i.e. the size of the
+    full (unsharded) tensor an all-reduce, all-gather or reduce-scatter works on."""
+
+    inner: Any
+    log: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.log.append(("all_reduce", x.numel() * x.element_size()))
+        return self.inner.all_reduce(x, op)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.log.append(("all_gather", x.numel() * x.element_size() * self.size))
+        return self.inner.all_gather(x, dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.log.append(("reduce_scatter", x.numel() * x.element_size()))
+        return self.inner.reduce_scatter(x, dim)
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        self.log.append(("all_to_all", x.numel() * x.element_size()))
+        return self.inner.all_to_all(x, split_dim, cat_dim)

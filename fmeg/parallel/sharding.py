@@ -1,0 +1,66 @@
+"""Sharding parameter pytrees: each leaf's partition is declared once, by path pattern.
+
+    rules = (("layers.*.attn.qkv.weight", Partition(-2, "tp")), ...)
+    local = shard(full_params, rules, {"tp": (rank, size)})      # this rank's slices
+    full = unshard([local_0, local_1, ...], rules, "tp")         # back, from every rank's shards
+
+Initialisation is "full, then slice": every layout holds slices of the same model, which is what makes a
+run's numbers independent of the layout. A leaf matching no rule is replicated on that axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Sequence
+
+import torch
+
+from fmeg import tree
+
+
+@dataclass(frozen=True)
+class Partition:
+    dim: int  # counted from the end when negative, so stacked leaves ([2, F, H]) share a rule
+    axis: str = "tp"
+
+
+Rules = Sequence[tuple[str, Partition]]
+
+
+def partition_of(path: str, rules: Rules, axis: str | None = None) -> Partition | None:
+    """The first rule matching path (restricted to `axis` if given), or None (replicated)."""
+    for pattern, part in rules:
+        if fnmatchcase(path, pattern) and (axis is None or part.axis == axis):
+            return part
+    return None
+
+
+def shard(params: Any, rules: Rules, coords: dict[str, tuple[int, int]]) -> Any:
+    """This rank's slice of every partitioned leaf; coords maps axis -> (index, size)."""
+
+    def take(path: str, leaf: torch.Tensor) -> torch.Tensor:
+        for axis, (index, size) in coords.items():
+            part = partition_of(path, rules, axis)
+            if part is None or size == 1:
+                continue
+            if leaf.shape[part.dim] % size:
+                raise ValueError(f"{path}: dimension {part.dim} of size {leaf.shape[part.dim]} does not split "
+                                 f"over {axis}={size}")
+            leaf = leaf.chunk(size, dim=part.dim)[index]
+        return leaf.contiguous()
+
+    return tree.map_with_path(take, params)
+
+
+def unshard(shards: Sequence[Any], rules: Rules, axis: str) -> Any:
+    """The full tree from every rank's shards along one axis (in rank order); replicated leaves are
+    taken from rank 0 (checked equal to the others')."""
+
+    def join(path: str, *leaves: torch.Tensor) -> torch.Tensor:
+        part = partition_of(path, rules, axis)
+        if part is None:
+            return leaves[0]
+        return torch.cat(leaves, dim=part.dim)
+
+    return tree.map_with_path(join, shards[0], *shards[1:])

@@ -1,0 +1,120 @@
+"""Tensor and sequence parallelism as pure functions of local shards.
+
+A TensorParallel value names the group and whether sequence parallelism is on. Shapes below are for one
+rank of a group of size t; activations are [batch, seq, hidden] and the sequence dimension is 1.
+
+    column_parallel_linear   x [b, s, h] (or [b, s/t, h] with SP) , w [out/t, in] -> y [b, s, out/t]
+    row_parallel_linear      x [b, s, in/t], w [out, in/t], bias [out] -> y [b, s, out] (or [b, s/t, out])
+    vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
+    vocab_parallel_cross_entropy  logits [b, s, V/t], labels [b, s] -> per-token loss [b, s], replicated
+
+With group None every function is its single-device counterpart. Gradients of a replicated parameter
+used on a sequence shard (norm weights, row-parallel biases, position embeddings) are partial on each
+rank; `replicated_param` routes such a parameter through copy_to so its gradient arrives already summed
+over the group, the all-reduce Megatron performs for sequence-parallel parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmeg import ops
+from fmeg.ops.precision import upcast
+from fmeg.parallel import collectives as C
+
+SEQ_DIM = 1
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    group: Any = None  # a fmeg.parallel.comm Group, or None for one rank
+    sequence_parallel: bool = False
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.group is not None
+
+
+NO_TP = TensorParallel()
+
+
+def replicated_param(p: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor | None:
+    """A replicated parameter used on sequence-sharded activations: gradient summed over tp."""
+    return C.copy_to(p, tp.group) if p is not None and tp.sp else p
+
+
+def enter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Replicated (or sequence-sharded) activations -> the input of column-parallel work."""
+    return C.gather_from_sp(x, tp.group, SEQ_DIM) if tp.sp else C.copy_to(x, tp.group)
+
+
+def leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Partial sums from row-parallel work -> replicated (or sequence-sharded) activations."""
+    return C.reduce_scatter_to(x, tp.group, SEQ_DIM) if tp.sp else C.reduce_from(x, tp.group)
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           tp: TensorParallel, *, gather_output: bool = False) -> torch.Tensor:
+    """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all."""
+    y = ops.linear(enter(x, tp), weight, bias)
+    return C.gather_from(y, tp.group, -1) if gather_output else y
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        tp: TensorParallel, *, input_is_parallel: bool = True) -> torch.Tensor:
+    """y = sum over ranks of x_r @ w_r.T, then + b (b is replicated and added once, after the reduction)."""
+    if not input_is_parallel:
+        x = C.scatter_to(x, tp.group, -1)
+    y = leave(ops.linear(x, weight), tp)
+    return y if bias is None else y + replicated_param(bias, tp)
+
+
+def vocab_range(vocab_shard: int, tp: TensorParallel) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows this rank owns."""
+    return tp.rank * vocab_shard, (tp.rank + 1) * vocab_shard
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Rows of a vocabulary-sharded table: ids outside this rank's range give zeros, then the ranks sum."""
+    if tp.group is None:
+        return ops.embedding(ids, table)
+    start, end = vocab_range(table.shape[0], tp)
+    outside = (ids < start) | (ids >= end)
+    local = ops.embedding(torch.where(outside, 0, ids - start), table)
+    local = local * (~outside).unsqueeze(-1).to(local.dtype)
+    return leave(local, tp)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel, *,
+                                 label_smoothing: float = 0.0, ignore_index: int = ops.IGNORE_INDEX
+                                 ) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-sharded logits, equal to ops.token_cross_entropy of the
+    gathered logits, with label smoothing exact (the mean over the whole vocabulary, not the shard).
+
+    Built from differentiable collectives, so grad, jvp and vmap follow from theirs.
+    """
+    logits = upcast(logits)
+    vocab_shard = logits.shape[-1]
+    start, end = vocab_range(vocab_shard, tp)
+    shift = C.all_reduce_max_constant(logits.max(dim=-1).values, tp.group)
+    shifted = logits - shift.unsqueeze(-1)
+    lse = torch.log(C.reduce_from(shifted.exp().sum(-1), tp.group))
+    in_shard = (labels >= start) & (labels < end)
+    local_label = torch.where(in_shard, labels - start, 0).unsqueeze(-1)
+    target = torch.where(in_shard, shifted.gather(-1, local_label).squeeze(-1), 0.0)
+    nll = lse - C.reduce_from(target, tp.group)
+    if label_smoothing:
+        mean_logit = C.reduce_from(shifted.sum(-1), tp.group) / (vocab_shard * tp.size)
+        nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - mean_logit)
+    return torch.where(labels == ignore_index, 0.0, nll)
