@@ -14,3 +14,9 @@ settings.register_profile("dev", max_examples=200, deadline=None, suppress_healt
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from parallel_harness import close_pools
+
+    close_pools()

@@ -1,0 +1,128 @@
+"""Per-rank programs for the parallel property tests (module level, so gloo processes can import them).
+
+Each program takes the mesh and the *full* inputs, takes this rank's shard itself, and returns its
+forward output, its vjp for the given cotangent, its jvp for the given tangent and a vmap over a leading
+batch, so one program checks all four rules of every collective it uses.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from fmeg.parallel import collectives as C
+from fmeg.parallel.tensor import (TensorParallel, column_parallel_linear, row_parallel_linear,
+                                  vocab_parallel_cross_entropy, vocab_parallel_embedding)
+
+
+def _chunk(x, mesh, dim):
+    return x.chunk(mesh.size("tp"), dim=dim)[mesh.coord("tp")]
+
+
+def _rules(fn, x, cotangent, tangent, batch):
+    out, vjp = torch.func.vjp(fn, x)
+    # Forward-mode AD levels are process-global in PyTorch, so ranks that are threads cannot run jvp at
+    # once; jvp is checked on gloo ranks (one process each).
+    in_thread = threading.current_thread() is not threading.main_thread()
+    jvp_out = None if in_thread else torch.func.jvp(fn, (x,), (tangent,))[1]
+    return {"out": out, "grad": vjp(cotangent)[0], "jvp": jvp_out, "vmap": torch.func.vmap(fn)(batch)}
+
+
+def copy_then_reduce(mesh, x, w, cot, tan, batch):
+    """y = reduce_from(tanh(copy_to(x) * w_r)): x replicated in and out. Reference: sum_r tanh(x * w_r)."""
+    g, wr = mesh.group("tp"), w[mesh.coord("tp")]
+    return _rules(lambda x: C.reduce_from(torch.tanh(C.copy_to(x, g) * wr), g), x, cot, tan, batch)
+
+
+def scatter_then_gather(mesh, x, w, dim, cot, tan, batch):
+    """y = gather_from(tanh(scatter_to(x) * w_chunk)): elementwise on chunks. Reference: tanh(x * w)."""
+    g, wr = mesh.group("tp"), _chunk(w, mesh, dim)
+    return _rules(lambda x: C.gather_from(torch.tanh(C.scatter_to(x, g, dim) * wr), g, dim), x, cot, tan, batch)
+
+
+def sequence_parallel_region(mesh, x, w, dim, cot, tan, batch):
+    """x sharded along dim -> gather -> rank-local partial tanh(x * w_r) -> reduce-scatter along dim.
+    Reference: chunk_r(sum_r tanh(x * w_r))."""
+    g, wr = mesh.group("tp"), w[mesh.coord("tp")]
+    shard = lambda t, d=dim: _chunk(t, mesh, d)  # noqa: E731
+    fn = lambda x: C.reduce_scatter_to(torch.tanh(C.gather_from_sp(x, g, dim) * wr), g, dim)  # noqa: E731
+    return _rules(fn, shard(x), shard(cot), shard(tan), _chunk(batch, mesh, dim + 1))
+
+
+def all_to_all_reshard(mesh, x, split_dim, cat_dim, cot, tan, batch):
+    """x sharded along cat_dim -> tanh -> all_to_all -> sharded along split_dim. Reference: tanh(x)."""
+    g = mesh.group("tp")
+    fn = lambda x: C.all_to_all(torch.tanh(x), g, split_dim, cat_dim)  # noqa: E731
+    return _rules(fn, _chunk(x, mesh, cat_dim), _chunk(cot, mesh, split_dim), _chunk(tan, mesh, cat_dim),
+                  _chunk(batch, mesh, cat_dim + 1))
+
+
+def parallel_mlp(mesh, x, params, sp):
+    """column_parallel_linear -> gelu -> row_parallel_linear, loss and grads of x and every parameter."""
+    tp = TensorParallel(mesh.group("tp"), sp)
+    w1, b1, w2, b2 = params
+    local = (_chunk(w1, mesh, 0), _chunk(b1, mesh, 0), _chunk(w2, mesh, 1), b2)
+    x_in = _chunk(x, mesh, 1) if sp else x
+
+    def loss(x, p):
+        h = torch.nn.functional.gelu(column_parallel_linear(x, p[0], p[1], tp))
+        y = row_parallel_linear(h, p[2], p[3], tp)
+        return y, (y**2).sum()
+
+    # Under SP each rank's loss covers its sequence chunk; the gradients are those of their sum.
+    y, _ = loss(x_in, local)
+    grads = torch.func.grad(lambda x, p: loss(x, p)[1], argnums=(0, 1))(x_in, local)
+    return {"out": y, "grad_x": grads[0], "grad_p": grads[1]}
+
+
+def parallel_embedding(mesh, ids, table, weights, sp):
+    """Output, and the gradient of sum(out * weights) (under SP, of the sum over the ranks' chunks)."""
+    tp = TensorParallel(mesh.group("tp"), sp)
+    local, w = _chunk(table, mesh, 0), _chunk(weights, mesh, 1) if sp else weights
+    out = vocab_parallel_embedding(ids, local, tp)
+    grad = torch.func.grad(lambda t: (vocab_parallel_embedding(ids, t, tp) * w).sum())(local)
+    return {"out": out, "grad": grad}
+
+
+def parallel_cross_entropy(mesh, logits, labels, smoothing, cot, tan, batch):
+    tp = TensorParallel(mesh.group("tp"))
+    fn = lambda lg: vocab_parallel_cross_entropy(lg, labels, tp, label_smoothing=smoothing)  # noqa: E731
+    return _rules(fn, _chunk(logits, mesh, -1), cot, _chunk(tan, mesh, -1), _chunk(batch, mesh, -1))
+
+
+def recorded_layer_volume(mesh, params, x, config, sp):
+    """Bytes each collective moves in one forward+backward of one transformer layer."""
+    from fmeg.models import gpt
+    from fmeg.parallel.comm import RecordingGroup
+
+    from fmeg.parallel.sharding import shard
+
+    group = RecordingGroup(mesh.group("tp"))
+    tp = TensorParallel(group, sp)
+    layer_rules = [(pat.removeprefix("layers.*."), part) for pat, part in gpt.TP_RULES if pat.startswith("layers")]
+    local = shard(params, layer_rules, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
+    x_in = _chunk(x, mesh, 1) if sp else x
+    torch.func.grad(lambda p, x: gpt.layer(p, x, config, tp=tp).sum(), argnums=(0, 1))(local, x_in)
+    return group.log
+
+
+def megatron_vocab_parallel_cross_entropy(mesh, logits, labels):
+    """megatron-core's vocab_parallel_cross_entropy on this rank's shard (needs its parallel_state)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as megatron_ce
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=mesh.size("tp"))
+    return megatron_ce(_chunk(logits, mesh, -1).clone(), labels)
+
+
+def gpt_loss_and_grads(mesh, params, batch, config, key):
+    """Shard the full params for this rank, then the loss and its gradients under TP (SP from the mesh)."""
+    from fmeg.models import gpt
+    from fmeg.parallel.sharding import shard
+
+    tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel)
+    local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
+    grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=key, tp=tp))(local)
+    return loss, grads

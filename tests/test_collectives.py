@@ -1,0 +1,139 @@
+"""Every collective region equals its unsharded reference in forward, vjp, jvp and vmap,
+on ranks that are threads (1 to 4) and on real gloo processes (2 and 4)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spmd_programs as P
+from parallel_harness import run
+
+f64 = torch.float64
+BACKENDS = [("threads", None), ("gloo", 2), ("gloo", 4)]
+
+
+def randn(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=f64)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def close_jvp(backend, got, want):
+    """jvp runs on gloo ranks only (see spmd_programs._rules)."""
+    if backend == "threads":
+        assert got is None
+    else:
+        close(got, want)
+
+
+def world_for(data, backend, fixed):
+    return fixed if fixed else data.draw(st.integers(1, 4), label="world")
+
+
+def shape_for(data, world, dim):
+    shape = [data.draw(st.integers(1, 3)) for _ in range(3)]
+    shape[dim] *= world
+    return shape
+
+
+@pytest.mark.parametrize("backend, fixed_world", BACKENDS)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_copy_to_then_reduce_from(backend, fixed_world, data):
+    world = world_for(data, backend, fixed_world)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    shape = shape_for(data, world, 0)
+    x, cot, tan, w = randn(gen, *shape), randn(gen, *shape), randn(gen, *shape), randn(gen, world, *shape)
+    batch = randn(gen, 2, *shape)
+    ref = lambda x: sum(torch.tanh(x * w[r]) for r in range(world))  # noqa: E731
+    out, vjp = torch.func.vjp(ref, x)
+    for got in run(backend, world, P.copy_then_reduce, x, w, cot, tan, batch):
+        close(got["out"], out)
+        close(got["grad"], vjp(cot)[0])
+        close_jvp(backend, got["jvp"], torch.func.jvp(ref, (x,), (tan,))[1])
+        close(got["vmap"], torch.func.vmap(ref)(batch))
+
+
+@pytest.mark.parametrize("backend, fixed_world", BACKENDS)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_scatter_to_then_gather_from(backend, fixed_world, data):
+    world = world_for(data, backend, fixed_world)
+    dim = data.draw(st.sampled_from([0, 1, 2, -1]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    shape = shape_for(data, world, dim)
+    x, cot, tan, w = (randn(gen, *shape) for _ in range(4))
+    batch = randn(gen, 2, *shape)
+    ref = lambda x: torch.tanh(x * w)  # noqa: E731
+    out, vjp = torch.func.vjp(ref, x)
+    for got in run(backend, world, P.scatter_then_gather, x, w, dim, cot, tan, batch):
+        close(got["out"], out)
+        close(got["grad"], vjp(cot)[0])
+        close_jvp(backend, got["jvp"], torch.func.jvp(ref, (x,), (tan,))[1])
+        close(got["vmap"], torch.func.vmap(ref)(batch))
+
+
+@pytest.mark.parametrize("backend, fixed_world", BACKENDS)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_gather_from_sp_then_reduce_scatter_to(backend, fixed_world, data):
+    world = world_for(data, backend, fixed_world)
+    dim = data.draw(st.sampled_from([0, 1, 2]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    shape = shape_for(data, world, dim)
+    x, cot, tan, w = randn(gen, *shape), randn(gen, *shape), randn(gen, *shape), randn(gen, world, *shape)
+    batch = randn(gen, 2, *shape)
+    ref = lambda x: sum(torch.tanh(x * w[r]) for r in range(world))  # noqa: E731
+    out, vjp = torch.func.vjp(ref, x)
+    chunk = lambda t, r, d=dim: t.chunk(world, dim=d)[r]  # noqa: E731
+    jvp_out, vmap_out = torch.func.jvp(ref, (x,), (tan,))[1], torch.func.vmap(ref)(batch)
+    for r, got in enumerate(run(backend, world, P.sequence_parallel_region, x, w, dim, cot, tan, batch)):
+        close(got["out"], chunk(out, r))
+        close(got["grad"], chunk(vjp(cot)[0], r))
+        close_jvp(backend, got["jvp"], chunk(jvp_out, r))
+        close(got["vmap"], chunk(vmap_out, r, dim + 1))
+
+
+@pytest.mark.parametrize("backend, fixed_world", BACKENDS)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_all_to_all_reshards(backend, fixed_world, data):
+    world = world_for(data, backend, fixed_world)
+    split_dim, cat_dim = data.draw(st.permutations([0, 1, 2]))[:2]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    shape = [data.draw(st.integers(1, 2)) for _ in range(3)]
+    shape[split_dim] *= world
+    shape[cat_dim] *= world
+    x, cot, tan = (randn(gen, *shape) for _ in range(3))
+    batch = randn(gen, 2, *shape)
+    out, vjp = torch.func.vjp(torch.tanh, x)
+    chunk = lambda t, r, d: t.chunk(world, dim=d)[r]  # noqa: E731
+    for r, got in enumerate(run(backend, world, P.all_to_all_reshard, x, split_dim, cat_dim, cot, tan, batch)):
+        close(got["out"], chunk(out, r, split_dim))
+        close(got["grad"], chunk(vjp(cot)[0], r, cat_dim))
+        close_jvp(backend, got["jvp"], chunk(tan / torch.cosh(x) ** 2, r, split_dim))
+        close(got["vmap"], chunk(torch.tanh(batch), r, split_dim + 1))
+
+
+def test_a_failing_rank_fails_the_call_instead_of_hanging():
+    from fmeg.parallel import collectives as C
+    from fmeg.parallel.spmd import run_threads
+
+    def program(mesh):
+        if mesh.coord("tp") == 1:
+            raise ValueError("rank 1 gives up")
+        return C.reduce_from(torch.ones(2), mesh.group("tp"))
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        run_threads(2, program, tp=2, timeout=10)
+
+
+def test_uneven_split_is_refused():
+    from fmeg.parallel import collectives as C
+    from fmeg.parallel.spmd import run_threads
+
+    with pytest.raises(RuntimeError, match="does not split evenly"):
+        run_threads(2, lambda mesh: C.scatter_to(torch.ones(3), mesh.group("tp"), 0), tp=2, timeout=10)

@@ -1,0 +1,72 @@
+"""The GPT under tensor parallelism (with and without sequence parallelism) has the single-device loss
+and gradients, within fp32 rounding, for GPT-2 and Llama (grouped-query) styles."""
+
+import pytest
+import torch
+
+import spmd_programs as P
+from fmeg import tree
+from fmeg.models import gpt
+from fmeg.parallel.sharding import partition_of, shard, unshard
+from parallel_harness import run
+
+CONFIGS = {
+    "gpt2": gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4,
+                               hidden_dropout=0.1),
+    "llama": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=8,
+                                 num_kv_heads=4, ffn_hidden_size=48, hidden_dropout=0.1),
+}
+
+
+def batch_for(config, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
+    mask = (torch.rand(2, 8, generator=gen) > 0.2).float()
+    return {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask}
+
+
+def check(backend, style, world, sp):
+    config = CONFIGS[style]
+    params, batch, key = gpt.init(config, 0), batch_for(config), torch.tensor(7)
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=key))(params)
+    results = run(backend, world, P.gpt_loss_and_grads, params, batch, config, key, sequence_parallel=sp)
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    got = unshard([g for _, g in results], gpt.TP_RULES, "tp")
+    for (path, g), w in zip(tree.items(got), tree.tree_leaves(want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=path)
+    for r, (_, g) in enumerate(results):  # replicated gradients agree across ranks
+        for path, leaf in tree.items(g):
+            if partition_of(path, gpt.TP_RULES) is None:
+                torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_gpt_under_tp_on_thread_ranks(style, world, sp):
+    check("threads", style, world, sp)
+
+
+@pytest.mark.parametrize("style, world, sp", [("gpt2", 2, True), ("llama", 4, False), ("llama", 2, True)])
+def test_gpt_under_tp_on_gloo(style, world, sp):
+    check("gloo", style, world, sp)
+
+
+def test_shard_then_unshard_is_identity():
+    config = CONFIGS["llama"]
+    params = gpt.init(config, 1)
+    shards = [shard(params, gpt.TP_RULES, {"tp": (r, 4)}) for r in range(4)]
+    assert shards[1]["layers"][0]["attn"]["qkv"]["weight"].shape[0] == params["layers"][0]["attn"]["qkv"]["weight"].shape[0] // 4
+    assert shards[1]["layers"][0]["mlp"]["fc1"]["weight"].shape == (2, 12, 32)
+    back = unshard(shards, gpt.TP_RULES, "tp")
+    assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(back), tree.tree_leaves(params)))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(num_kv_heads=2), "num_kv_heads"), (dict(vocab_size=66), "vocab_size"), (dict(ffn_hidden_size=50), "ffn"),
+])
+def test_layouts_that_do_not_split_are_refused_naming_the_field(kwargs, field):
+    config = CONFIGS["llama"].replace(**kwargs)
+    with pytest.raises(ValueError, match=rf"GPTConfig\.{field}.*tensor-parallel size 4"):
+        gpt.check_tensor_parallel(config, 4)
