@@ -70,3 +70,12 @@ def test_layouts_that_do_not_split_are_refused_naming_the_field(kwargs, field):
     config = CONFIGS["llama"].replace(**kwargs)
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}.*tensor-parallel size 4"):
         gpt.check_tensor_parallel(config, 4)
+
+
+def test_the_model_refuses_kv_heads_that_do_not_split_even_when_the_rows_do():
+    # 2 kv groups of (2 + 2) * 4 rows = 32 qkv rows split over 4 ranks, but a group would be cut in two.
+    config = gpt.GPTConfig.llama(vocab_size=64, max_seq_len=8, num_layers=1, hidden_size=16, num_heads=4,
+                                 num_kv_heads=2, ffn_hidden_size=16)
+    params, batch = gpt.init(config, 0), batch_for(config)
+    with pytest.raises(RuntimeError, match=r"GPTConfig\.num_kv_heads=2 must be divisible"):
+        run("threads", 4, P.gpt_loss_and_grads, params, batch, config, None)

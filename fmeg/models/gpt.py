@@ -282,6 +282,8 @@ def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, po
     seq = tokens.shape[-1]
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
+    if tp.size > 1:
+        check_tensor_parallel(config, tp.size)  # a split query group would otherwise go unnoticed
     if tp.sp and seq % tp.size:
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
