@@ -126,9 +126,9 @@ def test_a_missing_backward_is_named():
 
 def test_a_swapped_send_and_receive_is_named():
     s = with_communication(one_f_one_b(2, 2))
-    r0 = s[0]
-    i, j = r0.index(Action(0, "SEND_F", 0)), r0.index(Action(0, "RECV_B", 0))
-    r0[i], r0[j] = r0[j], r0[i]
+    r0 = s[0]  # receive the gradient of microbatch 0 before sending its activation: a cycle
+    r0.remove(Action(0, "RECV_B", 0))
+    r0.insert(r0.index(Action(0, "SEND_F", 0)), Action(0, "RECV_B", 0))
     with pytest.raises(ScheduleError, match=r"deadlock: rank 0, step \d+ \(0RECV_B0\) waits for 1SEND_B0"):
         validate(s, 2)
 
