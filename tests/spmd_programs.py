@@ -126,3 +126,24 @@ def gpt_loss_and_grads(mesh, params, batch, config, key):
     local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
     grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=key, tp=tp))(local)
     return loss, grads
+
+
+def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp):
+    """Split the GPT into stages, run this rank's part of a schedule, sum tied-embedding grads."""
+    from fmeg.models import gpt_pipeline as gp
+    from fmeg.parallel.pipeline import execute, schedules
+
+    pp, rank = mesh.size("pp"), mesh.coord("pp")
+    m = len(microbatches)
+    make = {"gpipe": lambda: schedules.gpipe(pp, m), "1f1b": lambda: schedules.one_f_one_b(pp, m),
+            "interleaved": lambda: schedules.interleaved_1f1b(pp, m, vp),
+            "zero_bubble": lambda: schedules.zero_bubble_h1(pp, m)}[schedule_name]
+    schedule = schedules.with_communication(make())
+    stages = pp * vp
+    mine = [s for s in range(stages) if s % pp == rank]
+    all_params = gp.split(params, config, pp, vp)
+    stage_params = {s: all_params[s] for s in mine}
+    fns = {s: gp.stage_fn(config, s, stages) for s in mine}
+    loss, grads = execute.execute(schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), stages)
+    grads = gp.sync_tied_embedding_grads(grads, config, stages, mesh.group("embedding"))
+    return loss, grads

@@ -6,6 +6,9 @@ A Group has `size`, `rank` (index inside the group) and returns new tensors, nev
     all_gather(x, dim)                concatenation of every rank's x along dim, in rank order
     reduce_scatter(x, dim)            this rank's chunk (along dim) of the sum over the group
     all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along cat_dim
+    send(x, dst, tag) / recv(src, tag) point to point (pipelines): sends are buffered (the sender goes on
+                                      at once, finish() waits for them), receives block; messages with one
+                                      (source, destination, tag) arrive in the order they were sent
 
 Implementations: TorchGroup (a torch.distributed process group: gloo or NCCL), ThreadGroup (ranks as
 threads of one process, for tests and notebooks) and RecordingGroup (counts bytes, wraps either).
@@ -14,6 +17,7 @@ These calls are not differentiable; fmeg.parallel.collectives wraps them with au
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_HEADER = 9  # dtype code, ndim, up to 7 sizes
 
 
 class TorchGroup:
@@ -55,11 +61,44 @@ class TorchGroup:
         dist.all_to_all(outputs, inputs, group=self.pg)
         return torch.cat(outputs, dim=cat_dim)
 
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Buffered: a header (dtype, shape) then the data, both isend; finish() waits for them."""
+        if x.dim() > _HEADER - 2:
+            raise ValueError(f"send: at most {_HEADER - 2} dimensions, got {x.dim()}")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+        header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        data = x.detach().contiguous().clone()
+        self._pending = getattr(self, "_pending", [])
+        for t in (header, data):
+            self._pending.append((dist.isend(t, group=self.pg, group_dst=dst, tag=tag), t))
+
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(header, group=self.pg, group_src=src, tag=tag)
+        shape = header[2:2 + int(header[1])].tolist()
+        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
+        dist.recv(out, group=self.pg, group_src=src, tag=tag)
+        return out
+
+    def finish(self) -> None:
+        """Wait for every buffered send to complete."""
+        for work, _ in getattr(self, "_pending", []):
+            work.wait()
+        self._pending = []
+
 
 class _Rendezvous:
     def __init__(self, size: int, timeout: float):
         self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list[Any] = [None] * size
+        self.timeout = timeout
+        self.mailboxes: dict[tuple[int, int, int], "queue.Queue[torch.Tensor]"] = {}
+        self.lock = threading.Lock()
+
+    def mailbox(self, src: int, dst: int, tag: int) -> "queue.Queue[torch.Tensor]":
+        with self.lock:
+            return self.mailboxes.setdefault((src, dst, tag), queue.Queue())
 
 
 class ThreadWorld:
@@ -113,6 +152,19 @@ class ThreadGroup:
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         parts = self._exchange(x)
         return torch.cat([p.chunk(self.size, dim=split_dim)[self.rank] for p in parts], dim=cat_dim)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._rv.mailbox(self.rank, dst, tag).put(x.detach().clone())
+
+    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
+        try:
+            return self._rv.mailbox(src, self.rank, tag).get(timeout=self._rv.timeout)
+        except queue.Empty:
+            raise TimeoutError(f"rank {self.rank}: nothing from rank {src} (tag {tag}) within "
+                               f"{self._rv.timeout} s") from None
+
+    def finish(self) -> None:
+        """Sends are delivered when made; nothing to wait for."""
 
 
 @dataclass

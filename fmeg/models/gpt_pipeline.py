@@ -1,0 +1,109 @@
+"""The GPT cut into pipeline stages, as pure functions over the params pytree.
+
+With pp ranks and vp model chunks per rank there are S = pp * vp stages; stage s = chunk * pp + rank holds
+layers [s * L / S, (s + 1) * L / S), so chunk c of rank r starts at layer c * (L / vp) + r * (L / pp / vp),
+Megatron's offset. Stage 0 also holds the embeddings, stage S - 1 the final norm and the output layer;
+with tied embeddings stage S - 1 holds a copy of the word embedding as output.weight, and the two
+gradients are summed between the first and last stage (sync_tied_embedding_grads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from fmeg import ops
+from fmeg.models import gpt
+from fmeg.models.gpt import GPTConfig, Params
+
+
+def check_pipeline(config: GPTConfig, pp: int, vp: int = 1) -> None:
+    if config.num_layers % (pp * vp):
+        raise ValueError(f"GPTConfig.num_layers={config.num_layers} must be divisible by pipeline size * virtual "
+                         f"stages = {pp} * {vp}")
+
+
+def stage_layers(config: GPTConfig, stage: int, num_stages: int) -> range:
+    per = config.num_layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, Params]:
+    """{stage: that stage's params} for all pp * vp stages."""
+    check_pipeline(config, pp, vp)
+    stages = pp * vp
+    out = {}
+    for s in range(stages):
+        p: Params = {"layers": [params["layers"][i] for i in stage_layers(config, s, stages)]}
+        if s == 0:
+            p["embedding"] = params["embedding"]
+        if s == stages - 1:
+            p["final_norm"] = params["final_norm"]
+            p["output"] = {"weight": gpt.output_weight(params, config)}
+        out[s] = p
+    return out
+
+
+def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
+    """Inverse of split for params or gradients; the tied output copy is dropped (its gradient must
+    already be summed into the word embedding's: sync_tied_embedding_grads)."""
+    stages = len(stage_trees)
+    full: Params = {"embedding": stage_trees[0]["embedding"],
+                    "layers": [lp for s in range(stages) for lp in stage_trees[s]["layers"]],
+                    "final_norm": stage_trees[stages - 1]["final_norm"]}
+    if not config.tie_embeddings:
+        full["output"] = stage_trees[stages - 1]["output"]
+    return full
+
+
+def stage_fn(config: GPTConfig, stage: int, num_stages: int) -> Callable:
+    """(params, x, batch) -> activations [b, s, h], or the microbatch's loss on the last stage.
+
+    batch holds tokens (stage 0), labels and loss_mask (last stage) and optionally a dropout key."""
+    layers = stage_layers(config, stage, num_stages)
+
+    def run(params: Params, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        key = batch.get("dropout_key")
+        seq = batch["tokens"].shape[-1]
+        positions = torch.arange(seq)
+        if stage == 0:
+            x = gpt._dropout(gpt.embed(params, batch["tokens"], config, positions), config, key, gpt.NO_TP, -1, 0)
+        rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
+        for index, lp in zip(layers, params["layers"]):
+            x = gpt.layer(lp, x, config, rope=rope, key=key, index=index)
+        if stage < num_stages - 1:
+            return x
+        x = gpt.norm(params["final_norm"], x, config)
+        return ops.linear_cross_entropy(x, params["output"]["weight"], batch["labels"],
+                                        loss_mask=batch.get("loss_mask"))
+
+    return run
+
+
+def sync_tied_embedding_grads(grads: dict[int, Params], config: GPTConfig, num_stages: int,
+                              embedding_group: Any = None) -> dict[int, Params]:
+    """Sum the word-embedding gradient of stage 0 and the output-copy gradient of the last stage, so both
+    copies get the same update (Megatron's embedding-group all-reduce). grads holds this rank's stages."""
+    if not config.tie_embeddings:
+        return grads
+    first, last = 0, num_stages - 1
+    if first in grads and last in grads:  # both copies on this rank: no communication
+        total = grads[first]["embedding"]["word"]["weight"] + grads[last]["output"]["weight"]
+        grads[first]["embedding"]["word"]["weight"] = grads[last]["output"]["weight"] = total
+    elif first in grads:
+        word = grads[first]["embedding"]["word"]
+        word["weight"] = embedding_group.all_reduce(word["weight"])
+    elif last in grads:
+        out = grads[last]["output"]
+        out["weight"] = embedding_group.all_reduce(out["weight"])
+    return grads
+
+
+def reference_loss_and_grads(params: Params, microbatches: list[dict], config: GPTConfig) -> tuple:
+    """The single-device mean of the microbatch losses and its gradients (what a pipeline must equal)."""
+    def mean_loss(p):
+        return sum(gpt.loss(p, mb, config, key=mb.get("dropout_key")) for mb in microbatches) / len(microbatches)
+
+    grads, loss = torch.func.grad_and_value(mean_loss)(params)
+    return loss, grads

@@ -1,0 +1,89 @@
+"""One executor for any schedule: run one rank's actions over pure stage functions.
+
+    loss, grads = execute(actions, stage_fns, stage_params, microbatches, pp_group)
+
+stage_fns[s](params, x, batch) -> the activation sent to stage s + 1, or, for the last stage, that
+microbatch's loss (x is None on stage 0, which reads its input from batch). Forward uses torch.func.vjp
+and keeps the vjp function; backward calls it. The last stage's loss is scaled by 1 / M, so the gradients
+returned (summed over microbatches, per local stage) are those of the mean microbatch loss.
+
+Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
+gradient to the sum. Both come from the one vjp call made at B (torch.func.vjp computes them together),
+so W changes when weight gradients are applied, not how much compute B does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from fmeg import tree
+from fmeg.parallel.pipeline.actions import Action
+
+FORWARD_TAG, BACKWARD_TAG = 0, 1
+
+
+def _add(total: Any, new: Any) -> Any:
+    return new if total is None else tree.tree_map(torch.add, total, new)
+
+
+def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params: dict[int, Any],
+            microbatches: list[dict], pp_group: Any, num_stages: int) -> tuple[torch.Tensor | None, dict[int, Any]]:
+    """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
+    the last stage, else None; {stage: gradient of its params})."""
+    pp = 1 if pp_group is None else pp_group.size
+    m_count, last = len(microbatches), num_stages - 1
+    inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
+    outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> output to send
+    vjps: dict[tuple[int, int], Callable] = {}
+    deferred: dict[tuple[int, int], Any] = {}
+    grads: dict[int, Any] = {s: None for s in stage_params}
+    loss = None
+    split_backward = any(a.kind == "W" for a in actions)
+
+    for a in actions:
+        s, m = a.stage, a.microbatch
+        if a.kind == "RECV_F":
+            inbox[("F", s, m)] = pp_group.recv((s - 1) % pp, FORWARD_TAG)
+        elif a.kind == "RECV_B":
+            inbox[("B", s, m)] = pp_group.recv((s + 1) % pp, BACKWARD_TAG)
+        elif a.kind == "SEND_F":
+            pp_group.send(outbox.pop(("F", s, m)), (s + 1) % pp, FORWARD_TAG)
+        elif a.kind == "SEND_B":
+            pp_group.send(outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
+        elif a.kind == "F":
+            fn, batch = stage_fns[s], microbatches[m]
+            if s == 0:
+                out, vjp = torch.func.vjp(lambda p: fn(p, None, batch), stage_params[s])
+            else:
+                x = inbox.pop(("F", s, m))
+                out, vjp = torch.func.vjp(lambda p, x: fn(p, x, batch), stage_params[s], x)
+            vjps[(s, m)] = vjp
+            if s == last:
+                loss = (0.0 if loss is None else loss) + out.detach() / m_count
+            elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication
+                inbox[("F", s + 1, m)] = out.detach()
+            else:
+                outbox[("F", s, m)] = out.detach()
+        elif a.kind == "B":
+            if s == last:
+                grad_out = torch.full((), 1.0 / m_count)
+            else:
+                grad_out = inbox.pop(("B", s, m))
+            cotangents = vjps.pop((s, m))(grad_out)
+            if s > 0:
+                grad_in = cotangents[1]
+                if (s - 1) % pp == s % pp:
+                    inbox[("B", s - 1, m)] = grad_in
+                else:
+                    outbox[("B", s, m)] = grad_in
+            if split_backward:
+                deferred[(s, m)] = cotangents[0]
+            else:
+                grads[s] = _add(grads[s], cotangents[0])
+        elif a.kind == "W":
+            grads[s] = _add(grads[s], deferred.pop((s, m)))
+    if pp_group is not None:
+        pp_group.finish()
+    return loss, grads

@@ -1,0 +1,83 @@
+"""The pipelined GPT has the single-device loss and gradients, for every schedule, with and without
+virtual stages and tied embeddings, on gloo processes and on thread ranks."""
+
+import pytest
+import torch
+
+import spmd_programs as P
+from fmeg import tree
+from fmeg.models import gpt
+from fmeg.models import gpt_pipeline as gp
+from fmeg.parallel.spmd import run_threads
+from parallel_harness import gloo
+
+CONFIGS = {
+    "gpt2_tied": gpt.GPTConfig.gpt2(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=2,
+                                    hidden_dropout=0.1),
+    "llama_untied": gpt.GPTConfig.llama(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=4,
+                                        num_kv_heads=2, ffn_hidden_size=32),
+}
+
+
+def microbatches(config, m, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(m):
+        t = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
+        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": (torch.rand(2, 8, generator=gen) > 0.2).float(),
+                    "dropout_key": torch.tensor(100 + i)})
+    return out
+
+
+def check(results, config, params, mbs, pp, vp):
+    want_loss, want = gp.reference_loss_and_grads(params, mbs, config)
+    losses = [loss for loss, _ in results if loss is not None]
+    assert len(losses) == 1
+    torch.testing.assert_close(losses[0], want_loss, rtol=1e-6, atol=1e-6)
+    stage_grads = {s: g for _, grads in results for s, g in grads.items()}
+    assert sorted(stage_grads) == list(range(pp * vp))
+    got = gp.merge(stage_grads, config)
+    for (path, g), w in zip(tree.items(got), tree.tree_leaves(want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=path)
+    if config.tie_embeddings and pp * vp > 1:  # both copies got the same (summed) gradient
+        torch.testing.assert_close(stage_grads[pp * vp - 1]["output"]["weight"],
+                                   stage_grads[0]["embedding"]["word"]["weight"])
+
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+
+
+@pytest.mark.parametrize("schedule, vp", CASES)
+@pytest.mark.parametrize("style", ["gpt2_tied", "llama_untied"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipelined_gpt_on_gloo(schedule, vp, style, pp):
+    config, m = CONFIGS[style], 4
+    params, mbs = gpt.init(config, 0), microbatches(config, m)
+    results = gloo(pp).run(P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
+    check(results, config, params, mbs, pp, vp)
+
+
+@pytest.mark.parametrize("schedule, vp", CASES + [("interleaved", 4)])
+def test_pipelined_gpt_on_thread_ranks(schedule, vp):
+    config, pp, m = CONFIGS["gpt2_tied"], 2, 4
+    params, mbs = gpt.init(config, 1), microbatches(config, m, seed=1)
+    results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
+    check(results, config, params, mbs, pp, vp)
+
+
+def test_one_stage_holds_both_tied_copies():
+    config = CONFIGS["gpt2_tied"]
+    params, mbs = gpt.init(config, 2), microbatches(config, 3, seed=2)
+    results = run_threads(1, P.pipelined_gpt, params, mbs, config, "1f1b", 1, pp=1)
+    check(results, config, params, mbs, 1, 1)
+
+
+def test_layers_must_divide_over_stages():
+    with pytest.raises(ValueError, match=r"GPTConfig\.num_layers=8 must be divisible by pipeline size \* virtual stages = 3 \* 1"):
+        gp.split(gpt.init(CONFIGS["gpt2_tied"], 0), CONFIGS["gpt2_tied"], 3)
+
+
+def test_stage_offsets_follow_megatron():
+    config = CONFIGS["gpt2_tied"].replace(num_layers=16)
+    # PP=4, VP=2, 16 layers: rank 0 holds layers 0-1 and 8-9, rank 1 holds 2-3 and 10-11 (0-based).
+    assert [list(gp.stage_layers(config, s, 8)) for s in (0, 4, 1, 5)] == [[0, 1], [8, 9], [2, 3], [10, 11]]
