@@ -156,3 +156,11 @@ def test_misplaced_and_duplicated_actions_are_named(edit, match):
 def test_text_chart_shows_every_rank():
     text = timeline_text(simulate(one_f_one_b(4, 8), {"F": 1, "B": 2}), width=60)
     assert sum(line.startswith("rank") for line in text.splitlines()) == 4 and "bubble 0.273" in text
+
+
+def test_png_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fmeg.parallel.pipeline.draw import draw_timeline
+
+    path = draw_timeline(simulate(zero_bubble_h1(4, 8)), tmp_path / "zb.png", "ZB-H1")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))

@@ -14,6 +14,7 @@ so W changes when weight gradients are applied, not how much compute B does.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -29,9 +30,11 @@ def _add(total: Any, new: Any) -> Any:
 
 
 def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params: dict[int, Any],
-            microbatches: list[dict], pp_group: Any, num_stages: int) -> tuple[torch.Tensor | None, dict[int, Any]]:
+            microbatches: list[dict], pp_group: Any, num_stages: int,
+            trace: list | None = None) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
-    the last stage, else None; {stage: gradient of its params})."""
+    the last stage, else None; {stage: gradient of its params}). A `trace` list receives
+    (action, start, end) in time.perf_counter() seconds for every action."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
     inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
@@ -43,6 +46,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
     split_backward = any(a.kind == "W" for a in actions)
 
     for a in actions:
+        start = time.perf_counter()
         s, m = a.stage, a.microbatch
         if a.kind == "RECV_F":
             inbox[("F", s, m)] = pp_group.recv((s - 1) % pp, FORWARD_TAG)
@@ -67,23 +71,19 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
             else:
                 outbox[("F", s, m)] = out.detach()
         elif a.kind == "B":
-            if s == last:
-                grad_out = torch.full((), 1.0 / m_count)
-            else:
-                grad_out = inbox.pop(("B", s, m))
+            grad_out = torch.full((), 1.0 / m_count) if s == last else inbox.pop(("B", s, m))
             cotangents = vjps.pop((s, m))(grad_out)
             if s > 0:
-                grad_in = cotangents[1]
-                if (s - 1) % pp == s % pp:
-                    inbox[("B", s - 1, m)] = grad_in
-                else:
-                    outbox[("B", s, m)] = grad_in
+                target = inbox if (s - 1) % pp == s % pp else outbox
+                target[("B", s - 1, m) if target is inbox else ("B", s, m)] = cotangents[1]
             if split_backward:
                 deferred[(s, m)] = cotangents[0]
             else:
                 grads[s] = _add(grads[s], cotangents[0])
         elif a.kind == "W":
             grads[s] = _add(grads[s], deferred.pop((s, m)))
+        if trace is not None:
+            trace.append((a, start, time.perf_counter()))
     if pp_group is not None:
         pp_group.finish()
     return loss, grads
