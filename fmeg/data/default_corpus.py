@@ -1,0 +1,52 @@
+"""The embedded default corpus: the .py files of the running Python's standard library, as bytes.
+
+Every machine with Python has them, so the main job trains with no download. The files are tokenized
+once (ByteTokenizer: one document per file, ending with the end-of-document token) into an indexed
+dataset cached under $FMEG_CACHE (default ~/.cache/fmeg), keyed by the Python version and the file list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from fmeg.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from fmeg.data.tokenizers import ByteTokenizer
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FMEG_CACHE", Path.home() / ".cache" / "fmeg"))
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files in a fixed order (site-packages and bytecode excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def default_corpus(directory: str | os.PathLike | None = None) -> IndexedDataset:
+    """The stdlib corpus as an IndexedDataset, built on first use and reused after."""
+    files = stdlib_sources()
+    if not files:
+        raise ValueError(f"no .py files under {sysconfig.get_paths()['stdlib']}; pass --data-path")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    listing = "\n".join(f"{p.relative_to(root)} {p.stat().st_size}" for p in files)
+    key = hashlib.md5(f"{sys.version}\n{listing}".encode()).hexdigest()[:12]
+    directory = Path(directory) if directory is not None else cache_dir()
+    prefix = directory / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-{key}"
+    if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
+        directory.mkdir(parents=True, exist_ok=True)
+        builder = IndexedDatasetBuilder(f"{prefix}.{os.getpid()}", np.uint16)
+        eod = ByteTokenizer.eod
+        for path in files:
+            data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
+            builder.add_document(np.append(data, eod))
+        builder.finalize()
+        for suffix in (".bin", ".idx"):  # .idx last: a reader never sees an index without its data
+            os.replace(f"{prefix}.{os.getpid()}{suffix}", f"{prefix}{suffix}")
+    return IndexedDataset(prefix)

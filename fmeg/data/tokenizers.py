@@ -1,0 +1,86 @@
+"""Tokenizers: bytes (no dependency), or files through the Hugging Face `tokenizers` package.
+
+    ByteTokenizer()                                 ids 0..255 are bytes, 256 is end-of-document
+    HuggingFaceTokenizer("tokenizer.json")          any tokenizers-library file
+    GPT2BPETokenizer("vocab.json", "merges.txt")    GPT-2's byte-level BPE files
+
+Each has encode(text) -> list[int], decode(ids) -> str, vocab_size and eod (the end-of-document id).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron's padding: the next multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class ByteTokenizer:
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HuggingFaceTokenizer:
+    def __init__(self, path: str, eod_token: str | None = None):
+        from tokenizers import Tokenizer
+
+        if not Path(path).is_file():
+            raise ValueError(f"--tokenizer-model {path}: no such file")
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = _find_eod(self._tok, eod_token, path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        self._tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = _find_eod(self._tok, "<|endoftext|>", vocab_file)
+
+
+def _find_eod(tok, name: str | None, path) -> int:
+    for candidate in ([name] if name else []) + ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]:
+        ident = tok.token_to_id(candidate)
+        if ident is not None:
+            return ident
+    raise ValueError(f"{path}: no end-of-document token found (tried {name or ''} <|endoftext|> </s> <eos>); "
+                     "name one with --eod-token")
+
+
+def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None, eod_token: str | None = None):
+    """The tokenizer named by --tokenizer-type and its file flags."""
+    if kind == "ByteTokenizer":
+        return ByteTokenizer()
+    if kind == "HuggingFaceTokenizer":
+        if not model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
+        return HuggingFaceTokenizer(model, eod_token)
+    if kind == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, HuggingFaceTokenizer or GPT2BPETokenizer")

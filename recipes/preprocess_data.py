@@ -1,0 +1,147 @@
+"""Tokenize JSON lines once into Megatron's indexed format.
+
+    python -m recipes.preprocess_data --input corpus.jsonl --output-prefix data/corpus --append-eod
+    python -m recipes.preprocess_data --input c.jsonl --output-prefix out --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --workers 4
+
+Writes {output_prefix}_{key}_document.bin/.idx for every --json-keys key (Megatron's names), one document per
+line. Lines that are not JSON, lack a key or hold a non-string are skipped, counted and reported with
+their line numbers (--strict stops at the first instead, leaving no output). Files appear only when
+complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from fmeg.data.indexed import IndexedDatasetBuilder, best_dtype
+from fmeg.data.tokenizers import build_tokenizer
+
+_TOKENIZER = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m recipes.preprocess_data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="JSON lines file")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    p.add_argument("--tokenizer-type", default="ByteTokenizer",
+                   choices=["ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--eod-token", help="name of the end-of-document token if not a usual one")
+    p.add_argument("--log-interval", type=int, default=10000, help="report progress every N documents")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad line")
+    return p.parse_args(argv)
+
+
+def _tokenizer_from(args: argparse.Namespace):
+    return build_tokenizer(args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, eod_token=args.eod_token)
+
+
+def _init_worker(args: argparse.Namespace) -> None:
+    global _TOKENIZER
+    _TOKENIZER = _tokenizer_from(args)
+
+
+def encode_line(task: tuple[int, str, list[str], bool]) -> tuple[int, dict | str, int]:
+    """(line number, {key: ids} or the problem, bytes read) for one JSON line."""
+    number, line, keys, append_eod = task
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return number, f"invalid JSON ({e.msg} at column {e.colno})", len(line)
+    if not isinstance(record, dict):
+        return number, "not a JSON object", len(line)
+    out = {}
+    for key in keys:
+        if key not in record:
+            return number, f"no key {key!r}", len(line)
+        if not isinstance(record[key], str):
+            return number, f"key {key!r} holds {type(record[key]).__name__}, not a string", len(line)
+        ids = _TOKENIZER.encode(record[key])
+        out[key] = ids + [_TOKENIZER.eod] if append_eod else ids
+    return number, out, len(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if not Path(args.input).is_file():
+            raise ValueError(f"--input {args.input}: no such file")
+        if args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        tokenizer = _tokenizer_from(args)
+        Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _init_worker(args)
+    dtype = best_dtype(tokenizer.vocab_size)
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
+    builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
+    bad: list[tuple[int, str]] = []
+    docs = tokens = read = 0
+    start = time.perf_counter()
+
+    def tasks():
+        with open(args.input, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if line.strip():
+                    yield number, line, args.json_keys, args.append_eod
+
+    pool = multiprocessing.Pool(args.workers, _init_worker, (args,)) if args.workers > 1 else None
+    try:
+        results = pool.imap(encode_line, tasks(), chunksize=64) if pool else map(encode_line, tasks())
+        for number, result, size in results:
+            read += size
+            if isinstance(result, str):
+                bad.append((number, result))
+                if args.strict:
+                    raise ValueError(f"{args.input}:{number}: {result} (without --strict such lines are skipped)")
+                continue
+            for key, ids in result.items():
+                builders[key].add_document(ids)
+                tokens += len(ids)
+            docs += 1
+            if docs % args.log_interval == 0:
+                elapsed = time.perf_counter() - start
+                print(f"processed {docs} documents ({docs / elapsed:.0f} docs/s, {read / elapsed / 1e6:.1f} MB/s)",
+                      file=sys.stderr, flush=True)
+    except ValueError as e:
+        for builder in builders.values():
+            builder._bin.close()
+            os.remove(builder._tmp_bin)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    for builder in builders.values():
+        builder.finalize()
+    elapsed = time.perf_counter() - start
+    print(f"done: {docs} documents, {tokens} tokens in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} "
+          f"tokens/s, {docs / max(elapsed, 1e-9):,.0f} documents/s); {len(bad)} bad lines skipped")
+    for number, problem in bad[:10]:
+        print(f"  {args.input}:{number}: {problem}")
+    if len(bad) > 10:
+        print(f"  ... and {len(bad) - 10} more")
+    for key, prefix in prefixes.items():
+        print(f"  {key}: {prefix}.bin / .idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""recipes.preprocess_data and the tokenizers; the embedded default corpus."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fmeg.data.default_corpus import default_corpus, stdlib_sources
+from fmeg.data.indexed import IndexedDataset
+from fmeg.data.tokenizers import ByteTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, padded_vocab_size
+from recipes import preprocess_data
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * (i % 5 + 1), "title": f"t{i}"}) for i in range(300)]
+    lines.insert(10, "{broken")
+    lines.insert(20, json.dumps({"title": "no text"}))
+    lines.insert(30, json.dumps({"text": 5, "title": "x"}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_preprocess_writes_megatron_files_and_reports_bad_lines(tmp_path, jsonl, capsys):
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "o"), "--append-eod",
+                                 "--json-keys", "text", "title"]) == 0
+    out = capsys.readouterr().out
+    assert "done: 300 documents" in out and "3 bad lines skipped" in out
+    assert f"{jsonl}:11: invalid JSON" in out and f"{jsonl}:21: no key 'text'" in out and "holds int" in out
+    text = IndexedDataset(tmp_path / "o_text_document")
+    assert text.num_documents == 300 and text.dtype == np.uint16
+    assert bytes(text[0][:-1].astype(np.uint8)).decode() == "document 0 " and text[0][-1] == ByteTokenizer.eod
+    assert IndexedDataset(tmp_path / "o_title_document").num_documents == 300
+
+
+def test_workers_give_the_same_files(tmp_path, jsonl):
+    for workers in (1, 3):
+        assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / f"w{workers}"),
+                                     "--workers", str(workers), "--append-eod"]) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w1_text_document{suffix}").read_bytes() == (tmp_path / f"w3_text_document{suffix}").read_bytes()
+
+
+def test_strict_stops_at_the_first_bad_line_and_leaves_nothing(tmp_path, jsonl, capsys):
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "s"), "--strict"]) == 1
+    assert ":11: invalid JSON" in capsys.readouterr().err
+    assert not list(tmp_path.glob("s_*"))
+
+
+@pytest.mark.parametrize("flags, needle", [(["--input", "/nope.jsonl"], "--input /nope.jsonl: no such file"),
+                                           (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-model"),
+                                           (["--workers", "0"], "--workers")])
+def test_bad_flags_fail_with_one_line(tmp_path, jsonl, flags, needle, capsys):
+    argv = ["--input", str(jsonl), "--output-prefix", str(tmp_path / "x")] + flags
+    assert preprocess_data.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def bpe_files(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["he"], vocab["<|endoftext|>"] = len(vocab), len(vocab) + 1
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    return tmp_path / "vocab.json", tmp_path / "merges.txt"
+
+
+def test_gpt2_bpe_and_tokenizer_json(tmp_path, jsonl):
+    pytest.importorskip("tokenizers")
+    vocab, merges = bpe_files(tmp_path)
+    bpe = GPT2BPETokenizer(str(vocab), str(merges))
+    ids = bpe.encode("hello there")
+    assert bpe.decode(ids) == "hello there" and ids.count(vocab_id := json.loads(vocab.read_text())["he"]) == 2
+    bpe._tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+    assert hf.encode("hello there") == ids and hf.eod == bpe.eod == vocab_id + 1
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "b"), "--append-eod",
+                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                                 "--merge-file", str(merges)]) == 0
+    first = IndexedDataset(tmp_path / "b_text_document")[0]
+    assert bpe.decode(first[:-1].tolist()) == "document 0 " and first[-1] == bpe.eod
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(50257) == 50304 and padded_vocab_size(50257, tp=8) == 51200
+
+
+def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path):
+    ds = default_corpus(tmp_path)
+    files = stdlib_sources()
+    assert ds.num_documents == len(files) > 100
+    assert bytes(ds[0][:-1].astype(np.uint8)) == files[0].read_bytes() and ds[0][-1] == ByteTokenizer.eod
+    built = sorted(p.name for p in tmp_path.iterdir())
+    again = default_corpus(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == built and again.prefix == ds.prefix
