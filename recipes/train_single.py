@@ -1,6 +1,6 @@
 """Train a small GPT on one device and watch the loss fall.
 
-    python -m recipes.train_single                                  # bytes of stdlib sources, ~1 minute on CPU
+    python -m recipes.train_single                                  # bytes of the stdlib, ~1 minute on CPU
     python -m recipes.train_single --data-path train.bin --vocab-size 50257 --num-layers 6 --hidden-size 384
 
 Flags use Megatron's names. The step (forward, backward, clipping, AdamW) is one pure function, compiled
@@ -16,10 +16,13 @@ import time
 import warnings
 from functools import partial
 
+import numpy as np
 import torch
 
 from fmeg import optim, tree
-from fmeg.data.token_file import BYTE_VOCAB_SIZE, bytes_of_text, default_text, load_tokens, random_windows
+from fmeg.data.default_corpus import default_corpus
+from fmeg.data.token_file import load_tokens, random_windows
+from fmeg.data.tokenizers import ByteTokenizer
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
@@ -30,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipes.train_single", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
-    data.add_argument("--data-path", help="token file: .npy, or raw .bin of --token-dtype (default: stdlib bytes)")
+    data.add_argument("--data-path", help="Megatron .bin/.idx prefix, .npy, or raw .bin of --token-dtype "
+                                         "(default: the standard library's sources as bytes)")
     data.add_argument("--token-dtype", default="uint16", help="dtype of a raw .bin token file")
     data.add_argument("--vocab-size", type=int, help="default: 256 for bytes, else the file's max id + 1")
     model = p.add_argument_group("model")
@@ -89,8 +93,8 @@ def build_config(a: argparse.Namespace, vocab_size: int) -> gpt.GPTConfig:
 
 
 def load_data(a: argparse.Namespace):
-    if a.data_path is None:
-        return bytes_of_text(default_text()), a.vocab_size or BYTE_VOCAB_SIZE
+    if a.data_path is None:  # the embedded default: bytes of the standard library, end-of-document 256
+        return np.asarray(default_corpus()._bin), a.vocab_size or ByteTokenizer.vocab_size
     tokens = load_tokens(a.data_path, a.token_dtype)
     top = int(tokens.max()) + 1
     if a.vocab_size is not None and a.vocab_size < top:

@@ -93,5 +93,13 @@ def test_eod_mask_loss_and_sample_fields(tmp_path):
 
 def test_a_sequence_longer_than_the_data_is_refused(tmp_path):
     ix = corpus(tmp_path / "c", docs=2)
-    with pytest.raises(ValueError, match="--seq-length 4096 is larger than the split"):
+    with pytest.raises(ValueError, match=r"c: --seq-length 4096 is larger than the train split's \d+ tokens"):
         GPTDataset(ix, np.arange(2), 4096, 1, 0)
+
+
+def test_mock_dataset_is_deterministic():
+    from fmeg.data.gpt_dataset import MockGPTDataset
+
+    a, b = MockGPTDataset(10, 8, 50, seed=1), MockGPTDataset(10, 8, 50, seed=1)
+    assert len(a) == 10 and a[3]["tokens"].tolist() == b[3]["tokens"].tolist()
+    assert a[3]["tokens"][1:].tolist() == a[3]["labels"][:-1].tolist() and int(a[3]["tokens"].max()) < 50

@@ -9,7 +9,7 @@ QUICK = ["--no-compile", "--train-iters", "4", "--log-interval", "2", "--num-lay
          "--seq-length", "16", "--micro-batch-size", "2", "--lr-warmup-iters", "1"]
 
 
-def test_trains_on_the_default_text(capsys):
+def test_trains_on_the_default_corpus(capsys):
     assert train_single.main(QUICK) == 0
     out = capsys.readouterr().out
     assert "iteration        4/       4 | consumed samples:            8" in out
@@ -21,6 +21,17 @@ def test_trains_on_a_npy_token_file_with_llama(tmp_path, capsys):
     np.save(path, (np.arange(500) % 50).astype(np.int32))
     assert train_single.main(QUICK + ["--data-path", str(path), "--model", "llama", "--num-query-groups", "2"]) == 0
     assert "vocab 50" in capsys.readouterr().out
+
+
+def test_trains_on_a_megatron_prefix(tmp_path, capsys):
+    from fmeg.data.indexed import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(tmp_path / "corpus_text_document", np.uint16)
+    for i in range(20):
+        b.add_document(np.arange(i, i + 30) % 90)
+    b.finalize()
+    assert train_single.main(QUICK + ["--data-path", str(tmp_path / "corpus_text_document")]) == 0
+    assert "600 tokens, vocab 49" in capsys.readouterr().out  # ids 0..48
 
 
 def test_trains_on_a_raw_bin_file(tmp_path, capsys):

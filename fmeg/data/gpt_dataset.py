@@ -49,16 +49,20 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
 def build_sample_index(lengths: np.ndarray, document_index: np.ndarray, seq_len: int,
                        num_samples: int) -> np.ndarray:
     """(position in document_index, offset) of token k * seq_len of the stream, for k = 0..num_samples."""
-    stream_lengths = lengths[document_index].astype(np.int64)
-    ends = np.cumsum(stream_lengths)
+    prefix = np.empty(len(document_index) + 1, dtype=np.int64)  # tokens before each stream position
+    prefix[0] = 0
+    prefix[1:] = lengths[document_index]
+    np.cumsum(prefix[1:], out=prefix[1:])  # in place on int64: about twice as fast as a converting cumsum
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_len
-    if num_samples and starts[-1] >= ends[-1]:
-        raise ValueError(f"{num_samples} samples of {seq_len + 1} tokens need more than the {int(ends[-1])} "
+    if num_samples and starts[-1] >= prefix[-1]:
+        raise ValueError(f"{num_samples} samples of {seq_len + 1} tokens need more than the {int(prefix[-1])} "
                          "tokens of the document index")
-    position = np.searchsorted(ends, starts, side="right")
-    offset = starts - (ends[position] - stream_lengths[position])
+    position = np.searchsorted(prefix, starts, side="right") - 1
     dtype = np.int32 if max(len(document_index), int(lengths.max(initial=0))) < 2**31 else np.int64
-    return np.stack([position, offset], axis=1).astype(dtype)
+    out = np.empty((num_samples + 1, 2), dtype=dtype)
+    out[:, 0] = position
+    out[:, 1] = starts - prefix[position]
+    return out
 
 
 def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState) -> np.ndarray:
@@ -76,7 +80,12 @@ def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState
 def build_indices(lengths: np.ndarray, documents: np.ndarray, seq_len: int, num_samples: int | None,
                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """document_index, sample_index, shuffle_index (Megatron's construction, RandomState order included)."""
-    tokens_per_epoch = int(lengths[documents].sum(dtype=np.int64))
+    documents = np.asarray(documents)
+    contiguous = len(documents) and documents[-1] - documents[0] + 1 == len(documents) and \
+        bool((np.diff(documents) == 1).all())
+    # A split is a range of documents: sum a slice (a view) rather than gathering them.
+    chosen = lengths[documents[0]:documents[-1] + 1] if contiguous else lengths[documents]
+    tokens_per_epoch = int(chosen.sum(dtype=np.int64))
     if tokens_per_epoch < seq_len + 1:
         raise ValueError(f"--seq-length {seq_len} is larger than the split's {tokens_per_epoch} tokens")
     epochs = 1 if num_samples is None else num_epochs_needed(tokens_per_epoch, num_samples, seq_len)
@@ -102,6 +111,9 @@ class GPTDataset(torch.utils.data.Dataset):
                  cache_dir: str | os.PathLike | None = None, name: str = "train"):
         if len(documents) == 0:
             raise ValueError(f"{indexed.prefix}: the {name} split has no documents")
+        if int(indexed.sequence_lengths[np.asarray(documents)].sum(dtype=np.int64)) < seq_len + 1:
+            raise ValueError(f"{indexed.prefix}: --seq-length {seq_len} is larger than the {name} split's "
+                             f"{int(indexed.sequence_lengths[np.asarray(documents)].sum())} tokens")
         self.indexed, self.seq_len, self.eod_id, self.eod_mask_loss = indexed, seq_len, eod_id, eod_mask_loss
         description = {"prefix": os.path.abspath(indexed.prefix), "documents": [int(documents[0]), int(documents[-1]),
                        len(documents)], "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
@@ -136,6 +148,21 @@ class GPTDataset(torch.utils.data.Dataset):
             loss_mask[labels == self.eod_id] = 0.0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                 "position_ids": torch.arange(self.seq_len, dtype=torch.int64)}
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Random tokens in the GPTDataset sample format, a pure function of (seed, index); for tests."""
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0):
+        self.num_samples, self.seq_len, self.vocab_size, self.seed = num_samples, seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        text = torch.from_numpy(np.random.default_rng([self.seed, i]).integers(0, self.vocab_size, self.seq_len + 1))
+        return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(self.seq_len),
+                "position_ids": torch.arange(self.seq_len)}
 
 
 def _paths(cache_dir, key):

@@ -1,8 +1,8 @@
 """A flat stream of token ids, and fixed-length training windows drawn from it.
 
 Sources: a .npy array (read with allow_pickle=False), a raw .bin of one integer dtype (nanoGPT's
-train.bin), or text turned into bytes (vocabulary 256, no tokenizer needed). Megatron's indexed
-.bin/.idx datasets have their own module; this one is for the quickest start.
+train.bin), a Megatron .bin/.idx prefix (all its tokens in file order), or text turned into bytes
+(vocabulary 256, no tokenizer needed). GPT samples in Megatron's order are fmeg.data.gpt_dataset's.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-BYTE_VOCAB_SIZE = 256
-
 
 def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     """Token ids from path (.npy, or raw .bin of `dtype`), memory-mapped; errors name the file."""
     path = Path(path)
+    if Path(f"{path}.idx").is_file():  # a Megatron indexed dataset prefix: every token, in file order
+        from fmeg.data.indexed import IndexedDataset
+
+        return np.asarray(IndexedDataset(path)._bin)
     if not path.is_file():
-        raise ValueError(f"--data-path {path}: no such file")
+        raise ValueError(f"--data-path {path}: no such file (nor {path}.idx / .bin)")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -36,23 +38,6 @@ def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
         raise ValueError(f"--data-path {path}: expected a 1-D array of integer token ids, got "
                          f"{tokens.dtype} with shape {tokens.shape}")
     return tokens
-
-
-def bytes_of_text(text: str) -> np.ndarray:
-    """UTF-8 bytes as token ids (vocabulary 256)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-
-def default_text() -> str:
-    """Text every Python installation has: the sources of a few standard-library modules."""
-    import argparse
-    import dataclasses
-    import functools
-    import inspect
-    import json.decoder
-    import textwrap
-
-    return "\n".join(inspect.getsource(m) for m in (argparse, dataclasses, functools, json.decoder, textwrap))
 
 
 def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int) -> dict:
