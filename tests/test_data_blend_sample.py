@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fmeg.data.blending import (BlendedDataset, blending_indices, parse_blend, parse_split, split_document_ranges,
-                                target_samples)
+from fmeg.data.blending import (BlendedDataset, blending_indices, build_datasets, parse_blend, parse_split,
+                                split_document_ranges, target_samples)
 from fmeg.data.samplers import cyclic_random_batches, sequential_batches
 
 weights_st = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5).map(lambda w: [x / sum(w) for x in w])
@@ -113,3 +113,21 @@ def test_sampler_errors():
         list(sequential_batches(10, 0, 2, 2, 2))
     with pytest.raises(ValueError, match="fewer than one step"):
         next(cyclic_random_batches(3, 0, 2, 2, 0))
+
+
+def test_build_datasets_from_flags(tmp_path):
+    from fmeg.data.indexed import IndexedDatasetBuilder
+
+    for name, base in (("a", 0), ("b", 500)):
+        b = IndexedDatasetBuilder(tmp_path / name, np.uint16)
+        for i in range(100):
+            b.add_document(np.full(20, base + i))
+        b.finalize()
+    train, valid, test = build_datasets(f"30 {tmp_path / 'a'} 70 {tmp_path / 'b'}", "90,10,0", 16, [200, 20, 0], 1)
+    assert len(train) == 200 and len(valid) == 20 and test is None
+    from_b = sum(int(train[i]["tokens"][0]) >= 500 for i in range(200))
+    assert from_b == 140
+    # validation samples come from the validation documents (90..99 of each prefix)
+    assert all(int(t) % 500 >= 90 for i in range(20) for t in valid[i]["tokens"])
+    single, _, _ = build_datasets(str(tmp_path / "a"), "1", 16, [10, 0, 0], 1)
+    assert len(single) >= 10  # like megatron-core: every full sample of the epochs built

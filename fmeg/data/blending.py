@@ -92,3 +92,30 @@ class BlendedDataset:
 
     def __getitem__(self, i: int):
         return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+
+
+def build_datasets(data_path: list[str] | str, split: str, seq_len: int, num_samples: list[int], seed: int, *,
+                   cache_dir=None, eod_id: int | None = None, eod_mask_loss: bool = False,
+                   surplus: float = 0.005) -> list:
+    """[train, valid, test] datasets from --data-path, --split and sample counts (None where a split is
+    empty or needs no samples). A blend draws ceil(weight * samples * (1 + surplus)) samples from each
+    prefix, as Megatron does, then interleaves them by weight."""
+    from fmeg.data.gpt_dataset import GPTDataset
+    from fmeg.data.indexed import IndexedDataset
+
+    prefixes, weights = parse_blend(data_path)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    names = ("train", "valid", "test")
+    out = []
+    for i, wanted in enumerate(num_samples):
+        ranges = [split_document_ranges(split, ix.num_documents)[i] for ix in indexed]
+        if not wanted or any(r is None or r[0] == r[1] for r in ranges):
+            out.append(None)
+            continue
+        parts = []
+        for ix, w, (begin, end) in zip(indexed, weights, ranges):
+            count = wanted if len(indexed) == 1 else int(np.ceil(w * wanted * (1 + surplus)))
+            parts.append(GPTDataset(ix, np.arange(begin, end, dtype=np.int32), seq_len, count, seed,
+                                    eod_id=eod_id, eod_mask_loss=eod_mask_loss, cache_dir=cache_dir, name=names[i]))
+        out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted))
+    return out
