@@ -313,11 +313,16 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
     and never gathers the logits.
     """
     x = hidden_states(params, batch["tokens"], config, key=key, tp=tp)
+    return output_loss(x, output_weight(params, config), batch, tp=tp, label_smoothing=label_smoothing)
+
+
+def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, *, tp: TensorParallel = NO_TP,
+                label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross entropy of the output layer: fused on one rank, vocabulary-parallel under TP."""
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if tp.group is None:
-        return ops.linear_cross_entropy(x, output_weight(params, config), labels, loss_mask=loss_mask,
-                                        label_smoothing=label_smoothing)
-    logits = column_parallel_linear(x, output_weight(params, config), None, tp)
+        return ops.linear_cross_entropy(x, weight, labels, loss_mask=loss_mask, label_smoothing=label_smoothing)
+    logits = column_parallel_linear(x, weight, None, tp)
     losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing)
     mask = (labels != ops.IGNORE_INDEX).to(losses.dtype)
     return ops.masked_mean(losses, mask if loss_mask is None else mask * loss_mask.to(losses.dtype))

@@ -16,6 +16,7 @@ import torch
 from fmeg import ops
 from fmeg.models import gpt
 from fmeg.models.gpt import GPTConfig, Params
+from fmeg.parallel.tensor import NO_TP, TensorParallel
 
 
 def check_pipeline(config: GPTConfig, pp: int, vp: int = 1) -> None:
@@ -57,8 +58,9 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
     return full
 
 
-def stage_fn(config: GPTConfig, stage: int, num_stages: int) -> Callable:
-    """(params, x, batch) -> activations [b, s, h], or the microbatch's loss on the last stage.
+def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:
+    """(params, x, batch) -> activations [b, s, h] ([b, s/t, h] with sequence parallelism), or the
+    microbatch's loss on the last stage. Params may be tensor-parallel shards (tp).
 
     batch holds tokens (stage 0), labels and loss_mask (last stage) and optionally a dropout key."""
     layers = stage_layers(config, stage, num_stages)
@@ -68,15 +70,14 @@ def stage_fn(config: GPTConfig, stage: int, num_stages: int) -> Callable:
         seq = batch["tokens"].shape[-1]
         positions = torch.arange(seq)
         if stage == 0:
-            x = gpt._dropout(gpt.embed(params, batch["tokens"], config, positions), config, key, gpt.NO_TP, -1, 0)
+            x = gpt._dropout(gpt.embed(params, batch["tokens"], config, positions, tp), config, key, tp, -1, 0)
         rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
         for index, lp in zip(layers, params["layers"]):
-            x = gpt.layer(lp, x, config, rope=rope, key=key, index=index)
+            x = gpt.layer(lp, x, config, rope=rope, key=key, index=index, tp=tp)
         if stage < num_stages - 1:
             return x
-        x = gpt.norm(params["final_norm"], x, config)
-        return ops.linear_cross_entropy(x, params["output"]["weight"], batch["labels"],
-                                        loss_mask=batch.get("loss_mask"))
+        x = gpt.norm(params["final_norm"], x, config, tp)
+        return gpt.output_loss(x, params["output"]["weight"], batch, tp=tp)
 
     return run
 

@@ -1,0 +1,1 @@
+"""The training loop's pure parts: arguments, the parallel step, metrics."""

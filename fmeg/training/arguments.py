@@ -1,0 +1,197 @@
+"""The pretraining runner's arguments: Megatron's flag names, an optional YAML file, and validation.
+
+    args = parse_args(["--tensor-model-parallel-size", "2", "--config", "run.yaml"])
+    problems = validate(args, world_size=4)        # one line per problem, before any process group exists
+
+A YAML file holds the same settings by flag name (dashes or underscores); flags given on the command line
+override it. Validation is a pure function of the arguments and the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from fmeg.data.blending import parse_blend, parse_split
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
+                                description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
+    add = p.add_argument
+    add("--config", help="YAML file of settings by flag name; command-line flags override it")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
+                   help="schedule without virtual stages (interleaved 1F1B is used with them)")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    m = p.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, default=4)
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--ffn-hidden-size", type=int, default=None)
+    m.add_argument("--seq-length", type=int, default=128)
+    m.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    m.add_argument("--swiglu", action="store_true")
+    m.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--disable-bias-linear", action="store_true")
+    m.add_argument("--hidden-dropout", type=float, default=0.0)
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="fmeg: fix the padded vocabulary (the same model for every tensor-parallel size)")
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=4)
+    t.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data parallel")
+    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--min-lr", type=float, default=3e-4)
+    t.add_argument("--lr-decay-style", default="cosine",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    t.add_argument("--lr-warmup-iters", type=int, default=10)
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--bf16", action="store_true")
+    t.add_argument("--fp16", action="store_true")
+    d = p.add_argument_group("data")
+    d.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix ...' (default: stdlib)")
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--tokenizer-type", default="ByteTokenizer",
+                   choices=["ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    d.add_argument("--tokenizer-model")
+    d.add_argument("--vocab-file")
+    d.add_argument("--merge-file")
+    d.add_argument("--eod-mask-loss", action="store_true")
+    d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-interval", type=int, default=10)
+    lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags over an optional --config YAML file."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**load_config(first.config, parser))
+    return parser.parse_args(argv)
+
+
+def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    import yaml
+
+    if not Path(path).is_file():
+        parser.error(f"--config {path}: no such file")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    settings = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known or dest == "config":
+            parser.error(f"--config {path}: unknown setting {key!r} (use the flag's name, e.g. num-layers)")
+        settings[dest] = value
+    return settings
+
+
+def validate(a: argparse.Namespace, world_size: int) -> list[str]:
+    """Every problem with the arguments, one line each (empty when they are consistent)."""
+    problems: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
+                 "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "log_interval"):
+        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    if problems:
+        return problems
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
+         f"--pipeline-model-parallel-size = {tp} * {pp}")
+    dp = max(1, world_size // (tp * pp))
+    need(a.hidden_size % a.num_attention_heads == 0,
+         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}")
+    need(a.num_attention_heads % tp == 0,
+         f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")
+    groups = a.num_query_groups or a.num_attention_heads
+    need(a.num_attention_heads % groups == 0,
+         f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
+    need(groups % tp == 0, f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+    if a.ffn_hidden_size is not None:
+        need(a.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+    vp_chunks = 1
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        per_rank = a.num_layers // pp
+        need(a.num_layers_per_virtual_pipeline_stage > 0 and per_rank % a.num_layers_per_virtual_pipeline_stage == 0,
+             f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} must divide the "
+             f"{per_rank} layers each pipeline rank holds")
+        if a.num_layers_per_virtual_pipeline_stage > 0:
+            vp_chunks = max(1, per_rank // a.num_layers_per_virtual_pipeline_stage)
+    need(a.num_layers % (pp * vp_chunks) == 0,
+         f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
+         f"{pp} * {vp_chunks}")
+    gbs = a.global_batch_size or a.micro_batch_size * dp
+    need(gbs % (a.micro_batch_size * dp) == 0,
+         f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
+         f"{a.micro_batch_size} * {dp}")
+    microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
+    if vp_chunks > 1 and microbatches:
+        need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
+                                 f"microbatches per step, got {microbatches}; raise --global-batch-size")
+    need(not a.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    need(not a.sequence_parallel or a.seq_length % tp == 0,
+         f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
+         "--sequence-parallel")
+    need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
+    need(not (a.fp16 or a.bf16), "--fp16 and --bf16 are not implemented yet in fmeg; train in fp32 (omit them)")
+    need(not a.use_distributed_optimizer,
+         "--use-distributed-optimizer (ZeRO-1) is not implemented yet in fmeg; omit it")
+    max_pos = a.max_position_embeddings or a.seq_length
+    need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
+    need(a.lr > 0, f"--lr must be positive, got {a.lr}")
+    need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
+    decay = a.lr_decay_iters or a.train_iters
+    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant",
+         f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
+    need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
+    need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
+    need(0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
+    need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
+    if a.padded_vocab_size is not None:
+        need(a.padded_vocab_size % tp == 0,
+             f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+    if a.data_path:
+        try:
+            prefixes, _ = parse_blend(a.data_path)
+        except ValueError as e:
+            problems.append(str(e))
+            prefixes = []
+        for prefix in prefixes:
+            need(os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
+                 f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
+    try:
+        parse_split(a.split)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
