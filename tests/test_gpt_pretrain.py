@@ -1,0 +1,130 @@
+"""recipes.gpt_pretrain: bad arguments fail before any work with one line each; the loss curve does not
+depend on the layout (tensor, sequence, pipeline with virtual stages, data parallel; dropout included)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from fmeg.training.arguments import parse_args, validate
+from recipes import gpt_pretrain
+
+BAD = [
+    ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
+     "--num-attention-heads 6 must be divisible by --tensor-model-parallel-size 4"),
+    ({"WORLD_SIZE": "2"}, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+     "--num-layers 3 must be divisible by --pipeline-model-parallel-size * virtual stages = 2 * 1"),
+    ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                           "--num-layers-per-virtual-pipeline-stage", "3"], "must divide the 4 layers"),
+    ({"WORLD_SIZE": "4"}, ["--global-batch-size", "6", "--micro-batch-size", "4"],
+     "--global-batch-size 6 must be divisible by --micro-batch-size * data-parallel size = 4 * 4"),
+    ({"WORLD_SIZE": "6"}, ["--tensor-model-parallel-size", "4"], "world size 6 must be divisible"),
+    ({"WORLD_SIZE": "1"}, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    ({"WORLD_SIZE": "1"}, ["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive"),
+    ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--num-query-groups", "1"],
+     "--num-query-groups 1 must be divisible by --tensor-model-parallel-size 2"),
+    ({"WORLD_SIZE": "1"}, ["--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
+    ({"WORLD_SIZE": "1"}, ["--hidden-size", "30"], "--hidden-size 30 must be divisible by --num-attention-heads 4"),
+    ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"],
+     "--ffn-hidden-size 33 must be divisible"),
+    ({"WORLD_SIZE": "1"}, ["--seq-length", "256", "--max-position-embeddings", "128"], "exceeds --max-position-embeddings"),
+    ({"WORLD_SIZE": "1"}, ["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
+    ({"WORLD_SIZE": "1"}, ["--min-lr", "1.0"], "--min-lr 1.0 must be between 0 and --lr"),
+    ({"WORLD_SIZE": "1"}, ["--train-iters", "5", "--lr-warmup-iters", "10"], "--lr-warmup-iters 10 must be below"),
+    ({"WORLD_SIZE": "1"}, ["--micro-batch-size", "0"], "--micro-batch-size must be positive"),
+    ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "33",
+                           "--max-position-embeddings", "64"], "--seq-length 33 must be divisible"),
+    ({"WORLD_SIZE": "1"}, ["--data-path", "/nonexistent/corpus"], "--data-path /nonexistent/corpus: no"),
+    ({"WORLD_SIZE": "1"}, ["--split", "0,0,0"], "--split"),
+    ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                           "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+                           "--micro-batch-size", "4"], "interleaved pipelining needs at least"),
+]
+
+
+@pytest.mark.parametrize("env, flags, needle", BAD, ids=[b[2][:40] for b in BAD])
+def test_bad_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, env, flags, needle):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RANK", "0")
+    assert gpt_pretrain.main(flags) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert all(line.startswith("error: ") for line in err.strip().splitlines())
+    assert not dist.is_initialized()
+
+
+def test_every_problem_is_reported_at_once():
+    problems = validate(parse_args(["--hidden-size", "30", "--fp16", "--bf16", "--min-lr", "9"]), 1)
+    assert len(problems) >= 4
+
+
+def test_yaml_config_with_flags_overriding(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num-layers: 6\nhidden_size: 96\nlr: 0.001\n")
+    a = parse_args(["--config", str(cfg), "--hidden-size", "64"])
+    assert (a.num_layers, a.hidden_size, a.lr) == (6, 64, 0.001)
+    cfg.write_text("num-layerz: 6\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)])
+
+
+COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
+          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "512",
+          "--log-interval", "100", "--lr-warmup-iters", "2"]
+
+
+def run_layout(tmp_path, name, nproc, flags):
+    log_dir = tmp_path / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *COMMON, "--log-dir", str(log_dir), *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return [json.loads(line)["lm_loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_curve(got, want):
+    assert len(got) == len(want) == 20
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    return {"plain": run_layout(tmp, "single", 1, []),
+            "dropout": run_layout(tmp, "single_dropout", 1, ["--hidden-dropout", "0.1"])}
+
+
+SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "plain"),
+         ("pp2_vp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+          "plain"),
+         ("dp2_dropout", 2, ["--hidden-dropout", "0.1"], "dropout")]
+FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
+        ("pp2", 2, ["--pipeline-model-parallel-size", "2"], "plain"),
+        ("dp2", 2, [], "plain"),
+        ("tp2_pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "plain"),
+        ("pp4", 4, ["--pipeline-model-parallel-size", "4"], "plain"),
+        ("tp2_dp2", 4, ["--tensor-model-parallel-size", "2"], "plain"),
+        ("pp2_dp2", 4, ["--pipeline-model-parallel-size", "2"], "plain"),
+        ("pp2_zero_bubble", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"], "plain"),
+        ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"], "dropout")]
+
+
+@pytest.mark.parametrize("name, nproc, flags, ref", SMALL, ids=[s[0] for s in SMALL])
+def test_layout_invariance(tmp_path, reference, name, nproc, flags, ref):
+    assert_same_curve(run_layout(tmp_path, name, nproc, flags), reference[ref])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, nproc, flags, ref", FULL, ids=[s[0] for s in FULL])
+def test_layout_invariance_full_matrix(tmp_path, reference, name, nproc, flags, ref):
+    assert_same_curve(run_layout(tmp_path, name, nproc, flags), reference[ref])
+
+
+def test_the_loss_falls_and_dropout_matters(reference):
+    assert reference["plain"][-1] < reference["plain"][0] - 1.0
+    assert max(abs(a - b) for a, b in zip(reference["plain"], reference["dropout"])) > 1e-3
