@@ -23,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--config", help="YAML file of settings by flag name; command-line flags override it")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="default 1; with neither parallel size given, 2 when the world size is a multiple of 4")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="default 1; with neither parallel size given, 2 when the world size is a multiple of 4")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
@@ -82,13 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Flags over an optional --config YAML file."""
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """Flags over an optional --config YAML file. With neither parallel size set anywhere, a world of a
+    multiple of 4 ranks runs the embedded demo layout tp=2, pp=2; otherwise both default to 1."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     if first.config:
         parser.set_defaults(**load_config(first.config, parser))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    unset = args.tensor_model_parallel_size is None and args.pipeline_model_parallel_size is None
+    demo = 2 if unset and world % 4 == 0 else 1
+    args.tensor_model_parallel_size = args.tensor_model_parallel_size or demo
+    args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or demo
+    return args
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
