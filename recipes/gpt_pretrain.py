@@ -30,7 +30,7 @@ from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.arguments import parse_args, validate
-from fmeg.training.parallel_step import Layout, shard_params, train_iteration
+from fmeg.training.parallel_step import Layout, make_zero, shard_params, train_iteration
 
 
 def model_config(a, vocab_size: int) -> gpt.GPTConfig:
@@ -82,15 +82,21 @@ def main(argv: list[str] | None = None) -> int:
 
     params = shard_params(gpt.init(config, a.seed), config, layout, mesh)
     opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
-    opt_state = opt.init(params)
+    zero = None
+    if a.use_distributed_optimizer:
+        zero, opt_state = make_zero(params, config, layout, mesh, a.adam_beta1, a.adam_beta2, a.adam_eps)
+    else:
+        opt_state = opt.init(params)
     schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=a.lr_warmup_iters,
                                 decay_steps=a.lr_decay_iters or a.train_iters, style=a.lr_decay_style)
     if last_rank:
         local = tree.num_params(params)
+        state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves((opt_state.mu, opt_state.nu)))
         print(f"fmeg gpt_pretrain: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
               f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {vocab}; {local / 1e6:.2f}M parameters on this rank; global batch "
-              f"{gbs} = {microbatches} microbatches x {a.micro_batch_size} x dp {dp}", flush=True)
+              f"{gbs} = {microbatches} microbatches x {a.micro_batch_size} x dp {dp}; optimizer state {state_bytes:,} bytes "
+              f"on this rank{' (distributed optimizer)' if zero else ''}", flush=True)
     metrics_file = None
     if a.log_dir and last_rank:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         lr = schedule(iteration - 1)
         params, opt_state, m = train_iteration(params, opt_state, batch, config=config, layout=layout, mesh=mesh,
                                                optimizer=opt, lr=lr, weight_decay=a.weight_decay,
-                                               clip_grad=a.clip_grad)
+                                               clip_grad=a.clip_grad, zero=zero)
         now = time.perf_counter()
         if last_rank:
             loss = float(m["loss"])

@@ -147,3 +147,16 @@ def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp):
     loss, grads = execute.execute(schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), stages)
     grads = gp.sync_tied_embedding_grads(grads, config, stages, mesh.group("embedding"))
     return loss, grads
+
+
+def zero_state_bytes(mesh, config):
+    """Optimizer-state bytes on this rank with ZeRO-1, and the parameter count it covers."""
+    from fmeg import tree
+    from fmeg.models import gpt
+    from fmeg.training.parallel_step import Layout, make_zero, shard_params
+
+    layout = Layout(dp=mesh.size("dp"))
+    params = shard_params(gpt.init(config, 0), config, layout, mesh)
+    zero, state = make_zero(params, config, layout, mesh, 0.9, 0.999, 1e-8)
+    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves((state.mu, state.nu)))
+    return state_bytes, tree.num_params(params), zero.flat.padded

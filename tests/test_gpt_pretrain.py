@@ -102,7 +102,8 @@ def reference(tmp_path_factory):
 SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "plain"),
          ("pp2_vp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
           "plain"),
-         ("dp2_dropout", 2, ["--hidden-dropout", "0.1"], "dropout")]
+         ("dp2_dropout", 2, ["--hidden-dropout", "0.1"], "dropout"),
+         ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain")]
 FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2", 2, ["--pipeline-model-parallel-size", "2"], "plain"),
         ("dp2", 2, [], "plain"),
@@ -111,7 +112,9 @@ FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("tp2_dp2", 4, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2_dp2", 4, ["--pipeline-model-parallel-size", "2"], "plain"),
         ("pp2_zero_bubble", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"], "plain"),
-        ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"], "dropout")]
+        ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"], "dropout"),
+        ("tp2_dp2_zero1", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
+        ("pp2_dp2_zero1", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "plain")]
 
 
 @pytest.mark.parametrize("name, nproc, flags, ref", SMALL, ids=[s[0] for s in SMALL])

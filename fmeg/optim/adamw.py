@@ -38,10 +38,12 @@ def default_decay_mask(path: str, leaf: torch.Tensor) -> bool:
 
 
 def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask) -> Optimizer:
+          decay_mask: Callable[[str, torch.Tensor], Any] = default_decay_mask) -> Optimizer:
     """Adam with bias correction and decoupled weight decay, the update torch.optim.AdamW makes:
 
         p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * mask * p)
+
+    decay_mask(path, leaf) gives a bool per leaf, or a 0/1 tensor of the leaf's shape (per element).
     """
 
     def init(params: Tree) -> AdamState:
@@ -67,7 +69,10 @@ def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         torch._foreach_mul_(updates, mu)
         torch._foreach_mul_(updates, step_size)
         for u, (path, p) in zip(updates, tree.items(params)):
-            if decay_mask(path, p):
+            keep = decay_mask(path, p)
+            if isinstance(keep, torch.Tensor):  # an elementwise mask (flat ZeRO shards)
+                u.addcmul_(p * keep, decay)
+            elif keep:
                 u.addcmul_(p, decay)
         unflat = lambda leaves: tree.tree_unflatten(leaves, spec)  # noqa: E731
         return unflat(updates), AdamState(count, unflat(mu), unflat(nu))

@@ -174,8 +174,6 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--sequence-parallel")
     need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
     need(not (a.fp16 or a.bf16), "--fp16 and --bf16 are not implemented yet in fmeg; train in fp32 (omit them)")
-    need(not a.use_distributed_optimizer,
-         "--use-distributed-optimizer (ZeRO-1) is not implemented yet in fmeg; omit it")
     max_pos = a.max_position_embeddings or a.seq_length
     need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
     need(a.lr > 0, f"--lr must be positive, got {a.lr}")

@@ -21,6 +21,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.sharding import partition_of, shard
 from fmeg.parallel.tensor import TensorParallel
+from fmeg.parallel.zero import FlatBuffer
 
 
 @dataclass(frozen=True)
@@ -57,37 +58,88 @@ def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
     return schedules.with_communication(full)[pp_rank]
 
 
+def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
+    """keep(path, leaf) for the norm: False for the tied output copy and, off tensor-parallel rank 0, for
+    leaves replicated over tp, so that every parameter is counted exactly once."""
+    tp_rank, last = mesh.coord("tp"), str(layout.num_stages - 1)
+
+    def keep(path: str, leaf: torch.Tensor) -> bool:
+        stage, _, rest = path.partition(".")
+        if stage == last and rest == "output.weight" and config.tie_embeddings:
+            return False
+        return not (partition_of(rest, gpt.TP_RULES) is None and tp_rank != 0)
+
+    return keep
+
+
 def grad_norm(grads: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> torch.Tensor:
     """The global L2 norm: tensor-parallel shards summed over tp, replicated leaves and the tied output
     copy counted once, stages summed over pp (one all-reduce over the tp-pp group)."""
-    total = torch.zeros((), dtype=torch.float64)
-    tp_rank, last = mesh.coord("tp"), layout.num_stages - 1
-    for stage, g in grads.items():
-        for path, leaf in tree.items(g):
-            if stage == last and path == "output.weight" and config.tie_embeddings:
-                continue  # the copy of the word embedding: its gradient is counted on stage 0
-            if partition_of(path, gpt.TP_RULES) is None and tp_rank != 0:
-                continue  # replicated over tp: count it on one tensor-parallel rank
-            total = total + leaf.double().pow(2).sum()
+    keep = counted_once(config, layout, mesh)
+    total = sum((leaf.double().pow(2).sum() for path, leaf in tree.items(grads) if keep(path, leaf)),
+                torch.zeros((), dtype=torch.float64))
     group = mesh.group("mp")
-    if group is not None:
-        total = group.all_reduce(total)
-    return total.sqrt()
+    return (group.all_reduce(total) if group is not None else total).sqrt()
+
+
+@dataclass(frozen=True)
+class Zero:
+    """What ZeRO-1 fixes at start: the flat layout, this slice's masks, and AdamW with an elementwise
+    decay mask. The optimizer state itself stays a pytree of tensors (AdamState of the slice)."""
+
+    flat: FlatBuffer
+    decay: torch.Tensor  # 1 where weight decay applies, on this rank's slice
+    count: torch.Tensor  # 1 where the element counts toward the global gradient norm
+    optimizer: optim.Optimizer
+
+
+def make_zero(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, b1: float, b2: float,
+              eps: float) -> tuple[Zero, Any]:
+    """The ZeRO-1 context and AdamW's state for this data-parallel slice only (8 / dp bytes per parameter)."""
+    flat, rank = FlatBuffer.of(params, layout.dp), mesh.coord("dp")
+    decay = flat.shard(flat.mask(params, optim.default_decay_mask), rank)
+    count = flat.shard(flat.mask(params, counted_once(config, layout, mesh)), rank)
+    optimizer = optim.adamw(b1, b2, eps, decay_mask=lambda path, leaf: decay)
+    shard = flat.shard(flat.flatten(params), rank).clone()
+    return Zero(flat, decay, count, optimizer), optimizer.init({"shard": shard})
+
+
+def _zero_update(params, grads, opt_state, zero: Zero, layout, mesh, lr, weight_decay, clip_grad):
+    flat, rank, dp_group = zero.flat, mesh.coord("dp"), mesh.group("dp")
+    g = flat.flatten(grads)
+    g_shard = (dp_group.reduce_scatter(g, 0) if dp_group is not None else g) / layout.dp
+    total = (g_shard.double().pow(2) * zero.count).sum()
+    for name in ("dp", "mp"):
+        group = mesh.group(name)
+        total = group.all_reduce(total) if group is not None else total
+    norm = total.sqrt()
+    if clip_grad:
+        g_shard = g_shard * min(1.0, clip_grad / (float(norm) + 1e-6))
+    p_shard = flat.shard(flat.flatten(params), rank)
+    updates, opt_state = zero.optimizer.update({"shard": g_shard}, opt_state, {"shard": p_shard},
+                                               lr=torch.tensor(lr), weight_decay=torch.tensor(weight_decay))
+    new_shard = p_shard + updates["shard"]
+    new_flat = dp_group.all_gather(new_shard, 0) if dp_group is not None else new_shard
+    return flat.unflatten(new_flat, params), opt_state, norm
 
 
 def train_iteration(params: dict[int, Any], opt_state: Any, microbatches: list[dict], *, config: gpt.GPTConfig,
                     layout: Layout, mesh: Mesh, optimizer: optim.Optimizer, lr: float, weight_decay: float,
-                    clip_grad: float) -> tuple[dict[int, Any], Any, dict]:
+                    clip_grad: float, zero: Zero | None = None) -> tuple[dict[int, Any], Any, dict]:
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
     fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages)
     grads = gp.sync_tied_embedding_grads(grads, config, layout.num_stages, mesh.group("embedding"))
     dp_group = mesh.group("dp")
+    if dp_group is not None and loss is not None:
+        loss = dp_group.all_reduce(loss) / layout.dp
+    if zero is not None:
+        params, opt_state, norm = _zero_update(params, grads, opt_state, zero, layout, mesh, lr, weight_decay,
+                                               clip_grad)
+        return params, opt_state, {"loss": loss, "grad_norm": float(norm)}
     if dp_group is not None:  # mean over data-parallel replicas (one all-reduce per leaf)
         grads = tree.tree_map(lambda g: dp_group.all_reduce(g) / layout.dp, grads)
-        if loss is not None:
-            loss = dp_group.all_reduce(loss) / layout.dp
     norm = grad_norm(grads, config, layout, mesh)
     if clip_grad:
         coeff = min(1.0, clip_grad / (float(norm) + 1e-6))
