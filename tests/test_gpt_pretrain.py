@@ -18,7 +18,7 @@ BAD = [
      "--num-layers 3 must be divisible by --pipeline-model-parallel-size * virtual stages = 2 * 1"),
     ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "3"], "must divide the 4 layers"),
-    ({"WORLD_SIZE": "4"}, ["--global-batch-size", "6", "--micro-batch-size", "4"],
+    ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "1", "--global-batch-size", "6", "--micro-batch-size", "4"],
      "--global-batch-size 6 must be divisible by --micro-batch-size * data-parallel size = 4 * 4"),
     ({"WORLD_SIZE": "6"}, ["--tensor-model-parallel-size", "4"], "world size 6 must be divisible"),
     ({"WORLD_SIZE": "1"}, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
@@ -131,3 +131,10 @@ def test_layout_invariance_full_matrix(tmp_path, reference, name, nproc, flags, 
 def test_the_loss_falls_and_dropout_matters(reference):
     assert reference["plain"][-1] < reference["plain"][0] - 1.0
     assert max(abs(a - b) for a, b in zip(reference["plain"], reference["dropout"])) > 1e-3
+
+
+def test_four_ranks_with_no_parallel_flags_run_the_demo_layout():
+    a = parse_args([], world_size=4)
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (2, 2)
+    assert (parse_args([], world_size=2).tensor_model_parallel_size, parse_args(["--pipeline-model-parallel-size",
+            "1"], world_size=4).tensor_model_parallel_size) == (1, 1)
