@@ -30,7 +30,8 @@ from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.arguments import parse_args, validate
-from fmeg.training.parallel_step import Layout, make_zero, shard_params, train_iteration
+from fmeg.training import loss_scale
+from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
 
 
 def model_config(a, vocab_size: int) -> gpt.GPTConfig:
@@ -82,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
 
     params = shard_params(gpt.init(config, a.seed), config, layout, mesh)
     opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
-    zero = None
-    if a.use_distributed_optimizer:
-        zero, opt_state = make_zero(params, config, layout, mesh, a.adam_beta1, a.adam_beta2, a.adam_eps)
-    else:
-        opt_state = opt.init(params)
+    compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    params, opt_state, zero = init_state(params, config, layout, mesh, opt, distributed=a.use_distributed_optimizer,
+                                         compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+    scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
+        if a.fp16 else None
+    skipped = 0
     schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=a.lr_warmup_iters,
                                 decay_steps=a.lr_decay_iters or a.train_iters, style=a.lr_decay_style)
     if last_rank:
         local = tree.num_params(params)
-        state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves((opt_state.mu, opt_state.nu)))
+        state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
+            (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
         print(f"fmeg gpt_pretrain: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
               f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {vocab}; {local / 1e6:.2f}M parameters on this rank; global batch "
@@ -113,15 +116,21 @@ def main(argv: list[str] | None = None) -> int:
                 mb["dropout_key"] = fold_in(a.seed, iteration, j * dp + dp_rank)
             batch.append(mb)
         lr = schedule(iteration - 1)
+        scale = scaler.scale if scaler else 1.0
         params, opt_state, m = train_iteration(params, opt_state, batch, config=config, layout=layout, mesh=mesh,
                                                optimizer=opt, lr=lr, weight_decay=a.weight_decay,
-                                               clip_grad=a.clip_grad, zero=zero)
+                                               clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
+                                               check_overflow=scaler is not None)
+        skipped += int(m["skipped"])
+        if scaler:
+            scaler = loss_scale.update(scaler, m["skipped"])
         now = time.perf_counter()
         if last_rank:
-            loss = float(m["loss"])
+            loss = float(m["loss"])  # reported for skipped steps too, as Megatron does
             losses.append(loss)
             record = {"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr,
-                      "loss_scale": 1.0, "consumed_samples": iteration * gbs, "elapsed_ms": (now - tick) * 1e3,
+                      "loss_scale": scale, "skipped": bool(m["skipped"]), "consumed_samples": iteration * gbs,
+                      "elapsed_ms": (now - tick) * 1e3,
                       "tokens_per_s": gbs * a.seq_length / max(now - tick, 1e-9)}
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             if iteration % a.log_interval == 0 or iteration == a.train_iters:
                 print(megatron_log_line(iteration=iteration, train_iters=a.train_iters,
                                         consumed_samples=iteration * gbs, elapsed_ms=record["elapsed_ms"], lr=lr,
-                                        global_batch_size=gbs, lm_loss=loss, grad_norm=m["grad_norm"]), flush=True)
+                                        global_batch_size=gbs, lm_loss=loss, grad_norm=m["grad_norm"],
+                                        loss_scale=scale, skipped=skipped), flush=True)
         tick = now
     if last_rank:
         tail = losses[-10:]

@@ -149,14 +149,15 @@ def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp):
     return loss, grads
 
 
-def zero_state_bytes(mesh, config):
+def zero_state_bytes(mesh, config, compute_dtype):
     """Optimizer-state bytes on this rank with ZeRO-1, and the parameter count it covers."""
-    from fmeg import tree
+    from fmeg import optim, tree
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, make_zero, shard_params
+    from fmeg.training.parallel_step import Layout, init_state, shard_params
 
     layout = Layout(dp=mesh.size("dp"))
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
-    zero, state = make_zero(params, config, layout, mesh, 0.9, 0.999, 1e-8)
-    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves((state.mu, state.nu)))
-    return state_bytes, tree.num_params(params), zero.flat.padded
+    model, state, zero = init_state(params, config, layout, mesh, optim.adamw(), distributed=True,
+                                    compute_dtype=compute_dtype)
+    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(state))
+    return state_bytes - 8, tree.num_params(params), zero.flat.padded, tree.tree_leaves(model)[0].dtype

@@ -1,6 +1,8 @@
-"""ZeRO-1: optimizer state per rank is 8 / dp bytes per parameter in fp32 (Adam's two moments)."""
+"""ZeRO-1: optimizer state per rank follows Megatron's figures (8 / dp bytes per parameter in fp32, 12 / dp
+with bf16 and its fp32 main weights)."""
 
 import pytest
+import torch
 
 import spmd_programs as P
 from fmeg.models import gpt
@@ -10,9 +12,12 @@ CONFIG = gpt.GPTConfig.gpt2(vocab_size=96, max_seq_len=16, num_layers=2, hidden_
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_optimizer_state_bytes_per_rank_are_8_over_dp_per_parameter(dp):
-    results = run_threads(dp, P.zero_state_bytes, CONFIG)
-    for state_bytes, num_params, padded in results:
+@pytest.mark.parametrize("dtype, per_param", [(torch.float32, 8), (torch.bfloat16, 12)])
+def test_optimizer_state_bytes_per_rank_follow_megatron(dp, dtype, per_param):
+    """fp32: Adam's two moments, 8 / dp bytes per parameter; bf16 adds fp32 main weights: 12 / dp."""
+    results = run_threads(dp, P.zero_state_bytes, CONFIG, dtype)
+    for state_bytes, num_params, padded, model_dtype in results:  # state_bytes excludes the step counter
+        assert model_dtype == dtype
         assert padded - num_params < dp  # padding only to a multiple of dp
-        assert state_bytes == 8 * padded // dp
-        assert abs(state_bytes - 8 * num_params / dp) <= 8
+        assert state_bytes == per_param * padded // dp
+        assert abs(state_bytes - per_param * num_params / dp) <= per_param

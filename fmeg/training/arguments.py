@@ -66,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--bf16", action="store_true")
-    t.add_argument("--fp16", action="store_true")
+    t.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights and gradients")
+    t.add_argument("--fp16", action="store_true", help="fp16 compute with a dynamic loss scaler")
+    t.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    t.add_argument("--min-loss-scale", type=float, default=1.0)
+    t.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale doubles")
+    t.add_argument("--hysteresis", type=int, default=2, help="overflowed steps before the scale halves")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix ...' (default: stdlib)")
     d.add_argument("--split", default="969,30,1")
@@ -173,7 +177,9 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
          "--sequence-parallel")
     need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
-    need(not (a.fp16 or a.bf16), "--fp16 and --bf16 are not implemented yet in fmeg; train in fp32 (omit them)")
+    need(a.initial_loss_scale >= a.min_loss_scale > 0,
+         f"--initial-loss-scale {a.initial_loss_scale} must be >= --min-loss-scale {a.min_loss_scale} > 0")
+    need(a.loss_scale_window > 0 and a.hysteresis > 0, "--loss-scale-window and --hysteresis must be positive")
     max_pos = a.max_position_embeddings or a.seq_length
     need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
     need(a.lr > 0, f"--lr must be positive, got {a.lr}")

@@ -85,7 +85,7 @@ def grad_norm(grads: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh
 @dataclass(frozen=True)
 class Zero:
     """What ZeRO-1 fixes at start: the flat layout, this slice's masks, and AdamW with an elementwise
-    decay mask. The optimizer state itself stays a pytree of tensors (AdamState of the slice)."""
+    decay mask. The optimizer state itself stays a pytree of tensors."""
 
     flat: FlatBuffer
     decay: torch.Tensor  # 1 where weight decay applies, on this rank's slice
@@ -93,15 +93,38 @@ class Zero:
     optimizer: optim.Optimizer
 
 
-def make_zero(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, b1: float, b2: float,
-              eps: float) -> tuple[Zero, Any]:
-    """The ZeRO-1 context and AdamW's state for this data-parallel slice only (8 / dp bytes per parameter)."""
-    flat, rank = FlatBuffer.of(params, layout.dp), mesh.coord("dp")
-    decay = flat.shard(flat.mask(params, optim.default_decay_mask), rank)
-    count = flat.shard(flat.mask(params, counted_once(config, layout, mesh)), rank)
-    optimizer = optim.adamw(b1, b2, eps, decay_mask=lambda path, leaf: decay)
-    shard = flat.shard(flat.flatten(params), rank).clone()
-    return Zero(flat, decay, count, optimizer), optimizer.init({"shard": shard})
+def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh,
+               optimizer: optim.Optimizer, *, distributed: bool, compute_dtype: torch.dtype = torch.float32,
+               adam: tuple[float, float, float] = (0.9, 0.999, 1e-8)) -> tuple[dict[int, Any], dict, Zero | None]:
+    """(model params in the compute dtype, optimizer state, ZeRO context or None) from fp32 params.
+
+    The state holds AdamW's moments ("adam") for all local parameters, or for this data-parallel slice with
+    the distributed optimizer (8 / dp bytes per parameter), and, when computing in bf16 / fp16, fp32 main
+    weights ("main"): the full local params, or the slice (then 12 / dp bytes per parameter in all)."""
+    mixed = compute_dtype != torch.float32
+    if distributed:
+        flat, rank = FlatBuffer.of(params, layout.dp), mesh.coord("dp")
+        decay = flat.shard(flat.mask(params, optim.default_decay_mask), rank)
+        count = flat.shard(flat.mask(params, counted_once(config, layout, mesh)), rank)
+        zero = Zero(flat, decay, count, optim.adamw(*adam, decay_mask=lambda path, leaf: decay))
+        shard = flat.shard(flat.flatten(params), rank).clone()
+        state = {"adam": zero.optimizer.init({"shard": shard})}
+        if mixed:
+            state["main"] = shard
+    else:
+        zero, state = None, {"adam": optimizer.init(params)}
+        if mixed:
+            state["main"] = params
+    model = tree.tree_map(lambda p: p.to(compute_dtype), params) if mixed else params
+    return model, state, zero
+
+
+def _any_overflow(grads: Any, mesh: Mesh) -> bool:
+    bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in tree.tree_leaves(grads))))
+    for name in ("dp", "mp"):
+        group = mesh.group(name)
+        bad = group.all_reduce(bad, "max") if group is not None else bad
+    return bool(bad > 0)
 
 
 def _zero_update(params, grads, opt_state, zero: Zero, layout, mesh, lr, weight_decay, clip_grad):
@@ -115,36 +138,53 @@ def _zero_update(params, grads, opt_state, zero: Zero, layout, mesh, lr, weight_
     norm = total.sqrt()
     if clip_grad:
         g_shard = g_shard * min(1.0, clip_grad / (float(norm) + 1e-6))
-    p_shard = flat.shard(flat.flatten(params), rank)
-    updates, opt_state = zero.optimizer.update({"shard": g_shard}, opt_state, {"shard": p_shard},
-                                               lr=torch.tensor(lr), weight_decay=torch.tensor(weight_decay))
+    p_shard = opt_state["main"] if "main" in opt_state else flat.shard(flat.flatten(params), rank)
+    updates, adam = zero.optimizer.update({"shard": g_shard}, opt_state["adam"], {"shard": p_shard},
+                                          lr=torch.tensor(lr), weight_decay=torch.tensor(weight_decay))
     new_shard = p_shard + updates["shard"]
-    new_flat = dp_group.all_gather(new_shard, 0) if dp_group is not None else new_shard
-    return flat.unflatten(new_flat, params), opt_state, norm
+    compute = tree.tree_leaves(params)[0].dtype
+    gathered = new_shard.to(compute)
+    gathered = dp_group.all_gather(gathered, 0) if dp_group is not None else gathered
+    state = {"adam": adam, **({"main": new_shard} if "main" in opt_state else {})}
+    return flat.unflatten(gathered, params), state, norm
 
 
-def train_iteration(params: dict[int, Any], opt_state: Any, microbatches: list[dict], *, config: gpt.GPTConfig,
+def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[dict], *, config: gpt.GPTConfig,
                     layout: Layout, mesh: Mesh, optimizer: optim.Optimizer, lr: float, weight_decay: float,
-                    clip_grad: float, zero: Zero | None = None) -> tuple[dict[int, Any], Any, dict]:
+                    clip_grad: float, zero: Zero | None = None, loss_scale: float = 1.0,
+                    check_overflow: bool = False) -> tuple[dict[int, Any], dict, dict]:
+    """One step; params are the model's (compute dtype), opt_state comes from init_state. With
+    check_overflow (fp16), a step whose gradients hold inf/nan on any rank changes nothing and reports
+    skipped=True."""
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
     fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
-    loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages)
+    loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
+                                  loss_scale=loss_scale)
     grads = gp.sync_tied_embedding_grads(grads, config, layout.num_stages, mesh.group("embedding"))
+    if loss_scale != 1.0:
+        grads = tree.tree_map(lambda g: g / loss_scale, grads)
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
+    if check_overflow and _any_overflow(grads, mesh):
+        return params, opt_state, {"loss": loss, "grad_norm": float("nan"), "skipped": True}
     if zero is not None:
         params, opt_state, norm = _zero_update(params, grads, opt_state, zero, layout, mesh, lr, weight_decay,
                                                clip_grad)
-        return params, opt_state, {"loss": loss, "grad_norm": float(norm)}
+        return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False}
     if dp_group is not None:  # mean over data-parallel replicas (one all-reduce per leaf)
         grads = tree.tree_map(lambda g: dp_group.all_reduce(g) / layout.dp, grads)
     norm = grad_norm(grads, config, layout, mesh)
     if clip_grad:
         coeff = min(1.0, clip_grad / (float(norm) + 1e-6))
         grads = tree.tree_map(lambda g: g * coeff, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params, lr=torch.tensor(lr),
-                                          weight_decay=torch.tensor(weight_decay))
-    params = optim.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": float(norm)}
+    main = opt_state.get("main", params)
+    updates, adam = optimizer.update(grads, opt_state["adam"], main, lr=torch.tensor(lr),
+                                     weight_decay=torch.tensor(weight_decay))
+    main = optim.apply_updates(main, updates)
+    if "main" in opt_state:
+        compute = tree.tree_leaves(params)[0].dtype
+        return tree.tree_map(lambda p: p.to(compute), main), {"adam": adam, "main": main}, \
+            {"loss": loss, "grad_norm": float(norm), "skipped": False}
+    return main, {"adam": adam}, {"loss": loss, "grad_norm": float(norm), "skipped": False}

@@ -26,15 +26,18 @@ FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
 def _add(total: Any, new: Any) -> Any:
+    """Gradient sums are kept in at least fp32, whatever the compute dtype (bf16/fp16 microbatches)."""
+    new = tree.tree_map(lambda g: g.to(torch.promote_types(g.dtype, torch.float32)), new)
     return new if total is None else tree.tree_map(torch.add, total, new)
 
 
 def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
-            trace: list | None = None) -> tuple[torch.Tensor | None, dict[int, Any]]:
+            trace: list | None = None, loss_scale: float = 1.0) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
     the last stage, else None; {stage: gradient of its params}). A `trace` list receives
-    (action, start, end) in time.perf_counter() seconds for every action."""
+    (action, start, end) in time.perf_counter() seconds for every action. loss_scale multiplies the
+    backward seed (fp16 loss scaling); the returned gradients are of loss_scale * mean loss."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
     inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
@@ -71,7 +74,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
             else:
                 outbox[("F", s, m)] = out.detach()
         elif a.kind == "B":
-            grad_out = torch.full((), 1.0 / m_count) if s == last else inbox.pop(("B", s, m))
+            grad_out = torch.full((), loss_scale / m_count) if s == last else inbox.pop(("B", s, m))
             cotangents = vjps.pop((s, m))(grad_out)
             if s > 0:
                 target = inbox if (s - 1) % pp == s % pp else outbox
