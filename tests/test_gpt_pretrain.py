@@ -57,7 +57,7 @@ def test_bad_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, e
 
 
 def test_every_problem_is_reported_at_once():
-    problems = validate(parse_args(["--hidden-size", "30", "--fp16", "--bf16", "--min-lr", "9"]), 1)
+    problems = validate(parse_args(["--hidden-size", "30", "--fp16", "--bf16", "--min-lr", "9", "--clip-grad", "-1"]), 1)
     assert len(problems) >= 4
 
 
