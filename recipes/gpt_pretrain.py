@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fmeg import optim, tree
-from fmeg.data.blending import build_datasets
+from fmeg.data.blending import build_datasets, target_samples
 from fmeg.data.default_corpus import default_corpus
 from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
 from fmeg.log_line import megatron_log_line
@@ -31,7 +33,9 @@ from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.arguments import parse_args, validate
 from fmeg.training import loss_scale
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.training.batch_schedule import global_batch_size
+from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
+from fmeg.training.report import draw_loss_curve, memory_estimate, model_flops
 
 
 def model_config(a, vocab_size: int) -> gpt.GPTConfig:
@@ -77,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = a.padded_vocab_size or padded_vocab_size(tokenizer.vocab_size, tp, a.make_vocab_size_divisible_by)
     config = model_config(a, vocab)
     gbs = a.global_batch_size or a.micro_batch_size * dp
-    microbatches = gbs // (a.micro_batch_size * dp)
-    train_data = build_datasets(data_path, a.split, a.seq_length, [a.train_iters * gbs, 0, 0], a.seed,
-                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod, eod_mask_loss=a.eod_mask_loss)[0]
+    samples = target_samples(a.train_iters, gbs, a.eval_interval or 0, a.eval_iters if a.eval_interval else 0)
+    train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0], a.seed,
+                                               cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
+                                               eod_mask_loss=a.eod_mask_loss)
 
     params = shard_params(gpt.init(config, a.seed), config, layout, mesh)
     opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
@@ -88,65 +93,103 @@ def main(argv: list[str] | None = None) -> int:
                                          compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
     scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
         if a.fp16 else None
-    skipped = 0
-    schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=a.lr_warmup_iters,
-                                decay_steps=a.lr_decay_iters or a.train_iters, style=a.lr_decay_style)
+    in_samples = a.lr_decay_samples is not None
+    schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr,
+                                warmup_steps=a.lr_warmup_samples if in_samples else a.lr_warmup_iters,
+                                decay_steps=a.lr_decay_samples if in_samples else (a.lr_decay_iters or a.train_iters),
+                                style=a.lr_decay_style)
+    local = tree.num_params(params)
+    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
+        (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
     if last_rank:
-        local = tree.num_params(params)
-        state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
-            (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
+        in_flight = min(pp, gbs // (a.micro_batch_size * dp)) * chunks
+        estimate = memory_estimate(local, state_bytes, config, a.micro_batch_size, a.seq_length, tp, pp, in_flight,
+                                   torch.finfo(compute_dtype).bits // 8)
         print(f"fmeg gpt_pretrain: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
               f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
-              f"{config.hidden_size}, vocab {vocab}; {local / 1e6:.2f}M parameters on this rank; global batch "
-              f"{gbs} = {microbatches} microbatches x {a.micro_batch_size} x dp {dp}; optimizer state {state_bytes:,} bytes "
-              f"on this rank{' (distributed optimizer)' if zero else ''}", flush=True)
+              f"{config.hidden_size}, vocab {vocab}, {str(compute_dtype).removeprefix('torch.')}; "
+              f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
+              f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
+              f"{' (distributed optimizer)' if zero else ''}", flush=True)
+        print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items()),
+              flush=True)
+    records: list[dict] = []
     metrics_file = None
     if a.log_dir and last_rank:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)
         metrics_file = open(Path(a.log_dir) / "metrics.jsonl", "w")  # noqa: SIM115 - closed below
-    dp_rank, losses, start = mesh.coord("dp"), [], time.perf_counter()
-    tick = start
-    for iteration in range(1, a.train_iters + 1):
-        consumed = (iteration - 1) * gbs
-        batch = []
-        for j in range(microbatches):
-            first = consumed + (j * dp + dp_rank) * a.micro_batch_size
-            mb = collate([train_data[i] for i in range(first, first + a.micro_batch_size)])
-            if a.hidden_dropout:
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+
+    def batches(dataset, first_sample: int, global_batch: int, iteration: int) -> list[dict]:
+        out = []
+        for j in range(global_batch // (a.micro_batch_size * dp)):
+            first = first_sample + (j * dp + dp_rank) * a.micro_batch_size
+            mb = collate([dataset[i] for i in range(first, first + a.micro_batch_size)])
+            if a.hidden_dropout and dataset is train_data:
                 mb["dropout_key"] = fold_in(a.seed, iteration, j * dp + dp_rank)
-            batch.append(mb)
-        lr = schedule(iteration - 1)
+            out.append(mb)
+        return out
+
+    dp_rank, losses, skipped, consumed, valid_consumed = mesh.coord("dp"), [], 0, 0, 0
+    start = tick = time.perf_counter()
+    for iteration in range(1, a.train_iters + 1):
+        global_batch = global_batch_size(consumed, gbs, tuple(a.rampup_batch_size) if a.rampup_batch_size else None)
+        batch = batches(train_data, consumed, global_batch, iteration)
+        data_ms = (time.perf_counter() - tick) * 1e3
+        lr = schedule(consumed if in_samples else iteration - 1)  # Megatron: the scheduler advances after
         scale = scaler.scale if scaler else 1.0
         params, opt_state, m = train_iteration(params, opt_state, batch, config=config, layout=layout, mesh=mesh,
                                                optimizer=opt, lr=lr, weight_decay=a.weight_decay,
                                                clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
                                                check_overflow=scaler is not None)
+        consumed += global_batch
         skipped += int(m["skipped"])
         if scaler:
             scaler = loss_scale.update(scaler, m["skipped"])
         now = time.perf_counter()
+        elapsed = now - tick
         if last_rank:
             loss = float(m["loss"])  # reported for skipped steps too, as Megatron does
             losses.append(loss)
-            record = {"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr,
-                      "loss_scale": scale, "skipped": bool(m["skipped"]), "consumed_samples": iteration * gbs,
-                      "elapsed_ms": (now - tick) * 1e3,
-                      "tokens_per_s": gbs * a.seq_length / max(now - tick, 1e-9)}
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+            tflops = model_flops(config, global_batch, a.seq_length) / (elapsed * 1e12 * world)
+            emit({"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr, "loss_scale": scale,
+                  "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
+                  "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
+                  "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]}})
             if iteration % a.log_interval == 0 or iteration == a.train_iters:
-                print(megatron_log_line(iteration=iteration, train_iters=a.train_iters,
-                                        consumed_samples=iteration * gbs, elapsed_ms=record["elapsed_ms"], lr=lr,
-                                        global_batch_size=gbs, lm_loss=loss, grad_norm=m["grad_norm"],
+                print(megatron_log_line(iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed,
+                                        elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
+                                        global_batch_size=global_batch, lm_loss=loss, grad_norm=m["grad_norm"],
                                         loss_scale=scale, skipped=skipped), flush=True)
-        tick = now
+                print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
+                      flush=True)
+        if a.eval_interval and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
+            total = 0.0
+            for _ in range(a.eval_iters):
+                value = evaluate(params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
+                                 layout=layout, mesh=mesh)
+                valid_consumed += gbs
+                total += float(value) if value is not None else 0.0
+            if last_rank:
+                value = total / a.eval_iters
+                emit({"iteration": iteration, "validation_lm_loss": value})
+                print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: "
+                      f"{math.exp(min(value, 50)):.6E} |", flush=True)
+        tick = time.perf_counter()
     if last_rank:
         tail = losses[-10:]
-        print(f"done: {a.train_iters} iterations in {time.perf_counter() - start:.1f} s; lm loss "
-              f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)})", flush=True)
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"done: {a.train_iters} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "
+              f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); {skipped} skipped; "
+              f"peak memory of this process {peak_mb:.0f} MB", flush=True)
         if metrics_file:
             metrics_file.close()
+            draw_loss_curve(records, Path(a.log_dir) / "loss.png")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -83,7 +83,8 @@ def run_layout(tmp_path, name, nproc, flags):
     out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *COMMON, "--log-dir", str(log_dir), *flags],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return [json.loads(line)["lm_loss"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
 
 
 def assert_same_curve(got, want):
@@ -97,6 +98,9 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
     return {"plain": run_layout(tmp, "single", 1, []),
             "dropout": run_layout(tmp, "single_dropout", 1, ["--hidden-dropout", "0.1"])}
+
+
+RAMPUP = ["--rampup-batch-size", "4", "4", "40"]
 
 
 SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "plain"),
@@ -114,7 +118,8 @@ FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2_zero_bubble", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"], "plain"),
         ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"], "dropout"),
         ("tp2_dp2_zero1", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
-        ("pp2_dp2_zero1", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "plain")]
+        ("pp2_dp2_zero1", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
+        ("tp2_dp2_rampup", 4, ["--tensor-model-parallel-size", "2", *RAMPUP], "rampup")]
 
 
 @pytest.mark.parametrize("name, nproc, flags, ref", SMALL, ids=[s[0] for s in SMALL])
@@ -125,7 +130,28 @@ def test_layout_invariance(tmp_path, reference, name, nproc, flags, ref):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, nproc, flags, ref", FULL, ids=[s[0] for s in FULL])
 def test_layout_invariance_full_matrix(tmp_path, reference, name, nproc, flags, ref):
+    if ref == "rampup" and "rampup" not in reference:
+        reference["rampup"] = run_layout(tmp_path, "single_rampup", 1, RAMPUP)
     assert_same_curve(run_layout(tmp_path, name, nproc, flags), reference[ref])
+
+
+def test_validation_records_samples_schedule_and_loss_picture(tmp_path):
+    run_layout(tmp_path, "eval", 1, ["--eval-interval", "10", "--eval-iters", "1", "--lr-warmup-samples", "16",
+                                     "--lr-decay-samples", "160", *RAMPUP])
+    records = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in records if "validation_lm_loss" in r]
+    assert [r["iteration"] for r in valid] == [10, 20] and all(r["validation_lm_loss"] > 0 for r in valid)
+    train = [r for r in records if "lm_loss" in r]
+    assert [r["global_batch_size"] for r in train[:12]] == [4] * 10 + [8] * 2  # 4 until 40 samples, then 8
+    from fmeg.optim import LRSchedule
+
+    schedule = LRSchedule(max_lr=3e-3, min_lr=3e-4, warmup_steps=16, decay_steps=160, style="cosine")
+    consumed = 0
+    for r in train:  # the schedule counts samples consumed before the step
+        assert r["lr"] == pytest.approx(schedule(consumed))
+        consumed += r["global_batch_size"]
+        assert r["consumed_samples"] == consumed and r["timers_ms"]["forward-backward"] > 0
+    assert (tmp_path / "eval" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_loss_falls_and_dropout_matters(reference):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fmeg.data.blending import parse_blend, parse_split
+from fmeg.training.batch_schedule import check_rampup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=4)
     t.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data parallel")
+    t.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    t.add_argument("--lr-warmup-samples", type=int, default=None, help="count the LR schedule in samples")
+    t.add_argument("--lr-decay-samples", type=int, default=None)
     t.add_argument("--train-iters", type=int, default=100)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=3e-4)
@@ -83,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--eod-mask-loss", action="store_true")
     d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
     lg = p.add_argument_group("logging")
+    lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
+    lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
     lg.add_argument("--log-interval", type=int, default=10)
     lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
     return p
@@ -169,6 +176,15 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
          f"{a.micro_batch_size} * {dp}")
     microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
+    if a.rampup_batch_size:
+        problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
+    need((a.lr_warmup_samples is None) == (a.lr_decay_samples is None),
+         "--lr-warmup-samples and --lr-decay-samples go together (the schedule counts samples)")
+    if a.lr_decay_samples is not None:
+        need(0 <= a.lr_warmup_samples < a.lr_decay_samples or a.lr_decay_style == "constant",
+             f"--lr-warmup-samples {a.lr_warmup_samples} must be below --lr-decay-samples {a.lr_decay_samples}")
+    need(a.eval_interval is None or (a.eval_interval > 0 and a.eval_iters > 0),
+         "--eval-interval and --eval-iters must be positive")
     if vp_chunks > 1 and microbatches:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")

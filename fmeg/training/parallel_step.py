@@ -9,6 +9,7 @@ exactly the slices of what a single rank would hold.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,23 @@ def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
         full = {"1f1b": schedules.one_f_one_b, "gpipe": schedules.gpipe,
                 "zero_bubble": schedules.zero_bubble_h1}[layout.schedule](layout.pp, microbatches)
     return schedules.with_communication(full)[pp_rank]
+
+
+def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
+             mesh: Mesh) -> torch.Tensor | None:
+    """Mean loss over microbatches (data-parallel mean), forward only; None off the last stage's ranks."""
+    tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
+    fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
+    full = schedules.gpipe(layout.pp, len(microbatches)) if layout.chunks == 1 else \
+        schedules.interleaved_1f1b(layout.pp, len(microbatches), layout.chunks, len(microbatches))
+    forwards = [[a for a in actions if a.kind == "F"] for actions in full]
+    actions = schedules.with_communication(forwards)[mesh.coord("pp")]
+    loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
+                              forward_only=True)
+    dp_group = mesh.group("dp")
+    if dp_group is not None and loss is not None:
+        loss = dp_group.all_reduce(loss) / layout.dp
+    return loss
 
 
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
@@ -156,25 +174,34 @@ def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[
     """One step; params are the model's (compute dtype), opt_state comes from init_state. With
     check_overflow (fp16), a step whose gradients hold inf/nan on any rank changes nothing and reports
     skipped=True."""
+    t0 = time.perf_counter()
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
     fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
                                   loss_scale=loss_scale)
+    t1 = time.perf_counter()
     grads = gp.sync_tied_embedding_grads(grads, config, layout.num_stages, mesh.group("embedding"))
     if loss_scale != 1.0:
         grads = tree.tree_map(lambda g: g / loss_scale, grads)
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
+    def timers(t2: float, t3: float) -> dict:
+        return {"forward-backward": (t1 - t0) * 1e3, "grads-reduce": (t2 - t1) * 1e3, "optimizer": (t3 - t2) * 1e3}
+
     if check_overflow and _any_overflow(grads, mesh):
-        return params, opt_state, {"loss": loss, "grad_norm": float("nan"), "skipped": True}
-    if zero is not None:
+        now = time.perf_counter()
+        return params, opt_state, {"loss": loss, "grad_norm": float("nan"), "skipped": True, "timers_ms": timers(now, now)}
+    if zero is not None:  # the reduce-scatter and all-gather are timed with the optimizer here
+        t2 = time.perf_counter()
         params, opt_state, norm = _zero_update(params, grads, opt_state, zero, layout, mesh, lr, weight_decay,
                                                clip_grad)
-        return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False}
+        return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False,
+                                   "timers_ms": timers(t2, time.perf_counter())}
     if dp_group is not None:  # mean over data-parallel replicas (one all-reduce per leaf)
         grads = tree.tree_map(lambda g: dp_group.all_reduce(g) / layout.dp, grads)
+    t2 = time.perf_counter()
     norm = grad_norm(grads, config, layout, mesh)
     if clip_grad:
         coeff = min(1.0, clip_grad / (float(norm) + 1e-6))
@@ -183,8 +210,8 @@ def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[
     updates, adam = optimizer.update(grads, opt_state["adam"], main, lr=torch.tensor(lr),
                                      weight_decay=torch.tensor(weight_decay))
     main = optim.apply_updates(main, updates)
+    metrics = {"loss": loss, "grad_norm": float(norm), "skipped": False, "timers_ms": timers(t2, time.perf_counter())}
     if "main" in opt_state:
         compute = tree.tree_leaves(params)[0].dtype
-        return tree.tree_map(lambda p: p.to(compute), main), {"adam": adam, "main": main}, \
-            {"loss": loss, "grad_norm": float(norm), "skipped": False}
-    return main, {"adam": adam}, {"loss": loss, "grad_norm": float(norm), "skipped": False}
+        return tree.tree_map(lambda p: p.to(compute), main), {"adam": adam, "main": main}, metrics
+    return main, {"adam": adam}, metrics

@@ -33,11 +33,13 @@ def _add(total: Any, new: Any) -> Any:
 
 def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
-            trace: list | None = None, loss_scale: float = 1.0) -> tuple[torch.Tensor | None, dict[int, Any]]:
+            trace: list | None = None, loss_scale: float = 1.0,
+            forward_only: bool = False) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
     the last stage, else None; {stage: gradient of its params}). A `trace` list receives
     (action, start, end) in time.perf_counter() seconds for every action. loss_scale multiplies the
-    backward seed (fp16 loss scaling); the returned gradients are of loss_scale * mean loss."""
+    backward seed (fp16 loss scaling); the returned gradients are of loss_scale * mean loss. forward_only
+    (evaluation) runs the F actions without keeping anything for a backward."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
     inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
@@ -61,12 +63,17 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
             pp_group.send(outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
         elif a.kind == "F":
             fn, batch = stage_fns[s], microbatches[m]
-            if s == 0:
+            if forward_only:
+                with torch.no_grad():
+                    out = fn(stage_params[s], None if s == 0 else inbox.pop(("F", s, m)), batch)
+                vjp = None
+            elif s == 0:
                 out, vjp = torch.func.vjp(lambda p: fn(p, None, batch), stage_params[s])
             else:
                 x = inbox.pop(("F", s, m))
                 out, vjp = torch.func.vjp(lambda p, x: fn(p, x, batch), stage_params[s], x)
-            vjps[(s, m)] = vjp
+            if vjp is not None:
+                vjps[(s, m)] = vjp
             if s == last:
                 loss = (0.0 if loss is None else loss) + out.detach() / m_count
             elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication

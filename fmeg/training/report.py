@@ -1,0 +1,52 @@
+"""What the runner reports: model FLOPs, a memory estimate, and the loss-curve picture (pure helpers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fmeg.models.gpt import GPTConfig
+
+
+def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
+    """Megatron's FLOPs per iteration: 72 B s L h^2 (1 + s / 6h + V / 12 L h) (forward and backward)."""
+    h, L, V = config.hidden_size, config.num_layers, config.vocab_size
+    return 72.0 * global_batch * seq_len * L * h * h * (1 + seq_len / (6 * h) + V / (12 * L * h))
+
+
+def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
+                    tp: int, pp: int, in_flight: int, activation_bytes: int = 4) -> dict[str, float]:
+    """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
+    rank holds at once (Korthikanti et al. 2022: s b h (34 + 5 a s / h) per layer in 16-bit, / tp)."""
+    s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
+    per_layer_16bit = s * b * h * (34 + 5 * a * s / h) / tp
+    activations = per_layer_16bit * (activation_bytes / 2) * (config.num_layers / pp) * in_flight
+    weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
+    return {"weights_and_grads": weights, "optimizer": float(state_bytes), "activations": activations,
+            "total": weights + state_bytes + activations}
+
+
+def draw_loss_curve(records: list[dict], path: str | Path) -> Path | None:
+    """loss.png from metrics records (training and validation); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r]
+    valid = [(r["iteration"], r["validation_lm_loss"]) for r in records if "validation_lm_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), label="lm loss")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation lm loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
