@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                                 warmup_steps=a.lr_warmup_samples if in_samples else a.lr_warmup_iters,
                                 decay_steps=a.lr_decay_samples if in_samples else (a.lr_decay_iters or a.train_iters),
                                 style=a.lr_decay_style)
+    wd_schedule = optim.WeightDecaySchedule(
+        start=a.weight_decay if a.start_weight_decay is None else a.start_weight_decay,
+        end=a.weight_decay if a.end_weight_decay is None else a.end_weight_decay,
+        incr_steps=a.train_iters * (gbs if in_samples else 1), style=a.weight_decay_incr_style)
     local = tree.num_params(params)
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
         (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         lr = schedule(consumed if in_samples else iteration - 1)  # Megatron: the scheduler advances after
         scale = scaler.scale if scaler else 1.0
         params, opt_state, m = train_iteration(params, opt_state, batch, config=config, layout=layout, mesh=mesh,
-                                               optimizer=opt, lr=lr, weight_decay=a.weight_decay,
+                                               optimizer=opt, lr=lr,
+                                               weight_decay=wd_schedule(consumed if in_samples else iteration - 1),
                                                clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
                                                check_overflow=scaler is not None)
         consumed += global_batch
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             loss = float(m["loss"])  # reported for skipped steps too, as Megatron does
             losses.append(loss)
             tflops = model_flops(config, global_batch, a.seq_length) / (elapsed * 1e12 * world)
-            emit({"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr, "loss_scale": scale,
+            emit({"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr,
+                  "weight_decay": wd_schedule(consumed - global_batch if in_samples else iteration - 1), "loss_scale": scale,
                   "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
                   "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
                   "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]}})

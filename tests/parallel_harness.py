@@ -24,7 +24,7 @@ def close_pools() -> None:
 
 def run(backend: str, world_size: int, fn, *args, **kwargs):
     if backend == "threads":
-        return run_threads(world_size, fn, *args, tp=world_size, **kwargs)
+        return run_threads(world_size, fn, *args, **({"tp": world_size} | kwargs))
     if world_size == 1:
         pytest.skip("gloo runs use 2 or 4 ranks")
-    return gloo(world_size).run(fn, *args, tp=world_size, **kwargs)
+    return gloo(world_size).run(fn, *args, **({"tp": world_size} | kwargs))

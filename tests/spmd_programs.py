@@ -161,3 +161,11 @@ def zero_state_bytes(mesh, config, compute_dtype):
                                     compute_dtype=compute_dtype)
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(state))
     return state_bytes - 8, tree.num_params(params), zero.flat.padded, tree.tree_leaves(model)[0].dtype
+
+
+def bucketed_mean(mesh, grads_per_rank, bucket_bytes):
+    from fmeg.parallel.comm import RecordingGroup
+    from fmeg.parallel.data_parallel import all_reduce_mean
+
+    group = RecordingGroup(mesh.group("dp"))
+    return all_reduce_mean(grads_per_rank[mesh.coord("dp")], group, bucket_bytes), len(group.log)

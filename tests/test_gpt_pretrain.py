@@ -164,3 +164,13 @@ def test_four_ranks_with_no_parallel_flags_run_the_demo_layout():
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (2, 2)
     assert (parse_args([], world_size=2).tensor_model_parallel_size, parse_args(["--pipeline-model-parallel-size",
             "1"], world_size=4).tensor_model_parallel_size) == (1, 1)
+
+
+def test_weight_decay_increment_follows_its_schedule(tmp_path):
+    run_layout(tmp_path, "wd", 1, ["--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                                   "--weight-decay-incr-style", "cosine"])
+    records = [json.loads(line) for line in (tmp_path / "wd" / "metrics.jsonl").read_text().splitlines()]
+    from fmeg.optim import WeightDecaySchedule
+
+    schedule = WeightDecaySchedule(start=0.0, end=0.1, incr_steps=20, style="cosine")
+    assert [r["weight_decay"] for r in records] == pytest.approx([schedule(i) for i in range(20)])

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-warmup-iters", type=int, default=10)
     t.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--start-weight-decay", type=float, default=None, help="default: --weight-decay")
+    t.add_argument("--end-weight-decay", type=float, default=None, help="default: --weight-decay")
+    t.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
@@ -204,6 +207,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant",
          f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
     need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
+    start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
+    end_wd = a.weight_decay if a.end_weight_decay is None else a.end_weight_decay
+    need(a.weight_decay_incr_style != "constant" or start_wd == end_wd,
+         "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay")
     need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
     need(0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
     need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")

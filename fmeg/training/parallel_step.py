@@ -18,6 +18,7 @@ import torch
 from fmeg import optim, tree
 from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
+from fmeg.parallel.data_parallel import all_reduce_mean
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.sharding import partition_of, shard
@@ -199,8 +200,7 @@ def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[
                                                clip_grad)
         return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False,
                                    "timers_ms": timers(t2, time.perf_counter())}
-    if dp_group is not None:  # mean over data-parallel replicas (one all-reduce per leaf)
-        grads = tree.tree_map(lambda g: dp_group.all_reduce(g) / layout.dp, grads)
+    grads = all_reduce_mean(grads, dp_group)  # mean over data-parallel replicas, in buckets
     t2 = time.perf_counter()
     norm = grad_norm(grads, config, layout, mesh)
     if clip_grad:
