@@ -11,6 +11,7 @@ layout. Arguments are checked before any process group is created.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fmeg import optim, tree
+from fmeg import __version__, checkpoint, optim, tree
 from fmeg.data.blending import build_datasets, target_samples
 from fmeg.data.default_corpus import default_corpus
 from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
@@ -47,6 +48,22 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout)
+
+
+def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype):
+    """A checkpoint of another layout, for this rank: full tensors rebuilt from every shard, then sliced the
+    way this layout slices them (parameters, Adam's moments, fp32 main weights)."""
+    full = checkpoint.full_state(path, meta, config)
+    weights = shard_params(full.get("main", full["params"]), config, layout, mesh)
+    weights = tree.tree_map(lambda t: t.float(), weights)
+    params, state, zero_now = init_state(weights, config, layout, mesh, opt, distributed=zero is not None,
+                                         compute_dtype=compute_dtype)
+    moments = [shard_params(full[k], config, layout, mesh) for k in ("mu", "nu")]
+    if zero_now is not None:
+        flat, r = zero_now.flat, mesh.coord("dp")
+        moments = [{"shard": flat.shard(flat.flatten(m), r).clone()} for m in moments]
+    state["adam"] = optim.AdamState(full["count"], *moments)
+    return params, state
 
 
 def collate(samples: list[dict]) -> dict:
@@ -102,6 +119,49 @@ def main(argv: list[str] | None = None) -> int:
         start=a.weight_decay if a.start_weight_decay is None else a.start_weight_decay,
         end=a.weight_decay if a.end_weight_decay is None else a.end_weight_decay,
         incr_steps=a.train_iters * (gbs if in_samples else 1), style=a.weight_decay_incr_style)
+    consumed, valid_consumed, first_iteration = 0, 0, 1
+    layout_meta = {"tp": tp, "pp": pp, "chunks": chunks, "dp": dp, "zero": bool(zero),
+                   "dtype": str(compute_dtype).removeprefix("torch.")}
+    coords = {"tp": mesh.coord("tp"), "pp": mesh.coord("pp"), "dp": mesh.coord("dp")}
+    if a.load:
+        try:
+            found = checkpoint.latest(a.load)
+            meta = checkpoint.read_metadata(found, config) if found else None
+        except checkpoint.CheckpointError as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+            return 2
+        if meta is not None:
+            if checkpoint.same_layout(meta, layout_meta):
+                params, opt_state = checkpoint.local_state(found, meta, coords)
+            else:
+                params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype)
+            consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
+            first_iteration = meta["iteration"] + 1
+            if scaler and meta.get("loss_scale"):
+                scaler = loss_scale.LossScale(**meta["loss_scale"])
+            if last_rank:
+                print(f"resumed from {found} (iteration {meta['iteration']}, {consumed} samples; layout "
+                      f"{'unchanged' if checkpoint.same_layout(meta, layout_meta) else 'resharded from ' + str(meta['layout'])})",
+                      flush=True)
+
+    def save(iteration: int) -> None:
+        tensors = checkpoint.state_tensors(params, opt_state)
+        checkpoint.save_rank(a.save, iteration, rank, coords, tensors)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            checkpoint.finalize(a.save, iteration, {
+                "world_size": world, "layout": layout_meta, "model": dataclasses.asdict(config),
+                "consumed_samples": consumed, "valid_consumed_samples": valid_consumed,
+                "loss_scale": dataclasses.asdict(scaler) if scaler else None,
+                "arguments": {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
+                "fmeg_version": __version__}, keep_last=a.keep_last)
+        if world > 1:
+            dist.barrier()
+        if last_rank:
+            print(f"saved checkpoint {checkpoint.iteration_dir(a.save, iteration)}", flush=True)
+
     local = tree.num_params(params)
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
         (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
@@ -139,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             out.append(mb)
         return out
 
-    dp_rank, losses, skipped, consumed, valid_consumed = mesh.coord("dp"), [], 0, 0, 0
+    dp_rank, losses, skipped = mesh.coord("dp"), [], 0
     start = tick = time.perf_counter()
-    for iteration in range(1, a.train_iters + 1):
+    for iteration in range(first_iteration, a.train_iters + 1):
         global_batch = global_batch_size(consumed, gbs, tuple(a.rampup_batch_size) if a.rampup_batch_size else None)
         batch = batches(train_data, consumed, global_batch, iteration)
         data_ms = (time.perf_counter() - tick) * 1e3
@@ -186,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                 emit({"iteration": iteration, "validation_lm_loss": value})
                 print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: "
                       f"{math.exp(min(value, 50)):.6E} |", flush=True)
+        if a.save and ((a.save_interval and iteration % a.save_interval == 0) or iteration == a.train_iters):
+            save(iteration)
         tick = time.perf_counter()
-    if last_rank:
+    if last_rank and losses:
         tail = losses[-10:]
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"done: {a.train_iters} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--merge-file")
     d.add_argument("--eod-mask-loss", action="store_true")
     d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--save", default=None, help="checkpoint directory")
+    c.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    c.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
+    c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
@@ -186,6 +191,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if a.lr_decay_samples is not None:
         need(0 <= a.lr_warmup_samples < a.lr_decay_samples or a.lr_decay_style == "constant",
              f"--lr-warmup-samples {a.lr_warmup_samples} must be below --lr-decay-samples {a.lr_decay_samples}")
+    need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
+         "--save-interval needs a positive value and --save DIR")
+    need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
+    need(a.load is None or os.path.isdir(a.load), f"--load {a.load}: no such directory")
     need(a.eval_interval is None or (a.eval_interval > 0 and a.eval_iters > 0),
          "--eval-interval and --eval-iters must be positive")
     if vp_chunks > 1 and microbatches:

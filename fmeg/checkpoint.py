@@ -1,0 +1,208 @@
+"""Checkpoints as safetensors shards plus JSON metadata; resume bitwise or in any other layout.
+
+    DIR/iter_0000010/rank_00003.safetensors   this rank's parameter and optimizer shards, readable names:
+                                              params/<stage>/<path>, mu/<stage>/<path>, nu/..., main/...,
+                                              or mu/shard, nu/shard, main/shard with the distributed optimizer
+    DIR/iter_0000010/rank_00003.json          this rank's coordinates and its file's sha256
+    DIR/iter_0000010/metadata.json            layout, model config, iteration, consumed samples, loss scale,
+                                              arguments, and every file's checksum (written last)
+    DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint (moved last)
+
+A checkpoint is written into iter_XXXXXXX.tmp-<pid> and renamed when complete, so a killed save leaves
+only a directory that loading ignores. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fmeg import tree
+from fmeg.models import gpt
+from fmeg.models import gpt_pipeline as gp
+from fmeg.parallel.sharding import unshard
+from fmeg.parallel.zero import FlatBuffer
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message names the file."""
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _named(prefix: str, stages: dict[int, Any]) -> dict[str, torch.Tensor]:
+    return {f"{prefix}/{s}/{path}": t for s, stage in stages.items() for path, t in tree.items(stage)}
+
+
+def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Tensor]:
+    """Every tensor a rank must save, under readable names."""
+    out = _named("params", params)
+    adam = opt_state["adam"]
+    out["adam/count"] = adam.count
+    for name, value in (("mu", adam.mu), ("nu", adam.nu), ("main", opt_state.get("main"))):
+        if value is None:
+            continue
+        if isinstance(value, dict) and set(value) == {"shard"}:
+            out[f"{name}/shard"] = value["shard"]
+        else:
+            out.update(_named(name, value))
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[str, int], tensors: dict) -> Path:
+    """Write this rank's shard into the temporary directory of `iteration`; returns that directory."""
+    tmp = Path(root) / f"iter_{iteration:07d}.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / f"rank_{rank:05d}.safetensors"
+    save_file(tensors, str(path))
+    # safetensors stores names sorted; the order of the pytree (which flat buffers rely on) is kept here.
+    (tmp / f"rank_{rank:05d}.json").write_text(json.dumps({"rank": rank, "coords": coords, "sha256": _sha256(path),
+                                                           "names": list(tensors)}))
+    return tmp
+
+
+def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last: int | None = None) -> Path:
+    """On one rank, after every rank saved: write metadata with all checksums, rename the directory into
+    place, then move the latest pointer; optionally delete all but the newest keep_last checkpoints."""
+    root = Path(root)
+    tmp, final = root / f"iter_{iteration:07d}.tmp", iteration_dir(root, iteration)
+    ranks = sorted((json.loads(p.read_text()) for p in tmp.glob("rank_*.json")), key=lambda r: r["rank"])
+    if len(ranks) != metadata["world_size"]:
+        raise CheckpointError(f"{tmp}: {len(ranks)} rank files for a world of {metadata['world_size']}")
+    metadata = {**metadata, "iteration": iteration, "files": {f"rank_{r['rank']:05d}.safetensors": r for r in ranks}}
+    (tmp / "metadata.json.tmp").write_text(json.dumps(metadata, indent=1, sort_keys=True))
+    os.replace(tmp / "metadata.json.tmp", tmp / "metadata.json")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(str(iteration))
+    os.replace(pointer, root / LATEST)
+    if keep_last:
+        done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[:-keep_last]:
+            shutil.rmtree(old)
+    return final
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under root (partial directories are ignored with a warning)."""
+    root = Path(root)
+    for partial in root.glob("iter_*.tmp"):
+        warnings.warn(f"{partial}: an unfinished checkpoint (a save was interrupted); ignoring it")
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = iteration_dir(root, int(pointer.read_text().strip()))
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{pointer}: names {path.name}, which has no metadata.json")
+    return path
+
+
+def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
+    meta_path = path / "metadata.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
+    if meta.get("model") != dataclasses.asdict(config):
+        diff = sorted(k for k in dataclasses.asdict(config) if meta.get("model", {}).get(k) != getattr(config, k))
+        raise CheckpointError(f"{meta_path}: the checkpoint's model differs from the flags in {', '.join(diff)}")
+    for name, info in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (the checkpoint lists it)")
+        if _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"{file}: checksum mismatch; the file is corrupt")
+    return meta
+
+
+def _rank_file(path: Path, meta: dict, coords: dict[str, int]) -> dict[str, torch.Tensor]:
+    for name, info in meta["files"].items():
+        if all(info["coords"].get(k) == v for k, v in coords.items()):
+            tensors = load_file(str(path / name))
+            return {n: tensors[n] for n in info["names"]}  # the saved pytree order
+    raise CheckpointError(f"{path}: no shard for coordinates {coords}")
+
+
+def _stage_trees(tensors: dict[str, torch.Tensor], prefix: str) -> dict[int, Any]:
+    stages: dict[int, dict] = {}
+    for name, t in tensors.items():
+        head, _, rest = name.partition("/")
+        if head == prefix and rest != "shard":
+            stage, _, path = rest.partition("/")
+            stages.setdefault(int(stage), {})[path] = t
+    return {s: tree.unflatten(flat) for s, flat in stages.items()}
+
+
+def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
+    """The checkpoint as single-rank trees: params, mu, nu (and main), plus the Adam step count."""
+    old = meta["layout"]
+    out: dict[str, dict[int, Any]] = {}
+    for tp_rank in range(old["tp"]):
+        for pp_rank in range(old["pp"]):
+            files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d}) for d in range(old["dp"])]
+            params = _stage_trees(files[0], "params")
+            for name in ("params", "mu", "nu", "main"):
+                if name == "params":
+                    local = params
+                elif f"{name}/shard" in files[0]:  # distributed optimizer: join the dp slices
+                    flat = FlatBuffer.of(params, old["dp"])
+                    joined = torch.cat([f[f"{name}/shard"] for f in files])
+                    local = flat.unflatten(joined, tree.tree_map(lambda t: t.float(), params))
+                else:
+                    local = _stage_trees(files[0], name)
+                    if not local:
+                        continue
+                for s, stage in local.items():
+                    out.setdefault(name, {}).setdefault(s, {})[tp_rank] = stage
+    full = {}
+    for name, stages in out.items():
+        joined = {s: unshard([per_tp[t] for t in range(old["tp"])], gpt.TP_RULES, "tp") for s, per_tp in stages.items()}
+        full[name] = gp.merge(joined, config)
+    full["count"] = _rank_file(path, meta, {"tp": 0, "pp": 0, "dp": 0})["adam/count"]
+    return full
+
+
+def same_layout(meta: dict, layout: dict) -> bool:
+    return meta["layout"] == layout
+
+
+def local_state(path: Path, meta: dict, coords: dict[str, int]) -> tuple[dict[int, Any], dict]:
+    """This rank's params and optimizer state, exactly as saved (same layout)."""
+    from fmeg.optim import AdamState
+
+    tensors = _rank_file(path, meta, coords)
+    params = _stage_trees(tensors, "params")
+
+    def part(name):
+        if f"{name}/shard" in tensors:
+            return {"shard": tensors[f"{name}/shard"]}
+        trees = _stage_trees(tensors, name)
+        return trees or None
+
+    state = {"adam": AdamState(tensors["adam/count"], part("mu"), part("nu"))}
+    if part("main") is not None:
+        state["main"] = part("main")
+    return params, state

@@ -1,0 +1,140 @@
+"""Checkpoints: safetensors shards + JSON; bitwise resume in the same layout, resharding to others, and
+corrupt, partial or mismatched checkpoints refused with one line naming the file."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from fmeg import checkpoint, optim, tree
+from fmeg.models import gpt
+from fmeg.parallel.mesh import Mesh
+from fmeg.training.parallel_step import Layout, init_state, shard_params
+from test_gpt_pretrain import reference, run_layout  # noqa: F401 - the reference fixture is shared
+
+CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
+LAYOUT = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
+
+
+def save_one(root, iteration, config=CONFIG):
+    mesh, layout = Mesh.single(), Layout()
+    params, state, _ = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
+                                  optim.adamw(), distributed=False)
+    checkpoint.save_rank(root, iteration, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(params, state))
+    return checkpoint.finalize(root, iteration, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
+                                                 "model": dataclasses.asdict(config)}), params, state
+
+
+def test_round_trip_keeps_every_tensor_and_its_order(tmp_path):
+    path, params, state = save_one(tmp_path, 10)
+    assert (tmp_path / checkpoint.LATEST).read_text() == "10" and not list(tmp_path.glob("*.tmp"))
+    meta = checkpoint.read_metadata(path, CONFIG)
+    loaded, loaded_state = checkpoint.local_state(path, meta, {"tp": 0, "pp": 0, "dp": 0})
+    assert [p for p, _ in tree.items(loaded)] == [p for p, _ in tree.items(params)]
+    for a, b in zip(tree.tree_leaves((loaded, loaded_state["adam"])), tree.tree_leaves((params, state["adam"]))):
+        assert torch.equal(a, b)
+    names = json.loads((path / "metadata.json").read_text())["files"]["rank_00000.safetensors"]["names"]
+    assert "params/0/layers/0/attn/qkv/weight" not in names and "params/0/layers.0.attn.qkv.weight" in names
+
+
+def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
+    path, _, _ = save_one(tmp_path, 1)
+    shard_file = path / "rank_00000.safetensors"
+    data = bytearray(shard_file.read_bytes())
+    data[-5] ^= 0xFF
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000\.safetensors: checksum mismatch"):
+        checkpoint.read_metadata(path, CONFIG)
+
+
+def test_a_missing_shard_is_refused(tmp_path):
+    path, _, _ = save_one(tmp_path, 1)
+    (path / "rank_00000.safetensors").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000\.safetensors: missing"):
+        checkpoint.read_metadata(path, CONFIG)
+
+
+def test_another_models_checkpoint_is_refused_naming_what_differs(tmp_path):
+    path, _, _ = save_one(tmp_path, 1)
+    with pytest.raises(checkpoint.CheckpointError, match=r"metadata\.json: .*differs from the flags in hidden_size"):
+        checkpoint.read_metadata(path, CONFIG.replace(hidden_size=64))
+
+
+def test_a_partial_checkpoint_is_ignored_with_a_warning(tmp_path):
+    save_one(tmp_path, 5)
+    (tmp_path / "iter_0000010.tmp").mkdir()
+    (tmp_path / "iter_0000010.tmp" / "rank_00000.safetensors").write_bytes(b"half")
+    with pytest.warns(UserWarning, match="unfinished checkpoint"):
+        assert checkpoint.latest(tmp_path).name == "iter_0000005"
+
+
+def test_keep_last(tmp_path):
+    for i in (1, 2, 3):
+        save_one(tmp_path, i)
+    mesh, layout = Mesh.single(), Layout()
+    params, state, _ = init_state(shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh,
+                                  optim.adamw(), distributed=False)
+    checkpoint.save_rank(tmp_path, 4, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(params, state))
+    checkpoint.finalize(tmp_path, 4, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
+                                      "model": dataclasses.asdict(CONFIG)}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+
+
+def resume(tmp_path, name, save_nproc, save_flags, load_nproc, load_flags):
+    """Losses of iterations 11..20 after saving at 10 in one layout and loading in another."""
+    ckpt = tmp_path / f"{name}_ckpt"
+    run_layout(tmp_path, f"{name}_first", save_nproc, save_flags + ["--save", str(ckpt), "--train-iters", "10",
+                                                                     "--lr-decay-iters", "20"])
+    return run_layout(tmp_path, f"{name}_second", load_nproc, load_flags + ["--load", str(ckpt)])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    return reference["plain"]
+
+
+def test_single_rank_resume_is_bitwise(tmp_path, uninterrupted):
+    assert resume(tmp_path, "single", 1, [], 1, []) == uninterrupted[10:]
+
+
+def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
+    got = resume(tmp_path, "tp2", 2, ["--tensor-model-parallel-size", "2"], 2,
+                 ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"])
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:])) and len(got) == 10
+
+
+@pytest.mark.slow
+def test_tp2_pp2_resume_is_bitwise(tmp_path):
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert resume(tmp_path, "tp2pp2", 4, flags, 4, flags) == run_layout(tmp_path, "tp2pp2_full", 4, flags)[10:]
+
+
+@pytest.mark.slow
+def test_dp2_zero1_resume_is_bitwise(tmp_path):
+    flags = ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"]
+    assert resume(tmp_path, "zero", 2, flags, 2, flags) == run_layout(tmp_path, "zero_full", 2, flags)[10:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"],
+                                    ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4"],
+                                    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1"]],
+                         ids=["tp1_pp1_dp2_zero1", "pp4", "tp4"])
+def test_resharding_from_tp2_pp2(tmp_path, uninterrupted, target):
+    source = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    got = resume(tmp_path, "reshard", 4, source, 2 if "--use-distributed-optimizer" in target else 4, target)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:])) and len(got) == 10
+
+
+def test_no_pickle_anywhere():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parents[1]
+    for path in list(root.glob("fmeg/**/*.py")) + list(root.glob("recipes/*.py")):
+        text = path.read_text()
+        assert not re.search(r"^\s*import pickle|pickle\.load", text, re.M), path
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, path
+
