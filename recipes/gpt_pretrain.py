@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,23 @@ def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype):
         moments = [{"shard": flat.shard(flat.flatten(m), r).clone()} for m in moments]
     state["adam"] = optim.AdamState(full["count"], *moments)
     return params, state
+
+
+def exit_reason(a, iteration: int, start: float, signalled: bool, world: int) -> str | None:
+    """Why to stop after this iteration (all ranks agree: any rank's reason stops every rank), or None."""
+    reasons = []
+    if signalled:
+        reasons.append("SIGTERM received")
+    if a.exit_interval and iteration % a.exit_interval == 0:
+        reasons.append(f"--exit-interval {a.exit_interval}")
+    if a.exit_duration_in_mins is not None and (time.perf_counter() - start) / 60 >= a.exit_duration_in_mins:
+        reasons.append(f"--exit-duration-in-mins {a.exit_duration_in_mins}")
+    if world > 1 and (a.exit_signal_handler or a.exit_duration_in_mins is not None):
+        flag = torch.tensor([float(bool(reasons))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not reasons:
+            reasons.append("another rank is exiting")
+    return "; ".join(reasons) or None
 
 
 def collate(samples: list[dict]) -> dict:
@@ -199,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             out.append(mb)
         return out
 
-    dp_rank, losses, skipped = mesh.coord("dp"), [], 0
+    dp_rank, losses, skipped, nans, failed = mesh.coord("dp"), [], 0, 0, 0
+    stop = {"signal": False}
+    if a.exit_signal_handler:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=True))
     start = tick = time.perf_counter()
     for iteration in range(first_iteration, a.train_iters + 1):
         global_batch = global_batch_size(consumed, gbs, tuple(a.rampup_batch_size) if a.rampup_batch_size else None)
@@ -211,11 +232,18 @@ def main(argv: list[str] | None = None) -> int:
                                                optimizer=opt, lr=lr,
                                                weight_decay=wd_schedule(consumed if in_samples else iteration - 1),
                                                clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
-                                               check_overflow=scaler is not None)
+                                               check_overflow=True)
         consumed += global_batch
-        skipped += int(m["skipped"])
         if scaler:
+            skipped += int(m["skipped"])
             scaler = loss_scale.update(scaler, m["skipped"])
+        elif m["skipped"]:  # a non-finite gradient without loss scaling: a NaN iteration
+            nans += 1
+            if a.fail_on_nan:
+                if last_rank:
+                    print(f"error: iteration {iteration}: non-finite loss or gradient (--fail-on-nan)", file=sys.stderr)
+                failed = 1
+                break
         now = time.perf_counter()
         elapsed = now - tick
         if last_rank:
@@ -231,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(megatron_log_line(iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed,
                                         elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
                                         global_batch_size=global_batch, lm_loss=loss, grad_norm=m["grad_norm"],
-                                        loss_scale=scale, skipped=skipped), flush=True)
+                                        loss_scale=scale, skipped=skipped, nans=nans), flush=True)
                 print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
                       flush=True)
         if a.eval_interval and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
@@ -246,22 +274,27 @@ def main(argv: list[str] | None = None) -> int:
                 emit({"iteration": iteration, "validation_lm_loss": value})
                 print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: "
                       f"{math.exp(min(value, 50)):.6E} |", flush=True)
-        if a.save and ((a.save_interval and iteration % a.save_interval == 0) or iteration == a.train_iters):
+        reason = exit_reason(a, iteration, start, stop["signal"], world)
+        if a.save and (reason or (a.save_interval and iteration % a.save_interval == 0) or iteration == a.train_iters):
             save(iteration)
+        if reason:
+            if last_rank:
+                print(f"exiting at iteration {iteration}: {reason}", flush=True)
+            break
         tick = time.perf_counter()
     if last_rank and losses:
         tail = losses[-10:]
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"done: {a.train_iters} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "
-              f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); {skipped} skipped; "
-              f"peak memory of this process {peak_mb:.0f} MB", flush=True)
+        print(f"done: {len(losses)} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "
+              f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); {skipped} skipped, "
+              f"{nans} NaN; peak memory of this process {peak_mb:.0f} MB", flush=True)
         if metrics_file:
             metrics_file.close()
             draw_loss_curve(records, Path(a.log_dir) / "loss.png")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return failed
 
 
 if __name__ == "__main__":

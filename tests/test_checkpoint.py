@@ -138,3 +138,28 @@ def test_no_pickle_anywhere():
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, path
 
+
+
+def test_consolidate_export_to_hugging_face_and_import(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from recipes import convert_checkpoint
+
+    run_layout(tmp_path, "run", 2, ["--tensor-model-parallel-size", "2", "--train-iters", "4", "--save",
+                                    str(tmp_path / "ck")])
+    assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "ck"), "--output",
+                                    str(tmp_path / "full.safetensors")]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "full.safetensors"), "pt") as f:
+        assert "layers.0.attn.qkv.weight" in f.keys() and "fmeg_config" in f.metadata()
+    assert convert_checkpoint.main(["export-hf", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "hf")]) == 0
+    config, params = convert_checkpoint.load_full(str(tmp_path / "ck"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
+    assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "imp")]) == 0
+    _, imported = convert_checkpoint.load_full(str(tmp_path / "imp"))
+    assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(imported), tree.tree_leaves(params)))
+    assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "nope"), "--output", "x"]) == 2

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
     c.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
     c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    c.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM: save (with --save) and exit 0")
+    c.add_argument("--exit-interval", type=int, default=None, help="exit after iterations divisible by N")
+    c.add_argument("--exit-duration-in-mins", type=float, default=None, help="exit after this many minutes")
+    c.add_argument("--fail-on-nan", action="store_true",
+                   help="stop (exit 1) at a non-finite loss or gradient instead of skipping the step")
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")

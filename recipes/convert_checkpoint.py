@@ -1,0 +1,102 @@
+"""Convert fmeg checkpoints: consolidate shards, export to Hugging Face, import from Hugging Face.
+
+    python -m recipes.convert_checkpoint consolidate --load ckpt --output model.safetensors
+    python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/      # config.json + model.safetensors
+    python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt        # a starting checkpoint
+
+consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
+the model config as JSON in the file's metadata. import-hf writes an iteration-0 checkpoint of one rank
+(fresh optimizer state) that --load reshards into any layout. No pickle is read or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fmeg import checkpoint, optim, tree
+from fmeg.models import gpt
+
+
+def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
+    """(config, single-rank params in fp32) of the newest checkpoint under root."""
+    path = checkpoint.latest(root)
+    if path is None:
+        raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
+    meta = json.loads((path / "metadata.json").read_text())
+    config = gpt.GPTConfig(**meta["model"])
+    checkpoint.read_metadata(path, config)
+    full = checkpoint.full_state(path, meta, config)
+    params = full.get("main", full["params"])
+    return config, tree.tree_map(lambda t: t.float(), params)
+
+
+def consolidate(args) -> None:
+    config, params = load_full(args.load)
+    tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))})
+    tmp.replace(out)
+    print(f"wrote {out}: {len(tensors)} tensors, {tree.num_params(params):,} parameters")
+
+
+def export_hf(args) -> None:
+    from fmeg.interop.hf import to_hf
+
+    config, params = load_full(args.load)
+    model = to_hf(params, config)
+    model.save_pretrained(args.output, safe_serialization=True)
+    print(f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained")
+
+
+def import_hf(args) -> None:
+    import transformers
+
+    from fmeg.interop.hf import from_hf
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.input)
+    config, params = from_hf(model)
+    mesh, layout = Mesh.single(), Layout()
+    stages, state, _ = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, optim.adamw(),
+                                  distributed=False)
+    checkpoint.save_rank(args.save, 0, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(stages, state))
+    layout_meta = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
+    checkpoint.finalize(args.save, 0, {"world_size": 1, "layout": layout_meta, "model": dataclasses.asdict(config),
+                                       "consumed_samples": 0, "imported_from": str(args.input)})
+    print(f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: {config}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.convert_checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate")
+    c.add_argument("--load", required=True)
+    c.add_argument("--output", required=True)
+    e = sub.add_parser("export-hf")
+    e.add_argument("--load", required=True)
+    e.add_argument("--output", required=True)
+    i = sub.add_parser("import-hf")
+    i.add_argument("--input", required=True)
+    i.add_argument("--save", required=True)
+    args = p.parse_args(argv)
+    try:
+        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command](args)
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Surviving faults: SIGKILL during saves never leaves a checkpoint that loads silently wrong; SIGTERM and
+exit conditions save and exit cleanly; non-finite steps are skipped and counted, or stop the run."""
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+from fmeg import checkpoint
+from test_checkpoint import CONFIG, save_one
+from test_gpt_pretrain import COMMON
+
+
+def keep_saving(root):
+    torch.set_num_threads(1)
+    for iteration in range(1, 10_000):
+        save_one(root, iteration)
+
+
+def test_sigkill_at_random_moments_of_saving_never_leaves_a_bad_checkpoint(tmp_path):
+    rng = random.Random(0)
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(20):
+        root = tmp_path / f"t{trial}"
+        proc = ctx.Process(target=keep_saving, args=(root,))
+        proc.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # partial directories are reported with a warning
+            found = checkpoint.latest(root) if root.exists() else None
+        if found is not None:
+            meta = checkpoint.read_metadata(found, CONFIG)  # checksums and model verified
+            assert meta["iteration"] == int(found.name.split("_")[1])
+
+
+def run(tmp_path, flags, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "recipes.gpt_pretrain", *COMMON, *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_sigterm_saves_and_exits_zero_within_one_iteration(tmp_path):
+    proc = run(tmp_path, ["--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path / "ck"),
+                          "--log-interval", "1"])
+    for line in proc.stdout:  # wait until training has started
+        if "iteration        3/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "exiting at iteration" in out and "SIGTERM received" in out
+    stopped = int(out.split("exiting at iteration ")[1].split(":")[0])
+    assert 3 <= stopped <= 5  # the iteration running when the signal came, or the next
+    assert checkpoint.latest(tmp_path / "ck").name == f"iter_{stopped:07d}"
+
+
+def test_exit_interval_saves_and_stops(tmp_path):
+    proc = run(tmp_path, ["--exit-interval", "3", "--save", str(tmp_path / "ck")])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "exiting at iteration 3: --exit-interval 3" in out
+    assert (tmp_path / "ck" / checkpoint.LATEST).read_text() == "3"
+
+
+def test_non_finite_steps_are_skipped_and_counted_or_stop_the_run(tmp_path):
+    # An absurd learning rate drives the weights to inf within a few steps.
+    flags = ["--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0", "--log-interval", "20"]
+    out, _ = run(tmp_path, flags).communicate(timeout=120)
+    assert "number of nan iterations:" in out and "0 NaN" not in out.split("done:")[1]
+    proc = run(tmp_path, flags + ["--fail-on-nan"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "non-finite loss or gradient (--fail-on-nan)" in out
