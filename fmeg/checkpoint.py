@@ -3,9 +3,13 @@
     DIR/iter_0000010/rank_00003.safetensors   this rank's parameter and optimizer shards, readable names:
                                               params/<stage>/<path>, mu/<stage>/<path>, nu/..., main/...,
                                               or mu/shard, nu/shard, main/shard with the distributed optimizer
-    DIR/iter_0000010/rank_00003.json          this rank's coordinates and its file's sha256
-    DIR/iter_0000010/metadata.json            layout, model config, iteration, consumed samples, loss scale,
-                                              arguments, and every file's checksum (written last)
+    DIR/iter_0000010/rank_00003.json          this rank's coordinates, its file's sha256, and for every tensor
+                                              its local shape, global shape and offset in the global tensor
+    DIR/iter_0000010/metadata.json            layout, model config, iteration, consumed samples (the data
+                                              sampler's and the LR/WD schedules' position), loss scale,
+                                              arguments, and every rank file's entry (written last). There is
+                                              no RNG state to save: dropout and data order are functions of
+                                              (seed, iteration, sample index).
     DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint (moved last)
 
 A checkpoint is written into iter_XXXXXXX.tmp-<pid> and renamed when complete, so a killed save leaves
@@ -70,7 +74,33 @@ def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Te
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[str, int], tensors: dict) -> Path:
+def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: dict[str, int]) -> dict[str, dict]:
+    """For every saved tensor: its shape here, the global (unsharded) shape and this shard's offsets.
+
+    Tree tensors are tensor-parallel slices along their partition dimension (gpt.TP_RULES); flat
+    distributed-optimizer slices are pieces of this (tp, pp) rank's flattened parameters, offset by dp."""
+    from fmeg.parallel.sharding import partition_of
+
+    out = {}
+    for name, t in tensors.items():
+        shape, offset = list(t.shape), [0] * t.dim()
+        kind, _, rest = name.partition("/")
+        if rest == "shard":
+            shape = [t.shape[0] * sizes.get("dp", 1)]
+            offset = [t.shape[0] * coords.get("dp", 0)]
+        elif kind != "adam":
+            part = partition_of(rest.partition("/")[2], gpt.TP_RULES)
+            if part is not None and t.dim():
+                dim = part.dim % t.dim()
+                shape[dim] *= sizes.get("tp", 1)
+                offset[dim] = t.shape[dim] * coords.get("tp", 0)
+        out[name] = {"local_shape": list(t.shape), "global_shape": shape, "offset": offset,
+                     "dtype": str(t.dtype).removeprefix("torch.")}
+    return out
+
+
+def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[str, int], tensors: dict,
+              sizes: dict[str, int] | None = None) -> Path:
     """Write this rank's shard into the temporary directory of `iteration`; returns that directory."""
     tmp = Path(root) / f"iter_{iteration:07d}.tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -78,7 +108,8 @@ def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[s
     save_file(tensors, str(path))
     # safetensors stores names sorted; the order of the pytree (which flat buffers rely on) is kept here.
     (tmp / f"rank_{rank:05d}.json").write_text(json.dumps({"rank": rank, "coords": coords, "sha256": _sha256(path),
-                                                           "names": list(tensors)}))
+                                                           "names": list(tensors),
+                                                           "tensors": describe(tensors, coords, sizes or {})}))
     return tmp
 
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(iteration: int) -> None:
         tensors = checkpoint.state_tensors(params, opt_state)
-        checkpoint.save_rank(a.save, iteration, rank, coords, tensors)
+        checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp})
         if world > 1:
             dist.barrier()
         if rank == 0:

@@ -163,3 +163,18 @@ def test_consolidate_export_to_hugging_face_and_import(tmp_path):
     _, imported = convert_checkpoint.load_full(str(tmp_path / "imp"))
     assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(imported), tree.tree_leaves(params)))
     assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "nope"), "--output", "x"]) == 2
+
+
+def test_metadata_describes_global_shapes_and_offsets(tmp_path):
+    run_layout(tmp_path, "tp2", 2, ["--tensor-model-parallel-size", "2", "--train-iters", "3", "--save",
+                                    str(tmp_path / "ck"), "--use-distributed-optimizer"])
+    meta = json.loads((checkpoint.latest(tmp_path / "ck") / "metadata.json").read_text())
+    ranks = sorted(meta["files"].values(), key=lambda r: r["coords"]["tp"])
+    qkv = [r["tensors"]["params/0/layers.0.attn.qkv.weight"] for r in ranks]
+    assert qkv[0]["global_shape"] == [96, 32] and [q["offset"] for q in qkv] == [[0, 0], [48, 0]]
+    proj = ranks[1]["tensors"]["params/0/layers.0.attn.proj.weight"]
+    assert proj["local_shape"] == [32, 16] and proj["offset"] == [0, 16]
+    norm = ranks[1]["tensors"]["params/0/layers.0.attn_norm.weight"]
+    assert norm["global_shape"] == norm["local_shape"] == [32] and norm["offset"] == [0]
+    shard = ranks[0]["tensors"]["mu/shard"]
+    assert shard["global_shape"] == shard["local_shape"] and shard["offset"] == [0]  # dp = 1 here

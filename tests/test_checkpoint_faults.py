@@ -76,3 +76,9 @@ def test_non_finite_steps_are_skipped_and_counted_or_stop_the_run(tmp_path):
     proc = run(tmp_path, flags + ["--fail-on-nan"])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "non-finite loss or gradient (--fail-on-nan)" in out
+
+
+def test_exit_duration(tmp_path):
+    proc = run(tmp_path, ["--exit-duration-in-mins", "0", "--save", str(tmp_path / "ck")])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "exiting at iteration 1: --exit-duration-in-mins 0" in out
