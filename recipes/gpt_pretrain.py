@@ -45,7 +45,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         vocab_size=vocab_size, max_seq_len=a.max_position_embeddings or a.seq_length, num_layers=a.num_layers,
         hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
         ffn_hidden_size=a.ffn_hidden_size, norm="rmsnorm" if a.normalization == "RMSNorm" else "layernorm",
-        activation="swiglu" if a.swiglu else "gelu",
+        activation="swiglu" if a.swiglu else "gelu_tanh" if a.openai_gelu else "gelu",
+        norm_eps=a.norm_epsilon, rope_theta=a.rotary_base,
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout)

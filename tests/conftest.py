@@ -5,6 +5,7 @@
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -20,3 +21,13 @@ def pytest_sessionfinish(session, exitstatus):
     from parallel_harness import close_pools
 
     close_pools()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Single-rank loss curves every layout is compared with (computed once per test session)."""
+    from runner_harness import run_layout
+
+    tmp = tmp_path_factory.mktemp("reference")
+    return {"plain": run_layout(tmp, "single", 1, []),
+            "dropout": run_layout(tmp, "single_dropout", 1, ["--hidden-dropout", "0.1"])}

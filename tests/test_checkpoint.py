@@ -11,7 +11,7 @@ from fmeg import checkpoint, optim, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.parallel_step import Layout, init_state, shard_params
-from test_gpt_pretrain import reference, run_layout  # noqa: F401 - the reference fixture is shared
+from runner_harness import run_layout
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 LAYOUT = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}

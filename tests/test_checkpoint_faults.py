@@ -14,7 +14,7 @@ import torch
 
 from fmeg import checkpoint
 from test_checkpoint import CONFIG, save_one
-from test_gpt_pretrain import COMMON
+from runner_harness import COMMON
 
 
 def keep_saving(root):

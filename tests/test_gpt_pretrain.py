@@ -2,14 +2,13 @@
 depend on the layout (tensor, sequence, pipeline with virtual stages, data parallel; dropout included)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
 
 from fmeg.training.arguments import parse_args, validate
 from recipes import gpt_pretrain
+from runner_harness import assert_same_curve, run_layout
 
 BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -69,35 +68,6 @@ def test_yaml_config_with_flags_overriding(tmp_path):
     cfg.write_text("num-layerz: 6\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(cfg)])
-
-
-COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
-          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "512",
-          "--log-interval", "100", "--lr-warmup-iters", "2"]
-
-
-def run_layout(tmp_path, name, nproc, flags):
-    log_dir = tmp_path / name
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *COMMON, "--log-dir", str(log_dir), *flags],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["lm_loss"] for r in records if "lm_loss" in r]
-
-
-def assert_same_curve(got, want):
-    assert len(got) == len(want) == 20
-    for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    return {"plain": run_layout(tmp, "single", 1, []),
-            "dropout": run_layout(tmp, "single_dropout", 1, ["--hidden-dropout", "0.1"])}
 
 
 RAMPUP = ["--rampup-batch-size", "4", "4", "40"]

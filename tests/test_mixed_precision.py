@@ -10,7 +10,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training import loss_scale
 from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
-from test_gpt_pretrain import reference, run_layout  # noqa: F401 - the fixture is shared
+from runner_harness import run_layout
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 
@@ -55,7 +55,7 @@ def test_injected_overflow_through_the_runner_skips_and_halves(tmp_path):
     assert not all(r["skipped"] for r in records)  # the scale comes down until steps go through
 
 
-def test_bf16_trains_along_the_fp32_curve(tmp_path, reference):  # noqa: F811
+def test_bf16_trains_along_the_fp32_curve(tmp_path, reference):
     got = run_layout(tmp_path, "bf16", 1, ["--bf16"])
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(got, reference["plain"]))
     assert got[-1] < got[0] - 1.0

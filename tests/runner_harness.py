@@ -1,0 +1,28 @@
+"""Runs recipes.gpt_pretrain in a subprocess (torchrun for several ranks) and reads its metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
+          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "512",
+          "--log-interval", "100", "--lr-warmup-iters", "2"]
+
+
+def run_layout(tmp_path, name, nproc, flags):
+    log_dir = tmp_path / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *COMMON, "--log-dir", str(log_dir), *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
+
+
+def assert_same_curve(got, want):
+    assert len(got) == len(want) == 20
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
