@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     except ValueError as e:
         for builder in builders.values():
-            builder._bin.close()
-            os.remove(builder._tmp_bin)
+            builder.abort()
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -94,7 +94,7 @@ def build_config(a: argparse.Namespace, vocab_size: int) -> gpt.GPTConfig:
 
 def load_data(a: argparse.Namespace):
     if a.data_path is None:  # the embedded default: bytes of the standard library, end-of-document 256
-        return np.asarray(default_corpus()._bin), a.vocab_size or ByteTokenizer.vocab_size
+        return np.asarray(default_corpus().tokens), a.vocab_size or ByteTokenizer.vocab_size
     tokens = load_tokens(a.data_path, a.token_dtype)
     top = int(tokens.max()) + 1
     if a.vocab_size is not None and a.vocab_size < top:

@@ -82,6 +82,11 @@ class IndexedDataset:
         return self._bin[start:start + n]
 
     @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the file in order (the memory map itself, no copy)."""
+        return self._bin
+
+    @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
@@ -130,7 +135,12 @@ class IndexedDatasetBuilder:
         base = len(self.sequence_lengths)
         self.sequence_lengths.extend(other.sequence_lengths.tolist())
         self.document_indices.extend((other.document_indices[1:] + base).tolist())
-        self._bin.write(np.asarray(other._bin).tobytes())
+        self._bin.write(np.asarray(other.tokens).tobytes())
+
+    def abort(self) -> None:
+        """Stop without writing a dataset: the partial data file is removed."""
+        self._bin.close()
+        os.remove(self._tmp_bin)
 
     def finalize(self) -> None:
         self._bin.close()

@@ -20,7 +20,7 @@ def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     if Path(f"{path}.idx").is_file():  # a Megatron indexed dataset prefix: every token, in file order
         from fmeg.data.indexed import IndexedDataset
 
-        return np.asarray(IndexedDataset(path)._bin)
+        return np.asarray(IndexedDataset(path).tokens)
     if not path.is_file():
         raise ValueError(f"--data-path {path}: no such file (nor {path}.idx / .bin)")
     if path.suffix == ".npy":
