@@ -202,11 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)
         metrics_file = open(Path(a.log_dir) / "metrics.jsonl", "w")  # noqa: SIM115 - closed below
 
+    board = None
+    if a.tensorboard_dir and last_rank:
+        from torch.utils.tensorboard import SummaryWriter
+
+        board = SummaryWriter(a.tensorboard_dir)
+
     def emit(record: dict) -> None:
         records.append(record)
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+        if board:
+            for key in ("lm_loss", "validation_lm_loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "tflops"):
+                if key in record and record[key] == record[key]:  # skip NaN
+                    board.add_scalar(key.replace("_", " "), record[key], record["iteration"])
 
     def batches(dataset, first_sample: int, global_batch: int, iteration: int) -> list[dict]:
         out = []
@@ -292,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         if metrics_file:
             metrics_file.close()
             draw_loss_curve(records, Path(a.log_dir) / "loss.png")
+        if board:
+            board.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

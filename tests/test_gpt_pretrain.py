@@ -144,3 +144,13 @@ def test_weight_decay_increment_follows_its_schedule(tmp_path):
 
     schedule = WeightDecaySchedule(start=0.0, end=0.1, incr_steps=20, style="cosine")
     assert [r["weight_decay"] for r in records] == pytest.approx([schedule(i) for i in range(20)])
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_layout(tmp_path, "tb", 1, ["--tensorboard-dir", str(tmp_path / "tb_events"), "--train-iters", "5"])
+    events = EventAccumulator(str(tmp_path / "tb_events"))
+    events.Reload()
+    assert "lm loss" in events.Tags()["scalars"] and len(events.Scalars("lm loss")) == 5

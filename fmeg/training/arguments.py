@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
     lg.add_argument("--log-interval", type=int, default=10)
     lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
+    lg.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard scalars here (pip install tensorboard)")
     return p
 
 
@@ -203,6 +204,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--save-interval needs a positive value and --save DIR")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
     need(a.load is None or os.path.isdir(a.load), f"--load {a.load}: no such directory")
+    if a.tensorboard_dir:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
     need(a.eval_interval is None or (a.eval_interval > 0 and a.eval_iters > 0),
          "--eval-interval and --eval-iters must be positive")
     if vp_chunks > 1 and microbatches:
