@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"error: {e}", file=sys.stderr)
             return 2
+        if meta is None and last_rank:
+            print(f"--load {a.load}: no checkpoint there yet ({checkpoint.LATEST} missing); starting from scratch",
+                  flush=True)
         if meta is not None:
             if checkpoint.same_layout(meta, layout_meta):
                 params, opt_state = checkpoint.local_state(found, meta, coords)
