@@ -29,6 +29,18 @@ def close_jvp(backend, got, want):
         close(got, want)
 
 
+def check_rules(backend, results, ref, x, cot, tan, batch, expected=lambda rank, rule, value: value):
+    """Each rank's forward, vjp, jvp and vmap equal the reference's, as expected(rank, rule, value) says
+    that rank should hold them (its shard, or the whole)."""
+    out, vjp = torch.func.vjp(ref, x)
+    want = {"out": out, "grad": vjp(cot)[0], "jvp": torch.func.jvp(ref, (x,), (tan,))[1],
+            "vmap": torch.func.vmap(ref)(batch)}
+    for rank, got in enumerate(results):
+        for rule in ("out", "grad", "vmap"):
+            close(got[rule], expected(rank, rule, want[rule]))
+        close_jvp(backend, got["jvp"], expected(rank, "jvp", want["jvp"]))
+
+
 def world_for(data, backend, fixed):
     return fixed if fixed else data.draw(st.integers(1, 4), label="world")
 
@@ -49,12 +61,7 @@ def test_copy_to_then_reduce_from(backend, fixed_world, data):
     x, cot, tan, w = randn(gen, *shape), randn(gen, *shape), randn(gen, *shape), randn(gen, world, *shape)
     batch = randn(gen, 2, *shape)
     ref = lambda x: sum(torch.tanh(x * w[r]) for r in range(world))  # noqa: E731
-    out, vjp = torch.func.vjp(ref, x)
-    for got in run(backend, world, P.copy_then_reduce, x, w, cot, tan, batch):
-        close(got["out"], out)
-        close(got["grad"], vjp(cot)[0])
-        close_jvp(backend, got["jvp"], torch.func.jvp(ref, (x,), (tan,))[1])
-        close(got["vmap"], torch.func.vmap(ref)(batch))
+    check_rules(backend, run(backend, world, P.copy_then_reduce, x, w, cot, tan, batch), ref, x, cot, tan, batch)
 
 
 @pytest.mark.parametrize("backend, fixed_world", BACKENDS)
@@ -68,12 +75,8 @@ def test_scatter_to_then_gather_from(backend, fixed_world, data):
     x, cot, tan, w = (randn(gen, *shape) for _ in range(4))
     batch = randn(gen, 2, *shape)
     ref = lambda x: torch.tanh(x * w)  # noqa: E731
-    out, vjp = torch.func.vjp(ref, x)
-    for got in run(backend, world, P.scatter_then_gather, x, w, dim, cot, tan, batch):
-        close(got["out"], out)
-        close(got["grad"], vjp(cot)[0])
-        close_jvp(backend, got["jvp"], torch.func.jvp(ref, (x,), (tan,))[1])
-        close(got["vmap"], torch.func.vmap(ref)(batch))
+    check_rules(backend, run(backend, world, P.scatter_then_gather, x, w, dim, cot, tan, batch), ref, x, cot, tan,
+                batch)
 
 
 @pytest.mark.parametrize("backend, fixed_world", BACKENDS)
@@ -87,14 +90,10 @@ def test_gather_from_sp_then_reduce_scatter_to(backend, fixed_world, data):
     x, cot, tan, w = randn(gen, *shape), randn(gen, *shape), randn(gen, *shape), randn(gen, world, *shape)
     batch = randn(gen, 2, *shape)
     ref = lambda x: sum(torch.tanh(x * w[r]) for r in range(world))  # noqa: E731
-    out, vjp = torch.func.vjp(ref, x)
-    chunk = lambda t, r, d=dim: t.chunk(world, dim=d)[r]  # noqa: E731
-    jvp_out, vmap_out = torch.func.jvp(ref, (x,), (tan,))[1], torch.func.vmap(ref)(batch)
-    for r, got in enumerate(run(backend, world, P.sequence_parallel_region, x, w, dim, cot, tan, batch)):
-        close(got["out"], chunk(out, r))
-        close(got["grad"], chunk(vjp(cot)[0], r))
-        close_jvp(backend, got["jvp"], chunk(jvp_out, r))
-        close(got["vmap"], chunk(vmap_out, r, dim + 1))
+    # Each rank holds its sequence chunk of every result (vmap's batch dimension comes first).
+    shard = lambda r, rule, t: t.chunk(world, dim=dim + (rule == "vmap"))[r]  # noqa: E731
+    check_rules(backend, run(backend, world, P.sequence_parallel_region, x, w, dim, cot, tan, batch), ref, x, cot,
+                tan, batch, shard)
 
 
 @pytest.mark.parametrize("backend, fixed_world", BACKENDS)

@@ -279,6 +279,15 @@ def output_weight(params: Params, config: GPTConfig) -> torch.Tensor:
 def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
                   key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """The final-normed hidden states [batch, seq, hidden] ([b, s/t, h] with sequence parallelism)."""
+    return decoder_span(params, tokens, None, config, positions=positions, key=key, tp=tp)
+
+
+def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, config: GPTConfig, *,
+                 first_layer: int = 0, final: bool = True, positions: torch.Tensor | None = None, key: Any = None,
+                 tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
+    numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
+    one span; a pipeline stage is one span."""
     seq = tokens.shape[-1]
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
@@ -289,10 +298,11 @@ def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, po
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
     rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
-    x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
+    if x is None:
+        x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
-        x = layer(p, x, config, rope=rope, key=key, index=i, tp=tp)
-    return norm(params["final_norm"], x, config, tp)
+        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp)
+    return norm(params["final_norm"], x, config, tp) if final else x
 
 
 def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import torch
 
-from fmeg import ops
 from fmeg.models import gpt
 from fmeg.models.gpt import GPTConfig, Params
 from fmeg.parallel.tensor import NO_TP, TensorParallel
@@ -65,19 +64,12 @@ def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel 
     batch holds tokens (stage 0), labels and loss_mask (last stage) and optionally a dropout key."""
     layers = stage_layers(config, stage, num_stages)
 
+    last = stage == num_stages - 1
+
     def run(params: Params, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
-        key = batch.get("dropout_key")
-        seq = batch["tokens"].shape[-1]
-        positions = torch.arange(seq)
-        if stage == 0:
-            x = gpt._dropout(gpt.embed(params, batch["tokens"], config, positions, tp), config, key, tp, -1, 0)
-        rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
-        for index, lp in zip(layers, params["layers"]):
-            x = gpt.layer(lp, x, config, rope=rope, key=key, index=index, tp=tp)
-        if stage < num_stages - 1:
-            return x
-        x = gpt.norm(params["final_norm"], x, config, tp)
-        return gpt.output_loss(x, params["output"]["weight"], batch, tp=tp)
+        x = gpt.decoder_span(params, batch["tokens"], x, config, first_layer=layers.start, final=last,
+                             key=batch.get("dropout_key"), tp=tp)
+        return gpt.output_loss(x, params["output"]["weight"], batch, tp=tp) if last else x
 
     return run
 
