@@ -128,8 +128,9 @@ def gpt_loss_and_grads(mesh, params, batch, config, key):
     return loss, grads
 
 
-def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp):
-    """Split the GPT into stages, run this rank's part of a schedule, sum tied-embedding grads."""
+def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp, segmented=True):
+    """Split the GPT into stages, run this rank's part of a schedule, sum tied-embedding grads. Stages run
+    as chains of segments (one vjp each, as training does) or, segmented=False, as one function."""
     from fmeg.models import gpt_pipeline as gp
     from fmeg.parallel.pipeline import execute, schedules
 
@@ -143,7 +144,7 @@ def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp):
     mine = [s for s in range(stages) if s % pp == rank]
     all_params = gp.split(params, config, pp, vp)
     stage_params = {s: all_params[s] for s in mine}
-    fns = {s: gp.stage_fn(config, s, stages) for s in mine}
+    fns = {s: (gp.stage_segments if segmented else gp.stage_fn)(config, s, stages) for s in mine}
     loss, grads = execute.execute(schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), stages)
     grads = gp.sync_tied_embedding_grads(grads, config, stages, mesh.group("embedding"))
     return loss, grads
@@ -163,9 +164,21 @@ def zero_state_bytes(mesh, config, compute_dtype):
     return state_bytes - 8, tree.num_params(params), zero.flat.padded, tree.tree_leaves(model)[0].dtype
 
 
-def bucketed_mean(mesh, grads_per_rank, bucket_bytes):
+def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel, order):
+    """GradSync over the dp group: leaves handed over in `order` (stage, path) pairs; returns (the tree of
+    means (ZeRO: only the replicated leaves are whole), this rank's slice, collectives, pending leaves at
+    each bucket start)."""
+    from fmeg import tree
     from fmeg.parallel.comm import RecordingGroup
-    from fmeg.parallel.data_parallel import all_reduce_mean
+    from fmeg.parallel.data_parallel import GradSync
 
     group = RecordingGroup(mesh.group("dp"))
-    return all_reduce_mean(grads_per_rank[mesh.coord("dp")], group, bucket_bytes), len(group.log)
+    mine = grads_per_rank[mesh.coord("dp")]
+    sync = GradSync(mine, group, owner_slices=owner_slices, replicated=frozenset(replicated),
+                    bucket_numel=bucket_numel)
+    flat = {s: tree.flatten(g) for s, g in mine.items()}
+    for stage, path in order:
+        sync.ready(stage, {path: flat[stage][path]})
+    sync.finish()
+    return (tree.tree_map(torch.clone, sync.tree()), sync.owned().clone(), [op for op, _ in group.log],
+            sync.started_with_pending)

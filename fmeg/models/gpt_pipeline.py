@@ -15,6 +15,7 @@ import torch
 
 from fmeg.models import gpt
 from fmeg.models.gpt import GPTConfig, Params
+from fmeg.parallel.pipeline.segments import Segment, compose
 from fmeg.parallel.tensor import NO_TP, TensorParallel
 
 
@@ -57,21 +58,40 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
     return full
 
 
-def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:
-    """(params, x, batch) -> activations [b, s, h] ([b, s/t, h] with sequence parallelism), or the
-    microbatch's loss on the last stage. Params may be tensor-parallel shards (tp).
-
-    batch holds tokens (stage 0), labels and loss_mask (last stage) and optionally a dropout key."""
+def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> list[Segment]:
+    """The stage as a chain of segments (embeddings, each layer, final norm + loss), each one
+    decoder_span call, so that backward can hand over each piece's gradients as soon as they are final.
+    Params may be tensor-parallel shards (tp); activations are [b, s, h] ([b, s/t, h] with sequence
+    parallelism). batch holds tokens, labels and loss_mask, and optionally a dropout key."""
     layers = stage_layers(config, stage, num_stages)
 
-    last = stage == num_stages - 1
+    def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
+             final: bool = False) -> torch.Tensor:
+        return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
+                                key=batch.get("dropout_key"), tp=tp)
 
-    def run(params: Params, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
-        x = gpt.decoder_span(params, batch["tokens"], x, config, first_layer=layers.start, final=last,
-                             key=batch.get("dropout_key"), tp=tp)
-        return gpt.output_loss(x, params["output"]["weight"], batch, tp=tp) if last else x
+    def embedding(sub: Params, x: None, batch: dict) -> torch.Tensor:
+        return span({"embedding": sub["embedding"], "layers": []}, None, batch)
 
-    return run
+    def layer(i: int) -> Segment:
+        key = f"layers.{i}"
+        return Segment(lambda sub, x, batch: span({"layers": [sub[key]]}, x, batch, layers.start + i), (key,))
+
+    def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
+        x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)
+        return gpt.output_loss(x, sub["output"]["weight"], batch, tp=tp)
+
+    segments = [Segment(embedding, ("embedding",))] if stage == 0 else []
+    segments += [layer(i) for i in range(len(layers))]
+    if stage == num_stages - 1:
+        segments.append(Segment(head, ("final_norm", "output")))
+    return segments
+
+
+def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:
+    """(params, x, batch) -> activations, or the microbatch's loss on the last stage: the stage's
+    segments run one after the other (x is None on stage 0)."""
+    return compose(stage_segments(config, stage, num_stages, tp))
 
 
 def sync_tied_embedding_grads(grads: dict[int, Params], config: GPTConfig, num_stages: int,

@@ -10,6 +10,12 @@ A Group has `size`, `rank` (index inside the group) and returns new tensors, nev
                                       at once, finish() waits for them), receives block; messages with one
                                       (source, destination, tag) arrive in the order they were sent
 
+Two asynchronous calls, for gradient buckets, work in place on a buffer the caller owns and must leave
+alone until the returned handle's wait() has returned:
+
+    all_reduce_async(x)               x becomes the sum over the group
+    reduce_async(x, dst)              on group rank dst, x becomes the sum; elsewhere x is scratch
+
 Implementations: TorchGroup (a torch.distributed process group: gloo or NCCL), ThreadGroup (ranks as
 threads of one process, for tests and notebooks) and RecordingGroup (counts bytes, wraps either).
 These calls are not differentiable; fmeg.parallel.collectives wraps them with autograd rules.
@@ -40,6 +46,12 @@ class TorchGroup:
         y = x.contiguous().clone()
         dist.all_reduce(y, op=_OPS[op], group=self.pg)
         return y
+
+    def all_reduce_async(self, x: torch.Tensor) -> Any:
+        return dist.all_reduce(x, group=self.pg, async_op=True)
+
+    def reduce_async(self, x: torch.Tensor, dst: int) -> Any:
+        return dist.reduce(x, group=self.pg, group_dst=dst, async_op=True)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x.contiguous()
@@ -143,6 +155,16 @@ class ThreadGroup:
             out = out + p if op == "sum" else torch.maximum(out, p)
         return out
 
+    def all_reduce_async(self, x: torch.Tensor) -> "_Done":
+        x.copy_(self.all_reduce(x.clone()))  # a clone: other ranks may still be reading the slot
+        return _Done()
+
+    def reduce_async(self, x: torch.Tensor, dst: int) -> "_Done":
+        total = self.all_reduce(x.clone())
+        if self.rank == dst:
+            x.copy_(total)
+        return _Done()
+
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(x), dim=dim)
 
@@ -167,6 +189,13 @@ class ThreadGroup:
         """Sends are delivered when made; nothing to wait for."""
 
 
+class _Done:
+    """The handle of a collective that has already completed (threads run them synchronously)."""
+
+    def wait(self) -> bool:
+        return True
+
+
 @dataclass
 class RecordingGroup:
     """Wraps a group and records (operation, bytes) per call: the logical volume, i.e. the size of the
@@ -186,6 +215,14 @@ class RecordingGroup:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.log.append(("all_reduce", x.numel() * x.element_size()))
         return self.inner.all_reduce(x, op)
+
+    def all_reduce_async(self, x: torch.Tensor) -> Any:
+        self.log.append(("all_reduce", x.numel() * x.element_size()))
+        return self.inner.all_reduce_async(x)
+
+    def reduce_async(self, x: torch.Tensor, dst: int) -> Any:
+        self.log.append(("reduce", x.numel() * x.element_size()))
+        return self.inner.reduce_async(x, dst)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.log.append(("all_gather", x.numel() * x.element_size() * self.size))

@@ -1,46 +1,149 @@
-"""Data-parallel gradient reduction in buckets: a few large all-reduces instead of one per parameter.
+"""Data-parallel gradient reduction in buckets, started while the backward pass is still running.
 
-Leaves are packed in reverse order (the order backward produces them, as Megatron does) into flat fp32
-buckets of about bucket_bytes, each all-reduced once and divided by the group size.
+    sync = GradSync(params, dp_group, owner_slices=zero)   # params: this rank's {stage: tree}
+    execute(..., grads_ready=sync.ready)                   # each leaf's gradient, the moment it is final
+    sync.finish()                                          # waits; the buffer now holds the dp mean
+    grads = sync.tree()     # replicated optimizer: the whole mean as a pytree of views into the buffer
+    g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
+
+Gradients are copied into one flat buffer (at least fp32) laid out like zero.FlatBuffer: leaves in tree
+order, padded to a multiple of dp. The buffer is cut into buckets of about bucket_numel elements, walking
+leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
+as soon as its last leaf has arrived, so communication overlaps with the rest of the backward pass.
+Without ZeRO a bucket is all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to
+that rank only (reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied
+embedding copies, whose gradients are summed across pipeline stages afterwards), which are all-reduced.
+Which bucket starts when depends only on the schedule, so every data-parallel rank issues the same
+collectives in the same order. Calling ready() for everything after the backward pass (no overlap) gives
+the same numbers.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any
 
 import torch
 
 from fmeg import tree
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+def default_bucket_numel(dp: int) -> int:
+    """Megatron's default --ddp-bucket-size: max(40M, 1M * dp) elements."""
+    return max(40_000_000, 1_000_000 * dp)
 
 
-def all_reduce_mean(grads: Any, group: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Any:
-    """The mean of grads over the group's ranks, leaf for leaf (None group: unchanged)."""
-    if group is None:
-        return grads
-    leaves, spec = tree.tree_flatten(grads)
-    out: list[torch.Tensor | None] = [None] * len(leaves)
-    bucket: list[int] = []
-    size = 0
+class GradSync:
+    """One iteration's data-parallel gradient mean (a fresh one per iteration; group None: dp = 1)."""
 
-    def flush() -> None:
-        if not bucket:
+    def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
+                 replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None):
+        self.group, self.dp = group, 1 if group is None else group.size
+        self.rank = 0 if group is None else group.rank
+        self.owner_slices, self.spec = owner_slices, tree.tree_flatten(params)[1]
+        leaves = list(tree.items(params))
+        self.paths = [path for path, _ in leaves]
+        self.shapes = [leaf.shape for _, leaf in leaves]
+        sizes = [leaf.numel() for _, leaf in leaves]
+        self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        self.index = {path: i for i, path in enumerate(self.paths)}
+        self.numel = sum(sizes)
+        self.padded = -(-self.numel // self.dp) * self.dp
+        dtype = torch.promote_types(leaves[0][1].dtype if leaves else torch.float32, torch.float32)
+        self.buffer = torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
+        unknown = set(replicated) - set(self.index)
+        if unknown:
+            raise ValueError(f"GradSync: replicated paths {sorted(unknown)} are not parameters")
+        self.buckets = _buckets(sizes, self.padded, self.dp if owner_slices else 1,
+                                {self.index[p] for p in replicated},
+                                bucket_numel or default_bucket_numel(self.dp))
+        self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
+        self._buckets_of: list[list[int]] = [[] for _ in leaves]
+        for b, (_, _, leaves_of, _) in enumerate(self.buckets):
+            for i in leaves_of:
+                self._buckets_of[i].append(b)
+        self._arrived = [False] * len(leaves)
+        self._handles: list[Any] = []
+        self.started_with_pending: list[int] = []  # leaves still to come when each bucket started
+        for b, waiting in enumerate(self._waiting):
+            if waiting == 0:  # padding only
+                self._start(b)
+
+    def ready(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        """Take the final gradients of some leaves of `stage` ({path inside the stage: gradient})."""
+        for path, grad in grads.items():
+            i = self.index[f"{stage}.{path}"]
+            if self._arrived[i]:
+                raise RuntimeError(f"GradSync: gradient of {stage}.{path} given twice")
+            self._arrived[i] = True
+            self._view(i).copy_(grad.reshape(self.shapes[i]))
+            for b in self._buckets_of[i]:
+                self._waiting[b] -= 1
+                if self._waiting[b] == 0:
+                    self._start(b)
+
+    def finish(self) -> "GradSync":
+        missing = [p for p, arrived in zip(self.paths, self._arrived) if not arrived]
+        if missing:
+            raise RuntimeError(f"GradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        if self.dp > 1:
+            self.buffer.div_(self.dp)
+        return self
+
+    def tree(self) -> dict[int, Any]:
+        """{stage: gradient tree} as views into the buffer (valid where this rank holds the mean)."""
+        return tree.tree_unflatten([self._view(i) for i in range(len(self.paths))], self.spec)
+
+    def leaf(self, path: str) -> torch.Tensor:
+        return self._view(self.index[path])
+
+    def owned(self) -> torch.Tensor:
+        """This rank's contiguous slice of the flat buffer (ZeRO-1's gradient shard)."""
+        size = self.padded // self.dp
+        return self.buffer[self.rank * size:(self.rank + 1) * size]
+
+    def _view(self, i: int) -> torch.Tensor:
+        start = self.offsets[i]
+        return self.buffer[start:start + self.shapes[i].numel()].view(self.shapes[i])
+
+    def _start(self, b: int) -> None:
+        start, end, _, owner = self.buckets[b]
+        self.started_with_pending.append(self._arrived.count(False))
+        if self.group is None:
             return
-        flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
-        reduced = group.all_reduce(flat) / group.size
-        for i, piece in zip(bucket, reduced.split([leaves[i].numel() for i in bucket])):
-            out[i] = piece.view_as(leaves[i])
-        bucket.clear()
+        piece = self.buffer[start:end]
+        self._handles.append(self.group.all_reduce_async(piece) if owner is None
+                             else self.group.reduce_async(piece, owner))
 
-    for i in reversed(range(len(leaves))):
-        if bucket and leaves[i].dtype != leaves[bucket[0]].dtype:
-            flush()
-            size = 0
-        bucket.append(i)
-        size += leaves[i].numel() * leaves[i].element_size()
-        if size >= bucket_bytes:
-            flush()
-            size = 0
-    flush()
-    return tree.tree_unflatten(out, spec)
+
+def _buckets(sizes: list[int], padded: int, owners: int, replicated: set[int],
+             bucket_numel: int) -> list[tuple[int, int, list[int], int | None]]:
+    """[(start, end, leaves it touches, owner rank or None for an all-reduce)], in the order backward fills
+    them: element ranges cut at leaf boundaries once they hold bucket_numel elements, always cut at the
+    owners' slice boundaries and around replicated leaves (which are all-reduced even with owners > 1)."""
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    slice_size = padded // owners
+    hard = {k * slice_size for k in range(owners + 1)}
+    for i in replicated:
+        hard |= {offsets[i], offsets[i + 1]}
+    cuts = sorted(hard | set(offsets))
+
+    def leaf_at(position: int) -> int | None:  # the leaf holding element `position`; None in the padding
+        i = bisect.bisect_right(offsets, position) - 1
+        return i if i < len(sizes) and sizes[i] > 0 else None
+
+    out: list[tuple[int, int, list[int], int | None]] = []
+    end, touched = None, set()
+    for a, b in reversed([(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]):
+        end = b if end is None else end
+        leaf = leaf_at(a)
+        touched |= {leaf} - {None}
+        if a in hard or end - a >= bucket_numel:
+            owner = None if owners == 1 or leaf in replicated else a // slice_size
+            out.append((a, end, sorted(touched), owner))
+            end, touched = None, set()
+    return out

@@ -18,7 +18,7 @@ import torch
 from fmeg import optim, tree
 from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
-from fmeg.parallel.data_parallel import all_reduce_mean
+from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.sharding import partition_of, shard
@@ -138,18 +138,41 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     return model, state, zero
 
 
-def _any_overflow(grads: Any, mesh: Mesh) -> bool:
-    bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in tree.tree_leaves(grads))))
+def _any_overflow(grads: list[torch.Tensor], mesh: Mesh) -> bool:
+    bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
     for name in ("dp", "mp"):
         group = mesh.group(name)
         bad = group.all_reduce(bad, "max") if group is not None else bad
     return bool(bad > 0)
 
 
-def _zero_update(params, grads, opt_state, zero: Zero, layout, mesh, lr, weight_decay, clip_grad):
+def tied_paths(config: gpt.GPTConfig, layout: Layout, stages: Any) -> frozenset[str]:
+    """The flat paths ("stage.path") of this rank's tied-embedding copies (their gradients are summed over
+    the first and last stage after the data-parallel mean)."""
+    if not config.tie_embeddings:
+        return frozenset()
+    last = layout.num_stages - 1
+    return frozenset(p for s, p in ((0, "0.embedding.word.weight"), (last, f"{last}.output.weight")) if s in stages)
+
+
+def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, stages: Any) -> None:
+    """Sum the tied copies' (data-parallel mean) gradients in place in the buffer."""
+    paths = tied_paths(config, layout, stages)
+    if not paths:
+        return
+    views = sync.tree()
+    synced = gp.sync_tied_embedding_grads(views, config, layout.num_stages, mesh.group("embedding"))
+    for path in paths:
+        stage, _, rest = path.partition(".")
+        value = synced[int(stage)]
+        for part in rest.split("."):
+            value = value[part]
+        if value is not sync.leaf(path):
+            sync.leaf(path).copy_(value)
+
+
+def _zero_update(params, g_shard, opt_state, zero: Zero, layout, mesh, lr, weight_decay, clip_grad):
     flat, rank, dp_group = zero.flat, mesh.coord("dp"), mesh.group("dp")
-    g = flat.flatten(grads)
-    g_shard = (dp_group.reduce_scatter(g, 0) if dp_group is not None else g) / layout.dp
     total = (g_shard.double().pow(2) * zero.count).sum()
     for name in ("dp", "mp"):
         group = mesh.group(name)
@@ -171,37 +194,50 @@ def _zero_update(params, grads, opt_state, zero: Zero, layout, mesh, lr, weight_
 def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[dict], *, config: gpt.GPTConfig,
                     layout: Layout, mesh: Mesh, optimizer: optim.Optimizer, lr: float, weight_decay: float,
                     clip_grad: float, zero: Zero | None = None, loss_scale: float = 1.0,
-                    check_overflow: bool = False) -> tuple[dict[int, Any], dict, dict]:
+                    check_overflow: bool = False, overlap_grad_reduce: bool = False,
+                    bucket_numel: int | None = None) -> tuple[dict[int, Any], dict, dict]:
     """One step; params are the model's (compute dtype), opt_state comes from init_state. With
     check_overflow (fp16), a step whose gradients hold inf/nan on any rank changes nothing and reports
-    skipped=True."""
+    skipped=True. overlap_grad_reduce starts each data-parallel bucket's reduction as soon as the backward
+    pass has finished its gradients (same numbers; bucket_numel elements per bucket)."""
     t0 = time.perf_counter()
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
+    sync = GradSync(params, mesh.group("dp"), owner_slices=zero is not None, bucket_numel=bucket_numel,
+                    replicated=tied_paths(config, layout, params) if zero is not None else frozenset())
     loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
-                                  loss_scale=loss_scale)
+                                  loss_scale=loss_scale, grads_ready=sync.ready if overlap_grad_reduce else None)
     t1 = time.perf_counter()
-    grads = gp.sync_tied_embedding_grads(grads, config, layout.num_stages, mesh.group("embedding"))
-    if loss_scale != 1.0:
-        grads = tree.tree_map(lambda g: g / loss_scale, grads)
+    for stage, stage_grads in grads.items():  # without overlap: everything now, in the same buckets
+        sync.ready(stage, tree.flatten(stage_grads))
+    del grads
+    sync.finish()  # the data-parallel mean, in the buffer
+    _sync_tied(sync, config, layout, mesh, params)
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
-    def timers(t2: float, t3: float) -> dict:
+    if loss_scale != 1.0:
+        sync.buffer.div_(loss_scale)
+    if zero is not None:  # ZeRO-1: the optimizer needs this rank's slice only
+        g_shard = sync.owned()
+        held = [g_shard]  # every element is some data-parallel rank's: the overflow check sees them all
+    else:
+        grads = sync.tree()
+        held = [sync.buffer]
+    t2 = time.perf_counter()
+
+    def timers(t3: float) -> dict:
         return {"forward-backward": (t1 - t0) * 1e3, "grads-reduce": (t2 - t1) * 1e3, "optimizer": (t3 - t2) * 1e3}
 
-    if check_overflow and _any_overflow(grads, mesh):
-        now = time.perf_counter()
-        return params, opt_state, {"loss": loss, "grad_norm": float("nan"), "skipped": True, "timers_ms": timers(now, now)}
-    if zero is not None:  # the reduce-scatter and all-gather are timed with the optimizer here
-        t2 = time.perf_counter()
-        params, opt_state, norm = _zero_update(params, grads, opt_state, zero, layout, mesh, lr, weight_decay,
+    if check_overflow and _any_overflow(held, mesh):
+        return params, opt_state, {"loss": loss, "grad_norm": float("nan"), "skipped": True,
+                                   "timers_ms": timers(time.perf_counter())}
+    if zero is not None:  # the all-gather of updated slices is timed with the optimizer
+        params, opt_state, norm = _zero_update(params, g_shard, opt_state, zero, layout, mesh, lr, weight_decay,
                                                clip_grad)
         return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False,
-                                   "timers_ms": timers(t2, time.perf_counter())}
-    grads = all_reduce_mean(grads, dp_group)  # mean over data-parallel replicas, in buckets
-    t2 = time.perf_counter()
+                                   "timers_ms": timers(time.perf_counter())}
     norm = grad_norm(grads, config, layout, mesh)
     if clip_grad:
         coeff = min(1.0, clip_grad / (float(norm) + 1e-6))
@@ -210,7 +246,7 @@ def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[
     updates, adam = optimizer.update(grads, opt_state["adam"], main, lr=torch.tensor(lr),
                                      weight_decay=torch.tensor(weight_decay))
     main = optim.apply_updates(main, updates)
-    metrics = {"loss": loss, "grad_norm": float(norm), "skipped": False, "timers_ms": timers(t2, time.perf_counter())}
+    metrics = {"loss": loss, "grad_norm": float(norm), "skipped": False, "timers_ms": timers(time.perf_counter())}
     if "main" in opt_state:
         compute = tree.tree_leaves(params)[0].dtype
         return tree.tree_map(lambda p: p.to(compute), main), {"adam": adam, "main": main}, metrics

@@ -3,9 +3,12 @@
     loss, grads = execute(actions, stage_fns, stage_params, microbatches, pp_group)
 
 stage_fns[s](params, x, batch) -> the activation sent to stage s + 1, or, for the last stage, that
-microbatch's loss (x is None on stage 0, which reads its input from batch). Forward uses torch.func.vjp
-and keeps the vjp function; backward calls it. The last stage's loss is scaled by 1 / M, so the gradients
-returned (summed over microbatches, per local stage) are those of the mean microbatch loss.
+microbatch's loss (x is None on stage 0, which reads its input from batch); or a list of Segments
+(pipeline.segments) that chain to the same. Forward uses torch.func.vjp per segment and keeps the vjp
+functions; backward calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
+(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_ready, each
+segment's summed gradients go to grads_ready(stage, {path: gradient}) the moment they are final (in the
+stage's last backward), instead of being returned: data-parallel reduction overlaps with the rest.
 
 Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
 gradient to the sum. Both come from the one vjp call made at B (torch.func.vjp computes them together),
@@ -21,34 +24,71 @@ import torch
 
 from fmeg import tree
 from fmeg.parallel.pipeline.actions import Action
+from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
-def _add(total: Any, new: Any) -> Any:
+def _add(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """Gradient sums are kept in at least fp32, whatever the compute dtype (bf16/fp16 microbatches)."""
-    new = tree.tree_map(lambda g: g.to(torch.promote_types(g.dtype, torch.float32)), new)
-    return new if total is None else tree.tree_map(torch.add, total, new)
+    new = new.to(torch.promote_types(new.dtype, torch.float32))
+    return new if total is None else total + new
 
 
-def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params: dict[int, Any],
+def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict) -> tuple:
+    """(output, [(segment, vjp function)]) through the chain of segments."""
+    vjps = []
+    for segment in segments:
+        def fn(p, *x, segment=segment):
+            return segment.fn(p, x[0] if x else None, batch)
+
+        x, vjp = torch.func.vjp(fn, take(segment, params), *(() if x is None else (x,)))
+        vjps.append((segment, vjp))
+    return x, vjps
+
+
+def _backward(vjps: list, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
+    """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last first])."""
+    per_segment = []
+    for _, vjp in reversed(vjps):
+        cotangents = vjp(grad_out)
+        per_segment.append(tree.flatten(cotangents[0]))
+        grad_out = cotangents[1] if len(cotangents) > 1 else None
+    return grad_out, per_segment
+
+
+def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
-            trace: list | None = None, loss_scale: float = 1.0,
-            forward_only: bool = False) -> tuple[torch.Tensor | None, dict[int, Any]]:
+            trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
+            grads_ready: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+            ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
-    the last stage, else None; {stage: gradient of its params}). A `trace` list receives
-    (action, start, end) in time.perf_counter() seconds for every action. loss_scale multiplies the
-    backward seed (fp16 loss scaling); the returned gradients are of loss_scale * mean loss. forward_only
-    (evaluation) runs the F actions without keeping anything for a backward."""
+    the last stage, else None; {stage: gradient of its params}, empty when grads_ready takes them). A
+    `trace` list receives (action, start, end) in time.perf_counter() seconds for every action.
+    loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
+    loss. forward_only (evaluation) runs the F actions without keeping anything for a backward."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
+    segments = {s: as_segments(stage_fns[s]) for s in stage_params}
+    if not forward_only:
+        for s in stage_params:
+            check_cover(segments[s], stage_params[s], s)
     inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
     outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> output to send
-    vjps: dict[tuple[int, int], Callable] = {}
-    deferred: dict[tuple[int, int], Any] = {}
-    grads: dict[int, Any] = {s: None for s in stage_params}
+    vjps: dict[tuple[int, int], list] = {}
+    deferred: dict[tuple[int, int], list] = {}
+    sums: dict[int, dict[str, torch.Tensor]] = {s: {} for s in stage_params}
+    finished = {s: 0 for s in stage_params}  # weight-gradient steps done per stage
     loss = None
     split_backward = any(a.kind == "W" for a in actions)
+
+    def accumulate(s: int, per_segment: list[dict[str, torch.Tensor]]) -> None:
+        finished[s] += 1
+        for grads in per_segment:
+            for path, g in grads.items():
+                sums[s][path] = _add(sums[s].get(path), g)
+            if grads_ready is not None and finished[s] == m_count:
+                grads_ready(s, {path: sums[s].pop(path) for path in grads})
 
     for a in actions:
         start = time.perf_counter()
@@ -62,18 +102,12 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
         elif a.kind == "SEND_B":
             pp_group.send(outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
         elif a.kind == "F":
-            fn, batch = stage_fns[s], microbatches[m]
+            x = None if s == 0 else inbox.pop(("F", s, m))
             if forward_only:
                 with torch.no_grad():
-                    out = fn(stage_params[s], None if s == 0 else inbox.pop(("F", s, m)), batch)
-                vjp = None
-            elif s == 0:
-                out, vjp = torch.func.vjp(lambda p: fn(p, None, batch), stage_params[s])
+                    out = compose(segments[s])(stage_params[s], x, microbatches[m])
             else:
-                x = inbox.pop(("F", s, m))
-                out, vjp = torch.func.vjp(lambda p, x: fn(p, x, batch), stage_params[s], x)
-            if vjp is not None:
-                vjps[(s, m)] = vjp
+                out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m])
             if s == last:
                 loss = (0.0 if loss is None else loss) + out.detach() / m_count
             elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication
@@ -82,18 +116,25 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable], stage_params:
                 outbox[("F", s, m)] = out.detach()
         elif a.kind == "B":
             grad_out = torch.full((), loss_scale / m_count) if s == last else inbox.pop(("B", s, m))
-            cotangents = vjps.pop((s, m))(grad_out)
+            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out)
             if s > 0:
                 target = inbox if (s - 1) % pp == s % pp else outbox
-                target[("B", s - 1, m) if target is inbox else ("B", s, m)] = cotangents[1]
+                target[("B", s - 1, m) if target is inbox else ("B", s, m)] = grad_in
             if split_backward:
-                deferred[(s, m)] = cotangents[0]
+                deferred[(s, m)] = per_segment
             else:
-                grads[s] = _add(grads[s], cotangents[0])
+                accumulate(s, per_segment)
         elif a.kind == "W":
-            grads[s] = _add(grads[s], deferred.pop((s, m)))
+            accumulate(s, deferred.pop((s, m)))
         if trace is not None:
             trace.append((a, start, time.perf_counter()))
     if pp_group is not None:
         pp_group.finish()
-    return loss, grads
+    if grads_ready is not None or forward_only:
+        return loss, {}
+    return loss, {s: _as_tree(sums[s], stage_params[s]) for s in stage_params}
+
+
+def _as_tree(flat: dict[str, torch.Tensor], like: Any) -> Any:
+    spec = tree.tree_flatten(like)[1]
+    return tree.tree_unflatten([flat[path] for path, _ in tree.items(like)], spec)

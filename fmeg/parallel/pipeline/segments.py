@@ -1,0 +1,64 @@
+"""A pipeline stage as a chain of segments, so that backward hands over gradients piece by piece.
+
+    Segment(fn, keys=("layers.2",))     # fn(sub, x, batch) -> the next segment's x
+
+sub is {key: the stage params' subtree at that dotted path} for each key, or the whole stage params when
+keys is None. The segments of a stage differentiate disjoint parts of its params, together all of them;
+the first segment of stage 0 gets x = None, and the last one's output is the stage's output. The executor
+runs one torch.func.vjp per segment, so the gradients of the last segments (the first ones backward
+finishes) are final while earlier segments are still differentiating: data-parallel reduction can start
+on them. A plain function (params, x, batch) is a stage of one segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fmeg import tree
+
+
+@dataclass(frozen=True)
+class Segment:
+    fn: Callable[[Any, Any, dict], Any]
+    keys: tuple[str, ...] | None = None
+
+
+def as_segments(stage: Callable | list[Segment]) -> list[Segment]:
+    return list(stage) if isinstance(stage, (list, tuple)) else [Segment(stage)]
+
+
+def subtree(params: Any, path: str) -> Any:
+    node = params
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, (list, tuple)) else node[part]
+    return node
+
+
+def take(segment: Segment, params: Any) -> Any:
+    """The part of the stage params this segment differentiates (paths inside it are stage paths)."""
+    return params if segment.keys is None else {key: subtree(params, key) for key in segment.keys}
+
+
+def compose(stage: Callable | list[Segment]) -> Callable[[Any, Any, dict], Any]:
+    """The stage as one function (params, x, batch) -> output, for forward-only use."""
+    segments = as_segments(stage)
+
+    def run(params: Any, x: Any, batch: dict) -> Any:
+        for segment in segments:
+            x = segment.fn(take(segment, params), x, batch)
+        return x
+
+    return run
+
+
+def check_cover(segments: list[Segment], params: Any, stage: int) -> None:
+    """Every stage parameter is differentiated by exactly one segment."""
+    seen: list[str] = []
+    for segment in segments:
+        seen += [path for path, _ in tree.items(take(segment, params))]
+    expected = [path for path, _ in tree.items(params)]
+    if sorted(seen) != sorted(expected):
+        missing, twice = set(expected) - set(seen), {p for p in seen if seen.count(p) > 1}
+        raise ValueError(f"segments of stage {stage}: parameters missing {sorted(missing)[:3]}, "
+                         f"differentiated twice {sorted(twice)[:3]}")
