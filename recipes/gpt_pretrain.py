@@ -49,7 +49,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         norm_eps=a.norm_epsilon, rope_theta=a.rotary_base,
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
-        init_std=a.init_method_std, hidden_dropout=a.hidden_dropout)
+        init_std=a.init_method_std, hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout)
 
 
 def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype):
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for j in range(global_batch // (a.micro_batch_size * dp)):
             first = first_sample + (j * dp + dp_rank) * a.micro_batch_size
             mb = collate([dataset[i] for i in range(first, first + a.micro_batch_size)])
-            if a.hidden_dropout and dataset is train_data:
+            if (a.hidden_dropout or a.attention_dropout) and dataset is train_data:
                 mb["dropout_key"] = fold_in(a.seed, iteration, j * dp + dp_rank)
             out.append(mb)
         return out
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                                                optimizer=opt, lr=lr,
                                                weight_decay=wd_schedule(consumed if in_samples else iteration - 1),
                                                clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
-                                               check_overflow=True)
+                                               check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
+                                               bucket_numel=a.ddp_bucket_size)
         consumed += global_batch
         if scaler:
             skipped += int(m["skipped"])

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--ffn-hidden-size", type=int)
     model.add_argument("--seq-length", type=int, default=128)
     model.add_argument("--hidden-dropout", type=float, default=0.0)
+    model.add_argument("--attention-dropout", type=float, default=0.0)
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=16)
     train.add_argument("--train-iters", type=int, default=200)
@@ -78,8 +79,9 @@ def check_args(a: argparse.Namespace) -> None:
     if a.num_query_groups is not None and (a.num_query_groups <= 0 or a.num_attention_heads % a.num_query_groups):
         raise ValueError(f"--num-query-groups {a.num_query_groups} must divide --num-attention-heads "
                          f"{a.num_attention_heads}")
-    if not 0.0 <= a.hidden_dropout < 1.0:
-        raise ValueError(f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(a, name) < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(a, name)}")
     if a.lr <= 0 or a.clip_grad < 0 or a.weight_decay < 0:
         raise ValueError("--lr must be positive, --clip-grad and --weight-decay non-negative")
 
@@ -89,7 +91,7 @@ def build_config(a: argparse.Namespace, vocab_size: int) -> gpt.GPTConfig:
     return preset(vocab_size=vocab_size, max_seq_len=a.seq_length, num_layers=a.num_layers,
                   hidden_size=a.hidden_size, num_heads=a.num_attention_heads,
                   num_kv_heads=a.num_query_groups or a.num_attention_heads, ffn_hidden_size=a.ffn_hidden_size,
-                  hidden_dropout=a.hidden_dropout)
+                  hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
 
 
 def load_data(a: argparse.Namespace):
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for iteration in range(1, a.train_iters + 1):
         batch = random_windows(tokens, a.micro_batch_size, a.seq_length, a.seed, iteration)
         lr = schedule(iteration - 1)  # Megatron: the scheduler advances after the step
-        key = fold_in(a.seed, iteration) if a.hidden_dropout else None
+        key = fold_in(a.seed, iteration) if a.hidden_dropout or a.attention_dropout else None
         params, opt_state, metrics = step(params, opt_state, batch, torch.tensor(lr), weight_decay, key)
         losses.append(float(metrics["loss"]))
         if iteration % a.log_interval == 0 or iteration == a.train_iters:

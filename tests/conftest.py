@@ -26,8 +26,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Single-rank loss curves every layout is compared with (computed once per test session)."""
-    from runner_harness import run_layout
+    from runner_harness import DROPOUT, run_layout
 
     tmp = tmp_path_factory.mktemp("reference")
     return {"plain": run_layout(tmp, "single", 1, []),
-            "dropout": run_layout(tmp, "single_dropout", 1, ["--hidden-dropout", "0.1"])}
+            "dropout": run_layout(tmp, "single_dropout", 1, DROPOUT)}

@@ -9,6 +9,7 @@ import sys
 COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "512",
           "--log-interval", "100", "--lr-warmup-iters", "2"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def run_layout(tmp_path, name, nproc, flags):

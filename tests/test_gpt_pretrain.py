@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fmeg.training.arguments import parse_args, validate
 from recipes import gpt_pretrain
-from runner_harness import assert_same_curve, run_layout
+from runner_harness import DROPOUT, assert_same_curve, run_layout
 
 BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -37,6 +37,8 @@ BAD = [
                            "--max-position-embeddings", "64"], "--seq-length 33 must be divisible"),
     ({"WORLD_SIZE": "1"}, ["--data-path", "/nonexistent/corpus"], "--data-path /nonexistent/corpus: no"),
     ({"WORLD_SIZE": "1"}, ["--split", "0,0,0"], "--split"),
+    ({"WORLD_SIZE": "2"}, ["--overlap-grad-reduce", "--ddp-bucket-size", "0"], "--ddp-bucket-size must be positive"),
+    ({"WORLD_SIZE": "1"}, ["--attention-dropout", "1.0"], "--attention-dropout must be in [0, 1)"),
     ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
                            "--micro-batch-size", "4"], "interleaved pipelining needs at least"),
@@ -71,24 +73,32 @@ def test_yaml_config_with_flags_overriding(tmp_path):
 
 
 RAMPUP = ["--rampup-batch-size", "4", "4", "40"]
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]  # small buckets: several start during backward
+ZERO_OVERLAP = ["--use-distributed-optimizer", *OVERLAP]
+VP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 
 
 SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "plain"),
          ("pp2_vp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
           "plain"),
-         ("dp2_dropout", 2, ["--hidden-dropout", "0.1"], "dropout"),
+         ("dp2_dropout_overlap", 2, [*DROPOUT, *OVERLAP], "dropout"),
          ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain")]
 FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2", 2, ["--pipeline-model-parallel-size", "2"], "plain"),
         ("dp2", 2, [], "plain"),
+        ("dp2_zero1_overlap", 2, ZERO_OVERLAP, "plain"),
         ("tp2_pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "plain"),
         ("pp4", 4, ["--pipeline-model-parallel-size", "4"], "plain"),
         ("tp2_dp2", 4, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2_dp2", 4, ["--pipeline-model-parallel-size", "2"], "plain"),
         ("pp2_zero_bubble", 2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"], "plain"),
-        ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"], "dropout"),
+        ("tp2_dp2_dropout", 4, ["--tensor-model-parallel-size", "2", *DROPOUT], "dropout"),
+        ("tp2_sp_pp2_dropout", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--pipeline-model-parallel-size", "2", *DROPOUT], "dropout"),
         ("tp2_dp2_zero1", 4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
         ("pp2_dp2_zero1", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
+        ("pp2_vp2_dp2_zero1_overlap", 4, ["--pipeline-model-parallel-size", "2", *VP2, *ZERO_OVERLAP], "plain"),
+        ("tp2_dp2_overlap", 4, ["--tensor-model-parallel-size", "2", *OVERLAP], "plain"),
         ("tp2_dp2_rampup", 4, ["--tensor-model-parallel-size", "2", *RAMPUP], "rampup")]
 
 

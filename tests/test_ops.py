@@ -141,6 +141,47 @@ def test_causal_attention_with_grouped_query_heads(seed, b, heads, s, d):
         torch.testing.assert_close(got, want)
 
 
+def attention_dropout_reference(q, k, v, p, key, head_offset, total_heads):
+    """Probabilities dropped where uniform(key, global flat position in [b, total_heads, s, s]) < p."""
+    n, g, s, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    k, v = k.repeat_interleave(n // g, dim=1), v.repeat_interleave(n // g, dim=1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
+                                                                   float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    index = torch.tensor([[[[((row * total_heads + head_offset + h) * s + i) * s + j for j in range(s)]
+                            for i in range(s)] for h in range(n)] for row in range(q.shape[0])])
+    keep = (ops.uniform(key, index) >= p).to(q.dtype)
+    return (probs * keep / (1 - p)) @ v
+
+
+@given(seeds, st.integers(1, 2), st.sampled_from([(2, 1), (4, 2), (4, 4)]), st.integers(1, 7),
+       st.sampled_from([0.1, 0.5]), st.integers(0, 4))
+def test_attention_dropout_against_a_global_position_reference(seed, b, heads, s, p, head_offset):
+    n, g = heads
+    q, k, v = randn(seed, b, n, s, 4), randn(seed + 1, b, g, s, 4), randn(seed + 2, b, g, s, 4)
+    key, total = torch.tensor(seed), n + head_offset + 1
+
+    def fn(q, k, v):
+        return ops.causal_attention(q, k, v, dropout_p=p, key=key, head_offset=head_offset, total_heads=total)
+
+    def ref(q, k, v):
+        return attention_dropout_reference(q, k, v, p, key, head_offset, total)
+
+    torch.testing.assert_close(fn(q, k, v), ref(q, k, v))
+    assert_grads_match(fn, ref, (q, k, v), (0, 1, 2))
+    tangents = (randn(seed + 3, b, n, s, 4), randn(seed + 4, b, g, s, 4), randn(seed + 5, b, g, s, 4))
+    torch.testing.assert_close(torch.func.jvp(fn, (q, k, v), tangents)[1], torch.func.jvp(ref, (q, k, v), tangents)[1])
+
+
+def test_attention_dropout_mask_does_not_depend_on_the_head_split():
+    q, k, v = randn(0, 2, 4, 6, 4), randn(1, 2, 2, 6, 4), randn(2, 2, 2, 6, 4)
+    whole = ops.causal_attention(q, k, v, dropout_p=0.3, key=5)
+    halves = [ops.causal_attention(q[:, 2 * r:2 * r + 2], k[:, r:r + 1], v[:, r:r + 1], dropout_p=0.3, key=5,
+                                   head_offset=2 * r, total_heads=4) for r in range(2)]
+    torch.testing.assert_close(torch.cat(halves, dim=1), whole)
+    assert not torch.allclose(whole, ops.causal_attention(q, k, v)), "dropout changed nothing"
+
+
 def test_causal_attention_ignores_the_future():
     q, k, v = randn(0, 1, 2, 5, 4), randn(1, 1, 2, 5, 4), randn(2, 1, 2, 5, 4)
     k2, v2 = k.clone(), v.clone()

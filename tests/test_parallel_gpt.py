@@ -12,9 +12,10 @@ from parallel_harness import run
 
 CONFIGS = {
     "gpt2": gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4,
-                               hidden_dropout=0.1),
+                               hidden_dropout=0.1, attention_dropout=0.1),
     "llama": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=8,
-                                 num_kv_heads=4, ffn_hidden_size=48, hidden_dropout=0.1),
+                                 num_kv_heads=4, ffn_hidden_size=48, hidden_dropout=0.1,
+                                 attention_dropout=0.2),
 }
 
 

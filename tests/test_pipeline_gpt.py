@@ -13,7 +13,7 @@ from parallel_harness import gloo
 
 CONFIGS = {
     "gpt2_tied": gpt.GPTConfig.gpt2(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=2,
-                                    hidden_dropout=0.1),
+                                    hidden_dropout=0.1, attention_dropout=0.1),
     "llama_untied": gpt.GPTConfig.llama(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=4,
                                         num_kv_heads=2, ffn_hidden_size=32),
 }
@@ -58,10 +58,11 @@ def test_pipelined_gpt_on_gloo(schedule, vp, style, pp):
 
 
 @pytest.mark.parametrize("schedule, vp", CASES + [("interleaved", 4)])
-def test_pipelined_gpt_on_thread_ranks(schedule, vp):
+@pytest.mark.parametrize("segmented", [True, False])
+def test_pipelined_gpt_on_thread_ranks(schedule, vp, segmented):
     config, pp, m = CONFIGS["gpt2_tied"], 2, 4
     params, mbs = gpt.init(config, 1), microbatches(config, m, seed=1)
-    results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
+    results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, segmented, pp=pp)
     check(results, config, params, mbs, pp, vp)
 
 

@@ -63,6 +63,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -122,6 +123,7 @@ def _validate(c: GPTConfig) -> None:
     need(c.norm_eps > 0, "norm_eps", f"must be positive, got {c.norm_eps}")
     need(c.init_std > 0, "init_std", f"must be positive, got {c.init_std}")
     need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
+    need(0.0 <= c.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {c.attention_dropout}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,8 +216,9 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
 
 
 def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
-              tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard)."""
+              tp: TensorParallel = NO_TP, key: Any = None) -> torch.Tensor:
+    """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
+    key, attention dropout masks each probability by its global (batch, head, query, key) position."""
     d, per_group = config.head_dim, config.heads_per_group
     qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
@@ -223,7 +226,10 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if rope is not None:
         q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
-    out = rearrange(ops.causal_attention(q, k, v), "b n s d -> b s (n d)")
+    local_heads = q.shape[1]
+    out = ops.causal_attention(q, k, v, dropout_p=config.attention_dropout, key=key,
+                               head_offset=tp.rank * local_heads, total_heads=config.num_heads)
+    out = rearrange(out, "b n s d -> b s (n d)")
     return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
 
 
@@ -254,8 +260,10 @@ def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
           index: int = 0, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both."""
-    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp)
+    """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
+    attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
+    attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
+    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp, attn_key)
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
     out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
@@ -309,7 +317,7 @@ def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions:
           key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """Logits [batch, seq, vocab] for tokens [batch, seq]; under tensor parallelism this rank's vocabulary
     shard [batch, seq, vocab/t] (gather with collectives.gather_from if the full logits are needed).
-    A key turns hidden dropout on (training)."""
+    A key turns dropout on (training: hidden and attention dropout)."""
     x = hidden_states(params, tokens, config, positions=positions, key=key, tp=tp)
     return column_parallel_linear(x, output_weight(params, config), None, tp)
 

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each data-parallel gradient bucket's reduction during the backward pass")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per data-parallel gradient bucket (default max(40M, 1M * dp))")
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--disable-bias-linear", action="store_true")
     m.add_argument("--hidden-dropout", type=float, default=0.0)
+    m.add_argument("--attention-dropout", type=float, default=0.0)
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--padded-vocab-size", type=int, default=None,
@@ -203,6 +208,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
          "--save-interval needs a positive value and --save DIR")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
+    need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
+         f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}")
     need(a.load is None or os.path.isdir(a.load), f"--load {a.load}: no such directory")
     if a.tensorboard_dir:
         try:
@@ -236,6 +243,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay")
     need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
     need(0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
+    need(0.0 <= a.attention_dropout < 1.0, f"--attention-dropout must be in [0, 1), got {a.attention_dropout}")
     need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
     if a.padded_vocab_size is not None:
         need(a.padded_vocab_size % tp == 0,
