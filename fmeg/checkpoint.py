@@ -60,7 +60,7 @@ def _named(prefix: str, stages: dict[int, Any]) -> dict[str, torch.Tensor]:
 
 
 def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Tensor]:
-    """Every tensor a rank must save, under readable names."""
+    """Every tensor a rank must save, under readable names, copied to host memory."""
     out = _named("params", params)
     adam = opt_state["adam"]
     out["adam/count"] = adam.count
@@ -71,7 +71,7 @@ def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Te
             out[f"{name}/shard"] = value["shard"]
         else:
             out.update(_named(name, value))
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
 def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: dict[str, int]) -> dict[str, dict]:

@@ -53,15 +53,26 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         attention_dropout=a.attention_dropout)
 
 
-def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype):
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (NCCL) when asked for or, with auto, when CUDA is available; else the CPU (gloo)."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def to_device(values, device: torch.device):
+    return tree.tree_map(lambda t: t.to(device), values)
+
+
+def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype, device):
     """A checkpoint of another layout, for this rank: full tensors rebuilt from every shard, then sliced the
     way this layout slices them (parameters, Adam's moments, fp32 main weights)."""
     full = checkpoint.full_state(path, meta, config)
     weights = shard_params(full.get("main", full["params"]), config, layout, mesh)
-    weights = tree.tree_map(lambda t: t.float(), weights)
+    weights = tree.tree_map(lambda t: t.float().to(device), weights)
     params, state, zero_now = init_state(weights, config, layout, mesh, opt, distributed=zero is not None,
                                          compute_dtype=compute_dtype)
-    moments = [shard_params(full[k], config, layout, mesh) for k in ("mu", "nu")]
+    moments = [to_device(shard_params(full[k], config, layout, mesh), device) for k in ("mu", "nu")]
     if zero_now is not None:
         flat, r = zero_now.flat, mesh.coord("dp")
         moments = [{"shard": flat.shard(flat.flatten(m), r).clone()} for m in moments]
@@ -69,7 +80,7 @@ def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype):
     return params, state
 
 
-def exit_reason(a, iteration: int, start: float, signalled: bool, world: int) -> str | None:
+def exit_reason(a, iteration: int, start: float, signalled: bool, world: int, device: torch.device) -> str | None:
     """Why to stop after this iteration (all ranks agree: any rank's reason stops every rank), or None."""
     reasons = []
     if signalled:
@@ -79,7 +90,7 @@ def exit_reason(a, iteration: int, start: float, signalled: bool, world: int) ->
     if a.exit_duration_in_mins is not None and (time.perf_counter() - start) / 60 >= a.exit_duration_in_mins:
         reasons.append(f"--exit-duration-in-mins {a.exit_duration_in_mins}")
     if world > 1 and (a.exit_signal_handler or a.exit_duration_in_mins is not None):
-        flag = torch.tensor([float(bool(reasons))])
+        flag = torch.tensor([float(bool(reasons))], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and not reasons:
             reasons.append("another rank is exiting")
@@ -99,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
             for p in problems:
                 print(f"error: {p}", file=sys.stderr)
         return 2
+    device = choose_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        mesh = Mesh.from_torch_distributed(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10),
+                                device_id=device if device.type == "cuda" else None)
+        mesh = Mesh.from_torch_distributed(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+                                           device=device)
     else:
         mesh = Mesh.single()
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
@@ -123,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
                                                eod_mask_loss=a.eod_mask_loss)
 
-    params = shard_params(gpt.init(config, a.seed), config, layout, mesh)
+    params = to_device(shard_params(gpt.init(config, a.seed), config, layout, mesh), device)
     opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
     compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
     params, opt_state, zero = init_state(params, config, layout, mesh, opt, distributed=a.use_distributed_optimizer,
@@ -156,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if meta is not None:
             if checkpoint.same_layout(meta, layout_meta):
-                params, opt_state = checkpoint.local_state(found, meta, coords)
+                params, opt_state = to_device(checkpoint.local_state(found, meta, coords), device)
             else:
-                params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype)
+                params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype,
+                                                    device)
             consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
             first_iteration = meta["iteration"] + 1
             if scaler and meta.get("loss_scale"):
@@ -192,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         in_flight = min(pp, gbs // (a.micro_batch_size * dp)) * chunks
         estimate = memory_estimate(local, state_bytes, config, a.micro_batch_size, a.seq_length, tp, pp, in_flight,
                                    torch.finfo(compute_dtype).bits // 8)
-        print(f"fmeg gpt_pretrain: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
+        print(f"fmeg gpt_pretrain on {device}: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
               f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {vocab}, {str(compute_dtype).removeprefix('torch.')}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
@@ -226,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for j in range(global_batch // (a.micro_batch_size * dp)):
             first = first_sample + (j * dp + dp_rank) * a.micro_batch_size
-            mb = collate([dataset[i] for i in range(first, first + a.micro_batch_size)])
+            mb = to_device(collate([dataset[i] for i in range(first, first + a.micro_batch_size)]), device)
             if (a.hidden_dropout or a.attention_dropout) and dataset is train_data:
                 mb["dropout_key"] = fold_in(a.seed, iteration, j * dp + dp_rank)
             out.append(mb)
@@ -290,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit({"iteration": iteration, "validation_lm_loss": value})
                 print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: "
                       f"{math.exp(min(value, 50)):.6E} |", flush=True)
-        reason = exit_reason(a, iteration, start, stop["signal"], world)
+        reason = exit_reason(a, iteration, start, stop["signal"], world, device)
         if a.save and (reason or (a.save_interval and iteration % a.save_interval == 0) or iteration == a.train_iters):
             save(iteration)
         if reason:
@@ -303,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"done: {len(losses)} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "
               f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); {skipped} skipped, "
-              f"{nans} NaN; peak memory of this process {peak_mb:.0f} MB", flush=True)
+              f"{nans} NaN; peak memory of this process {peak_mb:.0f} MB"
+              + (f", of {device} {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB" if device.type == "cuda" else ""),
+              flush=True)
         if metrics_file:
             metrics_file.close()
             draw_loss_curve(records, Path(a.log_dir) / "loss.png")

@@ -37,10 +37,12 @@ _HEADER = 9  # dtype code, ndim, up to 7 sizes
 
 
 class TorchGroup:
-    """A torch.distributed process group seen from one of its members."""
+    """A torch.distributed process group seen from one of its members. device: where point-to-point headers
+    and received tensors are allocated (a CUDA device for NCCL, which moves only CUDA tensors)."""
 
-    def __init__(self, process_group: Any, rank: int):
+    def __init__(self, process_group: Any, rank: int, device: Any = "cpu"):
         self.pg, self.rank, self.size = process_group, rank, dist.get_world_size(process_group)
+        self.device = torch.device(device)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         y = x.contiguous().clone()
@@ -77,19 +79,18 @@ class TorchGroup:
         """Buffered: a header (dtype, shape) then the data, both isend; finish() waits for them."""
         if x.dim() > _HEADER - 2:
             raise ValueError(f"send: at most {_HEADER - 2} dimensions, got {x.dim()}")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
-        header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_HEADER - 2 - x.dim()),
+                              dtype=torch.int64, device=self.device)
         data = x.detach().contiguous().clone()
         self._pending = getattr(self, "_pending", [])
         for t in (header, data):
             self._pending.append((dist.isend(t, group=self.pg, group_dst=dst, tag=tag), t))
 
     def recv(self, src: int, tag: int = 0) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         dist.recv(header, group=self.pg, group_src=src, tag=tag)
-        shape = header[2:2 + int(header[1])].tolist()
-        out = torch.empty(shape, dtype=_DTYPES[int(header[0])])
+        code, ndim, *sizes = header.tolist()
+        out = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=self.device)
         dist.recv(out, group=self.pg, group_src=src, tag=tag)
         return out
 

@@ -145,8 +145,9 @@ class Mesh:
         return cls.build(0, 1, lambda ranks: None)
 
     @classmethod
-    def from_torch_distributed(cls, *, sequence_parallel: bool = False, **sizes: Any) -> "Mesh":
-        """A mesh over the initialised default process group (torchrun), with one new_group per group."""
+    def from_torch_distributed(cls, *, sequence_parallel: bool = False, device: Any = "cpu", **sizes: Any) -> "Mesh":
+        """A mesh over the initialised default process group (torchrun), with one new_group per group;
+        device is where the groups' own buffers live (cuda:LOCAL_RANK under NCCL)."""
         import torch.distributed as dist
 
         from fmeg.parallel.comm import TorchGroup
@@ -158,7 +159,7 @@ class Mesh:
             key = tuple(ranks)
             if key not in cache:
                 pg = dist.new_group(ranks)
-                cache[key] = TorchGroup(pg, ranks.index(rank)) if rank in ranks else None
+                cache[key] = TorchGroup(pg, ranks.index(rank), device) if rank in ranks else None
             return cache[key]
 
         return cls.build(rank, world, make, sequence_parallel=sequence_parallel, **sizes)

@@ -50,5 +50,6 @@ class FlatBuffer:
 
     def mask(self, params: Any, keep: Callable[[str, torch.Tensor], bool]) -> torch.Tensor:
         """A flat 0/1 vector: 1 on the elements of leaves for which keep(path, leaf) is true."""
-        parts = [torch.full((leaf.numel(),), float(keep(path, leaf))) for path, leaf in tree.items(params)]
+        parts = [torch.full((leaf.numel(),), float(keep(path, leaf)), device=leaf.device)
+                 for path, leaf in tree.items(params)]
         return torch.nn.functional.pad(torch.cat(parts), (0, self.padded - self.numel))

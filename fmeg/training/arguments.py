@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.batch_schedule import check_rampup
 
@@ -33,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda:LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each data-parallel gradient bucket's reduction during the backward pass")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
@@ -208,6 +212,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
          "--save-interval needs a positive value and --save DIR")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
+    need(a.device != "cuda" or torch.cuda.is_available(),
+         "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
     need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
          f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}")
     need(a.load is None or os.path.isdir(a.load), f"--load {a.load}: no such directory")

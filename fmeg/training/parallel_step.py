@@ -139,7 +139,7 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
 
 
 def _any_overflow(grads: list[torch.Tensor], mesh: Mesh) -> bool:
-    bad = torch.tensor(float(any(not torch.isfinite(g).all() for g in grads)))
+    bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()  # one sync, on the device
     for name in ("dp", "mp"):
         group = mesh.group(name)
         bad = group.all_reduce(bad, "max") if group is not None else bad

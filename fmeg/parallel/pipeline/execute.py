@@ -115,7 +115,8 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             else:
                 outbox[("F", s, m)] = out.detach()
         elif a.kind == "B":
-            grad_out = torch.full((), loss_scale / m_count) if s == last else inbox.pop(("B", s, m))
+            grad_out = torch.full((), loss_scale / m_count, device=loss.device) if s == last \
+                else inbox.pop(("B", s, m))
             grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out)
             if s > 0:
                 target = inbox if (s - 1) % pp == s % pp else outbox
