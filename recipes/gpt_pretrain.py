@@ -60,6 +60,10 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_peak(device: torch.device) -> str:
+    return f", of {device} {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB" if device.type == "cuda" else ""
+
+
 def to_device(values, device: torch.device):
     return tree.tree_map(lambda t: t.to(device), values)
 
@@ -320,9 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"done: {len(losses)} iterations, {consumed} samples in {time.perf_counter() - start:.1f} s; lm loss "
               f"{losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); {skipped} skipped, "
-              f"{nans} NaN; peak memory of this process {peak_mb:.0f} MB"
-              + (f", of {device} {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB" if device.type == "cuda" else ""),
-              flush=True)
+              f"{nans} NaN; peak memory of this process {peak_mb:.0f} MB{gpu_peak(device)}", flush=True)
         if metrics_file:
             metrics_file.close()
             draw_loss_curve(records, Path(a.log_dir) / "loss.png")

@@ -38,6 +38,7 @@ def test_one_gpu_bf16_and_zero_overlap_run(tmp_path, reference):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 @pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                    ["--pipeline-model-parallel-size", "2"],
-                                   ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"]])
+                                   ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                    "--ddp-bucket-size", "3000"]])
 def test_two_gpus_over_nccl_follow_the_cpu_curve(tmp_path, reference, flags):
     close(run_layout(tmp_path, "nccl", 2, ["--device", "cuda", *flags]), reference["plain"], 1e-4)
