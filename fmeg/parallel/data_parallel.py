@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fmeg import tree
+from fmeg.parallel.zero import FlatBuffer
 
 
 def default_bucket_numel(dp: int) -> int:
@@ -41,15 +42,14 @@ class GradSync:
                  replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None):
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
-        self.owner_slices, self.spec = owner_slices, tree.tree_flatten(params)[1]
+        self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
+        self.owner_slices, self.spec, self.shapes = owner_slices, self.layout.spec, self.layout.shapes
+        self.padded = self.layout.padded
         leaves = list(tree.items(params))
         self.paths = [path for path, _ in leaves]
-        self.shapes = [leaf.shape for _, leaf in leaves]
-        sizes = [leaf.numel() for _, leaf in leaves]
+        sizes = [shape.numel() for shape in self.shapes]
         self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         self.index = {path: i for i, path in enumerate(self.paths)}
-        self.numel = sum(sizes)
-        self.padded = -(-self.numel // self.dp) * self.dp
         dtype = torch.promote_types(leaves[0][1].dtype if leaves else torch.float32, torch.float32)
         self.buffer = torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
         unknown = set(replicated) - set(self.index)
