@@ -21,6 +21,7 @@ from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
+from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
 from fmeg.parallel.tensor import TensorParallel
 from fmeg.parallel.zero import FlatBuffer
@@ -164,9 +165,7 @@ def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh
     synced = gp.sync_tied_embedding_grads(views, config, layout.num_stages, mesh.group("embedding"))
     for path in paths:
         stage, _, rest = path.partition(".")
-        value = synced[int(stage)]
-        for part in rest.split("."):
-            value = value[part]
+        value = subtree(synced[int(stage)], rest)
         if value is not sync.leaf(path):
             sync.leaf(path).copy_(value)
 
