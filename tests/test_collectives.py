@@ -136,3 +136,33 @@ def test_uneven_split_is_refused():
 
     with pytest.raises(RuntimeError, match="does not split evenly"):
         run_threads(2, lambda mesh: C.scatter_to(torch.ones(3), mesh.group("tp"), 0), tp=2, timeout=10)
+
+
+def test_thread_ranks_exchange_plain_values_inside_torch_func_grad():
+    """In a backward pass under torch.func.grad, a collective's input is wrapped at its own thread's
+    transform level. Peers must receive the value only: a wrapper read after its owner left the transform
+    failed at random ("bad optional access"), and it would tie the peer into the owner's graph."""
+    from fmeg.parallel import collectives as C
+    from fmeg.parallel import comm
+    from fmeg.parallel.spmd import run_threads
+
+    seen = []
+    exchange = comm.ThreadGroup._exchange
+
+    def spying(self, x):
+        parts = exchange(self, x)
+        seen.extend(torch._C._functorch.is_functorch_wrapped_tensor(p) for i, p in enumerate(parts) if i != self.rank)
+        return parts
+
+    def program(mesh):
+        g = mesh.group("tp")
+        return torch.func.grad(lambda x: (C.copy_to(x, g) * (mesh.coord("tp") + 1)).sum())(torch.ones(3))
+
+    comm.ThreadGroup._exchange = spying
+    try:
+        grads = run_threads(3, program, tp=3, timeout=10)
+    finally:
+        comm.ThreadGroup._exchange = exchange
+    assert len(seen) == 6 and not any(seen)
+    for g in grads:
+        torch.testing.assert_close(g, torch.full((3,), 6.0))

@@ -143,10 +143,12 @@ class ThreadGroup:
         self._rv, self.rank, self.size = rendezvous, rank, size
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self._rv.slots[self.rank] = x
+        """Every rank's x, in rank order: this rank's own x, the others' as plain data (see _shareable)."""
+        self._rv.slots[self.rank] = _shareable(x)
         self._rv.barrier.wait()
         everyone = list(self._rv.slots)
         self._rv.barrier.wait()  # nobody overwrites a slot before all have read
+        everyone[self.rank] = x
         return everyone
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -177,7 +179,7 @@ class ThreadGroup:
         return torch.cat([p.chunk(self.size, dim=split_dim)[self.rank] for p in parts], dim=cat_dim)
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self._rv.mailbox(self.rank, dst, tag).put(x.detach().clone())
+        self._rv.mailbox(self.rank, dst, tag).put(_shareable(x).clone())
 
     def recv(self, src: int, tag: int = 0) -> torch.Tensor:
         try:
@@ -188,6 +190,19 @@ class ThreadGroup:
 
     def finish(self) -> None:
         """Sends are delivered when made; nothing to wait for."""
+
+
+def _shareable(x: torch.Tensor) -> torch.Tensor:
+    """x's data without torch.func's gradient-tracking wrappers, safe for another thread to read.
+
+    In a backward pass under torch.func.grad the gradient reaching a collective is wrapped at the calling
+    thread's transform level. Levels are per thread: a peer that computes with the wrapper after its owner
+    has left torch.func.grad fails ("bad optional access"), and its result would join the owner's graph.
+    What a peer needs is the value, as torch.distributed would send it."""
+    while torch._C._functorch.is_gradtrackingtensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    with torch._C._DisableFuncTorch():  # inside a transform, detach() would wrap the result again
+        return x.detach()
 
 
 class _Done:
