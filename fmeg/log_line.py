@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def megatron_log_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                       lr: float, global_batch_size: int, lm_loss: float, grad_norm: float | None,
-                      loss_scale: float = 1.0, tflops: float | None = None, skipped: int = 0, nans: int = 0) -> str:
+                      loss_scale: float = 1.0, tflops: float | None = None, params_norm: float | None = None,
+                      skipped: int = 0, nans: int = 0) -> str:
     """' iteration       10/     200 | consumed samples: ... | number of nan iterations:   0 |'."""
     parts = [f" iteration {iteration:8d}/{train_iters:8d}", f"consumed samples: {consumed_samples:12d}",
              f"elapsed time per iteration (ms): {elapsed_ms:.1f}"]
@@ -15,5 +16,7 @@ def megatron_log_line(*, iteration: int, train_iters: int, consumed_samples: int
               f"loss scale: {loss_scale:.1f}"]
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nans:3d}"]
     return " | ".join(parts) + " |"

@@ -33,10 +33,10 @@ from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.arguments import parse_args, validate
+from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
 from fmeg.training import loss_scale
 from fmeg.training.batch_schedule import global_batch_size
-from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
+from fmeg.training.parallel_step import Layout, evaluate, global_norm, init_state, shard_params, train_iteration
 from fmeg.training.report import draw_loss_curve, memory_estimate, model_flops
 
 
@@ -150,10 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                          compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
     scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
         if a.fp16 else None
-    in_samples = a.lr_decay_samples is not None
-    schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr,
-                                warmup_steps=a.lr_warmup_samples if in_samples else a.lr_warmup_iters,
-                                decay_steps=a.lr_decay_samples if in_samples else (a.lr_decay_iters or a.train_iters),
+    warmup_steps, decay_steps, in_samples = lr_steps(a)
+    schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
                                 style=a.lr_decay_style)
     wd_schedule = optim.WeightDecaySchedule(
         start=a.weight_decay if a.start_weight_decay is None else a.start_weight_decay,
@@ -180,14 +178,22 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype,
                                                     device)
-            consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
-            first_iteration = meta["iteration"] + 1
-            if scaler and meta.get("loss_scale"):
-                scaler = loss_scale.LossScale(**meta["loss_scale"])
+            if a.finetune or a.no_load_optim:  # the weights only: a fresh optimizer state (fp32 main weights
+                fp32 = tree.tree_map(lambda x: x.float(), params)  # from the loaded compute-dtype weights)
+                params, opt_state, zero = init_state(fp32, config, layout, mesh, opt,
+                                                     distributed=a.use_distributed_optimizer,
+                                                     compute_dtype=compute_dtype,
+                                                     adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+            if not a.finetune:
+                consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
+                first_iteration = meta["iteration"] + 1
+                if scaler and meta.get("loss_scale"):
+                    scaler = loss_scale.LossScale(**meta["loss_scale"])
             if last_rank:
-                print(f"resumed from {found} (iteration {meta['iteration']}, {consumed} samples; layout "
-                      f"{'unchanged' if checkpoint.same_layout(meta, layout_meta) else 'resharded from ' + str(meta['layout'])})",
-                      flush=True)
+                taken = "weights only" if a.finetune else "fresh optimizer state" if a.no_load_optim else "layout " + (
+                    "unchanged" if checkpoint.same_layout(meta, layout_meta) else f"resharded from {meta['layout']}")
+                print(f"{'fine-tuning from' if a.finetune else 'resumed from'} {found} (iteration {meta['iteration']}, "
+                      f"{meta['consumed_samples']} samples; {taken})", flush=True)
 
     def save(iteration: int) -> None:
         tensors = checkpoint.state_tensors(params, opt_state)
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
               f"{' (distributed optimizer)' if zero else ''}", flush=True)
+        for line in ignored_flags(a):
+            print(f"ignored {line}", flush=True)
         print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items()),
               flush=True)
     records: list[dict] = []
@@ -271,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                                                check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
                                                bucket_numel=a.ddp_bucket_size)
         consumed += global_batch
+        params_norm = float(global_norm(params, config, layout, mesh)) if a.log_params_norm else None
         if scaler:
             skipped += int(m["skipped"])
             scaler = loss_scale.update(scaler, m["skipped"])
@@ -291,12 +300,14 @@ def main(argv: list[str] | None = None) -> int:
                   "weight_decay": wd_schedule(consumed - global_batch if in_samples else iteration - 1), "loss_scale": scale,
                   "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
                   "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
-                  "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]}})
+                  "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]},
+                  **({"params_norm": params_norm} if a.log_params_norm else {})})
             if iteration % a.log_interval == 0 or iteration == a.train_iters:
                 print(megatron_log_line(iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed,
                                         elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
                                         global_batch_size=global_batch, lm_loss=loss, grad_norm=m["grad_norm"],
-                                        loss_scale=scale, skipped=skipped, nans=nans), flush=True)
+                                        loss_scale=scale, params_norm=params_norm, skipped=skipped, nans=nans),
+                      flush=True)
                 print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
                       flush=True)
         if a.eval_interval and (iteration % a.eval_interval == 0 or iteration == a.train_iters):

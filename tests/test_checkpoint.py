@@ -11,7 +11,7 @@ from fmeg import checkpoint, optim, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.parallel_step import Layout, init_state, shard_params
-from runner_harness import run_layout
+from runner_harness import run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 LAYOUT = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
@@ -102,6 +102,18 @@ def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
     got = resume(tmp_path, "tp2", 2, ["--tensor-model-parallel-size", "2"], 2,
                  ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"])
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:])) and len(got) == 10
+
+
+def test_no_load_optim_and_finetune_take_the_weights_only(tmp_path, uninterrupted):
+    ckpt = tmp_path / "ck"
+    run_layout(tmp_path, "first", 1, ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"])
+    fresh = run_layout(tmp_path, "no_optim", 1, ["--load", str(ckpt), "--no-load-optim"])
+    # the same weights and samples give iteration 11's loss; then a fresh Adam state moves them differently
+    assert len(fresh) == 10 and fresh[0] == uninterrupted[10] and fresh[1] != uninterrupted[11]
+    tuned, stdout = run_recipe(tmp_path, "finetune", 1, ["--load", str(ckpt), "--finetune"])
+    assert "fine-tuning from" in stdout and "weights only" in stdout
+    assert [(r["iteration"], r["consumed_samples"]) for r in tuned[:2]] == [(1, 8), (2, 16)] and len(tuned) == 20
+    assert tuned[0]["lm_loss"] < uninterrupted[0] - 0.5  # iteration 1's samples, seen by trained weights
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fmeg.training.arguments import parse_args, validate
 from recipes import gpt_pretrain
-from runner_harness import DROPOUT, assert_same_curve, run_layout
+from runner_harness import DROPOUT, assert_same_curve, run_layout, run_recipe
 
 BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -42,6 +42,12 @@ BAD = [
     ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
                            "--micro-batch-size", "4"], "interleaved pipelining needs at least"),
+    ({"WORLD_SIZE": "1"}, ["--finetune"], "--finetune needs --load DIR"),
+    ({"WORLD_SIZE": "1"}, ["--no-load-optim"], "--no-load-optim needs --load DIR"),
+    ({"WORLD_SIZE": "1"}, ["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1)"),
+    ({"WORLD_SIZE": "1"}, ["--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "8", "--lr-decay-samples", "80"],
+     "--lr-warmup-samples and --lr-warmup-fraction are alternatives"),
+    ({"WORLD_SIZE": "1"}, ["--lr-decay-samples", "80"], "--lr-decay-samples needs --lr-warmup-samples or"),
 ]
 
 
@@ -146,6 +152,12 @@ def test_four_ranks_with_no_parallel_flags_run_the_demo_layout():
             "1"], world_size=4).tensor_model_parallel_size) == (1, 1)
 
 
+def test_group_query_attention_switch_defaults_to_one_group_as_in_megatron():
+    assert parse_args(["--group-query-attention"]).num_query_groups == 1
+    assert parse_args(["--group-query-attention", "--num-query-groups", "2"]).num_query_groups == 2
+    assert parse_args([]).num_query_groups is None  # multi-head attention
+
+
 def test_weight_decay_increment_follows_its_schedule(tmp_path):
     run_layout(tmp_path, "wd", 1, ["--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
                                    "--weight-decay-incr-style", "cosine"])
@@ -164,3 +176,30 @@ def test_tensorboard_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb_events"))
     events.Reload()
     assert "lm loss" in events.Tags()["scalars"] and len(events.Scalars("lm loss")) == 5
+
+
+MEGATRON_SCRIPT = ["--use-flash-attn", "--attention-softmax-in-fp32", "--no-masked-softmax-fusion",
+                   "--no-gradient-accumulation-fusion", "--transformer-impl", "local", "--use-mcore-models",
+                   "--distributed-backend", "nccl", "--num-workers", "2", "--log-params-norm",
+                   "--lr-warmup-fraction", "0.1", "--log-interval", "5"]
+
+
+def test_megatron_script_flags_run_unchanged_and_the_params_norm_is_layout_invariant(tmp_path, reference):
+    """Kernel and implementation flags from Megatron scripts are accepted, named once as ignored, and change
+    nothing: with --lr-warmup-fraction 0.1 of 20 decay iterations (= the reference's 2 warmup iterations),
+    the curve is the reference's, bitwise. The params norm counts the tied output copy once (checked
+    against the saved weights) and is the same under tp 2 x pp 2."""
+    from safetensors.torch import load_file
+
+    single, stdout = run_recipe(tmp_path, "script", 1, MEGATRON_SCRIPT + ["--save", str(tmp_path / "ck")])
+    assert [r["lm_loss"] for r in single] == reference["plain"]
+    for flag in ("--use-flash-attn", "--transformer-impl", "--distributed-backend", "--num-workers"):
+        assert stdout.count(f"ignored {flag}: ") == 1
+    assert stdout.count("| params norm: ") == 4  # log interval 5 of 20 iterations
+    weights = load_file(next((tmp_path / "ck" / "iter_0000020").glob("rank_*.safetensors")))
+    squares = sum(float(v.double().pow(2).sum()) for k, v in weights.items()
+                  if k.startswith("params/") and k != "params/0/output.weight")
+    assert single[-1]["params_norm"] == pytest.approx(squares ** 0.5, rel=1e-12)
+    tp2pp2, _ = run_recipe(tmp_path, "script_tp2pp2", 4, MEGATRON_SCRIPT + ["--tensor-model-parallel-size", "2",
+                                                                             "--pipeline-model-parallel-size", "2"])
+    assert [r["params_norm"] for r in tp2pp2] == pytest.approx([r["params_norm"] for r in single], rel=1e-6)

@@ -20,6 +20,39 @@ from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.batch_schedule import check_rampup
 
 
+# Megatron flags that choose a kernel or an implementation, not the model or the numbers: accepted so that
+# Megatron scripts run unchanged, and named once at start as ignored, with the reason.
+IGNORED_SWITCHES = {
+    "--use-flash-attn": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
+    "--attention-softmax-in-fp32": "fmeg has no reduced-precision softmax option; SDPA picks its kernel",
+    "--no-masked-softmax-fusion": "fmeg fuses no kernels by hand",
+    "--no-gradient-accumulation-fusion": "fmeg fuses no kernels by hand",
+    "--no-bias-gelu-fusion": "fmeg fuses no kernels by hand",
+    "--no-bias-swiglu-fusion": "fmeg fuses no kernels by hand",
+    "--no-bias-dropout-fusion": "fmeg fuses no kernels by hand",
+    "--no-rope-fusion": "fmeg fuses no kernels by hand",
+    "--no-persist-layer-norm": "fmeg fuses no kernels by hand",
+    "--use-mcore-models": "fmeg has one model implementation",
+    "--use-cpu-initialization": "parameters are always initialised as on one device, then sharded",
+    "--no-load-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
+    "--no-save-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
+    "--log-throughput": "the log line always shows throughput",
+}
+IGNORED_SETTINGS = {
+    "--transformer-impl": "fmeg has one transformer implementation",
+    "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
+    "--num-workers": "samples are read from memory-mapped files by the training process",
+    "--timing-log-level": "the per-phase timers are always printed",
+}
+
+
+def ignored_flags(a: argparse.Namespace) -> list[str]:
+    """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
+    given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
+    return [f"{flag}: {why}" for flag, why in given.items()
+            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
                                 description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
@@ -45,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)
     m.add_argument("--num-attention-heads", type=int, default=4)
-    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads (grouped-query attention); used whenever given")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="Megatron's switch for --num-query-groups (default 1 with it, as in Megatron); fmeg "
+                        "needs only --num-query-groups")
     m.add_argument("--ffn-hidden-size", type=int, default=None)
     m.add_argument("--seq-length", type=int, default=128)
     m.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
@@ -76,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-decay-style", default="cosine",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     t.add_argument("--lr-warmup-iters", type=int, default=10)
+    t.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm up over this fraction of the decay steps (replaces --lr-warmup-iters/-samples)")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--start-weight-decay", type=float, default=None, help="default: --weight-decay")
@@ -106,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
     c.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
+    c.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: take the weights, iteration and samples, but start a fresh optimizer state")
+    c.add_argument("--finetune", action="store_true",
+                   help="with --load: take the weights only; iteration, samples and optimizer start afresh")
     c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
     c.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM: save (with --save) and exit 0")
     c.add_argument("--exit-interval", type=int, default=None, help="exit after iterations divisible by N")
@@ -116,8 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
     lg.add_argument("--log-interval", type=int, default=10)
+    lg.add_argument("--log-params-norm", action="store_true",
+                    help="add the parameters' global L2 norm to the log line and metrics")
     lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
     lg.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard scalars here (pip install tensorboard)")
+    ig = p.add_argument_group("accepted from Megatron scripts and ignored (named at start)")
+    for flag in IGNORED_SWITCHES:
+        ig.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in IGNORED_SETTINGS:
+        ig.add_argument(flag, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -134,6 +184,8 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     demo = 2 if unset and world % 4 == 0 else 1
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or demo
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or demo
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron's default with the switch on
     return args
 
 
@@ -204,14 +256,20 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
     if a.rampup_batch_size:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
-    need((a.lr_warmup_samples is None) == (a.lr_decay_samples is None),
-         "--lr-warmup-samples and --lr-decay-samples go together (the schedule counts samples)")
-    if a.lr_decay_samples is not None:
+    need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
+         "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
+    need(a.lr_warmup_samples is None or a.lr_decay_samples is not None,
+         "--lr-warmup-samples needs --lr-decay-samples (the schedule counts samples)")
+    need(a.lr_decay_samples is None or a.lr_warmup_samples is not None or a.lr_warmup_fraction is not None,
+         "--lr-decay-samples needs --lr-warmup-samples or --lr-warmup-fraction (the schedule counts samples)")
+    if a.lr_decay_samples is not None and a.lr_warmup_samples is not None:
         need(0 <= a.lr_warmup_samples < a.lr_decay_samples or a.lr_decay_style == "constant",
              f"--lr-warmup-samples {a.lr_warmup_samples} must be below --lr-decay-samples {a.lr_decay_samples}")
     need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
          "--save-interval needs a positive value and --save DIR")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
+    for flag in ("no_load_optim", "finetune"):
+        need(not getattr(a, flag) or a.load is not None, f"--{flag.replace('_', '-')} needs --load DIR")
     need(a.device != "cuda" or torch.cuda.is_available(),
          "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
     need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
@@ -240,7 +298,9 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.lr > 0, f"--lr must be positive, got {a.lr}")
     need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
     decay = a.lr_decay_iters or a.train_iters
-    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant",
+    if a.lr_warmup_fraction is not None:
+        need(0.0 <= a.lr_warmup_fraction < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}")
+    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant" or a.lr_warmup_fraction is not None,
          f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
     need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
     start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
@@ -268,3 +328,13 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     return problems
+
+
+def lr_steps(a: argparse.Namespace) -> tuple[int, int, bool]:
+    """(warmup, decay, counted_in_samples) of the learning-rate schedule, as Megatron derives them: in samples
+    when --lr-decay-samples is given, else in iterations; --lr-warmup-fraction is a fraction of decay."""
+    in_samples = a.lr_decay_samples is not None
+    decay = a.lr_decay_samples if in_samples else (a.lr_decay_iters or a.train_iters)
+    if a.lr_warmup_fraction is not None:
+        return int(a.lr_warmup_fraction * decay), decay, in_samples
+    return (a.lr_warmup_samples if in_samples else a.lr_warmup_iters), decay, in_samples

@@ -92,11 +92,12 @@ def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
     return keep
 
 
-def grad_norm(grads: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> torch.Tensor:
-    """The global L2 norm: tensor-parallel shards summed over tp, replicated leaves and the tied output
-    copy counted once, stages summed over pp (one all-reduce over the tp-pp group)."""
+def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> torch.Tensor:
+    """The global L2 norm of this rank's {stage: tree} of gradients or parameters (the same on every
+    data-parallel rank): tensor-parallel shards summed over tp, replicated leaves and the tied output copy
+    counted once, stages summed over pp (one all-reduce over the tp-pp group)."""
     keep = counted_once(config, layout, mesh)
-    total = sum((leaf.double().pow(2).sum() for path, leaf in tree.items(grads) if keep(path, leaf)),
+    total = sum((leaf.double().pow(2).sum() for path, leaf in tree.items(values) if keep(path, leaf)),
                 torch.zeros((), dtype=torch.float64))
     group = mesh.group("mp")
     return (group.all_reduce(total) if group is not None else total).sqrt()
@@ -237,7 +238,7 @@ def train_iteration(params: dict[int, Any], opt_state: dict, microbatches: list[
                                                clip_grad)
         return params, opt_state, {"loss": loss, "grad_norm": float(norm), "skipped": False,
                                    "timers_ms": timers(time.perf_counter())}
-    norm = grad_norm(grads, config, layout, mesh)
+    norm = global_norm(grads, config, layout, mesh)
     if clip_grad:
         coeff = min(1.0, clip_grad / (float(norm) + 1e-6))
         grads = tree.tree_map(lambda g: g * coeff, grads)
