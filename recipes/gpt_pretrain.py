@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     wd_schedule = optim.WeightDecaySchedule(
         start=a.weight_decay if a.start_weight_decay is None else a.start_weight_decay,
         end=a.weight_decay if a.end_weight_decay is None else a.end_weight_decay,
-        incr_steps=a.train_iters * (gbs if in_samples else 1), style=a.weight_decay_incr_style)
+        incr_steps=(a.train_samples or a.train_iters * gbs) if in_samples else a.train_iters,
+        style=a.weight_decay_incr_style)
     consumed, valid_consumed, first_iteration = 0, 0, 1
     layout_meta = {"tp": tp, "pp": pp, "chunks": chunks, "dp": dp, "zero": bool(zero),
                    "dtype": str(compute_dtype).removeprefix("torch.")}

@@ -12,12 +12,12 @@ COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def run_recipe(tmp_path, name, nproc, flags) -> tuple[list[dict], str]:
-    """(metrics.jsonl records, stdout) of COMMON + flags on nproc ranks."""
+def run_recipe(tmp_path, name, nproc, flags, common=COMMON) -> tuple[list[dict], str]:
+    """(metrics.jsonl records, stdout) of common + flags on nproc ranks."""
     log_dir = tmp_path / name
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *COMMON, "--log-dir", str(log_dir), *flags],
+    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *common, "--log-dir", str(log_dir), *flags],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()], out.stdout

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fmeg.training.arguments import parse_args, validate
 from recipes import gpt_pretrain
-from runner_harness import DROPOUT, assert_same_curve, run_layout, run_recipe
+from runner_harness import COMMON, DROPOUT, assert_same_curve, run_layout, run_recipe
 
 BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -48,6 +48,9 @@ BAD = [
     ({"WORLD_SIZE": "1"}, ["--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "8", "--lr-decay-samples", "80"],
      "--lr-warmup-samples and --lr-warmup-fraction are alternatives"),
     ({"WORLD_SIZE": "1"}, ["--lr-decay-samples", "80"], "--lr-decay-samples needs --lr-warmup-samples or"),
+    ({"WORLD_SIZE": "1"}, ["--train-samples", "2"], "--train-samples 2 is less than one global batch"),
+    ({"WORLD_SIZE": "1"}, ["--train-samples", "64", "--lr-warmup-samples", "64"],
+     "the LR warmup of 64 samples must be below the decay's 64 samples"),
 ]
 
 
@@ -150,6 +153,17 @@ def test_four_ranks_with_no_parallel_flags_run_the_demo_layout():
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (2, 2)
     assert (parse_args([], world_size=2).tensor_model_parallel_size, parse_args(["--pipeline-model-parallel-size",
             "1"], world_size=4).tensor_model_parallel_size) == (1, 1)
+
+
+def test_train_samples_counts_the_run_and_its_schedule_in_samples(tmp_path, reference):
+    """--train-samples 160 of global batches of 8 is the reference's 20 iterations, and its LR schedule in
+    samples (warmup 16, decay over the 160) gives the same rates as the reference's 2 and 20 iterations."""
+    i = COMMON.index("--train-iters")
+    common = COMMON[:i] + COMMON[i + 2:]
+    records, stdout = run_recipe(tmp_path, "samples", 1, ["--train-samples", "160", "--lr-warmup-samples", "16",
+                                                          "--log-interval", "20"], common=common)
+    assert [r["lm_loss"] for r in records] == reference["plain"]
+    assert records[-1]["consumed_samples"] == 160 and " iteration       20/      20 |" in stdout
 
 
 def test_group_query_attention_switch_defaults_to_one_group_as_in_megatron():

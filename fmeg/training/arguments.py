@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fmeg.data.blending import parse_blend, parse_split
-from fmeg.training.batch_schedule import check_rampup
+from fmeg.training.batch_schedule import check_rampup, iterations_for
 
 
 # Megatron flags that choose a kernel or an implementation, not the model or the numbers: accepted so that
@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grow the global batch from START by INCREMENT over SAMPLES samples")
     t.add_argument("--lr-warmup-samples", type=int, default=None, help="count the LR schedule in samples")
     t.add_argument("--lr-decay-samples", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=100)
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--train-iters", type=int, default=None, help="default 100")
+    length.add_argument("--train-samples", type=int, default=None,
+                        help="train for this many samples instead (the LR schedule then counts samples)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=3e-4)
     t.add_argument("--lr-decay-style", default="cosine",
@@ -184,6 +187,13 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     demo = 2 if unset and world % 4 == 0 else 1
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or demo
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or demo
+    if args.train_samples is not None and args.train_iters is None:
+        dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+        gbs = args.global_batch_size or args.micro_batch_size * dp
+        ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size else None
+        args.train_iters = iterations_for(args.train_samples, gbs, ramp) if gbs > 0 else 0
+    elif args.train_iters is None:
+        args.train_iters = 100
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1  # Megatron's default with the switch on
     return args
@@ -217,8 +227,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
             problems.append(message)
 
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if a.train_samples is not None:
+        need(a.train_iters > 0, f"--train-samples {a.train_samples} is less than one global batch; raise it")
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
-                 "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "log_interval"):
+                 "num_attention_heads", "seq_length", "micro_batch_size", "log_interval") + \
+            (("train_iters",) if a.train_samples is None else ()):
         need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
     if problems:
         return problems
@@ -258,13 +271,16 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
     need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
          "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
-    need(a.lr_warmup_samples is None or a.lr_decay_samples is not None,
-         "--lr-warmup-samples needs --lr-decay-samples (the schedule counts samples)")
-    need(a.lr_decay_samples is None or a.lr_warmup_samples is not None or a.lr_warmup_fraction is not None,
+    need(a.lr_warmup_samples is None or a.lr_decay_samples is not None or a.train_samples is not None,
+         "--lr-warmup-samples needs --lr-decay-samples or --train-samples (the schedule counts samples)")
+    need(a.lr_decay_samples is None or a.lr_warmup_samples is not None or a.lr_warmup_fraction is not None
+         or a.train_samples is not None,
          "--lr-decay-samples needs --lr-warmup-samples or --lr-warmup-fraction (the schedule counts samples)")
-    if a.lr_decay_samples is not None and a.lr_warmup_samples is not None:
-        need(0 <= a.lr_warmup_samples < a.lr_decay_samples or a.lr_decay_style == "constant",
-             f"--lr-warmup-samples {a.lr_warmup_samples} must be below --lr-decay-samples {a.lr_decay_samples}")
+    warmup, decay_steps, in_samples = lr_steps(a)
+    if in_samples:
+        need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
+             f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
+             "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
     need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
          "--save-interval needs a positive value and --save DIR")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
@@ -300,7 +316,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     decay = a.lr_decay_iters or a.train_iters
     if a.lr_warmup_fraction is not None:
         need(0.0 <= a.lr_warmup_fraction < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}")
-    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant" or a.lr_warmup_fraction is not None,
+    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant" or a.lr_warmup_fraction is not None
+         or in_samples,
          f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
     need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
     start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
@@ -332,9 +349,13 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
 
 def lr_steps(a: argparse.Namespace) -> tuple[int, int, bool]:
     """(warmup, decay, counted_in_samples) of the learning-rate schedule, as Megatron derives them: in samples
-    when --lr-decay-samples is given, else in iterations; --lr-warmup-fraction is a fraction of decay."""
-    in_samples = a.lr_decay_samples is not None
-    decay = a.lr_decay_samples if in_samples else (a.lr_decay_iters or a.train_iters)
+    when --train-samples or --lr-decay-samples is given (decay defaults to --train-samples, warmup to 0),
+    else in iterations; --lr-warmup-fraction is a fraction of decay."""
+    in_samples = a.lr_decay_samples is not None or a.train_samples is not None
+    if in_samples:
+        decay = a.lr_decay_samples or a.train_samples
+    else:
+        decay = a.lr_decay_iters or a.train_iters
     if a.lr_warmup_fraction is not None:
         return int(a.lr_warmup_fraction * decay), decay, in_samples
-    return (a.lr_warmup_samples if in_samples else a.lr_warmup_iters), decay, in_samples
+    return ((a.lr_warmup_samples or 0) if in_samples else a.lr_warmup_iters), decay, in_samples

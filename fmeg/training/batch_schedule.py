@@ -32,3 +32,15 @@ def global_batch_size(consumed: int, final: int, rampup: tuple[int, int, int] | 
         return final
     per_step = samples / steps
     return min(final, start + increment * int(consumed / per_step))
+
+
+def iterations_for(samples: int, final: int, rampup: tuple[int, int, int] | None = None) -> int:
+    """Iterations that --train-samples means, as Megatron counts them: every ramp-up step, then whole
+    global batches of `final` (a remainder smaller than one batch is not trained)."""
+    consumed = iterations = 0
+    while consumed < samples:
+        batch = global_batch_size(consumed, final, rampup)
+        if batch == final:
+            return iterations + (samples - consumed) // final
+        consumed, iterations = consumed + batch, iterations + 1
+    return iterations
