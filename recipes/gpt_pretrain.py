@@ -33,7 +33,7 @@ from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
+from fmeg.training.arguments import batch_geometry, ignored_flags, lr_steps, parse_args, validate
 from fmeg.training import loss_scale
 from fmeg.training.batch_schedule import global_batch_size
 from fmeg.training.parallel_step import Layout, evaluate, global_norm, init_state, shard_params, train_iteration
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         mesh = Mesh.single()
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    dp = world // (tp * pp)
+    dp, gbs = batch_geometry(a, world)
     chunks = (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage \
         if a.num_layers_per_virtual_pipeline_stage else 1
     layout = Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule)
@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     data_path = a.data_path or [default_corpus().prefix]
     vocab = a.padded_vocab_size or padded_vocab_size(tokenizer.vocab_size, tp, a.make_vocab_size_divisible_by)
     config = model_config(a, vocab)
-    gbs = a.global_batch_size or a.micro_batch_size * dp
     samples = target_samples(a.train_iters, gbs, a.eval_interval or 0, a.eval_iters if a.eval_interval else 0)
     train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0], a.seed,
                                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod,

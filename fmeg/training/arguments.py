@@ -46,6 +46,13 @@ IGNORED_SETTINGS = {
 }
 
 
+def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
+    """(data-parallel size, final global batch): dp = world / (tp * pp) (at least 1), and the global batch
+    defaults to one micro batch per data-parallel rank."""
+    dp = max(1, world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size))
+    return dp, a.global_batch_size or a.micro_batch_size * dp
+
+
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
@@ -188,8 +195,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or demo
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or demo
     if args.train_samples is not None and args.train_iters is None:
-        dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-        gbs = args.global_batch_size or args.micro_batch_size * dp
+        _, gbs = batch_geometry(args, world)
         ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size else None
         args.train_iters = iterations_for(args.train_samples, gbs, ramp) if gbs > 0 else 0
     elif args.train_iters is None:
@@ -238,7 +244,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(world_size % (tp * pp) == 0,
          f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
          f"--pipeline-model-parallel-size = {tp} * {pp}")
-    dp = max(1, world_size // (tp * pp))
+    dp, gbs = batch_geometry(a, world_size)
     need(a.hidden_size % a.num_attention_heads == 0,
          f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}")
     need(a.num_attention_heads % tp == 0,
@@ -262,7 +268,6 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.num_layers % (pp * vp_chunks) == 0,
          f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
          f"{pp} * {vp_chunks}")
-    gbs = a.global_batch_size or a.micro_batch_size * dp
     need(gbs % (a.micro_batch_size * dp) == 0,
          f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
          f"{a.micro_batch_size} * {dp}")
