@@ -151,14 +151,23 @@ def latest(root: str | os.PathLike) -> Path | None:
     return path
 
 
+def model_fields(config: gpt.GPTConfig) -> dict:
+    """What must match to resume: the model config less its vocabulary padding (which follows tp and is
+    redone on load)."""
+    fields = dataclasses.asdict(config)
+    fields.pop("padded_vocab_size")
+    return fields
+
+
 def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
     meta_path = path / "metadata.json"
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
-    if meta.get("model") != dataclasses.asdict(config):
-        diff = sorted(k for k in dataclasses.asdict(config) if meta.get("model", {}).get(k) != getattr(config, k))
+    saved = {k: v for k, v in meta.get("model", {}).items() if k != "padded_vocab_size"}
+    if saved != model_fields(config):
+        diff = sorted(k for k, v in model_fields(config).items() if saved.get(k) != v)
         raise CheckpointError(f"{meta_path}: the checkpoint's model differs from the flags in {', '.join(diff)}")
     for name, info in meta["files"].items():
         file = path / name
@@ -188,7 +197,8 @@ def _stage_trees(tensors: dict[str, torch.Tensor], prefix: str) -> dict[int, Any
 
 
 def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
-    """The checkpoint as single-rank trees: params, mu, nu (and main), plus the Adam step count."""
+    """The checkpoint as single-rank trees: params, mu, nu (and main), plus the Adam step count; the
+    vocabulary tables padded as config pads them."""
     old = meta["layout"]
     out: dict[str, dict[int, Any]] = {}
     for tp_rank in range(old["tp"]):
@@ -211,13 +221,14 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
     full = {}
     for name, stages in out.items():
         joined = {s: unshard([per_tp[t] for t in range(old["tp"])], gpt.TP_RULES, "tp") for s, per_tp in stages.items()}
-        full[name] = gp.merge(joined, config)
+        full[name] = gpt.repad_vocab(gp.merge(joined, config), config, config.padded_vocab_size)
     full["count"] = _rank_file(path, meta, {"tp": 0, "pp": 0, "dp": 0})["adam/count"]
     return full
 
 
-def same_layout(meta: dict, layout: dict) -> bool:
-    return meta["layout"] == layout
+def same_layout(meta: dict, layout: dict, config: gpt.GPTConfig) -> bool:
+    """Whether this rank's saved shard is what it needs as it is (else full_state reshards)."""
+    return meta["layout"] == layout and meta["model"].get("padded_vocab_size") == config.padded_vocab_size
 
 
 def local_state(path: Path, meta: dict, coords: dict[str, int]) -> tuple[dict[int, Any], dict]:

@@ -5,7 +5,8 @@
     python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt        # a starting checkpoint
 
 consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
-the model config as JSON in the file's metadata. import-hf writes an iteration-0 checkpoint of one rank
+the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
+export-hf, so neither output depends on the layout that saved. import-hf writes an iteration-0 checkpoint of one rank
 (fresh optimizer state) that --load reshards into any layout. No pickle is read or written.
 """
 
@@ -39,6 +40,7 @@ def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
 
 def consolidate(args) -> None:
     config, params = load_full(args.load)
+    params, config = gpt.repad_vocab(params, config, config.vocab_size), config.replace(padded_vocab_size=None)
     tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")

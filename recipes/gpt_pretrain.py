@@ -41,9 +41,13 @@ from fmeg.training.report import draw_loss_curve, memory_estimate, model_flops
 
 
 def model_config(a, vocab_size: int) -> gpt.GPTConfig:
+    """The model of the flags for a tokenizer of vocab_size ids, padded as Megatron pads for this tp (the
+    padding changes no number: gpt.GPTConfig.padded_vocab_size)."""
+    padded = a.padded_vocab_size or padded_vocab_size(vocab_size, a.tensor_model_parallel_size,
+                                                      a.make_vocab_size_divisible_by)
     return gpt.GPTConfig(
-        vocab_size=vocab_size, max_seq_len=a.max_position_embeddings or a.seq_length, num_layers=a.num_layers,
-        hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
+        vocab_size=vocab_size, padded_vocab_size=padded, max_seq_len=a.max_position_embeddings or a.seq_length,
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
         ffn_hidden_size=a.ffn_hidden_size, norm="rmsnorm" if a.normalization == "RMSNorm" else "layernorm",
         activation="swiglu" if a.swiglu else "gelu_tanh" if a.openai_gelu else "gelu",
         norm_eps=a.norm_epsilon, rope_theta=a.rotary_base,
@@ -135,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
                                 merge_file=a.merge_file)
     data_path = a.data_path or [default_corpus().prefix]
-    vocab = a.padded_vocab_size or padded_vocab_size(tokenizer.vocab_size, tp, a.make_vocab_size_divisible_by)
-    config = model_config(a, vocab)
+    if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
+        if rank == 0:
+            print(f"error: --padded-vocab-size {a.padded_vocab_size} is smaller than the tokenizer's vocabulary "
+                  f"({tokenizer.vocab_size}); raise it or leave it out", file=sys.stderr)
+        return 2
+    config = model_config(a, tokenizer.vocab_size)
     samples = target_samples(a.train_iters, gbs, a.eval_interval or 0, a.eval_iters if a.eval_interval else 0)
     train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0], a.seed,
                                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--load {a.load}: no checkpoint there yet ({checkpoint.LATEST} missing); starting from scratch",
                   flush=True)
         if meta is not None:
-            if checkpoint.same_layout(meta, layout_meta):
+            if checkpoint.same_layout(meta, layout_meta, config):
                 params, opt_state = to_device(checkpoint.local_state(found, meta, coords), device)
             else:
                 params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype,
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     scaler = loss_scale.LossScale(**meta["loss_scale"])
             if last_rank:
                 taken = "weights only" if a.finetune else "fresh optimizer state" if a.no_load_optim else "layout " + (
-                    "unchanged" if checkpoint.same_layout(meta, layout_meta) else f"resharded from {meta['layout']}")
+                    "unchanged" if checkpoint.same_layout(meta, layout_meta, config)
+                    else f"resharded from {meta['layout']}")
                 print(f"{'fine-tuning from' if a.finetune else 'resumed from'} {found} (iteration {meta['iteration']}, "
                       f"{meta['consumed_samples']} samples; {taken})", flush=True)
 
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                                    torch.finfo(compute_dtype).bits // 8)
         print(f"fmeg gpt_pretrain on {device}: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
               f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
-              f"{config.hidden_size}, vocab {vocab}, {str(compute_dtype).removeprefix('torch.')}; "
+              f"{config.hidden_size}, vocab {config.vocab_size} (padded to {config.padded_vocab_size}), "
+              f"{str(compute_dtype).removeprefix('torch.')}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
               f"{' (distributed optimizer)' if zero else ''}", flush=True)

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
-          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--padded-vocab-size", "512",
-          "--log-interval", "100", "--lr-warmup-iters", "2"]
+          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--log-interval", "100",
+          "--lr-warmup-iters", "2"]  # the vocabulary padded as Megatron pads it: 384 at tp 1, 512 at tp 2 and 4
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 

@@ -85,9 +85,10 @@ def parallel_embedding(mesh, ids, table, weights, sp):
     return {"out": out, "grad": grad}
 
 
-def parallel_cross_entropy(mesh, logits, labels, smoothing, cot, tan, batch):
+def parallel_cross_entropy(mesh, logits, labels, smoothing, cot, tan, batch, vocab_size=None):
     tp = TensorParallel(mesh.group("tp"))
-    fn = lambda lg: vocab_parallel_cross_entropy(lg, labels, tp, label_smoothing=smoothing)  # noqa: E731
+    fn = lambda lg: vocab_parallel_cross_entropy(lg, labels, tp, label_smoothing=smoothing,  # noqa: E731
+                                                 vocab_size=vocab_size)
     return _rules(fn, _chunk(logits, mesh, -1), cot, _chunk(tan, mesh, -1), _chunk(batch, mesh, -1))
 
 

@@ -164,16 +164,21 @@ def test_consolidate_export_to_hugging_face_and_import(tmp_path):
 
     with safe_open(str(tmp_path / "full.safetensors"), "pt") as f:
         assert "layers.0.attn.qkv.weight" in f.keys() and "fmeg_config" in f.metadata()
+        assert f.get_slice("embedding.word.weight").get_shape() == [257, 32]  # no padding rows
     assert convert_checkpoint.main(["export-hf", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "hf")]) == 0
     config, params = convert_checkpoint.load_full(str(tmp_path / "ck"))
+    assert (config.vocab_size, config.padded_vocab_size) == (257, 512)  # the byte tokenizer, padded for tp 2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    tokens = torch.randint(0, 256, (2, 16))
+    assert hf.config.vocab_size == 257  # the real vocabulary
+    tokens = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
         ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
+    assert ours.shape == theirs.shape == (2, 16, 257)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
     assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "imp")]) == 0
     _, imported = convert_checkpoint.load_full(str(tmp_path / "imp"))
-    assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(imported), tree.tree_leaves(params)))
+    unpadded = gpt.repad_vocab(params, config, 257)
+    assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(imported), tree.tree_leaves(unpadded)))
     assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "nope"), "--output", "x"]) == 2
 
 

@@ -29,6 +29,7 @@ def batch_for(config, b=2, s=8, seed=0):
     ("activation", dict(activation="relu")),
     ("position", dict(position="alibi")),
     ("vocab_size", dict(vocab_size=0)),
+    ("padded_vocab_size", dict(padded_vocab_size=30)),
     ("hidden_dropout", dict(hidden_dropout=1.0)),
     ("position", dict(hidden_size=36, num_heads=12, position="rope")),
 ])
@@ -102,6 +103,29 @@ def test_loss_equals_cross_entropy_of_apply(style):
                                                          loss_mask=batch["loss_mask"]))(p)
     for (path, a), b in zip(tree.items(g_fused), tree.tree_leaves(g_plain)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+
+
+@given(style=st.sampled_from(["gpt2", "llama"]), padding=st.integers(0, 200), smoothing=st.sampled_from([0.0, 0.1]))
+def test_vocabulary_padding_changes_no_number(style, padding, smoothing):
+    """Real rows are drawn as without padding and padding rows are zero; logits cover the real vocabulary;
+    the loss (label smoothing over the real vocabulary) and the real rows' gradients are the unpadded
+    model's, and padding rows get no gradient, tied (gpt2) or untied (llama)."""
+    c = tiny(style)
+    cp = c.replace(padded_vocab_size=c.vocab_size + padding)
+    p, pp, batch = gpt.init(c, 0), gpt.init(cp, 0), batch_for(c)
+    for path in gpt.VOCAB_TABLES:
+        if path in tree.flatten(p):
+            table = tree.flatten(pp)[path]
+            assert table.shape[0] == cp.padded_vocab_size and not table[c.vocab_size:].any()
+            assert torch.equal(table[:c.vocab_size], tree.flatten(p)[path])
+    assert torch.equal(gpt.apply(pp, batch["tokens"], cp), gpt.apply(p, batch["tokens"], c))
+    want, want_loss = torch.func.grad_and_value(lambda q: gpt.loss(q, batch, c, label_smoothing=smoothing))(p)
+    got, loss = torch.func.grad_and_value(lambda q: gpt.loss(q, batch, cp, label_smoothing=smoothing))(pp)
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(gpt.repad_vocab(got, cp, c.vocab_size)),
+                                                 tree.tree_leaves(want)))
+    assert all(not tree.flatten(got)[path][c.vocab_size:].any() for path in gpt.VOCAB_TABLES
+               if path in tree.flatten(got))
 
 
 def test_apply_is_causal():

@@ -93,6 +93,10 @@ SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-paralle
          ("dp2_dropout_overlap", 2, [*DROPOUT, *OVERLAP], "dropout"),
          ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain")]
 FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
+        ("tp4", 4, ["--tensor-model-parallel-size", "4"], "plain"),
+        ("tp4_sp", 4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"], "plain"),
+        ("tp4_pp2_sp", 8, ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                           "--sequence-parallel"], "plain"),
         ("pp2", 2, ["--pipeline-model-parallel-size", "2"], "plain"),
         ("dp2", 2, [], "plain"),
         ("dp2_zero1_overlap", 2, ZERO_OVERLAP, "plain"),
@@ -148,11 +152,12 @@ def test_the_loss_falls_and_dropout_matters(reference):
     assert max(abs(a - b) for a, b in zip(reference["plain"], reference["dropout"])) > 1e-3
 
 
-def test_four_ranks_with_no_parallel_flags_run_the_demo_layout():
+def test_with_no_parallel_flags_every_rank_is_data_parallel_as_in_megatron():
+    from fmeg.training.arguments import batch_geometry
+
     a = parse_args([], world_size=4)
-    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (2, 2)
-    assert (parse_args([], world_size=2).tensor_model_parallel_size, parse_args(["--pipeline-model-parallel-size",
-            "1"], world_size=4).tensor_model_parallel_size) == (1, 1)
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (1, 1)
+    assert batch_geometry(a, 4) == (4, 4 * a.micro_batch_size)
 
 
 def test_train_samples_counts_the_run_and_its_schedule_in_samples(tmp_path, reference):

@@ -7,7 +7,9 @@ import torch
 import spmd_programs as P
 from fmeg import tree
 from fmeg.models import gpt
+from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import partition_of, shard, unshard
+from fmeg.parallel.tensor import TensorParallel
 from parallel_harness import run
 
 CONFIGS = {
@@ -54,6 +56,40 @@ def test_gpt_under_tp_on_gloo(style, world, sp):
     check("gloo", style, world, sp)
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_padded_vocabulary_under_tp_gives_the_unpadded_single_rank_loss_and_gradients(style, world):
+    """Megatron pads to a multiple of 128 * tp, so the padding depends on the layout; under TP (the
+    vocabulary-parallel embedding and loss, some ranks holding padding only) the padded model must equal
+    the unpadded one on one rank, and its padding rows must get no gradient."""
+    plain = CONFIGS[style].replace(vocab_size=37)
+    padded = plain.replace(padded_vocab_size=48 * world)  # the last rank holds padding rows only
+    batch, key = batch_for(plain), torch.tensor(7)
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, plain, key=key))(
+        gpt.init(plain, 0))
+    results = run("threads", world, P.gpt_loss_and_grads, gpt.init(padded, 0), batch, padded, key)
+    got = unshard([g for _, g in results], gpt.TP_RULES, "tp")
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for path, g in tree.items(got):
+        w = tree.flatten(want_grads)[path]
+        if path in gpt.VOCAB_TABLES:
+            assert not g[plain.vocab_size:].any(), path
+            g = g[:plain.vocab_size]
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=path)
+
+    def logits(mesh, params):  # this rank's vocabulary shard of the logits, gathered
+        tp = TensorParallel(mesh.group("tp"))
+        local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), world)})
+        return C.gather_from(gpt.apply(local, batch["tokens"], padded, tp=tp), tp.group, -1)
+
+    full = run("threads", world, logits, gpt.init(padded, 0))[0]
+    probs = torch.softmax(full, -1)  # what sampling draws from: padding ids have probability 0
+    assert full.shape[-1] == padded.padded_vocab_size and not probs[..., plain.vocab_size:].any()
+    torch.testing.assert_close(full[..., :plain.vocab_size], gpt.apply(gpt.init(plain, 0), batch["tokens"], plain),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_shard_then_unshard_is_identity():
     config = CONFIGS["llama"]
     params = gpt.init(config, 1)
@@ -65,7 +101,8 @@ def test_shard_then_unshard_is_identity():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(num_kv_heads=2), "num_kv_heads"), (dict(vocab_size=66), "vocab_size"), (dict(ffn_hidden_size=50), "ffn"),
+    (dict(num_kv_heads=2), "num_kv_heads"), (dict(vocab_size=60, padded_vocab_size=66), "padded_vocab_size"),
+    (dict(ffn_hidden_size=50), "ffn"),
 ])
 def test_layouts_that_do_not_split_are_refused_naming_the_field(kwargs, field):
     config = CONFIGS["llama"].replace(**kwargs)

@@ -67,22 +67,26 @@ def test_vocab_parallel_embedding(backend, fixed_world, data, sp):
 @settings(max_examples=10)
 @given(data=st.data(), smoothing=st.sampled_from([0.0, 0.1, 0.25]))
 def test_vocab_parallel_cross_entropy_equals_cross_entropy(backend, fixed_world, data, smoothing):
+    """Over a padded vocabulary too: the reference sees only the first `real` columns, so padding ids must
+    take no part in the softmax or the smoothing mean and get zero gradient (even a rank of padding only)."""
     world = fixed_world or data.draw(st.integers(1, 4), label="world")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
     vocab, b, s = world * data.draw(st.integers(1, 5)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    real = vocab - data.draw(st.integers(0, vocab - 1), label="padding")
     logits = torch.randn(b, s, vocab, generator=gen, dtype=f64) * 4
-    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    labels = torch.randint(0, real, (b, s), generator=gen)
     labels[0, 0] = -100
     cot, tan, batch = torch.randn(b, s, generator=gen, dtype=f64), torch.randn_like(logits), \
         torch.randn(2, b, s, vocab, generator=gen, dtype=f64)
 
     def ref(lg):
-        return F.cross_entropy(lg.reshape(-1, vocab), labels.reshape(-1), reduction="none",
+        return F.cross_entropy(lg[..., :real].reshape(-1, real), labels.reshape(-1), reduction="none",
                                label_smoothing=smoothing).view(b, s)
 
     out, vjp = torch.func.vjp(ref, logits)
+    vocab_size = None if real == vocab else real  # both forms: unpadded, and padded
     for r, got in enumerate(run(backend, world, P.parallel_cross_entropy, logits, labels, smoothing, cot, tan,
-                                batch)):
+                                batch, vocab_size)):
         chunk = lambda t: t.chunk(world, dim=-1)[r]  # noqa: E731
         close(got["out"], out)
         close(got["grad"], chunk(vjp(cot)[0]))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fmeg import tree
-from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, split_qkv
+from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, repad_vocab, split_qkv
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -33,7 +33,9 @@ def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
 
 
 def to_hf(params: Params, config: GPTConfig) -> Any:
-    """A transformers model (GPT2LMHeadModel or LlamaForCausalLM, chosen by the config) with params loaded."""
+    """A transformers model (GPT2LMHeadModel or LlamaForCausalLM, chosen by the config) with params loaded;
+    its vocabulary is the real one (config.vocab_size: the padding rows are dropped)."""
+    params = repad_vocab(params, config, config.vocab_size)
     flat = {k: v.detach().float() for k, v in tree.flatten(params).items()}
     if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
         if not config.bias or config.num_kv_heads != config.num_heads:

@@ -6,7 +6,7 @@
 
 Parameter paths (leaves present depending on config):
 
-    embedding.word.weight          [V, H]
+    embedding.word.weight          [Vp, H]                         Vp = padded_vocab_size >= V = vocab_size
     embedding.position.weight      [S, H]                          position == "learned"
     layers.{i}.attn_norm.{weight,bias}                             bias for layernorm only
     layers.{i}.attn.qkv.{weight,bias}   [G * (N/G + 2) * D, H]     Megatron's grouped q-k-v order
@@ -15,7 +15,11 @@ Parameter paths (leaves present depending on config):
     layers.{i}.mlp.fc1.{weight,bias}    [F, H], or [2, F, H] (gate, up) for swiglu
     layers.{i}.mlp.fc2.{weight,bias}    [H, F]
     final_norm.{weight,bias}
-    output.weight                  [V, H]                          unless tie_embeddings
+    output.weight                  [Vp, H]                         unless tie_embeddings
+
+Vocabulary padding is inert: rows V..Vp-1 of the tables are zero at init, never take part in a softmax and
+get no gradient, so the padding (Megatron's depends on tp) changes no number. `repad_vocab` moves a tree
+from one padding to another.
 
 The qkv rows are grouped per key/value head g: its N/G query heads, then its key, then its value. A
 contiguous slice of rows is then a whole set of groups, which is what tensor parallelism needs; for
@@ -35,8 +39,9 @@ from einops import rearrange
 
 from fmeg import ops
 from fmeg.parallel.sharding import Partition
-from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, replicated_param,
-                                  row_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding)
+from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding,
+                                  replicated_param, row_parallel_linear, vocab_parallel_cross_entropy,
+                                  vocab_parallel_embedding)
 
 Params = dict[str, Any]
 
@@ -47,7 +52,7 @@ POSITIONS = ("learned", "rope")
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int
+    vocab_size: int  # the tokenizer's vocabulary: logits and losses cover these ids
     max_seq_len: int
     num_layers: int
     hidden_size: int
@@ -64,8 +69,11 @@ class GPTConfig:
     init_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    padded_vocab_size: int | None = None  # rows of the embedding and output tables; None: vocab_size
 
     def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.ffn_hidden_size is None:
@@ -84,6 +92,9 @@ class GPTConfig:
         return self.num_heads // self.num_kv_heads
 
     def replace(self, **changes: Any) -> "GPTConfig":
+        """A copy with changes; an unpadded vocabulary stays unpadded when vocab_size changes."""
+        if "vocab_size" in changes and self.padded_vocab_size == self.vocab_size:
+            changes.setdefault("padded_vocab_size", None)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -111,6 +122,8 @@ def _validate(c: GPTConfig) -> None:
     for name in ("vocab_size", "max_seq_len", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                  "ffn_hidden_size"):
         need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
+    need(c.padded_vocab_size >= c.vocab_size, "padded_vocab_size",
+         f"{c.padded_vocab_size} is smaller than vocab_size={c.vocab_size}")
     need(c.norm in NORMS, "norm", f"must be one of {NORMS}, got {c.norm!r}")
     need(c.activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {c.activation!r}")
     need(c.position in POSITIONS, "position", f"must be one of {POSITIONS}, got {c.position!r}")
@@ -174,20 +187,46 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
     }
 
 
+def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
+    """The real rows drawn as for an unpadded table, then zero padding rows."""
+    return pad_rows(_normal((c.vocab_size, c.hidden_size), c.init_std, seed, path), c.padded_vocab_size)
+
+
 def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Params:
-    """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine."""
+    """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine, and the
+    same real vocabulary rows whatever the padding."""
     c = config
-    params: Params = {"embedding": {"word": {"weight": _normal((c.vocab_size, c.hidden_size), c.init_std, seed,
-                                                               "embedding.word.weight")}}}
+    params: Params = {"embedding": {"word": {"weight": _vocab_table(c, seed, "embedding.word.weight")}}}
     if c.position == "learned":
         params["embedding"]["position"] = {
             "weight": _normal((c.max_seq_len, c.hidden_size), c.init_std, seed, "embedding.position.weight")}
     params["layers"] = [init_layer(c, seed, i) for i in range(c.num_layers)]
     params["final_norm"] = _norm_params(c)
     if not c.tie_embeddings:
-        params["output"] = {"weight": _normal((c.vocab_size, c.hidden_size), c.init_std, seed, "output.weight")}
+        params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
     return torch.utils._pytree.tree_map(lambda t: t.to(device=device, dtype=dtype), params)
 
+
+VOCAB_TABLES = ("embedding.word.weight", "output.weight")
+
+
+def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """table [V', ...] cut or zero-padded to [rows, ...]."""
+    if table.shape[0] >= rows:
+        return table[:rows]
+    return torch.cat([table, table.new_zeros((rows - table.shape[0], *table.shape[1:]))])
+
+
+def repad_vocab(values: Params, config: GPTConfig, padded_vocab_size: int) -> Params:
+    """A whole-model tree (parameters, gradients or Adam moments) with its vocabulary tables' padding
+    replaced: the config.vocab_size real rows, then zero rows up to padded_vocab_size."""
+    from fmeg import tree
+
+    flat = tree.flatten(values)
+    for path in VOCAB_TABLES:
+        if path in flat:
+            flat[path] = pad_rows(flat[path][:config.vocab_size], padded_vocab_size)
+    return tree.unflatten(flat)
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Separate q [N*D, ...], k and v [G*D, ...] (weights or biases) -> the grouped qkv layout."""
@@ -315,11 +354,14 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
 
 def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
           key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """Logits [batch, seq, vocab] for tokens [batch, seq]; under tensor parallelism this rank's vocabulary
-    shard [batch, seq, vocab/t] (gather with collectives.gather_from if the full logits are needed).
-    A key turns dropout on (training: hidden and attention dropout)."""
+    """Logits [batch, seq, vocab_size] for tokens [batch, seq]; under tensor parallelism this rank's shard
+    of the padded vocabulary [batch, seq, padded_vocab_size/t] with -inf at padding ids (gather with
+    collectives.gather_from, then [..., :vocab_size]). A key turns dropout on (hidden and attention)."""
     x = hidden_states(params, tokens, config, positions=positions, key=key, tp=tp)
-    return column_parallel_linear(x, output_weight(params, config), None, tp)
+    weight = output_weight(params, config)
+    if tp.group is None:
+        return ops.linear(x, weight[:config.vocab_size])
+    return mask_vocab_padding(column_parallel_linear(x, weight, None, tp), config.vocab_size, tp)
 
 
 def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, key: Any = None,
@@ -331,17 +373,21 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
     and never gathers the logits.
     """
     x = hidden_states(params, batch["tokens"], config, key=key, tp=tp)
-    return output_loss(x, output_weight(params, config), batch, tp=tp, label_smoothing=label_smoothing)
+    return output_loss(x, output_weight(params, config), batch, config.vocab_size, tp=tp,
+                       label_smoothing=label_smoothing)
 
 
-def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, *, tp: TensorParallel = NO_TP,
-                label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mean cross entropy of the output layer: fused on one rank, vocabulary-parallel under TP."""
+def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, vocab_size: int, *,
+                tp: TensorParallel = NO_TP, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean cross entropy of the output layer over the first vocab_size ids (padding rows of weight take no
+    part and get no gradient): fused on one rank, vocabulary-parallel under TP."""
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if tp.group is None:
-        return ops.linear_cross_entropy(x, weight, labels, loss_mask=loss_mask, label_smoothing=label_smoothing)
+        return ops.linear_cross_entropy(x, weight[:vocab_size], labels, loss_mask=loss_mask,
+                                        label_smoothing=label_smoothing)
     logits = column_parallel_linear(x, weight, None, tp)
-    losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing)
+    losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing,
+                                          vocab_size=vocab_size)
     mask = (labels != ops.IGNORE_INDEX).to(losses.dtype)
     return ops.masked_mean(losses, mask if loss_mask is None else mask * loss_mask.to(losses.dtype))
 
@@ -360,7 +406,7 @@ TP_RULES = (
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
     """Raise ValueError naming the field if the model does not split over tp ranks."""
     for field, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                         ("ffn_hidden_size", config.ffn_hidden_size), ("vocab_size", config.vocab_size)):
+                         ("ffn_hidden_size", config.ffn_hidden_size), ("padded_vocab_size", config.padded_vocab_size)):
         if value % tp:
-            hint = " (pad it: Megatron pads to a multiple of 128 * tp)" if field == "vocab_size" else ""
+            hint = " (Megatron pads to a multiple of 128 * tp)" if field == "padded_vocab_size" else ""
             raise ValueError(f"GPTConfig.{field}={value} must be divisible by the tensor-parallel size {tp}{hint}")

@@ -79,7 +79,7 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
 
     def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
         x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)
-        return gpt.output_loss(x, sub["output"]["weight"], batch, tp=tp)
+        return gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp)
 
     segments = [Segment(embedding, ("embedding",))] if stage == 0 else []
     segments += [layer(i) for i in range(len(layers))]

@@ -8,6 +8,9 @@ rank of a group of size t; activations are [batch, seq, hidden] and the sequence
     vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
     vocab_parallel_cross_entropy  logits [b, s, V/t], labels [b, s] -> per-token loss [b, s], replicated
 
+The vocabulary may be padded (V = padded size, Megatron's multiple of 128 * t): ids at or above the real
+vocab_size are masked out of every softmax (mask_vocab_padding), so the padding changes no number.
+
 With group None every function is its single-device counterpart. Gradients of a replicated parameter
 used on a sequence shard (norm weights, row-parallel biases, position embeddings) are partial on each
 rank; `replicated_param` routes such a parameter through copy_to so its gradient arrives already summed
@@ -96,17 +99,35 @@ def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, tp: TensorP
     return leave(local, tp)
 
 
+def vocab_padding(vocab_shard: int, vocab_size: int | None, tp: TensorParallel, device: Any) -> torch.Tensor | None:
+    """[vocab_shard] bool, True at this rank's padding ids (global id >= vocab_size); None if it has none."""
+    start, end = vocab_range(vocab_shard, tp)
+    if vocab_size is None or vocab_size >= end:
+        return None
+    return torch.arange(start, end, device=device) >= vocab_size
+
+
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: TensorParallel) -> torch.Tensor:
+    """logits [..., V/t] with -inf at padding ids: no probability there and no gradient to them."""
+    padding = vocab_padding(logits.shape[-1], vocab_size, tp, logits.device)
+    return logits if padding is None else logits.masked_fill(padding, float("-inf"))
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel, *,
-                                 label_smoothing: float = 0.0, ignore_index: int = ops.IGNORE_INDEX
-                                 ) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, ignore_index: int = ops.IGNORE_INDEX,
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-sharded logits, equal to ops.token_cross_entropy of the
-    gathered logits, with label smoothing exact (the mean over the whole vocabulary, not the shard).
+    gathered logits' first vocab_size columns (all of them when None): padding ids take no part, and label
+    smoothing is exact (the mean over the whole real vocabulary, not the shard).
 
     Built from differentiable collectives, so grad, jvp and vmap follow from theirs.
     """
     logits = upcast(logits)
     vocab_shard = logits.shape[-1]
     start, end = vocab_range(vocab_shard, tp)
+    padding = vocab_padding(vocab_shard, vocab_size, tp, logits.device)
+    if padding is not None:
+        logits = logits.masked_fill(padding, float("-inf"))
     shift = C.all_reduce_max_constant(logits.max(dim=-1).values, tp.group)
     shifted = logits - shift.unsqueeze(-1)
     lse = torch.log(C.reduce_from(shifted.exp().sum(-1), tp.group))
@@ -115,6 +136,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp:
     target = torch.where(in_shard, shifted.gather(-1, local_label).squeeze(-1), 0.0)
     nll = lse - C.reduce_from(target, tp.group)
     if label_smoothing:
-        mean_logit = C.reduce_from(shifted.sum(-1), tp.group) / (vocab_shard * tp.size)
+        real = shifted if padding is None else shifted.masked_fill(padding, 0.0)
+        mean_logit = C.reduce_from(real.sum(-1), tp.group) / (vocab_size or vocab_shard * tp.size)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - mean_logit)
     return torch.where(labels == ignore_index, 0.0, nll)

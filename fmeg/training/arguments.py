@@ -66,10 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--config", help="YAML file of settings by flag name; command-line flags override it")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="default 1; with neither parallel size given, 2 when the world size is a multiple of 4")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="default 1; with neither parallel size given, 2 when the world size is a multiple of 4")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="the ranks left over by tensor and pipeline parallelism are data parallel")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
@@ -106,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--padded-vocab-size", type=int, default=None,
-                   help="fmeg: fix the padded vocabulary (the same model for every tensor-parallel size)")
+                   help="rows of the embedding and output tables (default: the tokenizer's vocabulary padded to "
+                        "a multiple of --make-vocab-size-divisible-by * tp); padding rows change no number")
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=4)
     t.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data parallel")
@@ -182,18 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Flags over an optional --config YAML file. With neither parallel size set anywhere, a world of a
-    multiple of 4 ranks runs the embedded demo layout tp=2, pp=2; otherwise both default to 1."""
+    """Flags over an optional --config YAML file, with Megatron's defaults (tp = pp = 1: every rank is data
+    parallel unless told otherwise)."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
     if first.config:
         parser.set_defaults(**load_config(first.config, parser))
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    unset = args.tensor_model_parallel_size is None and args.pipeline_model_parallel_size is None
-    demo = 2 if unset and world % 4 == 0 else 1
-    args.tensor_model_parallel_size = args.tensor_model_parallel_size or demo
-    args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or demo
     if args.train_samples is not None and args.train_iters is None:
         _, gbs = batch_geometry(args, world)
         ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size else None

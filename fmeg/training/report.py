@@ -9,7 +9,7 @@ from fmeg.models.gpt import GPTConfig
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     """Megatron's FLOPs per iteration: 72 B s L h^2 (1 + s / 6h + V / 12 L h) (forward and backward)."""
-    h, L, V = config.hidden_size, config.num_layers, config.vocab_size
+    h, L, V = config.hidden_size, config.num_layers, config.padded_vocab_size
     return 72.0 * global_batch * seq_len * L * h * h * (1 + seq_len / (6 * h) + V / (12 * L * h))
 
 
