@@ -7,8 +7,9 @@ Why fuse: the [tokens, vocab] logits dominate a small model's step. The forward 
 softmax(logits), so it keeps G = softmax - (1 - e) * onehot - e / V, the gradient of each token's loss
 with respect to its logits. Per-token weights (mask / count, times the
 incoming gradient) then scale only the [tokens, hidden] operands of the two backward matmuls, and the
-[tokens, vocab] tensor is read once per matmul and never rescaled. Memory is the same as for plain
-logits (one [tokens, vocab] fp32 buffer is kept for backward).
+[tokens, vocab] tensor is read once per matmul and never rescaled. The softmax is taken in fp32; G is
+kept in the compute dtype (x's), so with bf16 inputs every matmul, forward and backward, runs in bf16
+with fp32 accumulation, and the memory kept for backward is one [tokens, vocab] bf16 buffer.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # Dynamo traces this forward under autograd, where mutating a tensor that an earlier op
             # saved silently corrupted the weight gradient (torch 2.13); inductor fuses these anyway.
             g = logprobs.exp().scatter_add(-1, safe, target)
-            return loss, (g - smoothing / g.shape[-1]) if smoothing else g
-        g = logprobs.exp_()  # eager forward runs without autograd: reuse the [tokens, vocab] buffer
-        g.scatter_add_(-1, safe, target)
-        return loss, g.sub_(smoothing / g.shape[-1]) if smoothing else g
+            g = (g - smoothing / g.shape[-1]) if smoothing else g
+        else:
+            g = logprobs.exp_()  # eager forward runs without autograd: reuse the [tokens, vocab] buffer
+            g.scatter_add_(-1, safe, target)
+            g = g.sub_(smoothing / g.shape[-1]) if smoothing else g
+        return loss, g.to(x.dtype)  # kept in the compute dtype: the backward GEMMs run in it
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -58,8 +61,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = (grad_loss * w).unsqueeze(-1)
         # Both gradients always: under torch.compile(torch.func.grad(...)) ctx.needs_input_grad said
         # False for the weight (torch 2.13) and skipping it silently zeroed the weight gradient.
+        # The GEMMs run in the compute dtype (g's) with fp32 accumulation; the per-token scale goes on
+        # the [tokens, hidden] operands, never on the [tokens, vocab] one.
         grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
-        grad_w = (g.mT @ (x.to(g.dtype) * scale)).to(weight.dtype)
+        grad_w = (g.mT @ (x * scale).to(g.dtype)).to(weight.dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -70,6 +75,7 @@ class _LinearCrossEntropyWithJvp(_LinearCrossEntropy):
     @staticmethod
     def jvp(ctx, x_t, weight_t, _labels_t, _w_t, _smoothing_t):
         x, weight, w, g = ctx.saved_tensors
+        g = upcast(g)
         tangent = torch.zeros((), dtype=g.dtype, device=x.device)
         if x_t is not None:
             tangent = tangent + ((g @ weight.to(g.dtype)) * x_t.to(g.dtype) * w.unsqueeze(-1)).sum()
