@@ -8,9 +8,16 @@ from fmeg.models.gpt import GPTConfig
 
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
-    """Megatron's FLOPs per iteration: 72 B s L h^2 (1 + s / 6h + V / 12 L h) (forward and backward)."""
-    h, L, V = config.hidden_size, config.num_layers, config.padded_vocab_size
-    return 72.0 * global_batch * seq_len * L * h * h * (1 + seq_len / (6 * h) + V / (12 * L * h))
+    """Megatron's num_floating_point_operations (forward and backward, every matmul three times):
+    12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query heads
+    of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
+    72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    c, s = config, seq_len
+    h, L = c.hidden_size, c.num_layers
+    attention = (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
+    mlp = c.ffn_hidden_size / h * (1.5 if c.activation == "swiglu" else 1.0)
+    logits = c.padded_vocab_size / (2 * L * h)
+    return 12.0 * global_batch * s * L * h * h * (attention + mlp + logits)
 
 
 def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,

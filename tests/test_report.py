@@ -1,0 +1,36 @@
+"""The runner's FLOP count is Megatron's formula, and that formula counts exactly the matmuls that run."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from fmeg.models import gpt
+from fmeg.training.report import model_flops
+
+
+def test_gpt2_shapes_reduce_to_the_72_b_s_l_h2_form():
+    c = gpt.GPTConfig.gpt2(vocab_size=50257, padded_vocab_size=50304, num_layers=24, hidden_size=2048,
+                           num_heads=16, max_seq_len=2048)
+    b, s, L, h, V = 4, 2048, 24, 2048, 50304
+    assert model_flops(c, b, s) == pytest.approx(72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+
+
+@given(style=st.sampled_from(["gpt2", "llama"]), groups=st.sampled_from([1, 2, 4]), layers=st.integers(1, 3),
+       seq=st.sampled_from([8, 16]), padding=st.integers(0, 40))
+def test_megatrons_formula_counts_every_matmul_of_a_training_step(style, groups, layers, seq, padding):
+    """GQA, SwiGLU, tied or untied: the formula equals torch's FLOP counter over forward + backward of the
+    loss (attention counted in full, as the formula does; the output layer over the padded vocabulary, as
+    Megatron computes it, so the count here uses padded logits)."""
+    c = getattr(gpt.GPTConfig, style)(vocab_size=37, max_seq_len=16, num_layers=layers, hidden_size=32,
+                                      num_heads=4, num_kv_heads=groups if style == "llama" else None)
+    c = c.replace(vocab_size=37 + padding, padded_vocab_size=37 + padding)  # every row a real logit
+    params = gpt.init(c, 0)
+    tokens = torch.randint(0, c.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    # SDPA's math backend: its matmuls are ops the counter knows (CPU flash attention is not among them)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        torch.func.grad(gpt.loss)(params, batch, c)
+    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, seq), rel=1e-12)
