@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fmeg import checkpoint, optim, tree
+from fmeg import checkpoint, tree
 from fmeg.models import gpt
 
 
@@ -68,9 +68,9 @@ def import_hf(args) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(args.input)
     config, params = from_hf(model)
     mesh, layout = Mesh.single(), Layout()
-    stages, state, _ = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, optim.adamw(),
-                                  distributed=False)
-    checkpoint.save_rank(args.save, 0, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(stages, state))
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    checkpoint.save_rank(args.save, 0, 0, {"tp": 0, "pp": 0, "dp": 0},
+                         checkpoint.state_tensors(state.params, state.opt_state))
     layout_meta = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
     checkpoint.finalize(args.save, 0, {"world_size": 1, "layout": layout_meta, "model": dataclasses.asdict(config),
                                        "consumed_samples": 0, "imported_from": str(args.input)})

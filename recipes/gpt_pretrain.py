@@ -72,20 +72,19 @@ def to_device(values, device: torch.device):
     return tree.tree_map(lambda t: t.to(device), values)
 
 
-def resharded_state(path, meta, config, layout, mesh, opt, zero, compute_dtype, device):
-    """A checkpoint of another layout, for this rank: full tensors rebuilt from every shard, then sliced the
-    way this layout slices them (parameters, Adam's moments, fp32 main weights)."""
+def resharded_state(path, meta, config, layout, mesh, state, device):
+    """A checkpoint of another layout, for this rank, as state.load takes it: full tensors rebuilt from every
+    shard, then cut the way this layout cuts them (tensor-parallel shards of this rank's stages and, with
+    the distributed optimizer, its slice of the flat layout)."""
     full = checkpoint.full_state(path, meta, config)
-    weights = shard_params(full.get("main", full["params"]), config, layout, mesh)
-    weights = tree.tree_map(lambda t: t.float().to(device), weights)
-    params, state, zero_now = init_state(weights, config, layout, mesh, opt, distributed=zero is not None,
-                                         compute_dtype=compute_dtype)
-    moments = [to_device(shard_params(full[k], config, layout, mesh), device) for k in ("mu", "nu")]
-    if zero_now is not None:
-        flat, r = zero_now.flat, mesh.coord("dp")
-        moments = [{"shard": flat.shard(flat.flatten(m), r).clone()} for m in moments]
-    state["adam"] = optim.AdamState(full["count"], *moments)
-    return params, state
+    master = "main" if "main" in full else "params"  # the fp32 weights, when the checkpoint has them
+
+    def local(name):
+        trees = to_device(shard_params(full[name], config, layout, mesh), device)
+        return {"shard": state.flat.shard(state.flat.flatten(trees), mesh.coord("dp"))} if state.zero else trees
+
+    weights = to_device(shard_params(full[master], config, layout, mesh), device)
+    return weights, {"adam": optim.AdamState(full["count"], local("mu"), local("nu")), "main": local(master)}
 
 
 def exit_reason(a, iteration: int, start: float, signalled: bool, world: int, device: torch.device) -> str | None:
@@ -150,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
                                                eod_mask_loss=a.eod_mask_loss)
 
-    params = to_device(shard_params(gpt.init(config, a.seed), config, layout, mesh), device)
-    opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
     compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
-    params, opt_state, zero = init_state(params, config, layout, mesh, opt, distributed=a.use_distributed_optimizer,
-                                         compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+
+    def new_state(fp32_params):
+        return init_state(fp32_params, config, layout, mesh, distributed=a.use_distributed_optimizer,
+                          compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+
+    state = new_state(to_device(shard_params(gpt.init(config, a.seed), config, layout, mesh), device))
     scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
         if a.fp16 else None
     warmup_steps, decay_steps, in_samples = lr_steps(a)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         incr_steps=(a.train_samples or a.train_iters * gbs) if in_samples else a.train_iters,
         style=a.weight_decay_incr_style)
     consumed, valid_consumed, first_iteration = 0, 0, 1
-    layout_meta = {"tp": tp, "pp": pp, "chunks": chunks, "dp": dp, "zero": bool(zero),
+    layout_meta = {"tp": tp, "pp": pp, "chunks": chunks, "dp": dp, "zero": a.use_distributed_optimizer,
                    "dtype": str(compute_dtype).removeprefix("torch.")}
     coords = {"tp": mesh.coord("tp"), "pp": mesh.coord("pp"), "dp": mesh.coord("dp")}
     if a.load:
@@ -182,16 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if meta is not None:
             if checkpoint.same_layout(meta, layout_meta, config):
-                params, opt_state = to_device(checkpoint.local_state(found, meta, coords), device)
+                state.load(*to_device(checkpoint.local_state(found, meta, coords), device))
             else:
-                params, opt_state = resharded_state(found, meta, config, layout, mesh, opt, zero, compute_dtype,
-                                                    device)
+                state.load(*resharded_state(found, meta, config, layout, mesh, state, device))
             if a.finetune or a.no_load_optim:  # the weights only: a fresh optimizer state (fp32 main weights
-                fp32 = tree.tree_map(lambda x: x.float(), params)  # from the loaded compute-dtype weights)
-                params, opt_state, zero = init_state(fp32, config, layout, mesh, opt,
-                                                     distributed=a.use_distributed_optimizer,
-                                                     compute_dtype=compute_dtype,
-                                                     adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+                state = new_state(tree.tree_map(lambda x: x.float(), state.params))  # from the loaded ones)
             if not a.finetune:
                 consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
                 first_iteration = meta["iteration"] + 1
@@ -205,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{meta['consumed_samples']} samples; {taken})", flush=True)
 
     def save(iteration: int) -> None:
-        tensors = checkpoint.state_tensors(params, opt_state)
+        tensors = checkpoint.state_tensors(state.params, state.opt_state)
         checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp})
         if world > 1:
             dist.barrier()
@@ -221,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         if last_rank:
             print(f"saved checkpoint {checkpoint.iteration_dir(a.save, iteration)}", flush=True)
 
-    local = tree.num_params(params)
+    local = tree.num_params(state.params)
+    opt_state = state.opt_state
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
         (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
     if last_rank:
@@ -234,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(compute_dtype).removeprefix('torch.')}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
-              f"{' (distributed optimizer)' if zero else ''}", flush=True)
+              f"{' (distributed optimizer)' if state.zero else ''}; persistent state "
+              f"{state.bytes_per_parameter():.2f} bytes per parameter", flush=True)
         for line in ignored_flags(a):
             print(f"ignored {line}", flush=True)
         print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items()),
@@ -282,14 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         data_ms = (time.perf_counter() - tick) * 1e3
         lr = schedule(consumed if in_samples else iteration - 1)  # Megatron: the scheduler advances after
         scale = scaler.scale if scaler else 1.0
-        params, opt_state, m = train_iteration(params, opt_state, batch, config=config, layout=layout, mesh=mesh,
-                                               optimizer=opt, lr=lr,
-                                               weight_decay=wd_schedule(consumed if in_samples else iteration - 1),
-                                               clip_grad=a.clip_grad, zero=zero, loss_scale=scale,
-                                               check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
-                                               bucket_numel=a.ddp_bucket_size)
+        m = train_iteration(state, batch, config=config, layout=layout, mesh=mesh, lr=lr,
+                            weight_decay=wd_schedule(consumed if in_samples else iteration - 1), clip_grad=a.clip_grad,
+                            loss_scale=scale, check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
+                            bucket_numel=a.ddp_bucket_size)
         consumed += global_batch
-        params_norm = float(global_norm(params, config, layout, mesh)) if a.log_params_norm else None
+        params_norm = float(global_norm(state.params, config, layout, mesh)) if a.log_params_norm else None
         if scaler:
             skipped += int(m["skipped"])
             scaler = loss_scale.update(scaler, m["skipped"])
@@ -303,10 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         now = time.perf_counter()
         elapsed = now - tick
         if last_rank:
-            loss = float(m["loss"])  # reported for skipped steps too, as Megatron does
+            loss, grad_norm = float(m["loss"]), float(m["grad_norm"])  # the step's one read, when logging
             losses.append(loss)
             tflops = model_flops(config, global_batch, a.seq_length) / (elapsed * 1e12 * world)
-            emit({"iteration": iteration, "lm_loss": loss, "grad_norm": m["grad_norm"], "lr": lr,
+            emit({"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "weight_decay": wd_schedule(consumed - global_batch if in_samples else iteration - 1), "loss_scale": scale,
                   "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
                   "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
@@ -315,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             if iteration % a.log_interval == 0 or iteration == a.train_iters:
                 print(megatron_log_line(iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed,
                                         elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
-                                        global_batch_size=global_batch, lm_loss=loss, grad_norm=m["grad_norm"],
+                                        global_batch_size=global_batch, lm_loss=loss, grad_norm=grad_norm,
                                         loss_scale=scale, params_norm=params_norm, skipped=skipped, nans=nans),
                       flush=True)
                 print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
@@ -323,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.eval_interval and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
             total = 0.0
             for _ in range(a.eval_iters):
-                value = evaluate(params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
+                value = evaluate(state.params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
                                  layout=layout, mesh=mesh)
                 valid_consumed += gbs
                 total += float(value) if value is not None else 0.0

@@ -153,16 +153,16 @@ def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp, segment
 
 def zero_state_bytes(mesh, config, compute_dtype):
     """Optimizer-state bytes on this rank with ZeRO-1, and the parameter count it covers."""
-    from fmeg import optim, tree
+    from fmeg import tree
     from fmeg.models import gpt
     from fmeg.training.parallel_step import Layout, init_state, shard_params
 
     layout = Layout(dp=mesh.size("dp"))
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
-    model, state, zero = init_state(params, config, layout, mesh, optim.adamw(), distributed=True,
-                                    compute_dtype=compute_dtype)
-    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(state))
-    return state_bytes - 8, tree.num_params(params), zero.flat.padded, tree.tree_leaves(model)[0].dtype
+    state = init_state(params, config, layout, mesh, distributed=True, compute_dtype=compute_dtype)
+    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(state.opt_state))
+    return (state_bytes - 8, tree.num_params(params), state.flat.padded, tree.tree_leaves(state.params)[0].dtype,
+            state.bytes_per_parameter())
 
 
 def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel, order):

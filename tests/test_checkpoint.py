@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fmeg import checkpoint, optim, tree
+from fmeg import checkpoint, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.parallel_step import Layout, init_state, shard_params
@@ -19,11 +19,12 @@ LAYOUT = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float
 
 def save_one(root, iteration, config=CONFIG):
     mesh, layout = Mesh.single(), Layout()
-    params, state, _ = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                                  optim.adamw(), distributed=False)
-    checkpoint.save_rank(root, iteration, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(params, state))
+    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
+                       distributed=False)
+    checkpoint.save_rank(root, iteration, 0, {"tp": 0, "pp": 0, "dp": 0},
+                         checkpoint.state_tensors(state.params, state.opt_state))
     return checkpoint.finalize(root, iteration, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
-                                                 "model": dataclasses.asdict(config)}), params, state
+                                                 "model": dataclasses.asdict(config)}), state.params, state.opt_state
 
 
 def test_round_trip_keeps_every_tensor_and_its_order(tmp_path):
@@ -73,9 +74,10 @@ def test_keep_last(tmp_path):
     for i in (1, 2, 3):
         save_one(tmp_path, i)
     mesh, layout = Mesh.single(), Layout()
-    params, state, _ = init_state(shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh,
-                                  optim.adamw(), distributed=False)
-    checkpoint.save_rank(tmp_path, 4, 0, {"tp": 0, "pp": 0, "dp": 0}, checkpoint.state_tensors(params, state))
+    state = init_state(shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh,
+                       distributed=False)
+    checkpoint.save_rank(tmp_path, 4, 0, {"tp": 0, "pp": 0, "dp": 0},
+                         checkpoint.state_tensors(state.params, state.opt_state))
     checkpoint.finalize(tmp_path, 4, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
                                       "model": dataclasses.asdict(CONFIG)}, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
@@ -102,6 +104,17 @@ def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
     got = resume(tmp_path, "tp2", 2, ["--tensor-model-parallel-size", "2"], 2,
                  ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"])
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:])) and len(got) == 10
+
+
+def test_bf16_with_the_distributed_optimizer_saves_resumes_bitwise_and_resumes_at_another_layout(tmp_path):
+    """Megatron's most common configuration: bf16 with ZeRO-1 saves (the fp32 main-weight slices included),
+    resumes bitwise in its own layout, and continues its curve at tp 2 without ZeRO-1 (to bf16 rounding)."""
+    bf16_zero = ["--bf16", "--use-distributed-optimizer"]
+    full = run_layout(tmp_path, "bf16_zero_full", 2, bf16_zero)
+    assert resume(tmp_path, "bf16_zero", 2, bf16_zero, 2, bf16_zero) == full[10:]
+    other = run_layout(tmp_path, "bf16_tp2", 2, ["--bf16", "--tensor-model-parallel-size", "2", "--load",
+                                                 str(tmp_path / "bf16_zero_ckpt")])
+    assert len(other) == 10 and all(abs(a - b) <= 1e-2 * b for a, b in zip(other, full[10:]))
 
 
 def test_no_load_optim_and_finetune_take_the_weights_only(tmp_path, uninterrupted):

@@ -9,7 +9,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fmeg import optim
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
@@ -36,14 +35,14 @@ class MatmulFlopsByDtype(TorchDispatchMode):
 def test_a_bf16_iteration_does_its_matmuls_in_bf16(style):
     config = getattr(gpt.GPTConfig, style)(vocab_size=4096, max_seq_len=64, num_layers=4, hidden_size=64,
                                            num_heads=4, num_kv_heads=2 if style == "llama" else None)
-    mesh, layout, opt = Mesh.single(), Layout(), optim.adamw()
-    params, state, _ = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                                  opt, distributed=False, compute_dtype=torch.bfloat16)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
+                       distributed=False, compute_dtype=torch.bfloat16)
     tokens = torch.randint(0, config.vocab_size, (4, 65), generator=torch.Generator().manual_seed(0))
     microbatch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(4, 64)}
     with MatmulFlopsByDtype() as counted:
-        train_iteration(params, state, [microbatch], config=config, layout=layout, mesh=mesh, optimizer=opt,
-                        lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        train_iteration(state, [microbatch], config=config, layout=layout, mesh=mesh, lr=1e-3, weight_decay=0.0,
+                        clip_grad=1.0)
     total = sum(counted.flops.values())
     assert total > 6 * 4 * 64 * 4096 * 64  # the output layer's forward and backward at least
     assert counted.flops[torch.bfloat16] >= 0.99 * total, dict(counted.flops)

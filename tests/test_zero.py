@@ -16,8 +16,10 @@ CONFIG = gpt.GPTConfig.gpt2(vocab_size=96, max_seq_len=16, num_layers=2, hidden_
 def test_optimizer_state_bytes_per_rank_follow_megatron(dp, dtype, per_param):
     """fp32: Adam's two moments, 8 / dp bytes per parameter; bf16 adds fp32 main weights: 12 / dp."""
     results = run_threads(dp, P.zero_state_bytes, CONFIG, dtype)
-    for state_bytes, num_params, padded, model_dtype in results:  # state_bytes excludes the step counter
+    for state_bytes, num_params, padded, model_dtype, persistent in results:  # state_bytes: no step counter
         assert model_dtype == dtype
         assert padded - num_params < dp  # padding only to a multiple of dp
         assert state_bytes == per_param * padded // dp
         assert abs(state_bytes - per_param * num_params / dp) <= per_param
+        # everything kept between steps: compute weights, the fp32 gradient buffer and the above
+        assert persistent * num_params == (dtype.itemsize + 4) * padded + state_bytes

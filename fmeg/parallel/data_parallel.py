@@ -39,7 +39,9 @@ class GradSync:
     """One iteration's data-parallel gradient mean (a fresh one per iteration; group None: dp = 1)."""
 
     def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
-                 replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None):
+                 replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
+                 buffer: torch.Tensor | None = None):
+        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh one."""
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
         self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
@@ -51,7 +53,10 @@ class GradSync:
         self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         self.index = {path: i for i, path in enumerate(self.paths)}
         dtype = torch.promote_types(leaves[0][1].dtype if leaves else torch.float32, torch.float32)
-        self.buffer = torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
+        if buffer is not None and (buffer.shape != (self.padded,) or buffer.dtype != dtype):
+            raise ValueError(f"GradSync: buffer of {tuple(buffer.shape)} {buffer.dtype}, need ({self.padded},) {dtype}")
+        self.buffer = buffer if buffer is not None else \
+            torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
         unknown = set(replicated) - set(self.index)
         if unknown:
             raise ValueError(f"GradSync: replicated paths {sorted(unknown)} are not parameters")

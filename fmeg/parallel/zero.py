@@ -44,6 +44,11 @@ class FlatBuffer:
         leaves = [p.view(s).to(x.dtype) for p, s, x in zip(pieces, self.shapes, tree.tree_leaves(like))]
         return tree.tree_unflatten(leaves, self.spec)
 
+    def views(self, flat: torch.Tensor) -> Any:
+        """The tree whose leaves are views of flat (no copy): writing either changes both."""
+        pieces = flat[: self.numel].split([s.numel() for s in self.shapes])
+        return tree.tree_unflatten([p.view(s) for p, s in zip(pieces, self.shapes)], self.spec)
+
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         size = self.padded // self.dp
         return flat[rank * size:(rank + 1) * size]
