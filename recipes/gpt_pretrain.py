@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     dp, gbs = batch_geometry(a, world)
     chunks = (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage \
         if a.num_layers_per_virtual_pipeline_stage else 1
-    layout = Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule)
+    recompute = (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) \
+        if a.recompute_granularity else None
+    layout = Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute)
     last_rank = rank == world - 1
     torch.manual_seed(a.seed)
 
@@ -226,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         estimate = memory_estimate(local, state_bytes, config, a.micro_batch_size, a.seq_length, tp, pp, in_flight,
                                    torch.finfo(compute_dtype).bits // 8)
         print(f"fmeg gpt_pretrain on {device}: world {world} = tp {tp} x pp {pp} (x{chunks} virtual) x dp {dp}"
-              f"{', sequence parallel' if layout.sequence_parallel else ''}; {config.num_layers} layers, hidden "
+              f"{', sequence parallel' if layout.sequence_parallel else ''}"
+              f"{', recompute ' + ' '.join(str(r) for r in recompute if r is not None) if recompute else ''}; "
+              f"{config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {config.vocab_size} (padded to {config.padded_vocab_size}), "
               f"{str(compute_dtype).removeprefix('torch.')}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"

@@ -51,6 +51,13 @@ BAD = [
     ({"WORLD_SIZE": "1"}, ["--train-samples", "2"], "--train-samples 2 is less than one global batch"),
     ({"WORLD_SIZE": "1"}, ["--train-samples", "64", "--lr-warmup-samples", "64"],
      "the LR warmup of 64 samples must be below the decay's 64 samples"),
+    ({"WORLD_SIZE": "1"}, ["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    ({"WORLD_SIZE": "1"}, ["--recompute-method", "uniform"], "--recompute-method needs --recompute-granularity full"),
+    ({"WORLD_SIZE": "1"}, ["--recompute-granularity", "selective", "--recompute-method", "block"],
+     "--recompute-method applies to --recompute-granularity full, not selective"),
+    ({"WORLD_SIZE": "2"}, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                           "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+     "--recompute-num-layers 3 must be between 1 and the 2 layers"),
 ]
 
 
@@ -87,11 +94,16 @@ ZERO_OVERLAP = ["--use-distributed-optimizer", *OVERLAP]
 VP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
 
 
+def recompute(method, layers):
+    return ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", str(layers)]
+
+
 SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "plain"),
          ("pp2_vp2", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
           "plain"),
          ("dp2_dropout_overlap", 2, [*DROPOUT, *OVERLAP], "dropout"),
-         ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain")]
+         ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain"),
+         ("recompute_uniform_dropout", 1, [*DROPOUT, *recompute("uniform", 1)], "dropout")]
 FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("tp4", 4, ["--tensor-model-parallel-size", "4"], "plain"),
         ("tp4_sp", 4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"], "plain"),
@@ -112,7 +124,13 @@ FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("pp2_dp2_zero1", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], "plain"),
         ("pp2_vp2_dp2_zero1_overlap", 4, ["--pipeline-model-parallel-size", "2", *VP2, *ZERO_OVERLAP], "plain"),
         ("tp2_dp2_overlap", 4, ["--tensor-model-parallel-size", "2", *OVERLAP], "plain"),
-        ("tp2_dp2_rampup", 4, ["--tensor-model-parallel-size", "2", *RAMPUP], "rampup")]
+        ("tp2_dp2_rampup", 4, ["--tensor-model-parallel-size", "2", *RAMPUP], "rampup"),
+        ("pp2_vp2_recompute_block", 2, ["--pipeline-model-parallel-size", "2", *VP2, *recompute("block", 1)],
+         "plain"),
+        ("tp2_sp_recompute_uniform2_dropout", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  *DROPOUT, *recompute("uniform", 2)], "dropout"),
+        ("tp2_recompute_selective_dropout", 2, ["--tensor-model-parallel-size", "2", *DROPOUT,
+                                                "--recompute-granularity", "selective"], "dropout")]
 
 
 @pytest.mark.parametrize("name, nproc, flags, ref", SMALL, ids=[s[0] for s in SMALL])

@@ -29,6 +29,7 @@ the same reason apply reads head counts from the weights' shapes, so it runs unc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -255,9 +256,10 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
 
 
 def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
-              tp: TensorParallel = NO_TP, key: Any = None) -> torch.Tensor:
+              tp: TensorParallel = NO_TP, key: Any = None, recompute_core: bool = False) -> torch.Tensor:
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
-    key, attention dropout masks each probability by its global (batch, head, query, key) position."""
+    key, attention dropout masks each probability by its global (batch, head, query, key) position.
+    recompute_core keeps only q, k and v of the attention core for backward (selective recomputation)."""
     d, per_group = config.head_dim, config.heads_per_group
     qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
@@ -265,9 +267,9 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if rope is not None:
         q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
-    local_heads = q.shape[1]
-    out = ops.causal_attention(q, k, v, dropout_p=config.attention_dropout, key=key,
-                               head_offset=tp.rank * local_heads, total_heads=config.num_heads)
+    core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
+                             head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
+    out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
     out = rearrange(out, "b n s d -> b s (n d)")
     return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
 
@@ -298,11 +300,11 @@ def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *
 
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
-          index: int = 0, tp: TensorParallel = NO_TP) -> torch.Tensor:
+          index: int = 0, tp: TensorParallel = NO_TP, recompute_core: bool = False) -> torch.Tensor:
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
     attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
-    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp, attn_key)
+    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp, attn_key, recompute_core)
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
     out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
@@ -331,10 +333,10 @@ def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, po
 
 def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, config: GPTConfig, *,
                  first_layer: int = 0, final: bool = True, positions: torch.Tensor | None = None, key: Any = None,
-                 tp: TensorParallel = NO_TP) -> torch.Tensor:
+                 tp: TensorParallel = NO_TP, recompute_core: bool = False) -> torch.Tensor:
     """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
     numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
-    one span; a pipeline stage is one span."""
+    one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores."""
     seq = tokens.shape[-1]
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
@@ -348,7 +350,7 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
-        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp)
+        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core)
     return norm(params["final_norm"], x, config, tp) if final else x
 
 

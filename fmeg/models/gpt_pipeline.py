@@ -15,7 +15,7 @@ import torch
 
 from fmeg.models import gpt
 from fmeg.models.gpt import GPTConfig, Params
-from fmeg.parallel.pipeline.segments import Segment, compose
+from fmeg.parallel.pipeline.segments import Segment, compose, recompute_units
 from fmeg.parallel.tensor import NO_TP, TensorParallel
 
 
@@ -58,24 +58,30 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
     return full
 
 
-def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> list[Segment]:
+def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP,
+                   recompute: tuple[str, str | None, int | None] | None = None) -> list[Segment]:
     """The stage as a chain of segments (embeddings, each layer, final norm + loss), each one
     decoder_span call, so that backward can hand over each piece's gradients as soon as they are final.
     Params may be tensor-parallel shards (tp); activations are [b, s, h] ([b, s/t, h] with sequence
-    parallelism). batch holds tokens, labels and loss_mask, and optionally a dropout key."""
+    parallelism). batch holds tokens, labels and loss_mask, and optionally a dropout key. recompute =
+    Megatron's (granularity, method, layers): ("full", method, layers) recomputes whole layers
+    (segments.recompute_units), ("selective", None, None) the attention cores."""
     layers = stage_layers(config, stage, num_stages)
+    granularity, method, count = recompute or (None, None, None)
+    unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
 
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp)
+                                key=batch.get("dropout_key"), tp=tp, recompute_core=granularity == "selective")
 
     def embedding(sub: Params, x: None, batch: dict) -> torch.Tensor:
         return span({"embedding": sub["embedding"], "layers": []}, None, batch)
 
     def layer(i: int) -> Segment:
         key = f"layers.{i}"
-        return Segment(lambda sub, x, batch: span({"layers": [sub[key]]}, x, batch, layers.start + i), (key,))
+        return Segment(lambda sub, x, batch: span({"layers": [sub[key]]}, x, batch, layers.start + i), (key,),
+                       unit_of[i])
 
     def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
         x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)

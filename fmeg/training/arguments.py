@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start each data-parallel gradient bucket's reduction during the backward pass")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per data-parallel gradient bucket (default max(40M, 1M * dp))")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="full: recompute whole layers in backward instead of keeping their activations; "
+                        "selective: recompute the attention cores")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="uniform: recompute each chunk of --recompute-num-layers layers from its input; block: "
+                        "recompute the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)
@@ -302,6 +309,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if vp_chunks > 1 and microbatches:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
+    problems.extend(recompute_problems(a))
     need(not a.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
     need(not a.sequence_parallel or a.seq_length % tp == 0,
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
@@ -346,6 +354,25 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     return problems
+
+
+def recompute_problems(a: argparse.Namespace) -> list[str]:
+    """Megatron's rules for the recompute flags, one line each."""
+    per_rank = a.num_layers // a.pipeline_model_parallel_size
+    if a.recompute_granularity is None:
+        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
+        return [f"--{f.replace('_', '-')} needs --recompute-granularity full" for f in given]
+    if a.recompute_granularity == "selective":
+        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
+        return [f"--{f.replace('_', '-')} applies to --recompute-granularity full, not selective" for f in given]
+    if a.recompute_method is None or a.recompute_num_layers is None:
+        return ["--recompute-granularity full needs --recompute-method (uniform or block) and "
+                "--recompute-num-layers"]
+    low = 1 if a.recompute_method == "uniform" else 0
+    if not low <= a.recompute_num_layers <= per_rank:
+        return [f"--recompute-num-layers {a.recompute_num_layers} must be between {low} and the {per_rank} layers "
+                f"of each pipeline rank with --recompute-method {a.recompute_method}"]
+    return []
 
 
 def lr_steps(a: argparse.Namespace) -> tuple[int, int, bool]:

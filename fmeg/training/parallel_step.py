@@ -35,6 +35,7 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"
+    recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
 
     @property
     def num_stages(self) -> int:
@@ -156,7 +157,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     t0 = time.perf_counter()
     params = state.params
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = GradSync(params, mesh.group("dp"), owner_slices=state.zero, bucket_numel=bucket_numel,
                     replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad)

@@ -17,6 +17,7 @@ so W changes when weight gradients are applied, not how much compute B does.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ import torch
 
 from fmeg import tree
 from fmeg.parallel.pipeline.actions import Action
-from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take
+from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take, units
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -36,22 +37,38 @@ def _add(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict) -> tuple:
-    """(output, [(segment, vjp function)]) through the chain of segments."""
-    vjps = []
-    for segment in segments:
+    """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment, and
+    (unit, its input) for a recomputed unit, whose forward keeps nothing else."""
+    entries: list[tuple] = []
+    for unit in units(segments):
+        if unit[0].recompute is not None:
+            entries.append((unit, x))
+            with torch.no_grad():
+                x = compose(unit)(params, x, batch)
+            continue
+        (segment,) = unit
+
         def fn(p, *x, segment=segment):
             return segment.fn(p, x[0] if x else None, batch)
 
         x, vjp = torch.func.vjp(fn, take(segment, params), *(() if x is None else (x,)))
-        vjps.append((segment, vjp))
-    return x, vjps
+        entries.append((segment, vjp))
+    return x, entries
 
 
-def _backward(vjps: list, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
-    """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last first])."""
+def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
+              ) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
+    """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last first]).
+    A recomputed unit runs its forward again from its saved input, keeping vjps this time, then backward."""
     per_segment = []
-    for _, vjp in reversed(vjps):
-        cotangents = vjp(grad_out)
+    for head, saved in reversed(entries):
+        if isinstance(head, list):
+            kept = [dataclasses.replace(segment, recompute=None) for segment in head]
+            _, inner = _forward(kept, params, saved, batch)
+            grad_out, grads = _backward(inner, grad_out, params, batch)
+            per_segment += grads
+            continue
+        cotangents = saved(grad_out)
         per_segment.append(tree.flatten(cotangents[0]))
         grad_out = cotangents[1] if len(cotangents) > 1 else None
     return grad_out, per_segment
@@ -117,7 +134,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
         elif a.kind == "B":
             grad_out = torch.full((), loss_scale / m_count, device=loss.device) if s == last \
                 else inbox.pop(("B", s, m))
-            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out)
+            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out, stage_params[s], microbatches[m])
             if s > 0:
                 target = inbox if (s - 1) % pp == s % pp else outbox
                 target[("B", s - 1, m) if target is inbox else ("B", s, m)] = grad_in

@@ -8,6 +8,10 @@ the first segment of stage 0 gets x = None, and the last one's output is the sta
 runs one torch.func.vjp per segment, so the gradients of the last segments (the first ones backward
 finishes) are final while earlier segments are still differentiating: data-parallel reduction can start
 on them. A plain function (params, x, batch) is a stage of one segment.
+
+Activation recomputation: consecutive segments with the same `recompute` unit number form one unit whose
+forward keeps only its input; backward runs the unit's forward again (keeping its vjps) and then goes back
+through it. recompute_units gives Megatron's full-granularity methods.
 """
 
 from __future__ import annotations
@@ -22,6 +26,31 @@ from fmeg import tree
 class Segment:
     fn: Callable[[Any, Any, dict], Any]
     keys: tuple[str, ...] | None = None
+    recompute: int | None = None  # the recompute unit this segment belongs to; None: activations kept
+
+
+def recompute_units(num_layers: int, method: str | None, count: int | None) -> list[int | None]:
+    """For each of a stage's num_layers layers, its recompute unit (None: not recomputed), as Megatron's
+    --recompute-method: "uniform" recomputes every chunk of `count` layers from its input; "block"
+    recomputes each of the stage's first `count` layers from its own input; None recomputes nothing."""
+    if method is None:
+        return [None] * num_layers
+    if method == "uniform":
+        return [i // count for i in range(num_layers)]
+    if method == "block":
+        return [i if i < count else None for i in range(num_layers)]
+    raise ValueError(f"recompute method {method!r}: expected 'uniform' or 'block'")
+
+
+def units(segments: list[Segment]) -> list[list[Segment]]:
+    """The segments grouped: each kept segment alone, each recompute unit's consecutive segments together."""
+    out: list[list[Segment]] = []
+    for segment in segments:
+        if out and segment.recompute is not None and out[-1][-1].recompute == segment.recompute:
+            out[-1].append(segment)
+        else:
+            out.append([segment])
+    return out
 
 
 def as_segments(stage: Callable | list[Segment]) -> list[Segment]:

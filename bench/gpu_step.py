@@ -1,0 +1,193 @@
+"""The runner's training step against a compiled nanoGPT-style step, side by side in one process.
+
+    python bench/gpu_step.py                         # GPT-2 124M, 1.3B and a Llama-style 1B on the GPU
+    python bench/gpu_step.py --model 1.3b --steps 20
+    python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run anywhere
+
+fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
+fp32 master weights and gradients, global-norm clipping at 1.0, AdamW), one rank. The peer: a GPT written
+here as a plain nn.Module in nanoGPT's style (fp32 parameters under bf16 autocast, SDPA attention,
+torch.optim.AdamW fused on CUDA, clip_grad_norm_), under torch.compile unless --no-compile. Both run the
+same shapes and the same FLOPs (Megatron's count, fmeg.training.report.model_flops); rounds alternate
+between the two. Prints median ms, TFLOP/s, MFU against the device's dense bf16 peak, peak memory, and
+the throughput ratio fmeg / peer (above 1.0: fmeg is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fmeg.models import gpt
+from fmeg.parallel.mesh import Mesh
+from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.training.report import model_flops
+
+MODELS = {  # (config, batch)
+    "gpt2-124m": (gpt.GPTConfig.gpt2(vocab_size=50257, padded_vocab_size=50304, max_seq_len=1024), 16),
+    "1.3b": (gpt.GPTConfig.gpt2(vocab_size=50257, padded_vocab_size=50304, max_seq_len=2048, num_layers=24,
+                                hidden_size=2048, num_heads=16), 4),
+    "llama-1b": (gpt.GPTConfig.llama(vocab_size=32000, max_seq_len=2048, num_layers=16, hidden_size=2048,
+                                     num_heads=16, num_kv_heads=4, ffn_hidden_size=5632), 4),
+    "tiny": (gpt.GPTConfig.llama(vocab_size=500, padded_vocab_size=512, max_seq_len=64, num_layers=2,
+                                 hidden_size=64, num_heads=4, num_kv_heads=2), 2),
+}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+class PeerGPT(nn.Module):
+    """nanoGPT's shape of model for the same GPTConfig: pre-norm blocks, fused qkv, SDPA attention."""
+
+    def __init__(self, c: gpt.GPTConfig):
+        super().__init__()
+        self.c = c
+        self.wte = nn.Embedding(c.padded_vocab_size, c.hidden_size)
+        self.wpe = nn.Embedding(c.max_seq_len, c.hidden_size) if c.position == "learned" else None
+        norm = (lambda: nn.RMSNorm(c.hidden_size, eps=c.norm_eps)) if c.norm == "rmsnorm" else \
+            (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps, bias=c.bias))
+        kv = c.num_kv_heads * c.head_dim
+        ffn_out = 2 * c.ffn_hidden_size if c.activation == "swiglu" else c.ffn_hidden_size
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": norm(), "qkv": nn.Linear(c.hidden_size, c.hidden_size + 2 * kv, bias=c.bias),
+            "proj": nn.Linear(c.hidden_size, c.hidden_size, bias=c.bias), "ln2": norm(),
+            "fc1": nn.Linear(c.hidden_size, ffn_out, bias=c.bias),
+            "fc2": nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.bias)}) for _ in range(c.num_layers))
+        self.ln_f = norm()
+        self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.padded_vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=c.init_std)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        s, d = x.shape[-2], x.shape[-1]
+        inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, d, 2, device=x.device).float() / d))
+        angles = torch.outer(torch.arange(s, device=x.device).float(), inv)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        c, (b, s) = self.c, tokens.shape
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=tokens.device))
+        kv = c.num_kv_heads * c.head_dim
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).split([c.hidden_size, kv, kv], dim=-1)
+            q, k, v = (t.view(b, s, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
+            if c.position == "rope":
+                q, k = self.rope(q), self.rope(k)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+            x = x + blk["proj"](y.transpose(1, 2).reshape(b, s, c.hidden_size))
+            h = blk["fc1"](blk["ln2"](x))
+            if c.activation == "swiglu":
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h, approximate="tanh" if c.activation == "gelu_tanh" else "none")
+            x = x + blk["fc2"](h)
+        x = self.ln_f(x)
+        logits = self.head(x) if self.head is not None else F.linear(x, self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def peer_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
+    model = PeerGPT(config).to(device)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused, foreach=not fused)
+    forward = torch.compile(model) if compile_ else model
+
+    def step(batch: dict) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(batch["tokens"], batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def fmeg_step(config: gpt.GPTConfig, device: torch.device):
+    mesh, layout = Mesh.single(), Layout()
+    params = shard_params(gpt.init(config, 0, device=device), config, layout, mesh)
+    state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=torch.bfloat16)
+
+    def step(batch: dict) -> torch.Tensor:
+        return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
+                               clip_grad=1.0)["loss"]
+
+    return step
+
+
+def peak_for(device: torch.device, override: float | None) -> float | None:
+    if override or device.type != "cuda":
+        return override
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bool, peak: float | None) -> dict:
+    config, batch_size = MODELS[name]
+    tokens = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len + 1), device=device)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    variants = {"fmeg runner": fmeg_step(config, device), "nanoGPT-style peer": peer_step(config, device, compile_)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    memory: dict[str, float] = {}
+    for i in range(warmup + steps):
+        for variant, step in variants.items():  # alternate: both see the same machine state
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            loss = float(step(batch))
+            elapsed = time.perf_counter() - t0
+            assert math.isfinite(loss), f"{variant}: loss {loss}"
+            if i >= warmup:
+                times[variant].append(elapsed)
+            if device.type == "cuda":
+                memory[variant] = torch.cuda.max_memory_allocated(device) / 2**30
+    flops = model_flops(config, batch_size, config.max_seq_len)
+    print(f"\n{name}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads "
+          f"({config.num_kv_heads} kv), seq {config.max_seq_len}, batch {batch_size}, vocab {config.padded_vocab_size}, "
+          f"{flops / 1e12:.2f} TFLOP per step; peer {'compiled' if compile_ else 'eager'}")
+    print(f"{'variant':<20} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9}")
+    medians = {}
+    for variant, ts in times.items():
+        medians[variant] = statistics.median(ts)
+        tflops = flops / medians[variant] / 1e12
+        mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+        mem = f"{memory[variant]:.1f}" if variant in memory else "n/a"
+        print(f"{variant:<20} {medians[variant] * 1e3:>10.1f} {tflops:>9.2f} {mfu:>7} {mem:>9}")
+    ratio = medians["nanoGPT-style peer"] / medians["fmeg runner"]
+    print(f"throughput ratio fmeg / peer: {ratio:.2f}")
+    return {"model": name, "ratio": ratio, **{f"{k} ms": v * 1e3 for k, v in medians.items()}}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), action="append",
+                   help="repeatable; default: gpt2-124m, 1.3b and llama-1b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--no-compile", action="store_true", help="run the peer eagerly")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    peak = peak_for(device, a.peak_tflops)
+    print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+          f"torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
+    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak)
+            for m in a.model or ["gpt2-124m", "1.3b", "llama-1b"]]
+
+
+if __name__ == "__main__":
+    main()

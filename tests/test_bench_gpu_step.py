@@ -1,0 +1,17 @@
+"""bench/gpu_step.py runs as written at a tiny shape on CPU (its GPU shapes are for machines with one)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_gpu_step_bench_smoke_run_on_cpu():
+    out = subprocess.run([sys.executable, "bench/gpu_step.py", "--model", "tiny", "--device", "cpu", "--steps", "1",
+                          "--warmup", "1", "--no-compile"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^fmeg runner +\d+\.\d", out.stdout, re.M)
+    assert re.search(r"^nanoGPT-style peer +\d+\.\d", out.stdout, re.M)
+    assert float(re.search(r"throughput ratio fmeg / peer: (\d+\.\d+)", out.stdout).group(1)) > 0
