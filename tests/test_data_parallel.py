@@ -74,7 +74,7 @@ def test_a_leaf_given_twice_or_never_is_an_error():
     params = {0: {"a": torch.zeros(3), "b": torch.zeros(2)}}
     sync = GradSync(params, None)
     sync.ready(0, {"a": torch.ones(3)})
-    with pytest.raises(RuntimeError, match="given twice"):
+    with pytest.raises(RuntimeError, match="given after its final one"):
         sync.ready(0, {"a": torch.ones(3)})
     with pytest.raises(RuntimeError, match="no gradient for"):
         sync.finish()
@@ -90,7 +90,7 @@ def test_segmented_backward_starts_buckets_before_the_backward_ends():
            for t in (torch.randint(0, 32, (2, 9), generator=gen) for _ in range(2))]
     actions = schedules.with_communication(schedules.gpipe(1, 2))[0]
     sync = GradSync(params, None, bucket_numel=1)
-    execute.execute(actions, {0: gp.stage_segments(config, 0, 1)}, params, mbs, None, 1, grads_ready=sync.ready)
+    execute.execute(actions, {0: gp.stage_segments(config, 0, 1)}, params, mbs, None, 1, grads_into=sync)
     sync.finish()
     _, whole = execute.execute(actions, {0: gp.stage_fn(config, 0, 1)}, params, mbs, None, 1)
     leaves = len(tree.tree_leaves(params))

@@ -1,20 +1,20 @@
 """Data-parallel gradient reduction in buckets, started while the backward pass is still running.
 
     sync = GradSync(params, dp_group, owner_slices=zero)   # params: this rank's {stage: tree}
-    execute(..., grads_ready=sync.ready)                   # each leaf's gradient, the moment it is final
+    execute(..., grads_into=sync)     # each microbatch's gradients added into the buffer; final ones start buckets
     sync.finish()                                          # waits; the buffer now holds the dp mean
     grads = sync.tree()     # replicated optimizer: the whole mean as a pytree of views into the buffer
     g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
 
-Gradients are copied into one flat buffer (at least fp32) laid out like zero.FlatBuffer: leaves in tree
-order, padded to a multiple of dp. The buffer is cut into buckets of about bucket_numel elements, walking
+Gradients accumulate in one flat buffer (at least fp32; the first contribution of an iteration is copied,
+the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The buffer is cut into buckets of about bucket_numel elements, walking
 leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
 as soon as its last leaf has arrived, so communication overlaps with the rest of the backward pass.
 Without ZeRO a bucket is all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to
 that rank only (reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied
 embedding copies, whose gradients are summed across pipeline stages afterwards), which are all-reduced.
 Which bucket starts when depends only on the schedule, so every data-parallel rank issues the same
-collectives in the same order. Calling ready() for everything after the backward pass (no overlap) gives
+collectives in the same order. Without overlap (overlap=False) buckets start at finish(), in tree order:
 the same numbers.
 """
 
@@ -40,8 +40,9 @@ class GradSync:
 
     def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
                  replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                 buffer: torch.Tensor | None = None):
-        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh one."""
+                 buffer: torch.Tensor | None = None, overlap: bool = True):
+        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh one;
+        overlap: start each bucket once its leaves are final, else all of them at finish()."""
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
         self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
@@ -69,29 +70,48 @@ class GradSync:
             for i in leaves_of:
                 self._buckets_of[i].append(b)
         self._arrived = [False] * len(leaves)
+        self._touched = [False] * len(leaves)  # received a contribution this iteration
+        self.overlap = overlap
         self._handles: list[Any] = []
         self.started_with_pending: list[int] = []  # leaves still to come when each bucket started
         for b, waiting in enumerate(self._waiting):
             if waiting == 0:  # padding only
                 self._start(b)
 
-    def ready(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
-        """Take the final gradients of some leaves of `stage` ({path inside the stage: gradient})."""
+    def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
+        """Add gradients of some leaves of `stage` ({path inside the stage: gradient}) into the buffer;
+        final: nothing more comes for them this iteration (their buckets may start)."""
         for path, grad in grads.items():
             i = self.index[f"{stage}.{path}"]
             if self._arrived[i]:
-                raise RuntimeError(f"GradSync: gradient of {stage}.{path} given twice")
-            self._arrived[i] = True
-            self._view(i).copy_(grad.reshape(self.shapes[i]))
-            for b in self._buckets_of[i]:
-                self._waiting[b] -= 1
-                if self._waiting[b] == 0:
-                    self._start(b)
+                raise RuntimeError(f"GradSync: gradient of {stage}.{path} given after its final one")
+            view, grad = self._view(i), grad.reshape(self.shapes[i])
+            if self._touched[i]:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                self._touched[i] = True
+            if final and self.overlap:
+                self._arrive(i)
+
+    def ready(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        """Take the final gradients of some leaves of `stage`."""
+        self.add(stage, grads, final=True)
+
+    def _arrive(self, i: int) -> None:
+        self._arrived[i] = True
+        for b in self._buckets_of[i]:
+            self._waiting[b] -= 1
+            if self._waiting[b] == 0:
+                self._start(b)
 
     def finish(self) -> "GradSync":
-        missing = [p for p, arrived in zip(self.paths, self._arrived) if not arrived]
+        missing = [p for p, touched in zip(self.paths, self._touched) if not touched]
         if missing:
             raise RuntimeError(f"GradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        for i, arrived in enumerate(self._arrived):  # without overlap: every bucket starts now
+            if not arrived:
+                self._arrive(i)
         for handle in self._handles:
             handle.wait()
         self._handles = []

@@ -160,14 +160,12 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = GradSync(params, mesh.group("dp"), owner_slices=state.zero, bucket_numel=bucket_numel,
-                    replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad)
-    loss, grads = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
-                                  loss_scale=loss_scale, grads_ready=sync.ready if overlap_grad_reduce else None)
+                    replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad,
+                    overlap=overlap_grad_reduce)
+    loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
+                              loss_scale=loss_scale, grads_into=sync)  # accumulated straight into state.grad
     t1 = time.perf_counter()
-    for stage, stage_grads in grads.items():  # without overlap: everything now, in the same buckets
-        sync.ready(stage, tree.flatten(stage_grads))
-    del grads
-    sync.finish()  # the data-parallel mean, in the buffer
+    sync.finish()  # the data-parallel mean, in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:

@@ -6,9 +6,10 @@ stage_fns[s](params, x, batch) -> the activation sent to stage s + 1, or, for th
 microbatch's loss (x is None on stage 0, which reads its input from batch); or a list of Segments
 (pipeline.segments) that chain to the same. Forward uses torch.func.vjp per segment and keeps the vjp
 functions; backward calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
-(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_ready, each
-segment's summed gradients go to grads_ready(stage, {path: gradient}) the moment they are final (in the
-stage's last backward), instead of being returned: data-parallel reduction overlaps with the rest.
+(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_into (a
+data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's backward
+produces them, with final=True in the stage's last backward (so data-parallel reduction can start while
+the rest runs), instead of being summed here and returned.
 
 Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
 gradient to the sum. Both come from the one vjp call made at B (torch.func.vjp computes them together),
@@ -77,13 +78,14 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
 def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
             trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
-            grads_ready: Callable[[int, dict[str, torch.Tensor]], None] | None = None
+            grads_into: Any = None
             ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
     the last stage, else None; {stage: gradient of its params}, empty when grads_ready takes them). A
     `trace` list receives (action, start, end) in time.perf_counter() seconds for every action.
     loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
-    loss. forward_only (evaluation) runs the F actions without keeping anything for a backward."""
+    loss. forward_only (evaluation) runs the F actions without keeping anything for a backward. grads_into:
+    an object with add(stage, {path: gradient}, final) that takes the gradients instead."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
@@ -102,10 +104,11 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
     def accumulate(s: int, per_segment: list[dict[str, torch.Tensor]]) -> None:
         finished[s] += 1
         for grads in per_segment:
+            if grads_into is not None:
+                grads_into.add(s, grads, final=finished[s] == m_count)
+                continue
             for path, g in grads.items():
                 sums[s][path] = _add(sums[s].get(path), g)
-            if grads_ready is not None and finished[s] == m_count:
-                grads_ready(s, {path: sums[s].pop(path) for path in grads})
 
     for a in actions:
         start = time.perf_counter()
@@ -148,7 +151,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             trace.append((a, start, time.perf_counter()))
     if pp_group is not None:
         pp_group.finish()
-    if grads_ready is not None or forward_only:
+    if grads_into is not None or forward_only:
         return loss, {}
     return loss, {s: _as_tree(sums[s], stage_params[s]) for s in stage_params}
 
