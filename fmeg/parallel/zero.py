@@ -13,7 +13,7 @@ The arithmetic per element is the replicated optimizer's, so the loss curve is t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -52,9 +52,3 @@ class FlatBuffer:
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         size = self.padded // self.dp
         return flat[rank * size:(rank + 1) * size]
-
-    def mask(self, params: Any, keep: Callable[[str, torch.Tensor], bool]) -> torch.Tensor:
-        """A flat 0/1 vector: 1 on the elements of leaves for which keep(path, leaf) is true."""
-        parts = [torch.full((leaf.numel(),), float(keep(path, leaf)), device=leaf.device)
-                 for path, leaf in tree.items(params)]
-        return torch.nn.functional.pad(torch.cat(parts), (0, self.padded - self.numel))
