@@ -7,8 +7,8 @@
     g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
 
 Gradients accumulate in one flat buffer (at least fp32; the first contribution of an iteration is copied,
-the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The buffer is cut into buckets of about bucket_numel elements, walking
-leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
+the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The
+buffer is cut into buckets of about bucket_numel elements, walking leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
 as soon as its last leaf has arrived, so communication overlaps with the rest of the backward pass.
 Without ZeRO a bucket is all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to
 that rank only (reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied

@@ -1,8 +1,8 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
-    state = FlatState.create(params, keep_in_norm, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16)
+    state = FlatState(params, counted, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
     state.params, state.opt_state        # {stage: tree} views, the shapes checkpoints save and load
-    # backward: GradSync(..., buffer=state.grad) writes the data-parallel mean gradient into state.grad
+    # backward: GradSync(..., buffer=state.grad) accumulates the data-parallel mean gradient in state.grad
     norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
 
 Every buffer is laid out as zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded
@@ -38,7 +38,7 @@ class FlatState:
                  decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask):
         """params: this rank's fp32 {stage: tree}; counted(path, leaf): whether the leaf counts toward the
         global norm here (tensor-parallel replicas and the tied output copy count once)."""
-        self.flat, self.zero, self.dp, self.adam = FlatBuffer.of(params, dp), distributed, dp, adam
+        self.flat, self.zero, self.adam = FlatBuffer.of(params, dp), distributed, adam
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
         device = tree.tree_leaves(params)[0].device
@@ -46,7 +46,7 @@ class FlatState:
         self.weights = fp32.to(device=device, dtype=compute_dtype)
         self.grad = torch.zeros_like(fp32, device=device)
         mixed = compute_dtype != torch.float32
-        self.main = fp32[self.lo:self.hi].clone().to(device) if mixed else None
+        self.main = fp32[self.lo:self.hi].clone() if mixed else None
         owned = self.hi - self.lo
         self.mu = torch.zeros(owned, device=device)
         self.nu = torch.zeros(owned, device=device)

@@ -81,7 +81,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             grads_into: Any = None
             ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
-    the last stage, else None; {stage: gradient of its params}, empty when grads_ready takes them). A
+    the last stage, else None; {stage: gradient of its params}, empty when grads_into takes them). A
     `trace` list receives (action, start, end) in time.perf_counter() seconds for every action.
     loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
     loss. forward_only (evaluation) runs the F actions without keeping anything for a backward. grads_into:
