@@ -1,4 +1,5 @@
 """One CPU training step (forward, backward, clip, AdamW): fmeg eager and compiled vs transformers eager.
+fmeg's step is the runner's (parallel_step.train_iteration on one rank), its layers compiled or not.
 
     python bench/step_cpu.py                 # GPT-2 shape: 6 layers, hidden 384, 6 heads, seq 256, batch 8
     python bench/step_cpu.py --steps 5 --layers 2    # a quicker look
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -50,19 +50,15 @@ def hf_step_fn(model, batch):
 
 
 def fmeg_step_fn(params, config, batch, compiled: bool):
-    from fmeg import optim
-    from fmeg.models import gpt
-    from fmeg.train_step import compile_train_step, make_train_step
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
 
-    step = make_train_step(partial(gpt.loss, config=config), optim.adamw(), clip_grad=1.0)
-    if compiled:
-        step = compile_train_step(step)
-    state = {"params": params, "opt": optim.adamw().init(params)}
-    lr, wd = torch.tensor(1e-4), torch.tensor(0.01)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
 
     def run():
-        state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch, lr, wd)
-        return metrics["loss"]
+        return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
+                               clip_grad=1.0, compile="inductor" if compiled else None)["loss"]
 
     return run
 

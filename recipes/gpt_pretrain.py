@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {p}", file=sys.stderr)
         return 2
     device = choose_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
+    compile_layers = "inductor" if (device.type == "cuda" if a.compile is None else a.compile) else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', recompute ' + ' '.join(str(r) for r in recompute if r is not None) if recompute else ''}; "
               f"{config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {config.vocab_size} (padded to {config.padded_vocab_size}), "
-              f"{str(compute_dtype).removeprefix('torch.')}; "
+              f"{str(compute_dtype).removeprefix('torch.')}, layers {'compiled' if compile_layers else 'eager'}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
               f"{' (distributed optimizer)' if state.zero else ''}; persistent state "
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         m = train_iteration(state, batch, config=config, layout=layout, mesh=mesh, lr=lr,
                             weight_decay=wd_schedule(consumed if in_samples else iteration - 1), clip_grad=a.clip_grad,
                             loss_scale=scale, check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
-                            bucket_numel=a.ddp_bucket_size)
+                            bucket_numel=a.ddp_bucket_size, compile=compile_layers)
         consumed += global_batch
         params_norm = float(global_norm(state.params, config, layout, mesh)) if a.log_params_norm else None
         if scaler:
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             total = 0.0
             for _ in range(a.eval_iters):
                 value = evaluate(state.params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
-                                 layout=layout, mesh=mesh)
+                                 layout=layout, mesh=mesh, compile=compile_layers)
                 valid_consumed += gbs
                 total += float(value) if value is not None else 0.0
             if last_rank:

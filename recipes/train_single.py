@@ -3,9 +3,10 @@
     python -m recipes.train_single                                  # bytes of the stdlib, ~1 minute on CPU
     python -m recipes.train_single --data-path train.bin --vocab-size 50257 --num-layers 6 --hidden-size 384
 
-Flags use Megatron's names. The step (forward, backward, clipping, AdamW) is one pure function, compiled
-with torch.compile unless --no-compile is given or compilation fails (then it runs eagerly, with a
-warning). The multi-process runner with every parallel layout is recipes.gpt_pretrain.
+Flags use Megatron's names. The step is the runner's (fmeg.training.parallel_step.train_iteration on one
+rank: forward, backward, clipping and AdamW over flat persistent buffers), with each layer compiled by
+torch.compile unless --no-compile is given or compilation fails (then it runs eagerly, with a warning).
+The multi-process runner with every parallel layout is recipes.gpt_pretrain.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import warnings
 from functools import partial
 
 import numpy as np
-import torch
 
 from fmeg import optim, tree
 from fmeg.data.default_corpus import default_corpus
@@ -26,7 +26,8 @@ from fmeg.data.tokenizers import ByteTokenizer
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
-from fmeg.train_step import compile_train_step, make_train_step
+from fmeg.parallel.mesh import Mesh
+from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,22 +106,23 @@ def load_data(a: argparse.Namespace):
     return tokens, a.vocab_size or top
 
 
-def with_eager_fallback(compiled, eager):
-    """Run the compiled step; if compilation fails (no C++ compiler, an unsupported op), go eager."""
-    state = {"fn": compiled}
+def with_eager_fallback(step):
+    """step(compile=...) compiled; if compilation fails (no C++ compiler, an unsupported op), warn and go
+    eager for good. A failed attempt stops before the optimizer, so retrying the iteration is safe."""
+    state = {"compile": "inductor"}
 
-    def step(*args):
+    def run(**kwargs):
         try:
-            return state["fn"](*args)
+            return step(compile=state["compile"], **kwargs)
         except Exception as e:  # noqa: BLE001 - any backend failure means: run eagerly instead
-            if state["fn"] is eager:
+            if state["compile"] is None:
                 raise
             warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                           "running the step eagerly (pass --no-compile to skip compiling)")
-            state["fn"] = eager
-            return eager(*args)
+            state["compile"] = None
+            return step(compile=None, **kwargs)
 
-    return step
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,21 +138,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    params = gpt.init(config, a.seed)
-    opt = optim.adamw(a.adam_beta1, a.adam_beta2, a.adam_eps)
-    opt_state = opt.init(params)
-    eager = make_train_step(partial(gpt.loss, config=config), opt, clip_grad=a.clip_grad)
-    step = eager if a.no_compile else with_eager_fallback(compile_train_step(eager), eager)
+    mesh, layout = Mesh.single(), Layout()
+    params = shard_params(gpt.init(config, a.seed), config, layout, mesh)
+    state = init_state(params, config, layout, mesh, distributed=False,
+                       adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+    step = partial(train_iteration, state, config=config, layout=layout, mesh=mesh, weight_decay=a.weight_decay,
+                   clip_grad=a.clip_grad)
+    step = partial(step, compile=None) if a.no_compile else with_eager_fallback(step)
     print(f"fmeg train_single: {tree.num_params(params) / 1e6:.2f}M parameters, {len(tokens):,} tokens, "
-          f"vocab {vocab_size}, {'eager' if a.no_compile else 'compiled'} step", flush=True)
+          f"vocab {vocab_size}, {'eager' if a.no_compile else 'compiled'} layers", flush=True)
 
-    weight_decay = torch.tensor(a.weight_decay)
     losses, start, last_log = [], time.perf_counter(), time.perf_counter()
     for iteration in range(1, a.train_iters + 1):
         batch = random_windows(tokens, a.micro_batch_size, a.seq_length, a.seed, iteration)
+        if a.hidden_dropout or a.attention_dropout:
+            batch["dropout_key"] = fold_in(a.seed, iteration)
         lr = schedule(iteration - 1)  # Megatron: the scheduler advances after the step
-        key = fold_in(a.seed, iteration) if a.hidden_dropout or a.attention_dropout else None
-        params, opt_state, metrics = step(params, opt_state, batch, torch.tensor(lr), weight_decay, key)
+        metrics = step(microbatches=[batch], lr=lr)
         losses.append(float(metrics["loss"]))
         if iteration % a.log_interval == 0 or iteration == a.train_iters:
             now = time.perf_counter()

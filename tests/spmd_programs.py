@@ -183,3 +183,32 @@ def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel,
     sync.finish()
     return (tree.tree_map(torch.clone, sync.tree()), sync.owned().clone(), [op for op, _ in group.log],
             sync.started_with_pending)
+
+
+def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, compile, dtype=torch.float32):
+    """`iterations` training steps (train_iteration, AdamW, clipping) with every segment compiled by the
+    backend `compile`, or eager (None);
+    returns (losses, grad norms, dynamo's graph count after each iteration, graph breaks). Graph counts
+    are per process, so each program runs on fresh gloo ranks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fmeg.models import gpt
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    torch._dynamo.reset()
+    counters.clear()
+    layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"),
+                    sequence_parallel=mesh.sequence_parallel, **layout_kwargs)
+    params = shard_params(gpt.init(config, 0), config, layout, mesh)
+    state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=dtype)
+    losses, norms, graphs = [], [], []
+    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
+    for _ in range(iterations):
+        mine = microbatches[dp_rank::dp]
+        m = train_iteration(state, mine, config=config, layout=layout, mesh=mesh, lr=1e-2, weight_decay=0.01,
+                            clip_grad=1.0, compile=compile)
+        losses.append(None if m["loss"] is None else float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        graphs.append(counters["stats"]["unique_graphs"])
+    return losses, norms, graphs, dict(counters["graph_break"])

@@ -1,5 +1,6 @@
 """recipes.gpt_pretrain: bad arguments fail before any work with one line each; the loss curve does not
-depend on the layout (tensor, sequence, pipeline with virtual stages, data parallel; dropout included)."""
+depend on the layout (tensor, sequence, pipeline with virtual stages, data parallel; dropout included),
+with the layers compiled (--compile) or eager (the default on CPU)."""
 
 import json
 
@@ -103,7 +104,9 @@ SMALL = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-paralle
           "plain"),
          ("dp2_dropout_overlap", 2, [*DROPOUT, *OVERLAP], "dropout"),
          ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain"),
-         ("recompute_uniform_dropout", 1, [*DROPOUT, *recompute("uniform", 1)], "dropout")]
+         ("recompute_uniform_dropout", 1, [*DROPOUT, *recompute("uniform", 1)], "dropout"),
+         ("compiled_tp2_sp_dropout", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *DROPOUT,
+                                         "--compile"], "dropout")]
 FULL = [("tp2", 2, ["--tensor-model-parallel-size", "2"], "plain"),
         ("tp4", 4, ["--tensor-model-parallel-size", "4"], "plain"),
         ("tp4_sp", 4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"], "plain"),
@@ -144,6 +147,16 @@ def test_layout_invariance_full_matrix(tmp_path, reference, name, nproc, flags, 
     if ref == "rampup" and "rampup" not in reference:
         reference["rampup"] = run_layout(tmp_path, "single_rampup", 1, RAMPUP)
     assert_same_curve(run_layout(tmp_path, name, nproc, flags), reference[ref])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, nproc, flags, ref", [s for s in SMALL + FULL if "--compile" not in s[2]],
+                         ids=[s[0] for s in SMALL + FULL if "--compile" not in s[2]])
+def test_layout_invariance_compiled(tmp_path, reference, name, nproc, flags, ref):
+    """Every layout with its layers compiled (inductor) against the eager single-rank reference."""
+    if ref == "rampup" and "rampup" not in reference:
+        reference["rampup"] = run_layout(tmp_path, "single_rampup", 1, RAMPUP)
+    assert_same_curve(run_layout(tmp_path, name, nproc, [*flags, "--compile"]), reference[ref])
 
 
 def test_validation_records_samples_schedule_and_loss_picture(tmp_path):

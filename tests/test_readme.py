@@ -18,6 +18,9 @@ def test_readme_python_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["logits"].shape == (4, 64, 256)
     assert 5.0 < namespace["metrics"]["loss"].item() < 6.0
+    from fmeg import tree
+
+    assert [p for p, _ in tree.items(namespace["grads"])] == [p for p, _ in tree.items(namespace["params"])]
 
 
 def bash_commands(text: str) -> list[str]:

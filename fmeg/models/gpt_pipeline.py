@@ -9,6 +9,7 @@ gradients are summed between the first and last stage (sync_tied_embedding_grads
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -59,39 +60,62 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
 
 
 def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP,
-                   recompute: tuple[str, str | None, int | None] | None = None) -> list[Segment]:
-    """The stage as a chain of segments (embeddings, each layer, final norm + loss), each one
-    decoder_span call, so that backward can hand over each piece's gradients as soon as they are final.
-    Params may be tensor-parallel shards (tp); activations are [b, s, h] ([b, s/t, h] with sequence
-    parallelism). batch holds tokens, labels and loss_mask, and optionally a dropout key. recompute =
-    Megatron's (granularity, method, layers): ("full", method, layers) recomputes whole layers
-    (segments.recompute_units), ("selective", None, None) the attention cores."""
+                   recompute: tuple[str, str | None, int | None] | None = None,
+                   compile: str | None = None) -> list[Segment]:
+    """The stage as a chain of segments (embeddings, each layer, final norm + loss), so that backward can
+    hand over each piece's gradients as soon as they are final. Params may be tensor-parallel shards (tp);
+    activations are [b, s, h] ([b, s/t, h] with sequence parallelism). batch holds tokens, labels and
+    loss_mask, and optionally a dropout key. recompute = Megatron's (granularity, method, layers):
+    ("full", method, layers) recomputes whole layers (segments.recompute_units), ("selective", None, None)
+    the attention cores. compile: a torch.compile backend ("inductor"; "aot_eager" traces without code
+    generation) that each piece runs under: regional compilation, one graph per kind of piece shared by
+    every layer, collectives inside (torch.distributed groups: comm.TorchGroup; thread ranks do not
+    trace), no graph break allowed. None runs eagerly."""
     layers = stage_layers(config, stage, num_stages)
     granularity, method, count = recompute or (None, None, None)
     unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
-
-    def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
-             final: bool = False) -> torch.Tensor:
-        return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp, recompute_core=granularity == "selective")
-
-    def embedding(sub: Params, x: None, batch: dict) -> torch.Tensor:
-        return span({"embedding": sub["embedding"], "layers": []}, None, batch)
+    selective = granularity == "selective"
+    embedding, layer_fn, head = _compiled_pieces(config, tp, selective, compile) if compile else \
+        _pieces(config, tp, selective)
 
     def layer(i: int) -> Segment:
         key = f"layers.{i}"
-        return Segment(lambda sub, x, batch: span({"layers": [sub[key]]}, x, batch, layers.start + i), (key,),
-                       unit_of[i])
+        return Segment(lambda sub, x, batch: layer_fn(sub[key], x, batch, layers.start + i), (key,), unit_of[i])
+
+    segments = [Segment(lambda sub, x, batch: embedding(sub, batch), ("embedding",))] if stage == 0 else []
+    segments += [layer(i) for i in range(len(layers))]
+    if stage == num_stages - 1:
+        segments.append(Segment(head, ("final_norm", "output")))
+    return segments
+
+
+def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool) -> tuple[Callable, Callable, Callable]:
+    """The three kinds of segment body: embedding(sub, batch), layer(layer_params, x, batch, index) and
+    head(sub, x, batch) -> the microbatch's loss."""
+    def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
+             final: bool = False) -> torch.Tensor:
+        return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
+                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core)
+
+    def embedding(sub: Params, batch: dict) -> torch.Tensor:
+        return span({"embedding": sub["embedding"], "layers": []}, None, batch)
+
+    def layer(layer_params: Params, x: torch.Tensor, batch: dict, index: int) -> torch.Tensor:
+        return span({"layers": [layer_params]}, x, batch, index)
 
     def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
         x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)
         return gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp)
 
-    segments = [Segment(embedding, ("embedding",))] if stage == 0 else []
-    segments += [layer(i) for i in range(len(layers))]
-    if stage == num_stages - 1:
-        segments.append(Segment(head, ("final_norm", "output")))
-    return segments
+    return embedding, layer, head
+
+
+@functools.cache
+def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool, backend: str) -> tuple[Callable, ...]:
+    """_pieces under torch.compile(fullgraph=True), made once per arguments so that every iteration and
+    stage reuses the compiled graphs (the layer index becomes a symbolic int at the second layer, so all
+    layers share one graph after the first)."""
+    return tuple(torch.compile(fn, backend=backend, fullgraph=True) for fn in _pieces(config, tp, recompute_core))
 
 
 def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:

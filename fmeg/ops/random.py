@@ -27,8 +27,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def fold_in(key: int | torch.Tensor, *data: int) -> torch.Tensor:
     """A new key from a key and integers (layer, site, microbatch...), as jax.random.fold_in."""
     key = torch.as_tensor(key, dtype=torch.int64)
-    for d in data:
-        key = _hash32(key ^ _hash32(torch.as_tensor(d, dtype=torch.int64, device=key.device) + 0x9E3779B9))
+    for d in data:  # key * 0 + d, not as_tensor(d): under torch.compile a symbolic d stays symbolic
+        key = _hash32(key ^ _hash32(key * 0 + d + 0x9E3779B9))
     return key
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 
 class _Recomputed(torch.autograd.Function):
@@ -28,5 +29,8 @@ class _Recomputed(torch.autograd.Function):
 
 def recomputed(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
     """fn(*args), keeping only args for backward, where fn runs again (fn must be deterministic: dropout
-    here is counter-based). Works under autograd and torch.func's grad, vjp and vmap."""
+    here is counter-based). Works under autograd and torch.func's grad, vjp and vmap; under torch.compile
+    it is torch.utils.checkpoint, which the compiler turns into recomputation in the backward graph."""
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return _Recomputed.apply(fn, *args)

@@ -14,6 +14,10 @@ Each forward is linear, so its jvp applies the same forward to the tangent; each
 moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad, vjp, jvp
 and vmap (setup_context style). A group of None (a single rank) makes every function the identity.
 Inputs are never mutated.
+
+Under torch.compile each region is a twin Function with the same forward and backward and no jvp or vmap
+rule (dynamo does not trace Functions that define a custom jvp), and TorchGroup switches to functional
+collectives, so a compiled tensor-parallel layer is one graph with its collectives inside.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ _PRIMS: dict[str, Callable] = {
 }
 
 
-def _region(name: str, forward: str, backward: str) -> type[torch.autograd.Function]:
-    """An autograd Function whose forward is _PRIMS[forward] and whose backward is _PRIMS[backward]."""
+def _region(name: str, forward: str, backward: str, traceable: bool = False) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is _PRIMS[forward] and whose backward is _PRIMS[backward], with
+    jvp and vmap rules unless `traceable` (the twin that torch.compile traces)."""
 
     def fwd(x, group, dims):
         return _PRIMS[forward](x, group, dims)
@@ -66,55 +71,65 @@ def _region(name: str, forward: str, backward: str) -> type[torch.autograd.Funct
         shifted = tuple(d % rank + 1 for d in dims)
         return cls.apply(x, group, shifted), 0
 
-    cls = type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(fwd), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(bwd), "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)})
+    rules = {"forward": staticmethod(fwd), "setup_context": staticmethod(setup_context), "backward": staticmethod(bwd)}
+    if not traceable:
+        rules.update(jvp=staticmethod(jvp), vmap=staticmethod(vmap))
+    cls = type(name, (torch.autograd.Function,), rules)
     return cls
 
 
-_CopyTo = _region("_CopyTo", "identity", "all_reduce")
-_ReduceFrom = _region("_ReduceFrom", "all_reduce", "identity")
-_ScatterTo = _region("_ScatterTo", "split", "all_gather")
-_GatherFrom = _region("_GatherFrom", "all_gather", "split")
-_GatherFromSP = _region("_GatherFromSP", "all_gather", "reduce_scatter")
-_ReduceScatterTo = _region("_ReduceScatterTo", "reduce_scatter", "all_gather")
-_AllToAll = _region("_AllToAll", "all_to_all", "all_to_all_back")
+def _twins(name: str, forward: str, backward: str) -> tuple[type, type]:
+    """(the eager Function with every torch.func rule, its traceable twin)."""
+    return _region(name, forward, backward), _region(name + "Traced", forward, backward, traceable=True)
+
+
+def _apply(twins: tuple[type, type], *args: Any) -> torch.Tensor:
+    return twins[1 if torch.compiler.is_compiling() else 0].apply(*args)
+
+
+_CopyTo = _twins("_CopyTo", "identity", "all_reduce")
+_ReduceFrom = _twins("_ReduceFrom", "all_reduce", "identity")
+_ScatterTo = _twins("_ScatterTo", "split", "all_gather")
+_GatherFrom = _twins("_GatherFrom", "all_gather", "split")
+_GatherFromSP = _twins("_GatherFromSP", "all_gather", "reduce_scatter")
+_ReduceScatterTo = _twins("_ReduceScatterTo", "reduce_scatter", "all_gather")
+_AllToAll = _twins("_AllToAll", "all_to_all", "all_to_all_back")
 
 
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a parallel region with a replicated x: identity forward, gradients summed over the group."""
-    return x if group is None else _CopyTo.apply(x, group, ())
+    return x if group is None else _apply(_CopyTo, x, group, ())
 
 
 def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
-    return x if group is None else _ReduceFrom.apply(x, group, ())
+    return x if group is None else _apply(_ReduceFrom, x, group, ())
 
 
 def scatter_to(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """This rank's chunk of a replicated x along dim; the backward all-gathers."""
-    return x if group is None else _ScatterTo.apply(x, group, (dim,))
+    return x if group is None else _apply(_ScatterTo, x, group, (dim,))
 
 
 def gather_from(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' chunks along dim into a replicated tensor; the backward keeps our chunk."""
-    return x if group is None else _GatherFrom.apply(x, group, (dim,))
+    return x if group is None else _apply(_GatherFrom, x, group, (dim,))
 
 
 def gather_from_sp(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Sequence parallel -> tensor parallel: all-gather along the sequence dim; the backward
     reduce-scatters, because each rank's consumer produced a partial gradient of the whole sequence."""
-    return x if group is None else _GatherFromSP.apply(x, group, (dim,))
+    return x if group is None else _apply(_GatherFromSP, x, group, (dim,))
 
 
 def reduce_scatter_to(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Tensor parallel -> sequence parallel: sum partial results and keep this rank's sequence chunk."""
-    return x if group is None else _ReduceScatterTo.apply(x, group, (dim,))
+    return x if group is None else _apply(_ReduceScatterTo, x, group, (dim,))
 
 
 def all_to_all(x: torch.Tensor, group: Group, split_dim: int, cat_dim: int) -> torch.Tensor:
     """Chunk j of x (along split_dim) goes to rank j; received chunks are concatenated along cat_dim."""
-    return x if group is None else _AllToAll.apply(x, group, (split_dim, cat_dim))
+    return x if group is None else _apply(_AllToAll, x, group, (split_dim, cat_dim))
 
 
 class _AllReduceMax(torch.autograd.Function):
@@ -145,4 +160,6 @@ def all_reduce_max_constant(x: torch.Tensor, group: Group) -> torch.Tensor:
     """max over the group of x, with no gradient (the caller's result must not depend on it)."""
     if group is None:
         return x.detach()
+    if torch.compiler.is_compiling():  # no gradient flows, so no Function is needed (nor traced)
+        return group.all_reduce(x.detach(), "max")
     return _AllReduceMax.apply(x.detach(), group)

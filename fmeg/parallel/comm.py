@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -38,13 +39,17 @@ _HEADER = 9  # dtype code, ndim, up to 7 sizes
 
 class TorchGroup:
     """A torch.distributed process group seen from one of its members. device: where point-to-point headers
-    and received tensors are allocated (a CUDA device for NCCL, which moves only CUDA tensors)."""
+    and received tensors are allocated (a CUDA device for NCCL, which moves only CUDA tensors). Under
+    torch.compile the four collectives are functional collectives, which dynamo traces into the graph."""
 
     def __init__(self, process_group: Any, rank: int, device: Any = "cpu"):
         self.pg, self.rank, self.size = process_group, rank, dist.get_world_size(process_group)
         self.device = torch.device(device)
+        self.gloo = dist.get_backend(process_group) == "gloo"
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(x, op, self.pg)
         y = x.contiguous().clone()
         dist.all_reduce(y, op=_OPS[op], group=self.pg)
         return y
@@ -56,20 +61,28 @@ class TorchGroup:
         return dist.reduce(x, group=self.pg, group_dst=dst, async_op=True)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return funcol.all_gather_tensor(x.contiguous(), dim, self.pg)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.pg)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if dist.get_backend(self.pg) == "gloo":  # gloo has no reduce_scatter: reduce, keep our chunk
+        if self.gloo:  # gloo has no reduce_scatter: reduce, keep our chunk
             return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
+        if torch.compiler.is_compiling():
+            return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, self.pg)
         chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
         out = torch.empty_like(chunks[self.rank])
         dist.reduce_scatter(out, chunks, group=self.pg)
         return out
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # chunks stacked on a new leading dim travel as one tensor
+            stacked = torch.stack(x.chunk(self.size, dim=split_dim)).contiguous()
+            received = funcol.all_to_all_single(stacked, None, None, self.pg)
+            return torch.cat(received.unbind(0), dim=cat_dim)
         inputs = [c.contiguous() for c in x.chunk(self.size, dim=split_dim)]
         outputs = [torch.empty_like(c) for c in inputs]
         dist.all_to_all(outputs, inputs, group=self.pg)

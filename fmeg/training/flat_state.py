@@ -17,12 +17,11 @@ Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeR
 and 4 + 4 + 8 / dp at fp32. The step is the same few whole-buffer ops whatever the number of leaves: the
 global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), the clip
 (a tensor coefficient: no host sync), decoupled weight decay (one foreach multiply over the decayed
-pieces), Adam, and the refresh of the compute weights from the master (with ZeRO-1, an all-gather).
+pieces), Adam (torch's fused AdamW kernel over the whole owned slice), and the refresh of the compute weights from the master (with ZeRO-1, an all-gather).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -51,6 +50,7 @@ class FlatState:
         self.mu = torch.zeros(owned, device=device)
         self.nu = torch.zeros(owned, device=device)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
+        self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
         self.params = self.flat.views(self.weights)
         pieces = self._owned_pieces(params)
         self._norm_pieces = [self.grad[self.lo + a:self.lo + b] for _, _, a, b in pieces]
@@ -116,16 +116,15 @@ class FlatState:
         b1, b2, eps = self.adam
         self.steps += 1
         self.count.fill_(self.steps)
-        self.mu.lerp_(g, 1.0 - b1)
-        self.nu.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        master = self.master
-        if weight_decay and self._decay_pieces:
+        self._step.fill_(self.steps)
+        if weight_decay and self._decay_pieces:  # decoupled, on the decayed leaves only: before Adam's update
             torch._foreach_mul_(self._decay_pieces, 1.0 - lr * weight_decay)
-        denom = self.nu.sqrt().div_(math.sqrt(1.0 - b2**self.steps)).add_(eps)
-        master.addcdiv_(self.mu, denom, value=-lr / (1.0 - b1**self.steps))
+        # torch's fused AdamW kernel (CPU and CUDA): moments and master in one pass, no temporary buffer
+        torch._fused_adamw_([self.master], [g], [self.mu], [self.nu], [], [self._step], lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
         dp_group = mesh.group("dp") if self.zero else None
         if dp_group is not None:
-            self.weights.copy_(dp_group.all_gather(master.to(self.weights.dtype), 0))
+            self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
         elif self.main is not None:
             self.weights.copy_(self.main)
         return norm

@@ -63,10 +63,10 @@ def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
 
 
 def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
-             mesh: Mesh) -> torch.Tensor | None:
+             mesh: Mesh, compile: str | None = None) -> torch.Tensor | None:
     """Mean loss over microbatches (data-parallel mean), forward only; None off the last stage's ranks."""
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_fn(config, s, layout.num_stages, tp) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile) for s in params}
     full = schedules.gpipe(layout.pp, len(microbatches)) if layout.chunks == 1 else \
         schedules.interleaved_1f1b(layout.pp, len(microbatches), layout.chunks, len(microbatches))
     forwards = [[a for a in actions if a.kind == "F"] for actions in full]
@@ -148,16 +148,18 @@ def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh
 def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
                     mesh: Mesh, lr: float, weight_decay: float, clip_grad: float, loss_scale: float = 1.0,
                     check_overflow: bool = False, overlap_grad_reduce: bool = False,
-                    bucket_numel: int | None = None) -> dict:
+                    bucket_numel: int | None = None, compile: str | None = None) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views) hold the
     next step's values afterwards. With check_overflow (fp16), a step whose gradients hold inf/nan on any
     rank changes nothing and reports skipped=True. overlap_grad_reduce starts each data-parallel bucket's
     reduction as soon as the backward pass has finished its gradients (same numbers; bucket_numel elements
-    per bucket). The metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
+    per bucket). compile: a torch.compile backend for each layer, the embedding and the head
+    (gpt_pipeline.stage_segments), or None for eager.
+    The metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
     t0 = time.perf_counter()
     params = state.params
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = GradSync(params, mesh.group("dp"), owner_slices=state.zero, bucket_numel=bucket_numel,
                     replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad,

@@ -4,15 +4,17 @@
 
 stage_fns[s](params, x, batch) -> the activation sent to stage s + 1, or, for the last stage, that
 microbatch's loss (x is None on stage 0, which reads its input from batch); or a list of Segments
-(pipeline.segments) that chain to the same. Forward uses torch.func.vjp per segment and keeps the vjp
-functions; backward calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
+(pipeline.segments) that chain to the same. Forward records one autograd graph per segment, from fresh
+leaves that share storage with the params and the input, and keeps a vjp function for it (as
+torch.func.vjp would; autograd lets a torch.compile'd segment run its compiled backward); backward calls
+them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
 (summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_into (a
 data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's backward
 produces them, with final=True in the stage's last backward (so data-parallel reduction can start while
 the rest runs), instead of being summed here and returned.
 
 Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
-gradient to the sum. Both come from the one vjp call made at B (torch.func.vjp computes them together),
+gradient to the sum. Both come from the one vjp call made at B (one autograd.grad computes them together),
 so W changes when weight gradients are applied, not how much compute B does.
 """
 
@@ -37,6 +39,22 @@ def _add(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     return new if total is None else total + new
 
 
+def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+    """(fn(params, *x), vjp function returning (params cotangent tree, *x cotangents)), like torch.func.vjp,
+    through autograd: fn runs on detached leaves that require grad, and the vjp function releases the
+    graph. The output is detached."""
+    leaves, spec = tree.tree_flatten(params)
+    inputs = [t.detach().requires_grad_() for t in [*leaves, *x]]
+    with torch.enable_grad():
+        out = fn(tree.tree_unflatten(inputs[:len(leaves)], spec), *inputs[len(leaves):])
+
+    def pullback(grad_out: torch.Tensor) -> tuple:
+        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True, materialize_grads=True)
+        return (tree.tree_unflatten(list(grads[:len(leaves)]), spec), *grads[len(leaves):])
+
+    return out.detach(), pullback
+
+
 def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict) -> tuple:
     """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment, and
     (unit, its input) for a recomputed unit, whose forward keeps nothing else."""
@@ -52,8 +70,8 @@ def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch
         def fn(p, *x, segment=segment):
             return segment.fn(p, x[0] if x else None, batch)
 
-        x, vjp = torch.func.vjp(fn, take(segment, params), *(() if x is None else (x,)))
-        entries.append((segment, vjp))
+        x, pullback = vjp(fn, take(segment, params), *(() if x is None else (x,)))
+        entries.append((segment, pullback))
     return x, entries
 
 
