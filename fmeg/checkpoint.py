@@ -165,7 +165,9 @@ def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
-    saved = {k: v for k, v in meta.get("model", {}).items() if k != "padded_vocab_size"}
+    defaults = {f.name: f.default for f in dataclasses.fields(gpt.GPTConfig) if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **meta.get("model", {})}  # fields added since the checkpoint was written: defaults
+    saved.pop("padded_vocab_size", None)
     if saved != model_fields(config):
         diff = sorted(k for k, v in model_fields(config).items() if saved.get(k) != v)
         raise CheckpointError(f"{meta_path}: the checkpoint's model differs from the flags in {', '.join(diff)}")

@@ -28,12 +28,13 @@ import torch.distributed as dist
 from fmeg import __version__, checkpoint, optim, tree
 from fmeg.data.blending import build_datasets, target_samples
 from fmeg.data.default_corpus import default_corpus
+from fmeg.data.mock_corpus import mock_corpus
 from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.arguments import batch_geometry, ignored_flags, lr_steps, parse_args, validate
+from fmeg.training.arguments import activation, batch_geometry, ignored_flags, lr_steps, parse_args, validate
 from fmeg.training import loss_scale
 from fmeg.training.batch_schedule import global_batch_size
 from fmeg.training.parallel_step import Layout, evaluate, global_norm, init_state, shard_params, train_iteration
@@ -49,8 +50,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         vocab_size=vocab_size, padded_vocab_size=padded, max_seq_len=a.max_position_embeddings or a.seq_length,
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_heads=a.num_attention_heads, num_kv_heads=a.num_query_groups,
         ffn_hidden_size=a.ffn_hidden_size, norm="rmsnorm" if a.normalization == "RMSNorm" else "layernorm",
-        activation="swiglu" if a.swiglu else "gelu_tanh" if a.openai_gelu else "gelu",
-        norm_eps=a.norm_epsilon, rope_theta=a.rotary_base,
+        activation=activation(a),
+        norm_eps=a.norm_epsilon, norm_zero_centered=a.apply_layernorm_1p, rope_theta=a.rotary_base,
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout,
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10),
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=a.distributed_timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
         mesh = Mesh.from_torch_distributed(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
                                            device=device)
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
                                 merge_file=a.merge_file)
-    data_path = a.data_path or [default_corpus().prefix]
+    data_path = a.data_path or [(mock_corpus(tokenizer.vocab_size, tokenizer.eod) if a.mock_data
+                                 else default_corpus()).prefix]
     if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
         if rank == 0:
             print(f"error: --padded-vocab-size {a.padded_vocab_size} is smaller than the tokenizer's vocabulary "
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         incr_steps=(a.train_samples or a.train_iters * gbs) if in_samples else a.train_iters,
         style=a.weight_decay_incr_style)
     consumed, valid_consumed, first_iteration = 0, 0, 1
+    scheduled = 0  # the LR and weight-decay schedules' position (samples or iterations): successful updates
     layout_meta = {"tp": tp, "pp": pp, "chunks": chunks, "dp": dp, "zero": a.use_distributed_optimizer,
                    "dtype": str(compute_dtype).removeprefix("torch.")}
     coords = {"tp": mesh.coord("tp"), "pp": mesh.coord("pp"), "dp": mesh.coord("dp")}
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             if not a.finetune:
                 consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
                 first_iteration = meta["iteration"] + 1
+                scheduled = meta.get("scheduler_steps", consumed if in_samples else meta["iteration"])
                 if scaler and meta.get("loss_scale"):
                     scaler = loss_scale.LossScale(**meta["loss_scale"])
             if last_rank:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             checkpoint.finalize(a.save, iteration, {
                 "world_size": world, "layout": layout_meta, "model": dataclasses.asdict(config),
-                "consumed_samples": consumed, "valid_consumed_samples": valid_consumed,
+                "consumed_samples": consumed, "valid_consumed_samples": valid_consumed, "scheduler_steps": scheduled,
                 "loss_scale": dataclasses.asdict(scaler) if scaler else None,
                 "arguments": {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
                 "fmeg_version": __version__}, keep_last=a.keep_last)
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{state.bytes_per_parameter():.2f} bytes per parameter", flush=True)
         for line in ignored_flags(a):
             print(f"ignored {line}", flush=True)
+        for line in a.notices:
+            print(f"warning: {line}", flush=True)
         print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items()),
               flush=True)
     records: list[dict] = []
@@ -283,13 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         global_batch = global_batch_size(consumed, gbs, tuple(a.rampup_batch_size) if a.rampup_batch_size else None)
         batch = batches(train_data, consumed, global_batch, iteration)
         data_ms = (time.perf_counter() - tick) * 1e3
-        lr = schedule(consumed if in_samples else iteration - 1)  # Megatron: the scheduler advances after
+        lr, weight_decay = schedule(scheduled), wd_schedule(scheduled)
         scale = scaler.scale if scaler else 1.0
         m = train_iteration(state, batch, config=config, layout=layout, mesh=mesh, lr=lr,
-                            weight_decay=wd_schedule(consumed if in_samples else iteration - 1), clip_grad=a.clip_grad,
+                            weight_decay=weight_decay, clip_grad=a.clip_grad,
                             loss_scale=scale, check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
                             bucket_numel=a.ddp_bucket_size, compile=compile_layers)
         consumed += global_batch
+        if not m["skipped"]:  # as Megatron's scheduler, the schedules advance only after an update
+            scheduled += global_batch if in_samples else 1
         params_norm = float(global_norm(state.params, config, layout, mesh)) if a.log_params_norm else None
         if scaler:
             skipped += int(m["skipped"])
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(loss)
             tflops = model_flops(config, global_batch, a.seq_length) / (elapsed * 1e12 * world)
             emit({"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
-                  "weight_decay": wd_schedule(consumed - global_batch if in_samples else iteration - 1), "loss_scale": scale,
+                  "weight_decay": weight_decay, "loss_scale": scale,
                   "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
                   "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
                   "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]},
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
                       flush=True)
-        if a.eval_interval and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
+        if a.eval_interval and a.eval_iters and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
             total = 0.0
             for _ in range(a.eval_iters):
                 value = evaluate(state.params, batches(valid_data, valid_consumed, gbs, iteration), config=config,

@@ -21,11 +21,11 @@ BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "1", "--global-batch-size", "6", "--micro-batch-size", "4"],
      "--global-batch-size 6 must be divisible by --micro-batch-size * data-parallel size = 4 * 4"),
     ({"WORLD_SIZE": "6"}, ["--tensor-model-parallel-size", "4"], "world size 6 must be divisible"),
-    ({"WORLD_SIZE": "1"}, ["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     ({"WORLD_SIZE": "1"}, ["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive"),
-    ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--num-query-groups", "1"],
+    ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "1"],
      "--num-query-groups 1 must be divisible by --tensor-model-parallel-size 2"),
-    ({"WORLD_SIZE": "1"}, ["--num-query-groups", "3"], "--num-query-groups 3 must divide --num-attention-heads 4"),
+    ({"WORLD_SIZE": "1"}, ["--group-query-attention", "--num-query-groups", "3"],
+     "--num-query-groups 3 must divide --num-attention-heads 4"),
     ({"WORLD_SIZE": "1"}, ["--hidden-size", "30"], "--hidden-size 30 must be divisible by --num-attention-heads 4"),
     ({"WORLD_SIZE": "2"}, ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "33"],
      "--ffn-hidden-size 33 must be divisible"),
@@ -169,7 +169,7 @@ def test_validation_records_samples_schedule_and_loss_picture(tmp_path):
     assert [r["global_batch_size"] for r in train[:12]] == [4] * 10 + [8] * 2  # 4 until 40 samples, then 8
     from fmeg.optim import LRSchedule
 
-    schedule = LRSchedule(max_lr=3e-3, min_lr=3e-4, warmup_steps=16, decay_steps=160, style="cosine")
+    schedule = LRSchedule(max_lr=3e-3, min_lr=0.0, warmup_steps=16, decay_steps=160, style="linear")
     consumed = 0
     for r in train:  # the schedule counts samples consumed before the step
         assert r["lr"] == pytest.approx(schedule(consumed))
@@ -206,6 +206,9 @@ def test_group_query_attention_switch_defaults_to_one_group_as_in_megatron():
     assert parse_args(["--group-query-attention"]).num_query_groups == 1
     assert parse_args(["--group-query-attention", "--num-query-groups", "2"]).num_query_groups == 2
     assert parse_args([]).num_query_groups is None  # multi-head attention
+    alone = parse_args(["--num-query-groups", "2"])  # Megatron ignores it without the switch
+    assert alone.num_query_groups is None and alone.notices == [
+        "--num-query-groups 2 has no effect without --group-query-attention (as in Megatron): multi-head attention"]
 
 
 def test_weight_decay_increment_follows_its_schedule(tmp_path):

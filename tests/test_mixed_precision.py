@@ -3,6 +3,7 @@ scale; bf16 trains along the fp32 curve."""
 
 import json
 
+import pytest
 import torch
 
 from fmeg import tree
@@ -49,11 +50,31 @@ def test_an_overflowed_fp16_step_is_skipped_and_changes_nothing():
     assert not m["skipped"] and not torch.equal(after[0], before[0])
 
 
-def test_injected_overflow_through_the_runner_skips_and_halves(tmp_path):
-    run_layout(tmp_path, "fp16", 1, ["--fp16", "--initial-loss-scale", str(2.0**20), "--hysteresis", "1"])
+def test_injected_overflow_through_the_runner_skips_and_halves_and_the_schedule_waits(tmp_path):
+    """Overflowed fp16 steps are skipped, the scale halves, and the LR and weight-decay schedules advance
+    only after successful updates: step by step what megatron-core's OptimizerParamScheduler gives when
+    stepped as Megatron's training loop steps it (by the global batch, after each successful update)."""
+    from types import SimpleNamespace
+
+    OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
+
+    run_layout(tmp_path, "fp16", 1, ["--fp16", "--initial-loss-scale", str(2.0**20), "--hysteresis", "1",
+                                     "--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                                     "--weight-decay-incr-style", "linear"])
     records = [json.loads(line) for line in (tmp_path / "fp16" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["skipped"] and records[1]["loss_scale"] == records[0]["loss_scale"] / 2
     assert not all(r["skipped"] for r in records)  # the scale comes down until steps go through
+    assert sum(r["skipped"] for r in records) >= 2
+    group = {"params": [], "lr": 0.0, "weight_decay": 0.0}
+    gbs = 8  # runner_harness.COMMON: 20 iterations of 8 samples, warmup 2 iterations, Megatron's default decay
+    scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=[group]), init_lr=0.0, max_lr=3e-3, min_lr=0.0,
+                                        lr_warmup_steps=2 * gbs, lr_decay_steps=20 * gbs, lr_decay_style="linear",
+                                        start_wd=0.0, end_wd=0.1, wd_incr_steps=20 * gbs, wd_incr_style="linear")
+    for r in records:
+        assert r["lr"] == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
+        assert r["weight_decay"] == pytest.approx(group["weight_decay"], rel=1e-12, abs=1e-15)
+        if not r["skipped"]:
+            scheduler.step(increment=gbs)
 
 
 def test_bf16_trains_along_the_fp32_curve(tmp_path, reference):

@@ -37,6 +37,8 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
     its vocabulary is the real one (config.vocab_size: the padding rows are dropped)."""
     params = repad_vocab(params, config, config.vocab_size)
     flat = {k: v.detach().float() for k, v in tree.flatten(params).items()}
+    if config.norm_zero_centered:  # transformers' norms scale by their weight: store 1 + w
+        flat = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in flat.items()}
     if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
         if not config.bias or config.num_kv_heads != config.num_heads:
             raise ValueError("to_hf: GPT-2 needs bias=True and num_kv_heads == num_heads")

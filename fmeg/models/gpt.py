@@ -59,7 +59,7 @@ class GPTConfig:
     hidden_size: int
     num_heads: int
     num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
-    ffn_hidden_size: int | None = None  # None: 4 * hidden, or 8/3 * hidden rounded up to 64 for swiglu
+    ffn_hidden_size: int | None = None  # None: 4 * hidden; swiglu: Megatron's int(8 * hidden / 3 / 64) * 64
     norm: str = "layernorm"
     activation: str = "gelu"
     position: str = "learned"
@@ -71,6 +71,7 @@ class GPTConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     padded_vocab_size: int | None = None  # rows of the embedding and output tables; None: vocab_size
+    norm_zero_centered: bool = False  # Megatron's --apply-layernorm-1p: norm weights w start at 0, scale by 1 + w
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
@@ -79,8 +80,8 @@ class GPTConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.ffn_hidden_size is None:
             ffn = 4 * self.hidden_size
-            if self.activation == "swiglu":
-                ffn = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+            if self.activation == "swiglu":  # Megatron rounds down (64 where that would leave nothing)
+                ffn = max(64, 8 * self.hidden_size // 192 * 64)
             object.__setattr__(self, "ffn_hidden_size", ffn)
         _validate(self)
 
@@ -155,7 +156,7 @@ def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.T
 
 
 def _norm_params(c: GPTConfig) -> Params:
-    p = {"weight": torch.ones(c.hidden_size)}
+    p = {"weight": torch.zeros(c.hidden_size) if c.norm_zero_centered else torch.ones(c.hidden_size)}
     if c.norm == "layernorm":
         p["bias"] = torch.zeros(c.hidden_size)
     return p
@@ -250,6 +251,8 @@ def split_qkv(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch
 
 def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
     weight, bias = replicated_param(p["weight"], tp), replicated_param(p.get("bias"), tp)
+    if config.norm_zero_centered:
+        weight = weight + 1.0
     if config.norm == "rmsnorm":
         return ops.rms_norm(x, weight, config.norm_eps)
     return ops.layer_norm(x, weight, bias, config.norm_eps)

@@ -27,7 +27,6 @@ IGNORED_SWITCHES = {
     "--attention-softmax-in-fp32": "fmeg has no reduced-precision softmax option; SDPA picks its kernel",
     "--no-masked-softmax-fusion": "fmeg fuses no kernels by hand",
     "--no-gradient-accumulation-fusion": "fmeg fuses no kernels by hand",
-    "--no-bias-gelu-fusion": "fmeg fuses no kernels by hand",
     "--no-bias-swiglu-fusion": "fmeg fuses no kernels by hand",
     "--no-bias-dropout-fusion": "fmeg fuses no kernels by hand",
     "--no-rope-fusion": "fmeg fuses no kernels by hand",
@@ -37,13 +36,24 @@ IGNORED_SWITCHES = {
     "--no-load-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
     "--no-save-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
     "--log-throughput": "the log line always shows throughput",
+    "--manual-gc": "a memory-management policy: fmeg leaves Python's garbage collector alone",
+    "--overlap-param-gather": "an overlap policy: the distributed optimizer all-gathers right after its step",
+    "--cross-entropy-loss-fusion": "the output projection and the loss are always one fused op",
+    "--no-mmap-bin-files": "a memory policy: .bin files are always memory-mapped",
+    "--profile": "fmeg has no built-in profiler; wrap the run in torch.profiler or nsys",
 }
 IGNORED_SETTINGS = {
     "--transformer-impl": "fmeg has one transformer implementation",
     "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
     "--num-workers": "samples are read from memory-mapped files by the training process",
     "--timing-log-level": "the per-phase timers are always printed",
+    "--empty-unused-memory-level": "a memory policy: fmeg never empties torch's allocator cache",
+    "--profile-step-start": "fmeg has no built-in profiler",
+    "--profile-step-end": "fmeg has no built-in profiler",
+    "--profile-ranks": "fmeg has no built-in profiler",
+    "--ckpt-format": "fmeg writes sharded safetensors that any layout can load (as torch_dist does), whatever the format",
 }
+MULTI_VALUED = {"--profile-ranks"}
 
 
 def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
@@ -74,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective may wait before the job fails")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda:LOCAL_RANK with NCCL when CUDA is available, else CPU with gloo")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -95,23 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-size", type=int, default=128)
     m.add_argument("--num-attention-heads", type=int, default=4)
     m.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads (grouped-query attention); used whenever given")
+                   help="key/value heads; as in Megatron, used only with --group-query-attention")
     m.add_argument("--group-query-attention", action="store_true",
-                   help="Megatron's switch for --num-query-groups (default 1 with it, as in Megatron); fmeg "
-                        "needs only --num-query-groups")
-    m.add_argument("--ffn-hidden-size", type=int, default=None)
+                   help="grouped-query attention with --num-query-groups key/value heads (default 1)")
+    m.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 * --hidden-size; with --swiglu, Megatron's int(8 * hidden / 3 / 64) * 64")
     m.add_argument("--seq-length", type=int, default=128)
     m.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     m.add_argument("--swiglu", action="store_true")
     m.add_argument("--openai-gelu", action="store_true", help="GELU with the tanh approximation (GPT-2's)")
+    m.add_argument("--no-bias-gelu-fusion", action="store_true",
+                   help="exact (erf) GELU: as in Megatron, whose default fused bias-GELU is the tanh approximation "
+                        "(also exact with --disable-bias-linear, which turns that fusion off)")
     m.add_argument("--norm-epsilon", type=float, default=1e-5)
+    m.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights centred on zero: the norm scales by 1 + weight, and weights start at 0")
     m.add_argument("--rotary-base", type=float, default=10000.0)
     m.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    m.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron's older spelling of --position-embedding-type rope")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--disable-bias-linear", action="store_true")
-    m.add_argument("--hidden-dropout", type=float, default=0.0)
-    m.add_argument("--attention-dropout", type=float, default=0.0)
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
     m.add_argument("--init-method-std", type=float, default=0.02)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     m.add_argument("--padded-vocab-size", type=int, default=None,
@@ -129,10 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--train-samples", type=int, default=None,
                         help="train for this many samples instead (the LR schedule then counts samples)")
     t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--min-lr", type=float, default=3e-4)
-    t.add_argument("--lr-decay-style", default="cosine",
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    t.add_argument("--lr-warmup-iters", type=int, default=10)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
     t.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm up over this fraction of the decay steps (replaces --lr-warmup-iters/-samples)")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
@@ -153,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hysteresis", type=int, default=2, help="overflowed steps before the scale halves")
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix ...' (default: stdlib)")
+    d.add_argument("--mock-data", action="store_true",
+                   help="synthetic documents (Megatron's mock dataset) instead of --data-path or the stdlib corpus")
     d.add_argument("--split", default="969,30,1")
     d.add_argument("--tokenizer-type", default="ByteTokenizer",
                    choices=["ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
@@ -187,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in IGNORED_SWITCHES:
         ig.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for flag in IGNORED_SETTINGS:
-        ig.add_argument(flag, default=None, help=argparse.SUPPRESS)
+        ig.add_argument(flag, default=None, nargs="*" if flag in MULTI_VALUED else None, help=argparse.SUPPRESS)
     return p
 
 
@@ -206,9 +227,40 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args.train_iters = iterations_for(args.train_samples, gbs, ramp) if gbs > 0 else 0
     elif args.train_iters is None:
         args.train_iters = 100
-    if args.group_query_attention and args.num_query_groups is None:
-        args.num_query_groups = 1  # Megatron's default with the switch on
+    args.notices = megatron_leniencies(args)
     return args
+
+
+def activation(a: argparse.Namespace) -> str:
+    """Megatron's MLP activation for the flags: SwiGLU; else GELU with the tanh approximation (--openai-gelu,
+    or the default fused bias-GELU, which needs biases); else exact GELU."""
+    if a.swiglu:
+        return "swiglu"
+    fused_bias_gelu = not a.no_bias_gelu_fusion and not a.disable_bias_linear
+    return "gelu_tanh" if a.openai_gelu or fused_bias_gelu else "gelu"
+
+
+def megatron_leniencies(a: argparse.Namespace) -> list[str]:
+    """Where Megatron adjusts a flag and goes on, do the same (in place) and return one warning line for each
+    adjustment a user should hear about."""
+    notices = []
+    if a.group_query_attention and a.num_query_groups is None:
+        a.num_query_groups = 1  # Megatron's default with the switch on
+    elif not a.group_query_attention and a.num_query_groups is not None:
+        notices.append(f"--num-query-groups {a.num_query_groups} has no effect without --group-query-attention "
+                       "(as in Megatron): multi-head attention")
+        a.num_query_groups = None
+    if a.sequence_parallel and a.tensor_model_parallel_size == 1:
+        notices.append("--sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron)")
+        a.sequence_parallel = False
+    if a.save_interval is not None and a.save is None:
+        notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
+    if a.eval_interval is not None and a.eval_iters == 0:
+        notices.append("--eval-iters 0: no validation")
+    if a.use_rotary_position_embeddings:
+        a.position_embedding_type = "rope"
+    a.split = a.split.strip().strip("'\"")  # scripts' nested quoting ("'99,1,0'") reaches us literally
+    return notices
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -292,8 +344,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
              f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
              "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
-    need(a.save_interval is None or (a.save_interval > 0 and a.save is not None),
-         "--save-interval needs a positive value and --save DIR")
+    need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
     for flag in ("no_load_optim", "finetune"):
         need(not getattr(a, flag) or a.load is not None, f"--{flag.replace('_', '-')} needs --load DIR")
@@ -301,19 +352,20 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
     need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
          f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}")
-    need(a.load is None or os.path.isdir(a.load), f"--load {a.load}: no such directory")
+    need(a.load is None or not os.path.isfile(a.load), f"--load {a.load} is a file; name the checkpoint directory")
     if a.tensorboard_dir:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
             problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
-    need(a.eval_interval is None or (a.eval_interval > 0 and a.eval_iters > 0),
-         "--eval-interval and --eval-iters must be positive")
+    need(a.eval_interval is None or a.eval_interval > 0, f"--eval-interval must be positive, got {a.eval_interval}")
+    need(a.eval_iters >= 0, f"--eval-iters must be >= 0, got {a.eval_iters}")
+    need(a.distributed_timeout_minutes > 0,
+         f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}")
     if vp_chunks > 1 and microbatches:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
     problems.extend(recompute_problems(a))
-    need(not a.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
     need(not a.sequence_parallel or a.seq_length % tp == 0,
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
          "--sequence-parallel")
@@ -343,6 +395,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if a.padded_vocab_size is not None:
         need(a.padded_vocab_size % tp == 0,
              f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+    need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
     if a.data_path:
         try:
             prefixes, _ = parse_blend(a.data_path)
@@ -378,7 +431,7 @@ def recompute_problems(a: argparse.Namespace) -> list[str]:
     return []
 
 
-def lr_steps(a: argparse.Namespace) -> tuple[int, int, bool]:
+def lr_steps(a: argparse.Namespace) -> tuple[float, int, bool]:
     """(warmup, decay, counted_in_samples) of the learning-rate schedule, as Megatron derives them: in samples
     when --train-samples or --lr-decay-samples is given (decay defaults to --train-samples, warmup to 0),
     else in iterations; --lr-warmup-fraction is a fraction of decay."""
@@ -387,6 +440,6 @@ def lr_steps(a: argparse.Namespace) -> tuple[int, int, bool]:
         decay = a.lr_decay_samples or a.train_samples
     else:
         decay = a.lr_decay_iters or a.train_iters
-    if a.lr_warmup_fraction is not None:
-        return int(a.lr_warmup_fraction * decay), decay, in_samples
+    if a.lr_warmup_fraction is not None:  # a fraction of a step stays a fraction, as in Megatron
+        return a.lr_warmup_fraction * decay, decay, in_samples
     return ((a.lr_warmup_samples or 0) if in_samples else a.lr_warmup_iters), decay, in_samples

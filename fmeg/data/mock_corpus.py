@@ -1,0 +1,37 @@
+"""Megatron's --mock-data: synthetic documents for runs that name no data (benchmarks, smoke tests).
+
+As Megatron's mock dataset, documents have lengths drawn uniformly from [1, 4096) by numpy's RandomState(0)
+and end with the end-of-document token; their tokens are a counter (1, 2, 3, ...) taken modulo the
+tokenizer's vocabulary (end-of-document excluded), so any tokenizer can train on them. Written once as an
+indexed dataset under the cache directory, keyed by the vocabulary and end-of-document id.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fmeg.data.default_corpus import cache_dir
+from fmeg.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+DOCUMENTS, MAX_LENGTH = 2000, 4096
+
+
+def mock_corpus(vocab_size: int, eod: int, directory: str | os.PathLike | None = None) -> IndexedDataset:
+    directory = Path(directory) if directory is not None else cache_dir()
+    prefix = directory / f"mock-v{vocab_size}-e{eod}-d{DOCUMENTS}"
+    if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
+        directory.mkdir(parents=True, exist_ok=True)
+        dtype = np.uint16 if vocab_size < 65500 else np.int32
+        builder = IndexedDatasetBuilder(f"{prefix}.{os.getpid()}", dtype)
+        lengths = np.random.RandomState(0).randint(1, MAX_LENGTH, size=DOCUMENTS)
+        ids = np.array([t for t in range(vocab_size) if t != eod] or [0])
+        for length in lengths:
+            counter = np.arange(1, length) % len(ids)
+            builder.add_document(np.append(ids[counter], eod).astype(dtype))
+        builder.finalize()
+        for suffix in (".bin", ".idx"):  # .idx last: a reader never sees an index without its data
+            os.replace(f"{prefix}.{os.getpid()}{suffix}", f"{prefix}{suffix}")
+    return IndexedDataset(prefix)

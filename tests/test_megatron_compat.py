@@ -1,0 +1,147 @@
+"""Megatron's flags mean what they mean in Megatron: its defaults, its derived sizes, the places where it
+adjusts a flag and goes on (fmeg warns in one line and goes on too), and its runtime flags, which are
+accepted and named as ignored where they cannot change a number."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fmeg.models import gpt
+from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
+from runner_harness import run_recipe
+
+# Megatron-LM's defaults (megatron/training/arguments.py) for the flags fmeg shares, where Megatron has one.
+MEGATRON_DEFAULTS = {
+    "lr_decay_style": "linear", "min_lr": 0.0, "lr_warmup_iters": 0, "hidden_dropout": 0.1,
+    "attention_dropout": 0.1, "weight_decay": 0.01, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+    "adam_eps": 1e-8, "seed": 1234, "init_method_std": 0.02, "norm_epsilon": 1e-5, "rotary_base": 10000,
+    "make_vocab_size_divisible_by": 128, "split": "969,30,1",
+    "initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "distributed_timeout_minutes": 10,
+    "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+}
+# Where fmeg's default differs (Megatron: log interval 100, eval iters 100) or Megatron has none (the flag
+# is required there): the README's table of differences.
+FMEG_ONLY = {"lr": 3e-3, "train_iters": 100, "micro_batch_size": 4, "num_layers": 4, "hidden_size": 128,
+             "num_attention_heads": 4, "seq_length": 128, "log_interval": 10, "eval_iters": 2}
+
+
+def test_defaults_are_megatrons():
+    a = parse_args([])
+    got = {k: getattr(a, k) for k in MEGATRON_DEFAULTS}
+    assert got == MEGATRON_DEFAULTS
+    assert {k: getattr(a, k) for k in FMEG_ONLY} == FMEG_ONLY
+
+
+@given(st.integers(24, 20000))
+def test_swiglu_ffn_size_is_megatrons_rounded_down(hidden):
+    megatron = int((4 * hidden * 2 / 3) / 64) * 64  # Megatron's derivation when --ffn-hidden-size is absent
+    config = gpt.GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, hidden_size=hidden, num_heads=1,
+                           activation="swiglu")
+    assert config.ffn_hidden_size == megatron
+    assert gpt.GPTConfig.llama(vocab_size=8, max_seq_len=8, num_layers=1, hidden_size=4096,
+                               num_heads=32).ffn_hidden_size == 10880
+
+
+@pytest.mark.parametrize("flags, notice, check", [
+    (["--sequence-parallel"], "--sequence-parallel is off: it needs --tensor-model-parallel-size > 1",
+     lambda a: not a.sequence_parallel),
+    (["--save-interval", "5"], "--save-interval 5 has no effect without --save DIR", lambda a: a.save is None),
+    (["--eval-interval", "5", "--eval-iters", "0"], "--eval-iters 0: no validation", lambda a: a.eval_iters == 0),
+    (["--split", "'99,1,0'"], None, lambda a: a.split == "99,1,0"),
+    (["--split", '"99,1,0"'], None, lambda a: a.split == "99,1,0"),
+], ids=["sp_at_tp1", "save_interval_without_save", "eval_iters_0", "single_quoted_split", "double_quoted_split"])
+def test_where_megatron_adjusts_and_goes_on_fmeg_warns_once_and_goes_on(flags, notice, check):
+    a = parse_args(flags, world_size=1)
+    assert validate(a, 1) == []
+    assert check(a)
+    assert a.notices == ([] if notice is None else [next(n for n in a.notices if n.startswith(notice))])
+
+
+def test_warmup_fraction_is_a_fraction_of_a_step_as_in_megatron():
+    a = parse_args(["--lr-warmup-fraction", "0.15", "--train-iters", "20"], world_size=1)
+    assert lr_steps(a) == (pytest.approx(3.0), 20, False)
+
+
+RUNTIME = ["--manual-gc", "--empty-unused-memory-level", "1", "--overlap-param-gather", "--cross-entropy-loss-fusion",
+           "--no-mmap-bin-files", "--profile", "--profile-step-start", "3", "--profile-step-end", "5",
+           "--profile-ranks", "0", "1", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "30"]
+
+
+def test_runtime_flags_of_megatron_scripts_are_accepted_and_named():
+    a = parse_args(RUNTIME, world_size=1)
+    assert validate(a, 1) == [] and a.distributed_timeout_minutes == 30
+    named = [line.split(":")[0] for line in ignored_flags(a)]
+    assert sorted(named) == sorted(f for f in RUNTIME if f.startswith("--") and f != "--distributed-timeout-minutes")
+
+
+def test_a_first_run_may_name_a_load_directory_that_does_not_exist_yet(tmp_path):
+    """Megatron scripts pass --load and --save the same directory from the first run on."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--load", str(ckpt), "--save", str(ckpt), "--train-iters", "3", "--lr-warmup-iters", "1",
+             "--sequence-parallel", "--num-query-groups", "2"]
+    records, stdout = run_recipe(tmp_path, "first", 1, flags)
+    assert len(records) == 3 and (ckpt / "latest_checkpointed_iteration.txt").is_file()
+    assert f"--load {ckpt}: no checkpoint there yet" in stdout
+    assert stdout.count("warning: ") == 2  # sequence parallel at tp 1, query groups without the switch
+    records, stdout = run_recipe(tmp_path, "second", 1, [*flags[:4], "--train-iters", "5", "--lr-warmup-iters", "1"])
+    assert [r["iteration"] for r in records] == [4, 5] and "resumed from" in stdout
+    assert json.loads((ckpt / "iter_0000005" / "metadata.json").read_text())["scheduler_steps"] == 5
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], "gelu_tanh"), (["--no-bias-gelu-fusion"], "gelu"), (["--disable-bias-linear"], "gelu"),
+    (["--openai-gelu", "--no-bias-gelu-fusion"], "gelu_tanh"), (["--swiglu"], "swiglu")])
+def test_the_gelu_is_the_one_megatron_picks(flags, expected):
+    """Megatron's default fuses the bias into GELU with the tanh approximation; --no-bias-gelu-fusion, or no
+    biases (--disable-bias-linear turns the fusion off), gives torch's exact GELU."""
+    from fmeg import ops
+    from fmeg.training.arguments import activation
+
+    assert activation(parse_args(flags)) == expected
+    fused = pytest.importorskip("megatron.core.fusions.fused_bias_gelu")
+    x, bias = torch.randn(64, 32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    torch.testing.assert_close(ops.gelu_tanh(x + bias), fused.bias_gelu(bias, x), rtol=1e-6, atol=1e-6)
+    assert (ops.gelu(x) - ops.gelu_tanh(x)).abs().max() > 1e-5  # the choice changes the numbers
+
+
+def test_mock_data_is_synthetic_documents_any_tokenizer_can_read(tmp_path):
+    from fmeg.data.mock_corpus import mock_corpus
+
+    data = mock_corpus(vocab_size=257, eod=256, directory=tmp_path)
+    docs = [data[i] for i in range(50)]  # one sequence per document
+    assert all(d[-1] == 256 and (d[:-1] < 256).all() for d in docs)
+    assert mock_corpus(vocab_size=257, eod=256, directory=tmp_path).prefix == data.prefix  # written once
+
+
+def test_a_script_with_mock_data_and_the_older_rope_flag_trains(tmp_path):
+    records, stdout = run_recipe(tmp_path, "mock", 2, ["--mock-data", "--use-rotary-position-embeddings",
+                                                       "--train-iters", "4", "--lr-warmup-iters", "1"])
+    assert len(records) == 4 and records[-1]["lm_loss"] < records[0]["lm_loss"]
+    assert "--mock-data and --data-path are alternatives; give one" in validate(
+        parse_args(["--mock-data", "--data-path", "x"]), 1)
+    assert parse_args(["--use-rotary-position-embeddings"]).position_embedding_type == "rope"
+
+
+def test_layernorm_1p_centres_the_norm_weights_on_zero_and_computes_the_same_model(tmp_path):
+    """--apply-layernorm-1p stores w = gamma - 1 (zeros at init) and scales by 1 + w: the same function and the
+    same gradients (norm weights take no weight decay), so the same loss curve to rounding, with other
+    numbers in the checkpoint; the exported Hugging Face model gets gamma = 1 + w back."""
+    from fmeg.interop.hf import to_hf
+
+    base = dict(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
+    plain, centred = gpt.GPTConfig.gpt2(**base), gpt.GPTConfig.gpt2(**base, norm_zero_centered=True)
+    p_plain, p_centred = gpt.init(plain, 0), gpt.init(centred, 0)
+    assert torch.equal(p_centred["final_norm"]["weight"], torch.zeros(32))
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(gpt.apply(p_centred, tokens, centred), gpt.apply(p_plain, tokens, plain))
+    hf_logits = to_hf(p_centred, centred)(tokens).logits
+    torch.testing.assert_close(hf_logits, gpt.apply(p_plain, tokens, plain), rtol=1e-5, atol=1e-5)
+
+    flags = ["--train-iters", "6", "--lr-warmup-iters", "1"]
+    want, _ = run_recipe(tmp_path, "plain", 1, flags)
+    got, _ = run_recipe(tmp_path, "centred", 1, [*flags, "--apply-layernorm-1p"])
+    assert [r["lm_loss"] for r in got] == pytest.approx([r["lm_loss"] for r in want], rel=1e-5)
