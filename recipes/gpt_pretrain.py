@@ -52,6 +52,7 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         ffn_hidden_size=a.ffn_hidden_size, norm="rmsnorm" if a.normalization == "RMSNorm" else "layernorm",
         activation=activation(a),
         norm_eps=a.norm_epsilon, norm_zero_centered=a.apply_layernorm_1p, rope_theta=a.rotary_base,
+        kv_channels=a.kv_channels, rotary_percent=a.rotary_percent,
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout,
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
 
     tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
-                                merge_file=a.merge_file)
+                                merge_file=a.merge_file, vocab_size=a.vocab_size)
     data_path = a.data_path or [(mock_corpus(tokenizer.vocab_size, tokenizer.eod) if a.mock_data
                                  else default_corpus()).prefix]
     if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup_steps, decay_steps, in_samples = lr_steps(a)
     schedule = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
                                 style=a.lr_decay_style)
+    decoupled_schedule = None if a.decoupled_lr is None else dataclasses.replace(
+        schedule, max_lr=a.decoupled_lr, min_lr=a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr)
     wd_schedule = optim.WeightDecaySchedule(
         start=a.weight_decay if a.start_weight_decay is None else a.start_weight_decay,
         end=a.weight_decay if a.end_weight_decay is None else a.end_weight_decay,
@@ -291,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         batch = batches(train_data, consumed, global_batch, iteration)
         data_ms = (time.perf_counter() - tick) * 1e3
         lr, weight_decay = schedule(scheduled), wd_schedule(scheduled)
+        decoupled_lr = decoupled_schedule(scheduled) if decoupled_schedule else None
         scale = scaler.scale if scaler else 1.0
         m = train_iteration(state, batch, config=config, layout=layout, mesh=mesh, lr=lr,
                             weight_decay=weight_decay, clip_grad=a.clip_grad,
                             loss_scale=scale, check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
-                            bucket_numel=a.ddp_bucket_size, compile=compile_layers)
+                            bucket_numel=a.ddp_bucket_size, compile=compile_layers, decoupled_lr=decoupled_lr)
         consumed += global_batch
         if not m["skipped"]:  # as Megatron's scheduler, the schedules advance only after an update
             scheduled += global_batch if in_samples else 1
@@ -321,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                   "skipped": bool(m["skipped"]), "consumed_samples": consumed, "global_batch_size": global_batch,
                   "elapsed_ms": elapsed * 1e3, "tokens_per_s": global_batch * a.seq_length / elapsed,
                   "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]},
-                  **({"params_norm": params_norm} if a.log_params_norm else {})})
+                  **({"params_norm": params_norm} if a.log_params_norm else {}),
+                  **({"decoupled_lr": decoupled_lr} if decoupled_lr is not None else {})})
             if iteration % a.log_interval == 0 or iteration == a.train_iters:
                 print(megatron_log_line(iteration=iteration, train_iters=a.train_iters, consumed_samples=consumed,
                                         elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     p.add_argument("--tokenizer-type", default="ByteTokenizer",
-                   choices=["ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+                   choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (text is space-separated ids)")
     p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _tokenizer_from(args: argparse.Namespace):
     return build_tokenizer(args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, eod_token=args.eod_token)
+                           merge_file=args.merge_file, eod_token=args.eod_token, vocab_size=args.vocab_size)
 
 
 def _init_worker(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fmeg import tree
 from fmeg.models import gpt
 from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
 from runner_harness import run_recipe
@@ -145,3 +146,81 @@ def test_layernorm_1p_centres_the_norm_weights_on_zero_and_computes_the_same_mod
     want, _ = run_recipe(tmp_path, "plain", 1, flags)
     got, _ = run_recipe(tmp_path, "centred", 1, [*flags, "--apply-layernorm-1p"])
     assert [r["lm_loss"] for r in got] == pytest.approx([r["lm_loss"] for r in want], rel=1e-5)
+
+
+def test_rotary_percent_rotates_the_leading_dimensions_as_megatron_core():
+    core = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    from fmeg import ops
+
+    config = gpt.GPTConfig(vocab_size=8, max_seq_len=8, num_layers=1, hidden_size=48, num_heads=3, kv_channels=16,
+                           rotary_percent=0.5, position="rope")
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8)  # megatron-core's, for the 8 rotated dims
+    freqs = torch.outer(torch.arange(8).float(), inv_freq)
+    t_SBND = torch.randn(8, 2, 3, 16)
+    want = core._apply_rotary_pos_emb_bshd(t_SBND, torch.cat([freqs, freqs], -1)[:, None, None, :])
+    rope = ops.rope_cos_sin(torch.arange(8), config.rotary_dim, config.rope_theta)
+    got = gpt._rotate(t_SBND.permute(1, 2, 0, 3), rope, config.rotary_dim).permute(2, 0, 1, 3)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[..., 8:], t_SBND[..., 8:])
+
+
+def test_kv_channels_sets_the_head_dimension_as_transformers_head_dim():
+    """A Llama whose heads are wider than hidden / heads (Qwen3-style --kv-channels 128 at hidden 2560 with 32
+    heads, shrunk): fmeg's logits equal transformers' after from_hf."""
+    transformers = pytest.importorskip("transformers")
+    from fmeg.interop.hf import from_hf, to_hf
+
+    hf_config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, intermediate_size=64, num_hidden_layers=2,
+                                         max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    config, params = from_hf(model)
+    assert config.head_dim == 16 and config.kv_channels == 16
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(gpt.apply(params, tokens, config), model(tokens).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(to_hf(params, config)(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
+    a = parse_args(["--kv-channels", "16", "--hidden-size", "30", "--num-attention-heads", "3"])
+    assert validate(a, 1) == []
+
+
+def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4,
+                                tie_embeddings=False)
+    mesh, layout = Mesh.single(), Layout()
+    tokens = torch.randint(0, 64, (2, 16))
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1)}
+    after = {}
+    for decoupled_lr in (None, 1e-2, 0.0):
+        state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
+                           distributed=False)
+        train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-2, weight_decay=0.1,
+                        clip_grad=1.0, decoupled_lr=decoupled_lr)
+        after[decoupled_lr] = {p: v.clone() for p, v in tree.items(state.params)}
+    start = dict(tree.items({0: gpt.init(config, 0)}))
+    assert all(torch.equal(after[None][p], after[1e-2][p]) for p in after[None])  # decoupled = lr: no change
+    frozen = {"0.embedding.word.weight", "0.output.weight"}
+    for path, value in after[0.0].items():
+        assert torch.equal(value, start[path]) == (path in frozen), path
+
+
+def test_decoupled_lr_follows_megatron_cores_scheduler_and_is_layout_invariant(tmp_path):
+    OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
+    from types import SimpleNamespace
+
+    flags = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3", "--lr-decay-style", "cosine"]
+    single, _ = run_recipe(tmp_path, "single", 1, flags)
+    groups = [{"params": [], "lr": 0.0, "weight_decay": 0.0}, {"params": [], "lr": 0.0, "weight_decay": 0.0,
+                                                                "max_lr": 1e-2, "min_lr": 1e-3}]
+    scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), init_lr=0.0, max_lr=3e-3, min_lr=0.0,
+                                        lr_warmup_steps=16, lr_decay_steps=160, lr_decay_style="cosine",
+                                        start_wd=0.01, end_wd=0.01, wd_incr_steps=160, wd_incr_style="constant")
+    for r in single:
+        assert (r["lr"], r["decoupled_lr"]) == pytest.approx((groups[0]["lr"], groups[1]["lr"]), rel=1e-12)
+        scheduler.step(increment=8)
+    tp2pp2, _ = run_recipe(tmp_path, "tp2pp2", 4, [*flags, "--tensor-model-parallel-size", "2",
+                                                   "--pipeline-model-parallel-size", "2"])
+    assert [r["lm_loss"] for r in tp2pp2] == pytest.approx([r["lm_loss"] for r in single], rel=1e-5)

@@ -30,6 +30,22 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is token ids separated by spaces; ids 0 .. vocab_size - 1 are the
+    vocabulary (--vocab-size) and vocab_size itself is the end-of-document id, so there are vocab_size + 1."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size <= 0:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs a positive --vocab-size, got {vocab_size}")
+        self.eod, self.vocab_size = vocab_size, vocab_size + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 class HuggingFaceTokenizer:
     def __init__(self, path: str, eod_token: str | None = None):
         from tokenizers import Tokenizer
@@ -71,10 +87,14 @@ def _find_eod(tok, name: str | None, path) -> int:
 
 
 def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | None = None,
-                    merge_file: str | None = None, eod_token: str | None = None):
+                    merge_file: str | None = None, eod_token: str | None = None, vocab_size: int | None = None):
     """The tokenizer named by --tokenizer-type and its file flags."""
     if kind == "ByteTokenizer":
         return ByteTokenizer()
+    if kind == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
     if kind == "HuggingFaceTokenizer":
         if not model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
@@ -83,4 +103,5 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if not vocab_file or not merge_file:
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, HuggingFaceTokenizer or GPT2BPETokenizer")
+    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, NullTokenizer, HuggingFaceTokenizer or "
+                     "GPT2BPETokenizer")

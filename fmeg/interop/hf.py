@@ -40,10 +40,14 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
     if config.norm_zero_centered:  # transformers' norms scale by their weight: store 1 + w
         flat = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in flat.items()}
     if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
-        if not config.bias or config.num_kv_heads != config.num_heads:
-            raise ValueError("to_hf: GPT-2 needs bias=True and num_kv_heads == num_heads")
+        if not config.bias or config.num_kv_heads != config.num_heads or config.kv_channels not in (
+                None, config.hidden_size // config.num_heads):
+            raise ValueError("to_hf: GPT-2 needs bias=True, num_kv_heads == num_heads and head dimension "
+                             "hidden_size / num_heads")
         model, state = _new_model("GPT2", _gpt2_hf_config(config)), _gpt2_state(flat, config)
     elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
+        if config.rotary_percent != 1.0:
+            raise ValueError(f"to_hf: Llama rotates whole heads; got rotary_percent={config.rotary_percent}")
         model, state = _new_model("Llama", _llama_hf_config(config)), _llama_state(flat, config)
     else:
         raise ValueError(
@@ -153,14 +157,14 @@ def _llama_config(hf: Any) -> GPTConfig:
     if hf.attention_bias != hf.mlp_bias:
         raise ValueError("from_hf: Llama attention_bias and mlp_bias must agree")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError("from_hf: Llama head_dim * num_attention_heads must equal hidden_size")
+    kv_channels = None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim
     return GPTConfig(vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
                      num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                      num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
                      ffn_hidden_size=hf.intermediate_size, norm="rmsnorm", activation="swiglu", position="rope",
                      tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
-                     norm_eps=hf.rms_norm_eps, rope_theta=float(rope["rope_theta"]), init_std=hf.initializer_range)
+                     norm_eps=hf.rms_norm_eps, rope_theta=float(rope["rope_theta"]), init_std=hf.initializer_range,
+                     kv_channels=kv_channels)
 
 
 def _llama_hf_config(c: GPTConfig) -> Any:
@@ -170,7 +174,7 @@ def _llama_hf_config(c: GPTConfig) -> Any:
                        num_hidden_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
                        num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_hidden_size, hidden_act="silu",
                        rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias,
-                       mlp_bias=c.bias, initializer_range=c.init_std,
+                       mlp_bias=c.bias, initializer_range=c.init_std, head_dim=c.head_dim,
                        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 

@@ -72,6 +72,8 @@ class GPTConfig:
     attention_dropout: float = 0.0
     padded_vocab_size: int | None = None  # rows of the embedding and output tables; None: vocab_size
     norm_zero_centered: bool = False  # Megatron's --apply-layernorm-1p: norm weights w start at 0, scale by 1 + w
+    kv_channels: int | None = None  # the head dimension (Megatron's --kv-channels); None: hidden_size / num_heads
+    rotary_percent: float = 1.0  # the fraction of each head's dimensions that RoPE rotates (the first ones)
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
@@ -87,7 +89,12 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (Megatron: kv_channels * rotary_percent)."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def heads_per_group(self) -> int:
@@ -129,12 +136,15 @@ def _validate(c: GPTConfig) -> None:
     need(c.norm in NORMS, "norm", f"must be one of {NORMS}, got {c.norm!r}")
     need(c.activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {c.activation!r}")
     need(c.position in POSITIONS, "position", f"must be one of {POSITIONS}, got {c.position!r}")
-    need(c.hidden_size % c.num_heads == 0, "hidden_size",
-         f"{c.hidden_size} must be divisible by num_heads={c.num_heads}")
+    need(c.kv_channels is not None or c.hidden_size % c.num_heads == 0, "hidden_size",
+         f"{c.hidden_size} must be divisible by num_heads={c.num_heads} (or give kv_channels)")
+    need(c.kv_channels is None or c.kv_channels > 0, "kv_channels", f"must be positive, got {c.kv_channels}")
+    need(0.0 < c.rotary_percent <= 1.0, "rotary_percent", f"must be in (0, 1], got {c.rotary_percent}")
     need(c.num_heads % c.num_kv_heads == 0, "num_kv_heads",
          f"{c.num_kv_heads} must divide num_heads={c.num_heads}")
-    need(c.position != "rope" or c.head_dim % 2 == 0, "position",
-         f"rope needs an even head dimension, got hidden_size/num_heads={c.head_dim}")
+    need(c.position != "rope" or (c.rotary_dim > 0 and c.rotary_dim % 2 == 0), "position",
+         f"rope needs an even, positive rotated dimension, got head dimension {c.head_dim} x rotary_percent "
+         f"{c.rotary_percent} = {c.rotary_dim}")
     need(c.norm_eps > 0, "norm_eps", f"must be positive, got {c.norm_eps}")
     need(c.init_std > 0, "init_std", f"must be positive, got {c.init_std}")
     need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
@@ -269,12 +279,19 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if rope is not None:
-        q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+        q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
     core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
                              head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
     out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
     out = rearrange(out, "b n s d -> b s (n d)")
     return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
+
+
+def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
+    """RoPE on the first rotary_dim dimensions of each head; the rest pass through (--rotary-percent)."""
+    if rotary_dim == x_BNSD.shape[-1]:
+        return ops.apply_rope(x_BNSD, *rope)
+    return torch.cat([ops.apply_rope(x_BNSD[..., :rotary_dim], *rope), x_BNSD[..., rotary_dim:]], dim=-1)
 
 
 def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
@@ -349,7 +366,7 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
-    rope = ops.rope_cos_sin(positions, config.head_dim, config.rope_theta) if config.position == "rope" else None
+    rope = ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta) if config.position == "rope" else None
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):

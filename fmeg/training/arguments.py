@@ -41,12 +41,15 @@ IGNORED_SWITCHES = {
     "--cross-entropy-loss-fusion": "the output projection and the loss are always one fused op",
     "--no-mmap-bin-files": "a memory policy: .bin files are always memory-mapped",
     "--profile": "fmeg has no built-in profiler; wrap the run in torch.profiler or nsys",
+    "--no-create-attention-mask-in-dataloader": "attention is causal inside the kernel: no mask is ever built",
 }
 IGNORED_SETTINGS = {
     "--transformer-impl": "fmeg has one transformer implementation",
     "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
     "--num-workers": "samples are read from memory-mapped files by the training process",
     "--timing-log-level": "the per-phase timers are always printed",
+    "--attention-backend": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
+    "--tiktoken-pattern": "used by TikTokenizer only, which fmeg does not provide",
     "--empty-unused-memory-level": "a memory policy: fmeg never empties torch's allocator cache",
     "--profile-step-start": "fmeg has no built-in profiler",
     "--profile-step-end": "fmeg has no built-in profiler",
@@ -83,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="1 only: fmeg has no context parallelism yet")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="how long a collective may wait before the job fails")
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norm weights centred on zero: the norm scales by 1 + weight, and weights start at 0")
     m.add_argument("--rotary-base", type=float, default=10000.0)
+    m.add_argument("--rotary-percent", type=float, default=1.0, help="the fraction of each head that RoPE rotates")
+    m.add_argument("--kv-channels", type=int, default=None,
+                   help="the dimension of each attention head (default --hidden-size / --num-attention-heads)")
     m.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     m.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron's older spelling of --position-embedding-type rope")
@@ -149,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train for this many samples instead (the LR schedule then counts samples)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--decoupled-lr", type=float, default=None,
+                   help="the word embedding's and output layer's peak LR (same warmup and decay)")
+    t.add_argument("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")
     t.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     t.add_argument("--lr-warmup-iters", type=int, default=0)
@@ -175,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--mock-data", action="store_true",
                    help="synthetic documents (Megatron's mock dataset) instead of --data-path or the stdlib corpus")
     d.add_argument("--split", default="969,30,1")
-    d.add_argument("--tokenizer-type", default="ByteTokenizer",
-                   choices=["ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    d.add_argument("--tokenizer-type", default=None,
+                   choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+                   help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else ByteTokenizer")
+    d.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (ids below it)")
     d.add_argument("--tokenizer-model")
     d.add_argument("--vocab-file")
     d.add_argument("--merge-file")
@@ -257,6 +269,8 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
     if a.eval_interval is not None and a.eval_iters == 0:
         notices.append("--eval-iters 0: no validation")
+    if a.tokenizer_type is None:
+        a.tokenizer_type = "GPT2BPETokenizer" if a.vocab_file and a.merge_file else "ByteTokenizer"
     if a.use_rotary_position_embeddings:
         a.position_embedding_type = "rope"
     a.split = a.split.strip().strip("'\"")  # scripts' nested quoting ("'99,1,0'") reaches us literally
@@ -303,8 +317,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
          f"--pipeline-model-parallel-size = {tp} * {pp}")
     dp, gbs = batch_geometry(a, world_size)
-    need(a.hidden_size % a.num_attention_heads == 0,
-         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}")
+    need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
+         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
+         "(or give --kv-channels)")
+    need(a.kv_channels is None or a.kv_channels > 0, f"--kv-channels must be positive, got {a.kv_channels}")
+    need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
     need(a.num_attention_heads % tp == 0,
          f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")
     groups = a.num_query_groups or a.num_attention_heads
@@ -377,6 +394,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
     need(a.lr > 0, f"--lr must be positive, got {a.lr}")
     need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
+    if a.decoupled_lr is not None:
+        low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
+        need(0 <= low <= a.decoupled_lr, f"--decoupled-min-lr {low} must be between 0 and --decoupled-lr {a.decoupled_lr}")
+    need(a.decoupled_min_lr is None or a.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
     decay = a.lr_decay_iters or a.train_iters
     if a.lr_warmup_fraction is not None:
         need(0.0 <= a.lr_warmup_fraction < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}")
@@ -396,6 +417,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(a.padded_vocab_size % tp == 0,
              f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
     need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
+    need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 0,
+         "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+    need(a.context_parallel_size == 1,
+         f"--context-parallel-size {a.context_parallel_size}: fmeg has no context parallelism yet; use 1")
     if a.data_path:
         try:
             prefixes, _ = parse_blend(a.data_path)

@@ -34,9 +34,11 @@ from fmeg.parallel.zero import FlatBuffer
 class FlatState:
     def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, distributed: bool,
                  dp: int, dp_rank: int, compute_dtype: torch.dtype, adam: tuple[float, float, float],
-                 decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask):
+                 decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
+                 decoupled: Callable[[str, torch.Tensor], bool] | None = None):
         """params: this rank's fp32 {stage: tree}; counted(path, leaf): whether the leaf counts toward the
-        global norm here (tensor-parallel replicas and the tied output copy count once)."""
+        global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
+        whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output)."""
         self.flat, self.zero, self.adam = FlatBuffer.of(params, dp), distributed, adam
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
@@ -57,7 +59,29 @@ class FlatState:
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
         master = self.master
-        self._decay_pieces = [master[a:b] for path, leaf, a, b in pieces if decay_mask(path, leaf)]
+        self._groups = self._lr_groups(pieces, decoupled)
+        owned_grad = self.grad[self.lo:self.hi]
+        self._adam_views = {flag: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
+                            for flag, runs in self._groups.items()}  # made once: the step slices nothing
+        self._decay_pieces = {flag: [master[a:b] for path, leaf, a, b in pieces if decay_mask(path, leaf)
+                                     and bool(decoupled and decoupled(path, leaf)) == flag] for flag in self._groups}
+
+    def _lr_groups(self, pieces: list, decoupled: Callable | None) -> dict[bool, list[tuple[int, int]]]:
+        """{decoupled?: [(start, end)]}: the owned slice cut into maximal runs of leaves that share a learning
+        rate (a handful whatever the number of leaves: embedding, layers, output)."""
+        if decoupled is None:
+            return {False: [(0, self.hi - self.lo)]}
+        runs: list[list] = []
+        for path, leaf, a, b in pieces:
+            flag = bool(decoupled(path, leaf))
+            if runs and runs[-1][2] == flag and runs[-1][1] == a:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b, flag])
+        groups: dict[bool, list[tuple[int, int]]] = {}
+        for a, b, flag in runs:
+            groups.setdefault(flag, []).append((a, b))
+        return groups
 
     def _owned_pieces(self, params: dict[int, Any]) -> list[tuple[str, torch.Tensor, int, int]]:
         """(path, leaf, start, end) for every leaf's part inside [lo, hi), in owned coordinates."""
@@ -99,9 +123,11 @@ class FlatState:
         self.steps = int(adam.count)
 
     @torch.no_grad()
-    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float) -> torch.Tensor:
+    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
+             decoupled_lr: float | None = None) -> torch.Tensor:
         """Global norm of grad (returned, a device tensor), clip, AdamW on the owned slice, then the compute
-        weights from the master. grad must hold the data-parallel mean (GradSync.finish)."""
+        weights from the master. grad must hold the data-parallel mean (GradSync.finish). decoupled_lr: the
+        learning rate of the leaves marked decoupled (default lr)."""
         g = self.grad[self.lo:self.hi]
         total = torch.zeros((), dtype=torch.float64, device=g.device)
         if self._norm_pieces:
@@ -117,11 +143,13 @@ class FlatState:
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
-        if weight_decay and self._decay_pieces:  # decoupled, on the decayed leaves only: before Adam's update
-            torch._foreach_mul_(self._decay_pieces, 1.0 - lr * weight_decay)
-        # torch's fused AdamW kernel (CPU and CUDA): moments and master in one pass, no temporary buffer
-        torch._fused_adamw_([self.master], [g], [self.mu], [self.nu], [], [self._step], lr=lr, beta1=b1, beta2=b2,
-                            weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+        for flag, runs in self._groups.items():
+            group_lr = decoupled_lr if flag and decoupled_lr is not None else lr
+            if weight_decay and self._decay_pieces[flag]:  # decoupled decay of the decayed leaves, before Adam
+                torch._foreach_mul_(self._decay_pieces[flag], 1.0 - group_lr * weight_decay)
+            # torch's fused AdamW kernel (CPU and CUDA): moments and master in one pass, no temporary buffer
+            torch._fused_adamw_(*self._adam_views[flag], [], [self._step] * len(runs), lr=group_lr, beta1=b1,
+                                beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
         dp_group = mesh.group("dp") if self.zero else None
         if dp_group is not None:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))

@@ -111,7 +111,20 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
     parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state)."""
     return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=layout.dp,
-                     dp_rank=mesh.coord("dp"), compute_dtype=compute_dtype, adam=adam)
+                     dp_rank=mesh.coord("dp"), compute_dtype=compute_dtype, adam=adam,
+                     decoupled=embedding_or_output(layout))
+
+
+def embedding_or_output(layout: Layout):
+    """decoupled(path, leaf): the word embedding and the output layer (its tied copy included), the leaves
+    Megatron's --decoupled-lr applies to."""
+    last = str(layout.num_stages - 1)
+
+    def decoupled(path: str, leaf: torch.Tensor) -> bool:
+        stage, _, rest = path.partition(".")
+        return rest == "embedding.word.weight" or (stage == last and rest == "output.weight")
+
+    return decoupled
 
 
 def _any_overflow(grads: list[torch.Tensor], mesh: Mesh) -> bool:
@@ -148,13 +161,15 @@ def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh
 def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
                     mesh: Mesh, lr: float, weight_decay: float, clip_grad: float, loss_scale: float = 1.0,
                     check_overflow: bool = False, overlap_grad_reduce: bool = False,
-                    bucket_numel: int | None = None, compile: str | None = None) -> dict:
+                    bucket_numel: int | None = None, compile: str | None = None,
+                    decoupled_lr: float | None = None) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views) hold the
     next step's values afterwards. With check_overflow (fp16), a step whose gradients hold inf/nan on any
     rank changes nothing and reports skipped=True. overlap_grad_reduce starts each data-parallel bucket's
     reduction as soon as the backward pass has finished its gradients (same numbers; bucket_numel elements
     per bucket). compile: a torch.compile backend for each layer, the embedding and the head
-    (gpt_pipeline.stage_segments), or None for eager.
+    (gpt_pipeline.stage_segments), or None for eager. decoupled_lr: the word embedding's and output layer's
+    learning rate (Megatron's --decoupled-lr; default lr).
     The metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
     t0 = time.perf_counter()
     params = state.params
@@ -183,5 +198,5 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     if check_overflow and _any_overflow([state.grad[state.lo:state.hi]], mesh):
         return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
                 "timers_ms": timers(time.perf_counter())}
-    norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad)
+    norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr)
     return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter())}

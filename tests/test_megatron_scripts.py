@@ -1,0 +1,112 @@
+"""Megatron-LM's own launch scripts run through recipes.gpt_pretrain with their flags unchanged, apart from
+sizes, data paths and GPU-only features (FP8): each trains on CPU ranks, saves, resumes and evaluates.
+
+The flag lists are those of examples/gpt3/train_gpt3_175b_distributed.sh and
+examples/llama/train_llama3_8b_h100_fp8.sh (mock-data branch), in their order; sizes are shrunk where marked.
+"""
+
+import json
+
+import pytest
+
+from fmeg.data.default_corpus import default_corpus
+from fmeg.training.arguments import parse_args
+from runner_harness import run_recipe
+
+
+def gpt3_175b(data_path: str, ckpt: str, logs: str, train_iters: int) -> list[str]:
+    return [
+        # GPT_MODEL_ARGS
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",  # sizes: 96, 12288, 96
+        "--seq-length", "32", "--max-position-embeddings", "32",  # sizes: 2048, 2048
+        "--attention-backend", "auto",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "4", "4", "16",  # sizes
+        "--train-iters", str(train_iters), "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+        "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "10",  # size: 430000
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",  # sizes: 8, 16
+        # DATA_ARGS (--vocab-file, --merge-file: GPT-2's BPE files are data paths; the embedded corpus is bytes)
+        "--data-path", data_path, "--split", "949,50,1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "100", "--save-interval", "6", "--eval-interval", "6",  # sizes: 10000, 1000
+        "--save", ckpt, "--load", ckpt, "--eval-iters", "2", "--tensorboard-dir", logs,  # size: 10
+    ]
+
+
+# Flags of the Llama 3 script that change numbers and are not honoured yet: they are still refused, and
+# the script runs without them (test_the_flags_not_honoured_yet_are_refused turns red when they land).
+NOT_YET = ["--grad-reduce-in-bf16", "--calculate-per-token-loss"]
+
+
+def llama3_8b(ckpt: str, cache: str, logs: str, train_samples: int) -> list[str]:
+    return [
+        # MODEL_ARGS
+        "--use-mcore-models", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",  # 32, 4096, 14336
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",  # sizes: 32, 8
+        "--kv-channels", "16", "--seq-length", "32", "--max-position-embeddings", "32",  # sizes: 128, 8192, 8192
+        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
+        "--attention-backend", "fused", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "8",  # size: 128
+        "--train-samples", str(train_samples), "--lr-decay-samples", "80", "--lr-warmup-samples", "8",  # sizes
+        "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--bf16", "--cross-entropy-loss-fusion", "--manual-gc",
+        "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+        # MODEL_PARALLEL_ARGS (TP_SIZE=1 with --sequence-parallel, as the script has it: Megatron turns it off)
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+        # DDP_ARGS
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        # DATA_ARGS_LIST (mock branch)
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",  # size: 128256
+        "--data-cache-path", cache, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "6", "--save-interval", "6",  # 32, 100, 1000
+        "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+        "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", ckpt, "--load", ckpt,
+        "--tensorboard-dir", logs,
+    ]
+
+
+def train_then_resume(tmp_path, nproc, first: list[str], second: list[str]):
+    records, stdout = run_recipe(tmp_path, "first", nproc, first, common=[])
+    resumed, stdout2 = run_recipe(tmp_path, "second", nproc, second, common=[])
+    return records, stdout, resumed, stdout2
+
+
+def test_gpt3_175b_script_trains_saves_resumes_and_evaluates(tmp_path):
+    ckpt, logs = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    data = default_corpus().prefix
+    records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 4, gpt3_175b(data, ckpt, logs, 6),
+                                                          gpt3_175b(data, ckpt, logs, 12))
+    assert "world 4 = tp 2 x pp 2 (x1 virtual) x dp 1" in stdout and "float16" in stdout
+    assert f"--load {ckpt}: no checkpoint there yet" in stdout and "resumed from" in stdout2
+    assert [r["iteration"] for r in records if "lm_loss" in r] == list(range(1, 7))
+    assert [r["iteration"] for r in resumed if "lm_loss" in r] == list(range(7, 13))
+    assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 12]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "12"
+
+
+def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path):
+    ckpt, cache, logs = str(tmp_path / "ckpt"), str(tmp_path / "cache"), str(tmp_path / "tb")
+    records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 2, llama3_8b(ckpt, cache, logs, 48),
+                                                          llama3_8b(ckpt, cache, logs, 96))
+    assert "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout and "bfloat16" in stdout
+    assert "warning: --sequence-parallel is off" in stdout
+    assert "ignored --ckpt-format: " in stdout and "ignored --overlap-param-gather: " in stdout
+    train = [r for r in records + resumed if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(1, 13)) and "resumed from" in stdout2
+    assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])
+    assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 12]
+    assert json.loads((tmp_path / "ckpt" / "iter_0000012" / "metadata.json").read_text())["model"]["kv_channels"] == 16
+
+
+@pytest.mark.parametrize("flag", NOT_YET)
+def test_the_flags_not_honoured_yet_are_refused(flag):
+    with pytest.raises(SystemExit):
+        parse_args([flag])
