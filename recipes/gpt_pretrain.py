@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         m = train_iteration(state, batch, config=config, layout=layout, mesh=mesh, lr=lr,
                             weight_decay=weight_decay, clip_grad=a.clip_grad,
                             loss_scale=scale, check_overflow=True, overlap_grad_reduce=a.overlap_grad_reduce,
-                            bucket_numel=a.ddp_bucket_size, compile=compile_layers, decoupled_lr=decoupled_lr)
+                            bucket_numel=a.ddp_bucket_size, compile=compile_layers, decoupled_lr=decoupled_lr,
+                            per_token=a.calculate_per_token_loss)
         consumed += global_batch
         if not m["skipped"]:  # as Megatron's scheduler, the schedules advance only after an update
             scheduled += global_batch if in_samples else 1

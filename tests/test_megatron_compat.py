@@ -224,3 +224,44 @@ def test_decoupled_lr_follows_megatron_cores_scheduler_and_is_layout_invariant(t
     tp2pp2, _ = run_recipe(tmp_path, "tp2pp2", 4, [*flags, "--tensor-model-parallel-size", "2",
                                                    "--pipeline-model-parallel-size", "2"])
     assert [r["lm_loss"] for r in tp2pp2] == pytest.approx([r["lm_loss"] for r in single], rel=1e-5)
+
+
+def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
+    """--calculate-per-token-loss: the loss and gradients are those of (sum of all token losses) / (number of
+    tokens) over the whole global batch, whatever the microbatches' token counts; the default averages the
+    microbatch means, which weighs a token of a sparsely masked microbatch more."""
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
+    mesh, layout = Mesh.single(), Layout()
+    g = torch.Generator().manual_seed(0)
+    microbatches = []
+    for keep in (0.9, 0.2):
+        tokens = torch.randint(0, 64, (2, 16), generator=g)
+        mask = (torch.rand(2, 16, generator=g) < keep).float()
+        microbatches.append({"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": mask})
+    params = gpt.init(config, 0)
+
+    def per_token(p):
+        total = sum(gpt.output_loss(gpt.hidden_states(p, mb["tokens"], config), p["embedding"]["word"]["weight"],
+                                    mb, config.vocab_size, reduction="sum") for mb in microbatches)
+        return total / sum(gpt.loss_tokens(mb) for mb in microbatches)
+
+    want_grads, want_loss = torch.func.grad_and_value(per_token)(params)
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    m = train_iteration(state, microbatches, config=config, layout=layout, mesh=mesh, lr=0.0, weight_decay=0.0,
+                        clip_grad=0.0, per_token=True)
+    torch.testing.assert_close(m["loss"], want_loss)
+    torch.testing.assert_close(m["grad_norm"].float(), tree.global_norm(want_grads))
+    mean_of_means = sum(gpt.loss(params, mb, config) for mb in microbatches) / 2
+    assert abs(float(mean_of_means) - float(want_loss)) > 1e-3  # the two reductions differ here
+
+
+def test_per_token_loss_is_layout_invariant_with_uneven_masks(tmp_path):
+    flags = ["--calculate-per-token-loss", "--eod-mask-loss", "--train-iters", "6", "--lr-warmup-iters", "1"]
+    single, _ = run_recipe(tmp_path, "single", 1, flags)
+    dp2, _ = run_recipe(tmp_path, "dp2", 2, [*flags, "--use-distributed-optimizer"])
+    pp2, _ = run_recipe(tmp_path, "pp2", 2, [*flags, "--pipeline-model-parallel-size", "2"])
+    for other in (dp2, pp2):
+        assert [r["lm_loss"] for r in other] == pytest.approx([r["lm_loss"] for r in single], rel=1e-5)

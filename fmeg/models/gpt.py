@@ -400,18 +400,26 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
 
 
 def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, vocab_size: int, *,
-                tp: TensorParallel = NO_TP, label_smoothing: float = 0.0) -> torch.Tensor:
+                tp: TensorParallel = NO_TP, label_smoothing: float = 0.0, reduction: str = "mean") -> torch.Tensor:
     """Mean cross entropy of the output layer over the first vocab_size ids (padding rows of weight take no
-    part and get no gradient): fused on one rank, vocabulary-parallel under TP."""
+    part and get no gradient): fused on one rank, vocabulary-parallel under TP. reduction "sum": the sum over
+    counted tokens (loss_tokens gives their number)."""
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if tp.group is None:
         return ops.linear_cross_entropy(x, weight[:vocab_size], labels, loss_mask=loss_mask,
-                                        label_smoothing=label_smoothing)
+                                        label_smoothing=label_smoothing, reduction=reduction)
     logits = column_parallel_linear(x, weight, None, tp)
     losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing,
                                           vocab_size=vocab_size)
     mask = (labels != ops.IGNORE_INDEX).to(losses.dtype)
-    return ops.masked_mean(losses, mask if loss_mask is None else mask * loss_mask.to(losses.dtype))
+    mask = mask if loss_mask is None else mask * loss_mask.to(losses.dtype)
+    return (losses * mask).sum() if reduction == "sum" else ops.masked_mean(losses, mask)
+
+
+def loss_tokens(batch: dict) -> torch.Tensor:
+    """The number of tokens a microbatch's loss counts (valid label, nonzero mask), as an fp32 tensor."""
+    mask = (batch["labels"] != ops.IGNORE_INDEX).float()
+    return (mask if batch.get("loss_mask") is None else mask * batch["loss_mask"].float()).sum()
 
 
 # Tensor-parallel partitions of every leaf (dims from the end, so SwiGLU's stacked fc1 needs no special

@@ -61,7 +61,7 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
 
 def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP,
                    recompute: tuple[str, str | None, int | None] | None = None,
-                   compile: str | None = None) -> list[Segment]:
+                   compile: str | None = None, per_token: bool = False) -> list[Segment]:
     """The stage as a chain of segments (embeddings, each layer, final norm + loss), so that backward can
     hand over each piece's gradients as soon as they are final. Params may be tensor-parallel shards (tp);
     activations are [b, s, h] ([b, s/t, h] with sequence parallelism). batch holds tokens, labels and
@@ -70,13 +70,14 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     the attention cores. compile: a torch.compile backend ("inductor"; "aot_eager" traces without code
     generation) that each piece runs under: regional compilation, one graph per kind of piece shared by
     every layer, collectives inside (torch.distributed groups: comm.TorchGroup; thread ranks do not
-    trace), no graph break allowed. None runs eagerly."""
+    trace), no graph break allowed. None runs eagerly. per_token: the head returns the sum of the token
+    losses instead of their mean (Megatron's --calculate-per-token-loss; the caller divides)."""
     layers = stage_layers(config, stage, num_stages)
     granularity, method, count = recompute or (None, None, None)
     unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
     selective = granularity == "selective"
-    embedding, layer_fn, head = _compiled_pieces(config, tp, selective, compile) if compile else \
-        _pieces(config, tp, selective)
+    embedding, layer_fn, head = _compiled_pieces(config, tp, selective, per_token, compile) if compile else \
+        _pieces(config, tp, selective, per_token)
 
     def layer(i: int) -> Segment:
         key = f"layers.{i}"
@@ -89,7 +90,8 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     return segments
 
 
-def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool) -> tuple[Callable, Callable, Callable]:
+def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
+            per_token: bool = False) -> tuple[Callable, Callable, Callable]:
     """The three kinds of segment body: embedding(sub, batch), layer(layer_params, x, batch, index) and
     head(sub, x, batch) -> the microbatch's loss."""
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
@@ -105,17 +107,20 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool) -> tupl
 
     def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
         x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)
-        return gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp)
+        return gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp,
+                               reduction="sum" if per_token else "mean")
 
     return embedding, layer, head
 
 
 @functools.cache
-def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool, backend: str) -> tuple[Callable, ...]:
+def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool, per_token: bool,
+                     backend: str) -> tuple[Callable, ...]:
     """_pieces under torch.compile(fullgraph=True), made once per arguments so that every iteration and
     stage reuses the compiled graphs (the layer index becomes a symbolic int at the second layer, so all
     layers share one graph after the first)."""
-    return tuple(torch.compile(fn, backend=backend, fullgraph=True) for fn in _pieces(config, tp, recompute_core))
+    return tuple(torch.compile(fn, backend=backend, fullgraph=True)
+                 for fn in _pieces(config, tp, recompute_core, per_token))
 
 
 def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:

@@ -92,8 +92,10 @@ def linear_cross_entropy(
     loss_mask: torch.Tensor | None = None,
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross entropy of logits x @ weight.T over tokens with a valid label and nonzero mask.
+    """Mean cross entropy of logits x @ weight.T over tokens with a valid label and nonzero mask (reduction
+    "sum": the mask-weighted sum, Megatron's --calculate-per-token-loss numerator).
 
     x [..., hidden], weight [vocab, hidden], labels [...]. Equal to ops.cross_entropy(linear(x, weight),
     ...) in value and in gradients for x and weight, under autograd, torch.func.grad/vjp/jvp and vmap.
@@ -101,7 +103,7 @@ def linear_cross_entropy(
     acc = torch.promote_types(x.dtype, torch.float32)
     valid = (labels != ignore_index).to(acc)
     mask = valid if loss_mask is None else valid * loss_mask.to(acc)
-    w = (mask / mask.sum().clamp_min(1.0)).reshape(-1)
+    w = (mask if reduction == "sum" else mask / mask.sum().clamp_min(1.0)).reshape(-1)
     safe_labels = torch.where(labels == ignore_index, 0, labels).reshape(-1)
     fn = _LinearCrossEntropy if torch.compiler.is_compiling() else _LinearCrossEntropyWithJvp
     loss, _ = fn.apply(x.reshape(-1, x.shape[-1]), weight, safe_labels, w, float(label_smoothing))

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--decoupled-lr", type=float, default=None,
                    help="the word embedding's and output layer's peak LR (same warmup and decay)")
     t.add_argument("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")
+    t.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the global batch's token losses over its token count, not a mean of microbatch means")
     t.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     t.add_argument("--lr-warmup-iters", type=int, default=0)

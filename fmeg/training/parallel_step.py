@@ -162,31 +162,41 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
                     mesh: Mesh, lr: float, weight_decay: float, clip_grad: float, loss_scale: float = 1.0,
                     check_overflow: bool = False, overlap_grad_reduce: bool = False,
                     bucket_numel: int | None = None, compile: str | None = None,
-                    decoupled_lr: float | None = None) -> dict:
+                    decoupled_lr: float | None = None, per_token: bool = False) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views) hold the
     next step's values afterwards. With check_overflow (fp16), a step whose gradients hold inf/nan on any
     rank changes nothing and reports skipped=True. overlap_grad_reduce starts each data-parallel bucket's
     reduction as soon as the backward pass has finished its gradients (same numbers; bucket_numel elements
     per bucket). compile: a torch.compile backend for each layer, the embedding and the head
     (gpt_pipeline.stage_segments), or None for eager. decoupled_lr: the word embedding's and output layer's
-    learning rate (Megatron's --decoupled-lr; default lr).
+    learning rate (Megatron's --decoupled-lr; default lr). per_token: the loss is the sum of the global batch's
+    token losses over its number of tokens (Megatron's --calculate-per-token-loss), not the mean of the
+    microbatch means; the two agree when every microbatch counts as many tokens.
     The metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
     t0 = time.perf_counter()
     params = state.params
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token)
+           for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = GradSync(params, mesh.group("dp"), owner_slices=state.zero, bucket_numel=bucket_numel,
                     replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad,
                     overlap=overlap_grad_reduce)
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
-                              loss_scale=loss_scale, grads_into=sync)  # accumulated straight into state.grad
+                              loss_scale=loss_scale, grads_into=sync,  # accumulated straight into state.grad
+                              microbatch_mean=not per_token)
     t1 = time.perf_counter()
     sync.finish()  # the data-parallel mean, in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
+    if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
+        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(state.grad.device)
+        tokens = dp_group.all_reduce(tokens) if dp_group is not None else tokens
+        factor = layout.dp / tokens.clamp_min(1.0)
+        state.grad.mul_(factor.to(state.grad.dtype))
+        loss = None if loss is None else loss * factor
     if loss_scale != 1.0:
         state.grad.div_(loss_scale)
     t2 = time.perf_counter()

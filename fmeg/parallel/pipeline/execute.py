@@ -96,16 +96,18 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
 def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
             trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
-            grads_into: Any = None
+            grads_into: Any = None, microbatch_mean: bool = True
             ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
     the last stage, else None; {stage: gradient of its params}, empty when grads_into takes them). A
     `trace` list receives (action, start, end) in time.perf_counter() seconds for every action.
     loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
     loss. forward_only (evaluation) runs the F actions without keeping anything for a backward. grads_into:
-    an object with add(stage, {path: gradient}, final) that takes the gradients instead."""
+    an object with add(stage, {path: gradient}, final) that takes the gradients instead. microbatch_mean=False:
+    the loss and gradients are of the sum of the microbatch losses (per-token losses divide later)."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
+    divisor = m_count if microbatch_mean else 1
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
     if not forward_only:
         for s in stage_params:
@@ -147,13 +149,13 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             else:
                 out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m])
             if s == last:
-                loss = (0.0 if loss is None else loss) + out.detach() / m_count
+                loss = (0.0 if loss is None else loss) + out.detach() / divisor
             elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication
                 inbox[("F", s + 1, m)] = out.detach()
             else:
                 outbox[("F", s, m)] = out.detach()
         elif a.kind == "B":
-            grad_out = torch.full((), loss_scale / m_count, device=loss.device) if s == last \
+            grad_out = torch.full((), loss_scale / divisor, device=loss.device) if s == last \
                 else inbox.pop(("B", s, m))
             grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out, stage_params[s], microbatches[m])
             if s > 0:
