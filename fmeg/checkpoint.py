@@ -12,8 +12,9 @@
                                               (seed, iteration, sample index).
     DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint (moved last)
 
-A checkpoint is written into iter_XXXXXXX.tmp-<pid> and renamed when complete, so a killed save leaves
-only a directory that loading ignores. Nothing is ever unpickled.
+A checkpoint is written into iter_XXXXXXX.tmp-<attempt> (a token the ranks of one run share, new for
+every run) and renamed when complete, so a killed save leaves only a directory that loading ignores and a
+restart never writes into; remove_stale deletes such leftovers when a run starts. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -99,10 +100,24 @@ def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: di
     return out
 
 
+def temporary_dir(root: str | os.PathLike, iteration: int, attempt: str) -> Path:
+    return Path(root) / f"iter_{iteration:07d}.tmp-{attempt}"
+
+
+def remove_stale(root: str | os.PathLike) -> list[str]:
+    """Delete the temporary directories that interrupted saves left under root; returns their names. Call
+    it before this run's first save (every temporary directory is then some dead run's)."""
+    stale = sorted(p for p in Path(root).glob("iter_*.tmp*") if p.is_dir())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in stale]
+
+
 def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[str, int], tensors: dict,
-              sizes: dict[str, int] | None = None) -> Path:
-    """Write this rank's shard into the temporary directory of `iteration`; returns that directory."""
-    tmp = Path(root) / f"iter_{iteration:07d}.tmp"
+              sizes: dict[str, int] | None = None, attempt: str = "0") -> Path:
+    """Write this rank's shard into the temporary directory of `iteration` for this run's `attempt` token
+    (the same on every rank); returns that directory."""
+    tmp = temporary_dir(root, iteration, attempt)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"rank_{rank:05d}.safetensors"
     save_file(tensors, str(path))
@@ -113,11 +128,12 @@ def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[s
     return tmp
 
 
-def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last: int | None = None) -> Path:
+def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last: int | None = None,
+             attempt: str = "0") -> Path:
     """On one rank, after every rank saved: write metadata with all checksums, rename the directory into
     place, then move the latest pointer; optionally delete all but the newest keep_last checkpoints."""
     root = Path(root)
-    tmp, final = root / f"iter_{iteration:07d}.tmp", iteration_dir(root, iteration)
+    tmp, final = temporary_dir(root, iteration, attempt), iteration_dir(root, iteration)
     ranks = sorted((json.loads(p.read_text()) for p in tmp.glob("rank_*.json")), key=lambda r: r["rank"])
     if len(ranks) != metadata["world_size"]:
         raise CheckpointError(f"{tmp}: {len(ranks)} rank files for a world of {metadata['world_size']}")
@@ -131,7 +147,7 @@ def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last:
     pointer.write_text(str(iteration))
     os.replace(pointer, root / LATEST)
     if keep_last:
-        done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        done = sorted(p for p in root.glob("iter_*") if p.is_dir() and ".tmp" not in p.name)
         for old in done[:-keep_last]:
             shutil.rmtree(old)
     return final
@@ -140,7 +156,7 @@ def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last:
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under root (partial directories are ignored with a warning)."""
     root = Path(root)
-    for partial in root.glob("iter_*.tmp"):
+    for partial in root.glob("iter_*.tmp*"):
         warnings.warn(f"{partial}: an unfinished checkpoint (a save was interrupted); ignoring it")
     pointer = root / LATEST
     if not pointer.is_file():

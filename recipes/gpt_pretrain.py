@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import secrets
 import signal
 import sys
 import time
@@ -211,9 +212,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'fine-tuning from' if a.finetune else 'resumed from'} {found} (iteration {meta['iteration']}, "
                       f"{meta['consumed_samples']} samples; {taken})", flush=True)
 
+    attempt = "0"  # this run's token in temporary checkpoint names: a restart never writes into a dead run's
+    if a.save:
+        token = torch.tensor([secrets.randbits(48) if rank == 0 else 0], dtype=torch.int64, device=device)
+        if world > 1:
+            dist.broadcast(token, src=0)
+        attempt = f"{int(token.item()):012x}"
+        if rank == 0:
+            for name in checkpoint.remove_stale(a.save):
+                print(f"removed {Path(a.save) / name}: an interrupted save's leftovers", flush=True)
+        if world > 1:
+            dist.barrier()
+
     def save(iteration: int) -> None:
         tensors = checkpoint.state_tensors(state.params, state.opt_state)
-        checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp})
+        checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp},
+                             attempt=attempt)
         if world > 1:
             dist.barrier()
         if rank == 0:
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 "consumed_samples": consumed, "valid_consumed_samples": valid_consumed, "scheduler_steps": scheduled,
                 "loss_scale": dataclasses.asdict(scaler) if scaler else None,
                 "arguments": {k: v for k, v in vars(a).items() if isinstance(v, (int, float, str, bool, list, type(None)))},
-                "fmeg_version": __version__}, keep_last=a.keep_last)
+                "fmeg_version": __version__}, keep_last=a.keep_last, attempt=attempt)
         if world > 1:
             dist.barrier()
         if last_rank:

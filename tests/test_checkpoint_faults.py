@@ -82,3 +82,22 @@ def test_exit_duration(tmp_path):
     proc = run(tmp_path, ["--exit-duration-in-mins", "0", "--save", str(tmp_path / "ck")])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "exiting at iteration 1: --exit-duration-in-mins 0" in out
+
+
+def test_a_dead_runs_partial_save_never_breaks_a_restart_at_another_world_size(tmp_path):
+    """A 4-rank save killed at iteration 4 left iter_0000004.tmp-<token> with its rank files (and the older
+    fixed-name iter_0000004.tmp). A 2-rank restart removes both at start, writes its own temporary directory,
+    and its final checkpoint holds exactly its 2 ranks' files."""
+    from runner_harness import run_recipe
+
+    ck = tmp_path / "ck"
+    for leftover in ("iter_0000004.tmp-deadbeef0000", "iter_0000004.tmp"):
+        (ck / leftover).mkdir(parents=True)
+        for rank in range(4):
+            (ck / leftover / f"rank_{rank:05d}.json").write_text("{}")
+            (ck / leftover / f"rank_{rank:05d}.safetensors").write_bytes(b"partial")
+    records, stdout = run_recipe(tmp_path, "restart", 2, ["--train-iters", "4", "--save", str(ck)])
+    assert len(records) == 4 and stdout.count("an interrupted save's leftovers") == 2
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000004", checkpoint.LATEST]
+    assert sorted(p.name for p in (ck / "iter_0000004").iterdir()) == [
+        "metadata.json", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors"]
