@@ -5,9 +5,10 @@
     python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run anywhere
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
-fp32 master weights and gradients, global-norm clipping at 1.0, AdamW), one rank. The peer: a GPT written
-here as a plain nn.Module in nanoGPT's style (fp32 parameters under bf16 autocast, SDPA attention,
-torch.optim.AdamW fused on CUDA, clip_grad_norm_), under torch.compile unless --no-compile. Both run the
+fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank, each layer compiled
+as the runner compiles it on CUDA. The peer: a GPT written here as a plain nn.Module in nanoGPT's style
+(fp32 parameters under bf16 autocast, SDPA attention, torch.optim.AdamW fused on CUDA, clip_grad_norm_),
+the whole model compiled. --no-compile runs both eagerly. Both run the
 same shapes and the same FLOPs (Megatron's count, fmeg.training.report.model_flops); rounds alternate
 between the two. Prints median ms, TFLOP/s, MFU against the device's dense bf16 peak, peak memory, and
 the throughput ratio fmeg / peer (above 1.0: fmeg is faster).
@@ -115,14 +116,14 @@ def peer_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
     return step
 
 
-def fmeg_step(config: gpt.GPTConfig, device: torch.device):
+def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
     mesh, layout = Mesh.single(), Layout()
     params = shard_params(gpt.init(config, 0, device=device), config, layout, mesh)
     state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=torch.bfloat16)
 
     def step(batch: dict) -> torch.Tensor:
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
-                               clip_grad=1.0)["loss"]
+                               clip_grad=1.0, compile="inductor" if compile_ else None)["loss"]
 
     return step
 
@@ -138,7 +139,8 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
     config, batch_size = MODELS[name]
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len + 1), device=device)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    variants = {"fmeg runner": fmeg_step(config, device), "nanoGPT-style peer": peer_step(config, device, compile_)}
+    variants = {"fmeg runner": fmeg_step(config, device, compile_),
+                "nanoGPT-style peer": peer_step(config, device, compile_)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     memory: dict[str, float] = {}
     for i in range(warmup + steps):
@@ -157,7 +159,7 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
     flops = model_flops(config, batch_size, config.max_seq_len)
     print(f"\n{name}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads "
           f"({config.num_kv_heads} kv), seq {config.max_seq_len}, batch {batch_size}, vocab {config.padded_vocab_size}, "
-          f"{flops / 1e12:.2f} TFLOP per step; peer {'compiled' if compile_ else 'eager'}")
+          f"{flops / 1e12:.2f} TFLOP per step; both {'compiled' if compile_ else 'eager'}")
     print(f"{'variant':<20} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9}")
     medians = {}
     for variant, ts in times.items():
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--no-compile", action="store_true", help="run the peer eagerly")
+    p.add_argument("--no-compile", action="store_true", help="run both eagerly")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)

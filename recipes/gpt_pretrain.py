@@ -142,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     last_rank = rank == world - 1
     torch.manual_seed(a.seed)
 
-    tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
-                                merge_file=a.merge_file, vocab_size=a.vocab_size)
+    try:
+        tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
+                                    merge_file=a.merge_file, vocab_size=a.vocab_size)
+    except ValueError as e:  # a missing or unreadable tokenizer file: one line
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     data_path = a.data_path or [(mock_corpus(tokenizer.vocab_size, tokenizer.eod) if a.mock_data
                                  else default_corpus()).prefix]
     if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:

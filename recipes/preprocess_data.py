@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     p.add_argument("--tokenizer-type", default="ByteTokenizer",
-                   choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+                   choices=["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
     p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (text is space-separated ids)")
     p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
     p.add_argument("--vocab-file")

@@ -265,3 +265,30 @@ def test_per_token_loss_is_layout_invariant_with_uneven_masks(tmp_path):
     pp2, _ = run_recipe(tmp_path, "pp2", 2, [*flags, "--pipeline-model-parallel-size", "2"])
     for other in (dp2, pp2):
         assert [r["lm_loss"] for r in other] == pytest.approx([r["lm_loss"] for r in single], rel=1e-5)
+
+
+def test_llama2_tokenizer_is_sentencepiece_with_a_leading_bos_and_eos_as_end_of_document(tmp_path):
+    """Megatron's Llama2Tokenizer: a sentencepiece model; tokenize prepends BOS, eod is EOS. A tiny model is
+    trained here; preprocess_data and the runner read it with --tokenizer-type Llama2Tokenizer."""
+    spm = pytest.importorskip("sentencepiece")
+    from fmeg.data.tokenizers import build_tokenizer
+    from recipes import preprocess_data
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+    model = str(tmp_path / "tok.model")
+    tok = build_tokenizer("Llama2Tokenizer", model=model)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    assert tok.encode("the lazy fox") == [1, *sp.encode("the lazy fox")] and tok.eod == 2 and tok.vocab_size == 60
+    assert tok.decode(tok.encode("the lazy fox")[1:]) == "the lazy fox"
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i} jumps " * 20}) for i in range(60)))
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "data"), "--append-eod",
+                                 "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model]) == 0
+    records, stdout = run_recipe(tmp_path, "llama2_tok", 1, [
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model, "--data-path",
+        str(tmp_path / "data_text_document"), "--train-iters", "4", "--lr-warmup-iters", "1", "--seq-length", "32"])
+    assert len(records) == 4 and "vocab 60 (padded to 128)" in stdout

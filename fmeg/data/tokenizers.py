@@ -10,6 +10,7 @@ Each has encode(text) -> list[int], decode(ids) -> str, vocab_size and eod (the 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 
@@ -44,6 +45,27 @@ class NullTokenizer:
 
     def decode(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+
+class Llama2Tokenizer:
+    """Megatron's Llama2Tokenizer: a sentencepiece model (pip install sentencepiece); encode prepends the
+    beginning-of-sequence id as Megatron's does, and the end-of-sequence id is the end of document."""
+
+    def __init__(self, model_file: str):
+        try:
+            import sentencepiece
+        except ImportError as e:
+            raise ValueError("--tokenizer-type Llama2Tokenizer needs sentencepiece: pip install sentencepiece") from e
+        if not os.path.isfile(model_file):
+            raise ValueError(f"--tokenizer-model {model_file}: no such file")
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size, self.eod, self.bos = self._sp.get_piece_size(), self._sp.eos_id(), self._sp.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos, *self._sp.encode(text)]
+
+    def decode(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
 
 
 class HuggingFaceTokenizer:
@@ -95,6 +117,10 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
+    if kind == "Llama2Tokenizer":
+        if not model:
+            raise ValueError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model PATH/tokenizer.model")
+        return Llama2Tokenizer(model)
     if kind == "HuggingFaceTokenizer":
         if not model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
@@ -103,5 +129,5 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if not vocab_file or not merge_file:
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, NullTokenizer, HuggingFaceTokenizer or "
-                     "GPT2BPETokenizer")
+    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, NullTokenizer, Llama2Tokenizer, "
+                     "HuggingFaceTokenizer or GPT2BPETokenizer")

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic documents (Megatron's mock dataset) instead of --data-path or the stdlib corpus")
     d.add_argument("--split", default="969,30,1")
     d.add_argument("--tokenizer-type", default=None,
-                   choices=["ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+                   choices=["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
                    help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else ByteTokenizer")
     d.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (ids below it)")
     d.add_argument("--tokenizer-model")
