@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0], a.seed,
                                                cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
                                                eod_mask_loss=a.eod_mask_loss)
+    if a.eval_interval and a.eval_iters and valid_data is None:  # found now, not at the first evaluation
+        if rank == 0:
+            print(f"error: --split {a.split} leaves the validation split of {' '.join(data_path)} no documents; "
+                  "give it a larger share, or leave out --eval-interval", file=sys.stderr)
+        return 2
 
     compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 

@@ -1,8 +1,9 @@
 """Megatron-LM's own launch scripts run through recipes.gpt_pretrain with their flags unchanged, apart from
 sizes, data paths and GPU-only features (FP8): each trains on CPU ranks, saves, resumes and evaluates.
 
-The flag lists are those of examples/gpt3/train_gpt3_175b_distributed.sh and
-examples/llama/train_llama3_8b_h100_fp8.sh (mock-data branch), in their order; sizes are shrunk where marked.
+The flag lists are those of examples/gpt3/train_gpt3_175b_distributed.sh,
+examples/llama/train_llama3_8b_h100_fp8.sh (mock-data branch) and examples/mixtral/
+train_mixtral_8x7b_distributed.sh (without its MoE flags), in their order; sizes are shrunk where marked.
 """
 
 import json
@@ -104,6 +105,51 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path):
     assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])
     assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 12]
     assert json.loads((tmp_path / "ckpt" / "iter_0000012" / "metadata.json").read_text())["model"]["kv_channels"] == 16
+
+
+def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[str]:
+    return [
+        # MODEL_ARGS
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings", "64",
+        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "224",  # sizes: 256, 2048, 256, 896
+        "--num-attention-heads", "2", "--init-method-std", "0.01", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
+        "--no-masked-softmax-fusion", "--no-position-embedding", "--rotary-base", "1000000",
+        # MOE_ARGS without the expert flags (--num-experts, --moe-*)
+        "--overlap-param-gather", "--overlap-grad-reduce",
+        # DATA_ARGS
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer_model, "--mock-data",
+        "--split", "99990,8,2",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-4", "--train-iters", "7",
+        "--min-lr", "1.0e-5", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        # MODEL_PARALLEL_ARGS without --expert-model-parallel-size
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+        "--sequence-parallel",
+        # LOGGING_ARGS
+        "--eval-iters", "10", *logging, "--no-load-optim", "--no-load-rng",
+    ]
+
+
+def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_saves_resumes_and_evaluates(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"mixtral sample number {i} of the mock corpus" for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=64,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+    model = str(tmp_path / "tok.model")
+    records, stdout = run_recipe(tmp_path, "as_is", 2, mixtral_8x7b_without_moe(model, []), common=[])
+    assert [r["iteration"] for r in records] == list(range(1, 8)) and "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout
+    assert "warning: --no-load-optim has no effect without --load DIR" in stdout
+    ckpt = str(tmp_path / "ckpt")
+    logging = ["--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", ckpt, "--load", ckpt]
+    first, _ = run_recipe(tmp_path, "first", 2, [*mixtral_8x7b_without_moe(model, logging), "--exit-interval", "4"],
+                          common=[])
+    second, stdout2 = run_recipe(tmp_path, "second", 2, mixtral_8x7b_without_moe(model, logging), common=[])
+    assert "resumed from" in stdout2 and "fresh optimizer state" in stdout2  # --no-load-optim, as written
+    assert [r["iteration"] for r in first + second if "lm_loss" in r] == list(range(1, 8))
+    assert [r["iteration"] for r in first + second if "validation_lm_loss" in r] == [4, 7]
 
 
 @pytest.mark.parametrize("flag", NOT_YET)

@@ -1,9 +1,11 @@
 """Megatron's --mock-data: synthetic documents for runs that name no data (benchmarks, smoke tests).
 
-As Megatron's mock dataset, documents have lengths drawn uniformly from [1, 4096) by numpy's RandomState(0)
-and end with the end-of-document token; their tokens are a counter (1, 2, 3, ...) taken modulo the
-tokenizer's vocabulary (end-of-document excluded), so any tokenizer can train on them. Written once as an
-indexed dataset under the cache directory, keyed by the vocabulary and end-of-document id.
+As Megatron's mock dataset, there are 100,000 documents, so that its scripts' splits ("99990,8,2") leave
+every split some; their lengths are drawn uniformly from [1, 128) by numpy's RandomState(0) (Megatron draws
+up to 4096 and generates them on the fly; these are written to disk, 6.4M tokens), each ends with the
+end-of-document token, and their tokens are a counter (1, 2, 3, ...) taken modulo the tokenizer's
+vocabulary (end-of-document excluded), so any tokenizer can train on them. Written once as an indexed
+dataset under the cache directory, keyed by the vocabulary and end-of-document id.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import numpy as np
 from fmeg.data.default_corpus import cache_dir
 from fmeg.data.indexed import IndexedDataset, IndexedDatasetBuilder
 
-DOCUMENTS, MAX_LENGTH = 2000, 4096
+DOCUMENTS, MAX_LENGTH = 100_000, 128
 
 
 def mock_corpus(vocab_size: int, eod: int, directory: str | os.PathLike | None = None) -> IndexedDataset:
     directory = Path(directory) if directory is not None else cache_dir()
-    prefix = directory / f"mock-v{vocab_size}-e{eod}-d{DOCUMENTS}"
+    prefix = directory / f"mock-v{vocab_size}-e{eod}-d{DOCUMENTS}-l{MAX_LENGTH}"
     if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
         directory.mkdir(parents=True, exist_ok=True)
         dtype = np.uint16 if vocab_size < 65500 else np.int32

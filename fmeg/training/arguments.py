@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-channels", type=int, default=None,
                    help="the dimension of each attention head (default --hidden-size / --num-attention-heads)")
     m.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    m.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned position embedding: with --position-embedding-type rope (which has none) a no-op")
     m.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="Megatron's older spelling of --position-embedding-type rope")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -269,6 +271,9 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         a.sequence_parallel = False
     if a.save_interval is not None and a.save is None:
         notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
+    for flag in ("no_load_optim", "finetune"):
+        if getattr(a, flag) and a.load is None:
+            notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
     if a.eval_interval is not None and a.eval_iters == 0:
         notices.append("--eval-iters 0: no validation")
     if a.tokenizer_type is None:
@@ -365,8 +370,9 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
              "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
     need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
-    for flag in ("no_load_optim", "finetune"):
-        need(not getattr(a, flag) or a.load is not None, f"--{flag.replace('_', '-')} needs --load DIR")
+    need(not a.no_position_embedding or a.position_embedding_type == "rope",
+         "--no-position-embedding without --position-embedding-type rope would leave the model no positions; "
+         "fmeg does not support that yet: add --position-embedding-type rope")
     need(a.device != "cuda" or torch.cuda.is_available(),
          "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
     need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
