@@ -35,3 +35,15 @@ def assert_same_curve(got, want):
     assert len(got) == len(want) == 20
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def sentencepiece_model(directory, vocab_size: int = 60) -> str:
+    """A tiny sentencepiece BPE model (ids: unk 0, BOS 1, EOS 2) trained on a few lines, for Llama2Tokenizer."""
+    import sentencepiece
+
+    text = directory / "sentencepiece_text.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(directory / "tok"),
+                                             vocab_size=vocab_size, model_type="bpe", bos_id=1, eos_id=2, unk_id=0,
+                                             pad_id=-1)
+    return str(directory / "tok.model")

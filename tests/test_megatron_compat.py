@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from fmeg import tree
 from fmeg.models import gpt
 from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
-from runner_harness import run_recipe
+from runner_harness import run_recipe, sentencepiece_model
 
 # Megatron-LM's defaults (megatron/training/arguments.py) for the flags fmeg shares, where Megatron has one.
 MEGATRON_DEFAULTS = {
@@ -277,11 +277,7 @@ def test_llama2_tokenizer_is_sentencepiece_with_a_leading_bos_and_eos_as_end_of_
     from fmeg.data.tokenizers import build_tokenizer
     from recipes import preprocess_data
 
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=60,
-                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
-    model = str(tmp_path / "tok.model")
+    model = sentencepiece_model(tmp_path, vocab_size=60)
     tok = build_tokenizer("Llama2Tokenizer", model=model)
     sp = spm.SentencePieceProcessor(model_file=model)
     assert tok.encode("the lazy fox") == [1, *sp.encode("the lazy fox")] and tok.eod == 2 and tok.vocab_size == 60

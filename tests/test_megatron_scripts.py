@@ -12,7 +12,7 @@ import pytest
 
 from fmeg.data.default_corpus import default_corpus
 from fmeg.training.arguments import parse_args
-from runner_harness import run_recipe
+from runner_harness import run_recipe, sentencepiece_model
 
 
 def gpt3_175b(data_path: str, ckpt: str, logs: str, train_iters: int) -> list[str]:
@@ -133,12 +133,8 @@ def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[s
 
 
 def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_saves_resumes_and_evaluates(tmp_path):
-    spm = pytest.importorskip("sentencepiece")
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(f"mixtral sample number {i} of the mock corpus" for i in range(300)))
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=64,
-                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
-    model = str(tmp_path / "tok.model")
+    pytest.importorskip("sentencepiece")
+    model = sentencepiece_model(tmp_path, vocab_size=64)
     records, stdout = run_recipe(tmp_path, "as_is", 2, mixtral_8x7b_without_moe(model, []), common=[])
     assert [r["iteration"] for r in records] == list(range(1, 8)) and "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout
     assert "warning: --no-load-optim has no effect without --load DIR" in stdout
