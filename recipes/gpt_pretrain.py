@@ -35,7 +35,8 @@ from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.arguments import activation, batch_geometry, ignored_flags, lr_steps, parse_args, validate
+from fmeg.training.arguments import batch_geometry, lr_steps, parse_args, validate
+from fmeg.training.megatron_flags import activation, ignored_flags
 from fmeg.training import loss_scale
 from fmeg.training.batch_schedule import global_batch_size
 from fmeg.training.parallel_step import Layout, evaluate, global_norm, init_state, shard_params, train_iteration

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from fmeg import tree
 from fmeg.models import gpt
-from fmeg.training.arguments import ignored_flags, lr_steps, parse_args, validate
+from fmeg.training.arguments import lr_steps, parse_args, validate
+from fmeg.training.megatron_flags import ignored_flags
 from runner_harness import run_recipe, sentencepiece_model
 
 # Megatron-LM's defaults (megatron/training/arguments.py) for the flags fmeg shares, where Megatron has one.
@@ -103,7 +104,7 @@ def test_the_gelu_is_the_one_megatron_picks(flags, expected):
     """Megatron's default fuses the bias into GELU with the tanh approximation; --no-bias-gelu-fusion, or no
     biases (--disable-bias-linear turns the fusion off), gives torch's exact GELU."""
     from fmeg import ops
-    from fmeg.training.arguments import activation
+    from fmeg.training.megatron_flags import activation
 
     assert activation(parse_args(flags)) == expected
     fused = pytest.importorskip("megatron.core.fusions.fused_bias_gelu")

@@ -18,45 +18,7 @@ import torch
 
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.batch_schedule import check_rampup, iterations_for
-
-
-# Megatron flags that choose a kernel or an implementation, not the model or the numbers: accepted so that
-# Megatron scripts run unchanged, and named once at start as ignored, with the reason.
-IGNORED_SWITCHES = {
-    "--use-flash-attn": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
-    "--attention-softmax-in-fp32": "fmeg has no reduced-precision softmax option; SDPA picks its kernel",
-    "--no-masked-softmax-fusion": "fmeg fuses no kernels by hand",
-    "--no-gradient-accumulation-fusion": "fmeg fuses no kernels by hand",
-    "--no-bias-swiglu-fusion": "fmeg fuses no kernels by hand",
-    "--no-bias-dropout-fusion": "fmeg fuses no kernels by hand",
-    "--no-rope-fusion": "fmeg fuses no kernels by hand",
-    "--no-persist-layer-norm": "fmeg fuses no kernels by hand",
-    "--use-mcore-models": "fmeg has one model implementation",
-    "--use-cpu-initialization": "parameters are always initialised as on one device, then sharded",
-    "--no-load-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
-    "--no-save-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
-    "--log-throughput": "the log line always shows throughput",
-    "--manual-gc": "a memory-management policy: fmeg leaves Python's garbage collector alone",
-    "--overlap-param-gather": "an overlap policy: the distributed optimizer all-gathers right after its step",
-    "--cross-entropy-loss-fusion": "the output projection and the loss are always one fused op",
-    "--no-mmap-bin-files": "a memory policy: .bin files are always memory-mapped",
-    "--profile": "fmeg has no built-in profiler; wrap the run in torch.profiler or nsys",
-    "--no-create-attention-mask-in-dataloader": "attention is causal inside the kernel: no mask is ever built",
-}
-IGNORED_SETTINGS = {
-    "--transformer-impl": "fmeg has one transformer implementation",
-    "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
-    "--num-workers": "samples are read from memory-mapped files by the training process",
-    "--timing-log-level": "the per-phase timers are always printed",
-    "--attention-backend": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
-    "--tiktoken-pattern": "used by TikTokenizer only, which fmeg does not provide",
-    "--empty-unused-memory-level": "a memory policy: fmeg never empties torch's allocator cache",
-    "--profile-step-start": "fmeg has no built-in profiler",
-    "--profile-step-end": "fmeg has no built-in profiler",
-    "--profile-ranks": "fmeg has no built-in profiler",
-    "--ckpt-format": "fmeg writes sharded safetensors that any layout can load (as torch_dist does), whatever the format",
-}
-MULTI_VALUED = {"--profile-ranks"}
+from fmeg.training.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, MULTI_VALUED, megatron_leniencies
 
 
 def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
@@ -64,13 +26,6 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
     defaults to one micro batch per data-parallel rank."""
     dp = max(1, world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size))
     return dp, a.global_batch_size or a.micro_batch_size * dp
-
-
-def ignored_flags(a: argparse.Namespace) -> list[str]:
-    """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
-    given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
-    return [f"{flag}: {why}" for flag, why in given.items()
-            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,43 +200,6 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args.train_iters = 100
     args.notices = megatron_leniencies(args)
     return args
-
-
-def activation(a: argparse.Namespace) -> str:
-    """Megatron's MLP activation for the flags: SwiGLU; else GELU with the tanh approximation (--openai-gelu,
-    or the default fused bias-GELU, which needs biases); else exact GELU."""
-    if a.swiglu:
-        return "swiglu"
-    fused_bias_gelu = not a.no_bias_gelu_fusion and not a.disable_bias_linear
-    return "gelu_tanh" if a.openai_gelu or fused_bias_gelu else "gelu"
-
-
-def megatron_leniencies(a: argparse.Namespace) -> list[str]:
-    """Where Megatron adjusts a flag and goes on, do the same (in place) and return one warning line for each
-    adjustment a user should hear about."""
-    notices = []
-    if a.group_query_attention and a.num_query_groups is None:
-        a.num_query_groups = 1  # Megatron's default with the switch on
-    elif not a.group_query_attention and a.num_query_groups is not None:
-        notices.append(f"--num-query-groups {a.num_query_groups} has no effect without --group-query-attention "
-                       "(as in Megatron): multi-head attention")
-        a.num_query_groups = None
-    if a.sequence_parallel and a.tensor_model_parallel_size == 1:
-        notices.append("--sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron)")
-        a.sequence_parallel = False
-    if a.save_interval is not None and a.save is None:
-        notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
-    for flag in ("no_load_optim", "finetune"):
-        if getattr(a, flag) and a.load is None:
-            notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
-    if a.eval_interval is not None and a.eval_iters == 0:
-        notices.append("--eval-iters 0: no validation")
-    if a.tokenizer_type is None:
-        a.tokenizer_type = "GPT2BPETokenizer" if a.vocab_file and a.merge_file else "ByteTokenizer"
-    if a.use_rotary_position_embeddings:
-        a.position_embedding_type = "rope"
-    a.split = a.split.strip().strip("'\"")  # scripts' nested quoting ("'99,1,0'") reaches us literally
-    return notices
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
