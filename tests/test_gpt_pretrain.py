@@ -256,3 +256,35 @@ def test_megatron_script_flags_run_unchanged_and_the_params_norm_is_layout_invar
     tp2pp2, _ = run_recipe(tmp_path, "script_tp2pp2", 4, MEGATRON_SCRIPT + ["--tensor-model-parallel-size", "2",
                                                                              "--pipeline-model-parallel-size", "2"])
     assert [r["params_norm"] for r in tp2pp2] == pytest.approx([r["params_norm"] for r in single], rel=1e-6)
+
+
+YAML_CASES = [
+    ("fp16: 'no'\n", "fp16: 'no' is not true or false"),
+    ("seed: 1.5\n", "seed: 1.5 is not an integer"),
+    ("lr: null\n", "lr is null; give a value or leave the setting out"),
+    ("num-layers: [1, 2]\n", "num-layers: expected one value, got [1, 2]"),
+    ("lr-decay-style: spiral\n", "lr-decay-style: 'spiral' is not one of"),
+    ("num-layers: 4\n  hidden-size: 8: 9\n", "not readable YAML"),
+    ("lr: !!python/object/apply:os.system ['true']\n", "not readable YAML"),
+    ("- 1\n- 2\n", "expected a mapping of flag names to values"),
+]
+
+
+@pytest.mark.parametrize("text, needle", YAML_CASES, ids=[c[1][:30] for c in YAML_CASES])
+def test_yaml_values_are_typed_as_their_flags_and_refused_in_one_line(tmp_path, capsys, text, needle):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--config", str(cfg)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: --config {cfg}") and needle in err[0]
+
+
+def test_yaml_values_of_the_right_type_are_taken():
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("fp16: true\nseed: 7\nlr: 1\nmin-lr: '0.0001'\ndata-path: [corpus_a]\nrampup-batch-size: [4, 4, 40]\n")
+    a = parse_args(["--config", f.name])
+    assert (a.fp16, a.seed, a.lr, a.min_lr, a.data_path, a.rampup_batch_size) == (
+        True, 7, 1.0, 1e-4, ["corpus_a"], [4, 4, 40])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -203,22 +204,63 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The YAML file's settings by flag name, each typed as its flag types it (a switch takes only true or
+    false, a number only a number, null nothing); any problem ends the run with one line."""
     import yaml
 
     if not Path(path).is_file():
-        parser.error(f"--config {path}: no such file")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        _refuse(f"--config {path}: no such file")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # syntax errors, and !!python tags safe_load refuses
+        _refuse(f"--config {path}: not readable YAML ({' '.join(str(e).split())[:200]})")
     if not isinstance(data, dict):
-        parser.error(f"--config {path}: expected a mapping of flag names to values")
-    known = {a.dest for a in parser._actions}
+        _refuse(f"--config {path}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions}
     settings = {}
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known or dest == "config":
-            parser.error(f"--config {path}: unknown setting {key!r} (use the flag's name, e.g. num-layers)")
-        settings[dest] = value
+        if dest not in actions or dest in ("config", "help"):
+            _refuse(f"--config {path}: unknown setting {key!r} (use the flag's name, e.g. num-layers)")
+        settings[dest] = _typed(actions[dest], value, f"--config {path}: {key}")
     return settings
+
+
+def _typed(action: argparse.Action, value: Any, where: str) -> Any:
+    if value is None:
+        _refuse(f"{where} is null; give a value or leave the setting out")
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            _refuse(f"{where}: {value!r} is not true or false")
+        return value
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        items = value if isinstance(value, list) else [value]
+        return [_scalar(action, item, where) for item in items]
+    if isinstance(value, (list, dict)):
+        _refuse(f"{where}: expected one value, got {value!r}")
+    return _scalar(action, value, where)
+
+
+def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
+    kind = action.type or str
+    if isinstance(value, bool) or isinstance(value, (list, dict)) or \
+            (kind is int and isinstance(value, float) and not value.is_integer()):
+        _refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
+    try:
+        value = kind(value)
+    except (TypeError, ValueError):
+        _refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
+    if action.choices is not None and value not in action.choices:
+        _refuse(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _refuse(message: str) -> None:
+    """One line on stderr (from rank 0 only under torchrun) and exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
