@@ -373,6 +373,16 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          or in_samples,
          f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
     need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
+    for flag in ("adam_beta1", "adam_beta2"):
+        need(0.0 <= getattr(a, flag) < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(a, flag)}")
+    for flag in ("adam_eps", "norm_epsilon", "init_method_std", "rotary_base"):
+        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    need(0 <= a.seed < 2**63, f"--seed must be in [0, 2**63), got {a.seed}")
+    for flag in ("ffn_hidden_size", "num_query_groups", "global_batch_size", "max_position_embeddings",
+                 "padded_vocab_size", "exit_interval", "lr_decay_iters", "vocab_size"):
+        value = getattr(a, flag)
+        need(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    need(a.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {a.lr_warmup_iters}")
     start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
     end_wd = a.weight_decay if a.end_weight_decay is None else a.end_weight_decay
     need(a.weight_decay_incr_style != "constant" or start_wd == end_wd,
