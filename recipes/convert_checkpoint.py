@@ -38,6 +38,25 @@ def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
     return config, tree.tree_map(lambda t: t.float(), params)
 
 
+def check_paths(args) -> None:
+    """Refuse, before any work, to overwrite an output or to reach the network for an input."""
+    if args.command == "import-hf":
+        if not Path(args.input).is_dir():
+            raise ValueError(f"--input {args.input}: no such directory (import-hf reads a transformers model "
+                             "directory, config.json and weights, and never downloads)")
+        if (Path(args.save) / checkpoint.LATEST).exists():
+            raise ValueError(f"--save {args.save} already holds a checkpoint; choose a new directory")
+        return
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise ValueError(f"--output {out}: no directory {out.parent}; create it first")
+    if args.command == "consolidate" and out.exists():
+        raise ValueError(f"--output {out} exists; choose a new file name (conversions never overwrite)")
+    if args.command == "export-hf" and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--output {out} exists and is not an empty directory; choose a new directory "
+                         "(conversions never overwrite)")
+
+
 def consolidate(args) -> None:
     config, params = load_full(args.load)
     params, config = gpt.repad_vocab(params, config, config.vocab_size), config.replace(padded_vocab_size=None)
@@ -65,7 +84,7 @@ def import_hf(args) -> None:
     from fmeg.parallel.mesh import Mesh
     from fmeg.training.parallel_step import Layout, init_state, shard_params
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.input)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.input, local_files_only=True)
     config, params = from_hf(model)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--save", required=True)
     args = p.parse_args(argv)
     try:
+        check_paths(args)
         {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command](args)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

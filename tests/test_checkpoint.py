@@ -3,6 +3,7 @@ corrupt, partial or mismatched checkpoints refused with one line naming the file
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -193,6 +194,25 @@ def test_consolidate_export_to_hugging_face_and_import(tmp_path):
     unpadded = gpt.repad_vocab(params, config, 257)
     assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(imported), tree.tree_leaves(unpadded)))
     assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "nope"), "--output", "x"]) == 2
+
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["consolidate", "--load", "ck", "--output", "taken.safetensors"], "exists; choose a new file name"),
+    (["consolidate", "--load", "ck", "--output", "missing_dir/full.safetensors"], "no directory"),
+    (["export-hf", "--load", "ck", "--output", "taken.safetensors"], "is not an empty directory"),
+    (["import-hf", "--input", "no_such_model", "--save", "imp"], "no such directory"),
+], ids=["consolidate_over_a_file", "consolidate_into_a_missing_dir", "export_over_a_file", "import_missing"])
+def test_conversions_never_overwrite_or_download_and_say_so_in_one_line(tmp_path, monkeypatch, capsys, args, needle):
+    from recipes import convert_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken.safetensors").write_bytes(b"keep me")
+    start = time.perf_counter()
+    assert convert_checkpoint.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --") and needle in err[0]
+    assert (tmp_path / "taken.safetensors").read_bytes() == b"keep me" and time.perf_counter() - start < 5
 
 
 def test_metadata_describes_global_shapes_and_offsets(tmp_path):
