@@ -158,7 +158,8 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
                 memory[variant] = torch.cuda.max_memory_allocated(device) / 2**30
     flops = model_flops(config, batch_size, config.max_seq_len)
     print(f"\n{name}: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} heads "
-          f"({config.num_kv_heads} kv), seq {config.max_seq_len}, batch {batch_size}, vocab {config.padded_vocab_size}, "
+          f"({config.num_kv_heads} kv), seq {config.max_seq_len}, batch {batch_size}, "
+          f"vocab {config.padded_vocab_size}, "
           f"{flops / 1e12:.2f} TFLOP per step; both {'compiled' if compile_ else 'eager'}")
     print(f"{'variant':<20} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9}")
     medians = {}

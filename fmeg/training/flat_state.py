@@ -17,7 +17,8 @@ Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeR
 and 4 + 4 + 8 / dp at fp32. The step is the same few whole-buffer ops whatever the number of leaves: the
 global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), the clip
 (a tensor coefficient: no host sync), decoupled weight decay (one foreach multiply over the decayed
-pieces), Adam (torch's fused AdamW kernel over the whole owned slice), and the refresh of the compute weights from the master (with ZeRO-1, an all-gather).
+pieces), Adam (torch's fused AdamW kernel over the owned slice, one call per learning-rate group), and the
+refresh of the compute weights from the master (with ZeRO-1, an all-gather).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ IGNORED_SETTINGS = {
     "--profile-step-start": "fmeg has no built-in profiler",
     "--profile-step-end": "fmeg has no built-in profiler",
     "--profile-ranks": "fmeg has no built-in profiler",
-    "--ckpt-format": "fmeg writes sharded safetensors that any layout can load (as torch_dist does), whatever the format",
+    "--ckpt-format": "fmeg writes sharded safetensors that any layout can load (as torch_dist does), "
+                     "whatever the format",
 }
 MULTI_VALUED = {"--profile-ranks"}
 
