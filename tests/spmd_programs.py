@@ -212,3 +212,16 @@ def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, com
         norms.append(float(m["grad_norm"]))
         graphs.append(counters["stats"]["unique_graphs"])
     return losses, norms, graphs, dict(counters["graph_break"])
+
+
+def generation(mesh, config, seed, prompts, max_new_tokens, sampling, seeds):
+    """This rank's part of generate() on the mesh's tp x pp layout: (tokens, logprobs), the same on every rank."""
+    from fmeg.inference import generate
+    from fmeg.models import gpt
+    from fmeg.training.parallel_step import Layout, shard_params
+
+    layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"))
+    params = shard_params(gpt.init(config, seed), config, layout, mesh)[mesh.coord("pp")]
+    out = generate(params, prompts, config, max_new_tokens=max_new_tokens, sampling=sampling, seed=seeds,
+                   tp=TensorParallel(mesh.group("tp")), pp_group=mesh.group("pp"))
+    return out.tokens, out.logprobs

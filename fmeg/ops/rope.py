@@ -6,15 +6,16 @@ import torch
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [len(positions), head_dim] in fp32 for integer positions.
+    """cos and sin tables [*positions.shape, head_dim] in fp32 for integer positions.
 
-    Positions are explicit so that a sequence shard (context parallelism) asks for its own offsets.
+    Positions are explicit so that a sequence shard (context parallelism) asks for its own offsets, and
+    may be [batch, seq] when rows start at different positions (left-padded generation).
     """
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos(), angles.sin()
 

@@ -1,0 +1,100 @@
+"""The decoder over new tokens with a KV cache: prefill (many tokens) and decode (one) are the same call.
+
+    logits, cache = stage_forward(params, tokens_BS, None, cache, config)            # one rank, whole model
+    x, cache = stage_forward(stage_params, tokens_BS, None, cache, config, final=False)  # pipeline stage 0
+    logits, cache = stage_forward(stage_params, tokens_BS, x, cache, config, tp=tp)   # the last stage, a TP shard
+
+Sharding contract: params are any span of the model as gpt.decoder_span takes it (embeddings when x is
+None, params["layers"], the final norm and output layer when final), whole or a tensor-parallel shard
+(column/row-parallel matmuls, vocab-parallel embedding; no sequence parallelism). Activations are
+[batch, new, hidden] and replicated over tp. The logits come back gathered over tp, [batch, new, vocab_size]:
+padded vocabulary ids are cut off, so sampling can never produce one.
+
+Row b's new tokens sit at cache slots cache.length .. cache.length + new - 1 and at positions
+slot - cache.pad[b]; a query attends to the row's slots from pad[b] up to its own. The result equals
+gpt.apply over the row's unpadded prefix at those positions (tests/test_inference.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from fmeg import ops
+from fmeg.inference.kv_cache import KVCache
+from fmeg.models import gpt
+from fmeg.models.gpt import GPTConfig, Params
+from fmeg.parallel import collectives as C
+from fmeg.parallel.tensor import NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding, row_parallel_linear
+
+
+def positions_and_mask(cache: KVCache, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [b, new] and the boolean attention mask [b, 1, new, length + new] (True: attend).
+
+    A padding query (slot below pad) attends to itself only, so its row of the softmax is finite; no real
+    query ever attends to a padding slot."""
+    device = cache.pad.device
+    slots = cache.length + torch.arange(new, device=device)
+    pad = cache.pad[:, None]
+    positions = (slots[None, :] - pad).clamp(min=0)
+    keys = torch.arange(cache.length + new, device=device)
+    causal = keys[None, None, :] <= slots[None, :, None]
+    real = keys[None, None, :] >= pad[:, :, None]
+    itself = keys[None, None, :] == slots[None, :, None]
+    return positions, (causal & (real | itself))[:, None]
+
+
+def cached_attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, start: int, mask: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Self-attention of the new tokens over the cached ones and themselves; writes their k and v into the
+    cache at slots start .. start + new - 1."""
+    d, per_group = config.head_dim, config.heads_per_group
+    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
+    qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
+    q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
+    k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
+    if rope is not None:
+        q, k = gpt._rotate(q, rope, config.rotary_dim), gpt._rotate(k, rope, config.rotary_dim)
+    end = start + x_BSH.shape[1]
+    k_cache[:, :, start:end] = k
+    v_cache[:, :, start:end] = v
+    out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = rearrange(out, "b n s d -> b s (n d)")
+    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
+
+
+def stage_forward(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, cache: KVCache, config: GPTConfig,
+                  *, final: bool = True, tp: TensorParallel = NO_TP, last_only: bool = False) -> tuple[Any, KVCache]:
+    """(logits [b, new, vocab_size] when final, else hidden states [b, new, h]; the advanced cache).
+
+    tokens [b, new] are the new token ids (every stage needs only their shape and the cache's positions;
+    stage 0 embeds them). last_only: logits for the last new position only, [b, 1, vocab_size]."""
+    if tp.sp:
+        raise ValueError("generation runs without sequence parallelism")
+    new = tokens.shape[1]
+    if cache.length + new > cache.capacity:
+        raise ValueError(f"the cache holds {cache.capacity} positions; {cache.length} used, {new} more asked")
+    positions, mask = positions_and_mask(cache, new)
+    rope = None
+    if config.position == "rope":
+        cos, sin = ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
+        rope = (cos[:, None], sin[:, None])  # [b, 1, new, d]: broadcast over heads
+    if x is None:
+        x = gpt.embed(params, tokens, config, positions, tp)
+    for i, p in enumerate(params["layers"]):
+        h = gpt.norm(p["attn_norm"], x, config, tp)
+        x = x + cached_attention(p["attn"], h, config, rope, cache.k[i], cache.v[i], cache.length, mask, tp)
+        x = x + gpt.mlp(p["mlp"], gpt.norm(p["mlp_norm"], x, config, tp), config, tp)
+    cache = cache.advanced(new)
+    if not final:
+        return x, cache
+    x = gpt.norm(params["final_norm"], x[:, -1:] if last_only else x, config, tp)
+    weight = params["output"]["weight"] if "output" in params else gpt.output_weight(params, config)
+    if tp.group is None:
+        return ops.linear(x, weight[:config.vocab_size]), cache
+    shard = mask_vocab_padding(column_parallel_linear(x, weight, None, tp), config.vocab_size, tp)
+    return C.gather_from(shard, tp.group, -1)[..., :config.vocab_size], cache

@@ -1,0 +1,158 @@
+"""Autoregressive generation for a batch of prompts, on one rank or one rank of a tp x pp layout.
+
+    for step in stream(params, prompts, config, max_new_tokens=32): ...    # one Step per new token
+    result = generate(params, prompts, config, max_new_tokens=32, sampling=SamplingParams(temperature=0))
+
+Sharding contract: params are this rank's stage (gpt_pipeline.split with pp stages, one per pipeline rank,
+then its tensor-parallel shard); tp and pp_group are this rank's groups. Every rank of the layout calls
+with the same prompts and settings. Stage 0 embeds, each stage sends its hidden states on, the last stage
+samples, and the new ids travel back to every stage (one all-reduce over the pipeline group), so every
+rank yields the same Steps and stops at the same step.
+
+Prompts of different lengths are left-padded in one cache; each row's result equals its own unbatched
+generation. A row stops at the end-of-document id (eod), when stop(row, ids so far) says so, or after
+max_new_tokens; the batch stops when every row has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from fmeg.inference.cached_forward import stage_forward
+from fmeg.inference.kv_cache import new_cache
+from fmeg.inference.sampling import SamplingParams, sample, token_logprobs
+from fmeg.models.gpt import GPTConfig, Params
+from fmeg.ops.random import fold_in
+from fmeg.parallel.tensor import NO_TP, TensorParallel
+
+
+@dataclass(frozen=True)
+class Step:
+    ids: list[int | None]  # the new id of each row; None for a row that had already finished
+    logprobs: list[float | None]
+    finished: list[str | None]  # per row: None while running, else "eod", "stop" or "length"
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]] = field(default_factory=list)  # generated ids per row (the eod id included)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_logprobs: list[list[float]] | None = None  # per row, for prompt tokens 1 .. n-1
+
+
+def check_prompts(prompts: list[list[int]], config: GPTConfig, max_new_tokens: int) -> None:
+    """ValueError with the reason for prompts this model cannot continue."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if max_new_tokens < 0:
+        raise ValueError(f"the number of tokens to generate must be >= 0, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; give at least one token")
+        if min(p) < 0 or max(p) >= config.vocab_size:
+            raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {config.vocab_size})")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new exceeds the model's "
+                         f"{config.max_seq_len} positions")
+
+
+class _Pipeline:
+    """This rank's stage: runs it, passes activations on, and shares the last stage's results."""
+
+    def __init__(self, params: Params, config: GPTConfig, tp: TensorParallel, group: Any):
+        self.params, self.config, self.tp, self.group = params, config, tp, group
+        self.rank, self.size = (0, 1) if group is None else (group.rank, group.size)
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool):
+        x = None if self.rank == 0 else self.group.recv(self.rank - 1)
+        out, cache = stage_forward(self.params, tokens, x, cache, self.config, final=self.last, tp=self.tp,
+                                   last_only=last_only)
+        if not self.last:
+            self.group.send(out, self.rank + 1)
+            self.group.finish()
+            return None, cache
+        return out, cache
+
+    def share(self, values: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """The last stage's values on every stage (float64 carries ids exactly)."""
+        if self.group is None:
+            return values
+        return self.group.all_reduce(values.double() if self.last else torch.zeros_like(like, dtype=torch.float64))
+
+
+def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_new_tokens: int,
+           sampling: SamplingParams = SamplingParams(), seed: int | list[int] = 0, eod: int | None = None,
+           stop: Callable[[int, list[int]], bool] | None = None, tp: TensorParallel = NO_TP,
+           pp_group: Any = None, prompt_logprobs: list | None = None) -> Iterator[Step]:
+    """Yields one Step per generated position until every row has finished. seed: one for all rows or one
+    per row (a row's draws depend on its own seed only). prompt_logprobs: a list that receives, before the
+    first Step, each row's prompt-token logprobs."""
+    check_prompts(prompts, config, max_new_tokens)
+    if max_new_tokens == 0:
+        return
+    stage = _Pipeline(params, config, tp, pp_group)
+    device = next(t for t in torch.utils._pytree.tree_leaves(params)).device
+    b, longest = len(prompts), max(len(p) for p in prompts)
+    seeds = torch.tensor(seed if isinstance(seed, list) else [seed] * b, dtype=torch.int64, device=device)
+    pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.int64)
+    tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], dtype=torch.int64, device=device)
+    cache = new_cache(params, config, batch=b, capacity=longest + max_new_tokens, pad=pad)
+    with torch.no_grad():
+        logits, cache = stage.forward(tokens, cache, last_only=prompt_logprobs is None)
+        if prompt_logprobs is not None:
+            lp = None
+            if stage.last:
+                lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+            lp = stage.share(lp, tokens[:, 1:]).float()
+            prompt_logprobs.extend(lp[r, pad[r]:].tolist() for r in range(b))
+        finished: list[str | None] = [None] * b
+        generated: list[list[int]] = [[] for _ in range(b)]
+        for step in range(max_new_tokens):
+            shared = None
+            if stage.last:
+                last = logits[:, -1]
+                ids = sample(last, sampling, fold_in(seeds, step))
+                shared = torch.stack([ids.double(), token_logprobs(last, ids).double()], dim=1)
+            shared = stage.share(shared, torch.empty(b, 2)).cpu()
+            ids, lps = shared[:, 0].long().tolist(), shared[:, 1].tolist()
+            new_ids, new_lps, was = list(ids), list(lps), list(finished)
+            for r in range(b):
+                if was[r] is not None:
+                    new_ids[r] = new_lps[r] = None
+                    continue
+                generated[r].append(ids[r])
+                if eod is not None and ids[r] == eod:
+                    finished[r] = "eod"
+                elif stop is not None and stop(r, generated[r]):
+                    finished[r] = "stop"
+                elif step == max_new_tokens - 1:
+                    finished[r] = "length"
+            yield Step(new_ids, new_lps, [f if w is None else None for f, w in zip(finished, was)])
+            if all(f is not None for f in finished):
+                return
+            logits, cache = stage.forward(torch.tensor(ids, device=device)[:, None], cache, last_only=True)
+
+
+def generate(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_new_tokens: int,
+             return_prompt_logprobs: bool = False, **options: Any) -> Generation:
+    """Every row's generated ids, their logprobs and why it stopped (see stream for the options)."""
+    out = Generation([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts),
+                     [] if return_prompt_logprobs else None)
+    for step in stream(params, prompts, config, max_new_tokens=max_new_tokens, prompt_logprobs=out.prompt_logprobs,
+                       **options):
+        for r, (i, lp, done) in enumerate(zip(step.ids, step.logprobs, step.finished)):
+            if i is not None:
+                out.tokens[r].append(i)
+                out.logprobs[r].append(lp)
+            if done is not None:
+                out.finish_reasons[r] = done
+    return out
