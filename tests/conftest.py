@@ -31,3 +31,11 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     return {"plain": run_layout(tmp, "single", 1, []),
             "dropout": run_layout(tmp, "single_dropout", 1, DROPOUT)}
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory):
+    """A small trained checkpoint (runner_harness.small_checkpoint), made once per test session."""
+    from runner_harness import small_checkpoint
+
+    return small_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt")

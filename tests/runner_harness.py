@@ -47,3 +47,15 @@ def sentencepiece_model(directory, vocab_size: int = 60) -> str:
                                              vocab_size=vocab_size, model_type="bpe", bos_id=1, eos_id=2, unk_id=0,
                                              pad_id=-1)
     return str(directory / "tok.model")
+
+
+def small_checkpoint(directory) -> str:
+    """A checkpoint of a 2-layer model trained for 30 iterations on the default data (byte vocabulary), for
+    the generation and serving tests; written by the runner as users write it."""
+    flags = ["--train-iters", "30", "--global-batch-size", "8", "--micro-batch-size", "4", "--num-layers", "2",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--log-interval", "100",
+             "--lr", "3e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(directory)]
+    out = subprocess.run([sys.executable, "-m", "recipes.gpt_pretrain", *flags], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return str(directory)

@@ -1,0 +1,238 @@
+"""Generate text from an fmeg checkpoint, at any tensor x pipeline layout.
+
+    python -m recipes.generate --load checkpoints/gpt --prompt "def main(" --tokens 64
+    torchrun --nproc-per-node 4 -m recipes.generate --load checkpoints/gpt --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --prompt "import os" --temperature 0.8 --top-k 40 --seed 7
+
+The checkpoint may have been saved at any layout: every rank rebuilds the full parameters and takes its
+shard, as --load does when resharding (so each rank briefly holds the whole model). The tokenizer is the one
+the run was trained with (from the checkpoint's arguments) unless --tokenizer-type and its files are given.
+One prompt streams to the terminal as it is generated; several are generated as one batch. --json prints one
+JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i samples with seed --seed + i,
+so a sampled run is reproducible across layouts and batches. Problems with the flags, the checkpoint or a prompt are one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fmeg import checkpoint, tree
+from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
+from fmeg.inference import SamplingParams, generate
+from fmeg.inference.generate import check_prompts, stream
+from fmeg.models import gpt
+from fmeg.parallel.mesh import Mesh
+from fmeg.parallel.tensor import TensorParallel
+from fmeg.training.parallel_step import Layout, shard_params
+
+TOKENIZERS = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"]
+
+
+def model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say which model to load and how to lay it out (shared with recipes.serve)."""
+    p.add_argument("--load", required=True, help="a checkpoint directory (its newest iteration is used)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: fp32)")
+    p.add_argument("--fp16", action="store_true", help="compute in float16")
+    p.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None,
+                   help="default: the one the checkpoint was trained with")
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+
+
+def sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids (0: all; 1: greedy)")
+    p.add_argument("--top-p", type=float, default=0.0, help="sample from the smallest set of this mass (0: all)")
+    p.add_argument("--seed", type=int, default=1234)
+
+
+@dataclass
+class LoadedModel:
+    """This rank's part of a model laid out for generation, and what it needs to run."""
+
+    params: dict
+    config: gpt.GPTConfig
+    tokenizer: Any
+    tp: TensorParallel
+    pp_group: Any
+    rank: int
+    device: torch.device
+
+    def run(self, prompts: list[list[int]], **options: Any):
+        return generate(self.params, prompts, self.config, tp=self.tp, pp_group=self.pp_group, **options)
+
+    def stream(self, prompts: list[list[int]], **options: Any):
+        return stream(self.params, prompts, self.config, tp=self.tp, pp_group=self.pp_group, **options)
+
+
+def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
+    problems = []
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        problems.append(f"--tensor-model-parallel-size and --pipeline-model-parallel-size must be positive, "
+                        f"got {tp} and {pp}")
+    elif tp * pp != world:
+        problems.append(f"generation runs on tp x pp = {tp} x {pp} = {tp * pp} ranks, but the world size is {world}; "
+                        f"launch {tp * pp} processes")
+    if a.bf16 and a.fp16:
+        problems.append("--bf16 and --fp16 exclude each other; give one")
+    if not os.path.isdir(a.load):
+        problems.append(f"--load {a.load}: no such directory")
+    for name in ("temperature", "top_k", "top_p"):
+        if getattr(a, name, None) is not None and getattr(a, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if getattr(a, "top_p", 0.0) > 1.0:
+        problems.append(f"--top-p must be at most 1, got {a.top_p}")
+    return problems
+
+
+def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
+    pick = (lambda name: getattr(a, name) or saved.get(name)) if a.tokenizer_type is None else \
+        (lambda name: getattr(a, name))
+    vocab_file, merge_file = pick("vocab_file"), pick("merge_file")
+    kind = a.tokenizer_type or saved.get("tokenizer_type") or (
+        "GPT2BPETokenizer" if vocab_file and merge_file else "ByteTokenizer")
+    tokenizer = build_tokenizer(kind, model=pick("tokenizer_model"), vocab_file=vocab_file, merge_file=merge_file,
+                                vocab_size=pick("vocab_size"))
+    if tokenizer.vocab_size != vocab_size:
+        raise ValueError(f"the checkpoint's vocabulary has {vocab_size} ids but {kind} has {tokenizer.vocab_size}; "
+                         "give the tokenizer it was trained with (--tokenizer-type and its files)")
+    return tokenizer
+
+
+def load_model(a: argparse.Namespace) -> LoadedModel:
+    """Join the process group (under torchrun), read the checkpoint, and keep this rank's shard. Raises
+    ValueError (or CheckpointError) with a one-line reason, the same on every rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    path = checkpoint.latest(a.load)
+    if path is None:
+        raise checkpoint.CheckpointError(f"--load {a.load}: no {checkpoint.LATEST}; not a checkpoint directory")
+    meta = json.loads((path / "metadata.json").read_text())
+    saved_config = gpt.GPTConfig(**meta["model"])
+    tokenizer = _tokenizer(a, meta.get("arguments", {}), saved_config.vocab_size)
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
+    gpt.check_tensor_parallel(config, tp)
+    if config.num_layers % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} must divide the model's {config.num_layers} layers")
+    checkpoint.read_metadata(path, config)
+    full = checkpoint.full_state(path, meta, config)
+    params = full.get("main", full["params"])
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10),
+                                device_id=device if cuda else None)
+        mesh = Mesh.from_torch_distributed(tp=tp, pp=pp, device=device)
+    else:
+        mesh = Mesh.single()
+    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    local = shard_params(params, config, Layout(tp=tp, pp=pp), mesh)[mesh.coord("pp")]
+    local = tree.tree_map(lambda t: t.to(device=device, dtype=dtype), local)
+    return LoadedModel(local, config, tokenizer, TensorParallel(mesh.group("tp")), mesh.group("pp"), rank, device)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+class TextStream:
+    """Decoded text, a piece at a time, holding back a trailing partial character (bytes, BPE pieces)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.shown = text[self.shown:], len(text)
+        return piece
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """text up to the first stop string (excluded)."""
+    ends = [text.find(s) for s in stops if s and s in text]
+    return text[:min(ends)] if ends else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_flags(p)
+    sampling_flags(p)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--tokens", type=int, default=64, help="how many tokens to generate per prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop a row when its text contains this string")
+    p.add_argument("--ignore-eod", action="store_true", help="go on past the end-of-document token")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+    a = p.parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    problems = flag_problems(a, world) + ([f"--tokens must be >= 0, got {a.tokens}"] if a.tokens < 0 else [])
+    if problems:
+        if rank == 0:
+            print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    try:
+        model = load_model(a)
+        prompts = [encode(model.tokenizer, text) for text in a.prompt]
+        check_prompts(prompts, model.config, a.tokens)
+    except (ValueError, OSError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = model.tokenizer
+    stop = (lambda row, ids: any(s in tokenizer.decode(ids) for s in a.stop)) if a.stop else None
+    options = dict(max_new_tokens=a.tokens, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
+                   seed=[a.seed + i for i in range(len(prompts))],
+                   eod=None if a.ignore_eod else tokenizer.eod, stop=stop)
+    if len(prompts) == 1 and not a.json:
+        text = TextStream(tokenizer)
+        if rank == 0:
+            print(a.prompt[0], end="", flush=True)
+        shown = ""
+        for step in model.stream(prompts, **options):
+            if step.ids[0] is not None and step.ids[0] != tokenizer.eod:
+                piece = text.add(step.ids[0])
+                visible = cut_at_stop(shown + piece, a.stop)[len(shown):]
+                shown += visible
+                if rank == 0:
+                    print(visible, end="", flush=True)
+        if rank == 0:
+            print(flush=True)
+    else:
+        out = model.run(prompts, **options)
+        if rank == 0:
+            for i, prompt in enumerate(a.prompt):
+                ids = [t for t in out.tokens[i] if t != tokenizer.eod or a.ignore_eod]
+                completion = cut_at_stop(tokenizer.decode(ids), a.stop)
+                if a.json:
+                    print(json.dumps({"prompt": prompt, "text": completion, "tokens": out.tokens[i],
+                                      "logprobs": out.logprobs[i], "finish_reason": out.finish_reasons[i]}))
+                else:
+                    print(f"--- {i}\n{prompt}{completion}")
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Serve a checkpoint over HTTP: Megatron's `PUT /api` and OpenAI's `POST /v1/completions`.
+
+    python -m recipes.serve --load checkpoints/gpt --port 5000
+    torchrun --nproc-per-node 2 -m recipes.serve --load checkpoints/gpt --tensor-model-parallel-size 2
+    curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \\
+        -d '{"prompts": ["import os"], "tokens_to_generate": 32}'
+    curl localhost:5000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "import os", "max_tokens": 32, "stream": true}'
+
+Rank 0 runs the web server (Flask, as Megatron's: pip install "fmeg[serve]"); every other rank waits for
+rank 0 to broadcast the next job as JSON (never a pickle) and runs its part of the same generation. Requests
+are served one at a time, each as one batch of its prompts. A bad request gets HTTP 400 and a one-line
+reason (`recipes/serve_api.py`) and never reaches the other ranks; the server stays up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from fmeg.inference import SamplingParams
+from recipes.generate import LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags
+from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
+
+STOP_SERVING = b""
+
+
+def plan(job: Job, model: LoadedModel) -> dict:
+    """The job as every rank runs it: token ids, seeds and stop rules (raises BadRequest on prompts that do
+    not fit the model)."""
+    tokenizer, config = model.tokenizer, model.config
+    ids = [([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text) for text in job.prompts]
+    for i, row in enumerate(ids):
+        if not row:
+            raise BadRequest(f"prompt {i} is empty")
+        if len(row) + job.max_new_tokens > config.max_seq_len:
+            raise BadRequest(f"prompt {i} is {len(row)} tokens; with {job.max_new_tokens} to generate that exceeds "
+                             f"the model's {config.max_seq_len} positions")
+    seed = secrets.randbits(31) if job.seed is None else job.seed
+    return {"prompts": ids, "max_new_tokens": job.max_new_tokens, "temperature": job.sampling.temperature,
+            "top_k": job.sampling.top_k, "top_p": job.sampling.top_p, "seeds": [seed + i for i in range(len(ids))],
+            "eod": tokenizer.eod if job.stop_token is None else job.stop_token, "stop": job.stop,
+            "prompt_logprobs": job.logprobs}
+
+
+def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None) -> Iterator:
+    """This rank's part of the generation p describes (the same Steps on every rank)."""
+    tokenizer, stops = model.tokenizer, p["stop"]
+    stop = (lambda row, ids: any(s in tokenizer.decode(ids) for s in stops)) if stops else None
+    return model.stream(p["prompts"], max_new_tokens=p["max_new_tokens"], seed=p["seeds"], eod=p["eod"], stop=stop,
+                        sampling=SamplingParams(p["temperature"], p["top_k"], p["top_p"]),
+                        prompt_logprobs=prompt_logprobs)
+
+
+class Broadcast:
+    """Rank 0 tells the other ranks the next job (JSON bytes in a uint8 tensor); empty bytes: stop."""
+
+    def __init__(self, world: int, device: torch.device):
+        self.world, self.device = world, device
+
+    def send(self, payload: bytes) -> None:
+        if self.world > 1:
+            self._exchange(payload)
+
+    def receive(self) -> bytes:
+        return self._exchange(None)
+
+    def _exchange(self, payload: bytes | None) -> bytes:
+        sending = payload is not None
+        size = torch.tensor([len(payload) if sending else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        n = int(size.item())
+        data = torch.tensor(list(payload), dtype=torch.uint8, device=self.device) if sending and n else \
+            torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            dist.broadcast(data, src=0)
+        return payload if sending else bytes(data.cpu().tolist())
+
+
+def follow(model: LoadedModel, broadcast: Broadcast) -> None:
+    """The loop of every rank but 0: run each job rank 0 sends, until it says stop."""
+    while True:
+        payload = broadcast.receive()
+        if payload == STOP_SERVING:
+            return
+        p = json.loads(payload)
+        for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None):
+            pass
+
+
+class Completion:
+    """One row's text as it grows: partial characters held back, cut at a stop string, and (while streaming)
+    the tail that could still become a stop string held back too."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], eod: int):
+        self.text, self.stops, self.eod = TextStream(tokenizer), stops, eod
+        self.ids, self.logprobs, self.full, self.sent = [], [], "", 0
+        self.finish: str | None = None
+
+    def add(self, token: int, logprob: float, finished: str | None) -> str:
+        """Take one step; return the new text that is now certain."""
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        if token != self.eod:
+            self.full += self.text.add(token)
+        self.finish = finished
+        visible = cut_at_stop(self.full, self.stops)
+        hold = 0 if finished else max((len(s) - 1 for s in self.stops), default=0)
+        end = max(self.sent, len(visible) - hold)
+        piece, self.sent = visible[self.sent:end], end
+        return piece
+
+    @property
+    def final_text(self) -> str:
+        return cut_at_stop(self.full, self.stops)
+
+
+def openai_reason(finish: str | None) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
+    from flask import Flask, Response, request
+
+    app = Flask("fmeg.serve")
+    lock = threading.Lock()
+    tokenizer = model.tokenizer
+
+    def start(job: Job, p: dict, who: str) -> tuple[Iterator, list | None]:
+        """Under the lock: tell the other ranks the planned job and begin this rank's part."""
+        if job.log:
+            print(f"request from {who}: {len(p['prompts'])} prompt(s), {p['max_new_tokens']} tokens", flush=True)
+        broadcast.send(json.dumps(p).encode())
+        prompt_logprobs = [] if job.logprobs else None
+        return run_plan(model, p, prompt_logprobs), prompt_logprobs
+
+    def run(job: Job) -> tuple[dict, list[Completion], list | None]:
+        p = plan(job, model)
+        with lock:
+            steps, prompt_logprobs = start(job, p, request.remote_addr)
+            rows = [Completion(tokenizer, job.stop, p["eod"]) for _ in p["prompts"]]
+            for step in steps:
+                for row, token, lp, done in zip(rows, step.ids, step.logprobs, step.finished):
+                    if token is not None:
+                        row.add(token, lp, done)
+        return p, rows, prompt_logprobs
+
+    @app.errorhandler(BadRequest)
+    def bad_request(e: BadRequest):
+        if request.path.startswith("/v1/"):
+            return {"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}}, 400
+        return Response(str(e), status=400, mimetype="text/plain")
+
+    @app.put("/api")
+    def megatron_api():
+        job = megatron_job(parse_json(request.get_data()))
+        p, rows, prompt_logprobs = run(job)
+        out = {"text": [text + row.final_text for text, row in zip(job.prompts, rows)],
+               "tokens": [ids + row.ids for ids, row in zip(p["prompts"], rows)],
+               "segments": [[tokenizer.decode([t]) for t in ids + row.ids] for ids, row in zip(p["prompts"], rows)]}
+        if job.logprobs:
+            out["logprobs"] = [lp + row.logprobs for lp, row in zip(prompt_logprobs, rows)]
+        return out
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fmeg"}]}
+
+    @app.post("/v1/completions")
+    def completions():
+        job = openai_job(parse_json(request.get_data()))
+        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        head = {"id": ident, "object": "text_completion", "created": created, "model": name}
+        if job.stream:
+            return Response(sse(job, plan(job, model), head, request.remote_addr), mimetype="text/event-stream")
+        p, rows, _ = run(job)
+        choices = []
+        for i, (text, row) in enumerate(zip(job.prompts, rows)):
+            logprobs = None
+            if job.logprobs:
+                logprobs = {"tokens": [tokenizer.decode([t]) for t in row.ids], "token_logprobs": row.logprobs,
+                            "top_logprobs": None, "text_offset": None}
+            choices.append({"text": (text if job.echo else "") + row.final_text, "index": i, "logprobs": logprobs,
+                            "finish_reason": openai_reason(row.finish)})
+        used = sum(len(ids) for ids in p["prompts"])
+        made = sum(len(row.ids) for row in rows)
+        return {**head, "choices": choices,
+                "usage": {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}}
+
+    def sse(job: Job, p: dict, head: dict, who: str) -> Iterator[str]:
+        with lock:  # held until the stream ends, or the client leaves and the generator is closed
+            steps, _ = start(job, p, who)
+            row = Completion(tokenizer, job.stop, p["eod"])
+            try:
+                if job.echo:
+                    yield f"data: {json.dumps(chunk(head, job.prompts[0], None))}\n\n"
+                for step in steps:
+                    if step.ids[0] is None:
+                        continue
+                    piece = row.add(step.ids[0], step.logprobs[0], step.finished[0])
+                    lp = {"tokens": [tokenizer.decode([step.ids[0]])], "token_logprobs": [step.logprobs[0]],
+                          "top_logprobs": None, "text_offset": None} if job.logprobs else None
+                    finish = openai_reason(row.finish) if row.finish else None
+                    if piece or finish or lp:
+                        yield f"data: {json.dumps(chunk(head, piece, finish, lp))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # a client that left early: the other ranks are mid-generation, so finish it with them
+                for _ in steps:
+                    pass
+
+    return app
+
+
+def chunk(head: dict, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--model-name", default=None, help="the model's name in OpenAI responses (default: --load)")
+    a = p.parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    problems = flag_problems(a, world) + ([f"--port must be in [0, 65535], got {a.port}"]
+                                          if not 0 <= a.port <= 65535 else [])
+    if importlib.util.find_spec("flask") is None:
+        problems.append('recipes.serve needs Flask: pip install "fmeg[serve]" (or pip install flask)')
+    if problems:
+        if rank == 0:
+            print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    try:
+        model = load_model(a)
+    except (ValueError, OSError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    broadcast = Broadcast(world, model.device)
+    if rank != 0:
+        follow(model, broadcast)
+        dist.destroy_process_group()
+        return 0
+    from werkzeug.serving import make_server
+
+    app = make_app(model, broadcast, a.model_name or a.load)
+    try:
+        server = make_server(a.host, a.port, app, threaded=True)
+    except OSError as e:
+        print(f"error: --port {a.port}: {e.strerror or e}; choose another port", file=sys.stderr)
+        broadcast.send(STOP_SERVING)
+        return 2
+    print(f"serving {a.load} on http://{a.host}:{server.port} (PUT /api, POST /v1/completions); "
+          f"tp {a.tensor_model_parallel_size} x pp {a.pipeline_model_parallel_size}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a clean stop: the other ranks are told to finish
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        broadcast.send(STOP_SERVING)
+        if world > 1:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

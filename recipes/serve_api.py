@@ -1,0 +1,171 @@
+"""The two request formats recipes.serve speaks, as pure functions: a JSON body -> a Job, or a reason.
+
+Megatron's `PUT /api` (tools/run_text_generation_server.py):
+    {"prompts": ["..."], "tokens_to_generate": 64, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
+     "logprobs": false, "random_seed": -1, "add_BOS": false, "stop_on_eol": false, "stop_on_double_eol": false,
+     "stop_token": <eod>, "no_log": false}
+    -> {"text": [prompt + completion], "tokens": [prompt ids + new ids], "segments": [[piece per token]],
+        "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}     (logprobs when asked)
+OpenAI's `POST /v1/completions`:
+    {"prompt": "..." | ["..."], "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "stop": "..." | [...],
+     "logprobs": null | 0, "echo": false, "seed": null, "stream": false, "n": 1, "model": "..."}
+
+A field the format does not define, or one fmeg does not implement (beam search, top-p decay,
+penalties), is refused with its name, so a request is never half-honoured. Prompt length and vocabulary
+checks need the tokenizer and the model: `tokenized` does them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fmeg.inference import SamplingParams
+
+MAX_PROMPTS = 128
+
+
+class BadRequest(ValueError):
+    """A request the server answers with HTTP 400 and this one-line message."""
+
+
+@dataclass
+class Job:
+    """One generation for every rank: what to run, independent of the API that asked."""
+
+    prompts: list[str]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int | None = None  # None: a fresh seed per request
+    logprobs: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token: int | None = None  # None: the tokenizer's end of document
+    add_bos: bool = False
+    echo: bool = False
+    stream: bool = False
+    log: bool = True
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        value = json.loads(body or b"null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return value
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadRequest(message)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _unknown(body: dict, known: set[str], unsupported: dict[str, str]) -> None:
+    for name in body:
+        if name in unsupported:
+            raise BadRequest(f"{name}: {unsupported[name]}")
+        _check(name in known, f"unknown field {name!r}; expected one of {', '.join(sorted(known))}")
+
+
+MEGATRON_FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "random_seed",
+                   "add_BOS", "stop_on_eol", "stop_on_double_eol", "stop_token", "no_log"}
+MEGATRON_UNSUPPORTED = {
+    "beam_width": "beam search is not implemented in fmeg; leave it out",
+    "length_penalty": "only used by beam search, which fmeg does not implement; leave it out",
+    "top_p_decay": "not implemented in fmeg; leave it out", "top_p_bound": "not implemented in fmeg; leave it out",
+    "prevent_newline_after_colon": "not implemented in fmeg; leave it out",
+    "max_len": "max_len is no longer used; replace it with tokens_to_generate",
+    "sentences": "sentences is no longer used; replace it with prompts",
+}
+
+
+def megatron_job(body: dict) -> Job:
+    """A Megatron `PUT /api` request, checked as Megatron checks it."""
+    _unknown(body, MEGATRON_FIELDS, MEGATRON_UNSUPPORTED)
+    _check("prompts" in body, "prompts argument required")
+    prompts = body["prompts"]
+    _check(isinstance(prompts, list) and all(isinstance(p, str) for p in prompts), "prompts is not a list of strings")
+    _check(len(prompts) > 0, "prompts is empty")
+    _check(len(prompts) <= MAX_PROMPTS, f"Maximum number of prompts is {MAX_PROMPTS}")
+    tokens = body.get("tokens_to_generate", 64)
+    _check(_is_int(tokens) and tokens >= 0, "tokens_to_generate must be an integer greater than or equal to 0")
+    logprobs = body.get("logprobs", False)
+    _check(isinstance(logprobs, bool), "logprobs must be a boolean value")
+    _check(tokens > 0 or logprobs, "tokens_to_generate=0 implies logprobs should be True")
+    temperature = body.get("temperature", 1.0)
+    _check(_is_number(temperature) and 0.0 < temperature <= 100.0,
+           "temperature must be a positive number less than or equal to 100.0")
+    top_k = body.get("top_k", 0)
+    _check(_is_int(top_k) and 0 <= top_k <= 1000, "top_k must be an integer from 0 to 1000")
+    top_p = body.get("top_p", 0.0)
+    _check(_is_number(top_p) and 0.0 <= top_p <= 1.0, "top_p must be a number from 0 to 1.0")
+    _check(not (top_p > 0.0 and top_k > 0), "cannot set both top-k and top-p samplings.")
+    seed = body.get("random_seed", -1)
+    _check(_is_int(seed) and seed >= -1, "random_seed must be a non-negative integer (or -1 for a fresh one)")
+    flags = {}
+    for name in ("add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log"):
+        flags[name] = body.get(name, False)
+        _check(isinstance(flags[name], bool), f"{name} must be a boolean value")
+    _check(flags["add_BOS"] or all(prompts), "Empty prompts require add_BOS=true")
+    stop_token = body.get("stop_token")
+    _check(stop_token is None or _is_int(stop_token), "stop_token must be an integer")
+    stop = ["\n\n"] if flags["stop_on_double_eol"] else ["\n"] if flags["stop_on_eol"] else []
+    return Job(prompts, tokens, SamplingParams(float(temperature), top_k, float(top_p)),
+               None if seed == -1 else seed, logprobs, stop, stop_token, flags["add_BOS"], echo=True,
+               log=not flags["no_log"])
+
+
+OPENAI_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "echo", "seed",
+                 "stream", "n", "best_of", "model", "user", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "stream_options"}
+OPENAI_UNSUPPORTED = {"suffix": "insertion (suffix) is not implemented in fmeg; leave it out"}
+
+
+def openai_job(body: dict) -> Job:
+    """An OpenAI `POST /v1/completions` request."""
+    _unknown(body, OPENAI_FIELDS, OPENAI_UNSUPPORTED)
+    _check("prompt" in body, "prompt is required")
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    _check(isinstance(prompts, list) and all(isinstance(p, str) for p in prompts),
+           "prompt must be a string or a list of strings")
+    _check(0 < len(prompts) <= MAX_PROMPTS, f"prompt must hold 1 to {MAX_PROMPTS} strings")
+    _check(all(prompts), "prompt is empty; give at least one character")
+    tokens = body.get("max_tokens", 16)
+    _check(_is_int(tokens) and tokens >= 0, "max_tokens must be an integer greater than or equal to 0")
+    temperature = body.get("temperature", 1.0)
+    _check(_is_number(temperature) and 0.0 <= temperature <= 2.0, "temperature must be a number from 0 to 2")
+    top_p = body.get("top_p", 1.0)
+    _check(_is_number(top_p) and 0.0 < top_p <= 1.0, "top_p must be a number in (0, 1]")
+    top_k = body.get("top_k", 0)
+    _check(_is_int(top_k) and top_k >= 0, "top_k must be an integer >= 0 (0: no cut)")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    _check(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop),
+           "stop must be a non-empty string or a list of up to 4 of them")
+    logprobs = body.get("logprobs")
+    _check(logprobs is None or (_is_int(logprobs) and logprobs == 0),
+           "logprobs: only 0 (the chosen tokens' logprobs) is implemented, or null")
+    for name, ok, why in (("n", 1, "only n=1 is implemented"), ("best_of", 1, "only best_of=1 is implemented"),
+                          ("presence_penalty", 0, "penalties are not implemented; give 0 or leave it out"),
+                          ("frequency_penalty", 0, "penalties are not implemented; give 0 or leave it out")):
+        _check(body.get(name, ok) == ok and not isinstance(body.get(name, ok), bool), f"{name}: {why}")
+    _check(not body.get("logit_bias"), "logit_bias: not implemented; leave it out")
+    seed = body.get("seed")
+    _check(seed is None or (_is_int(seed) and seed >= 0), "seed must be a non-negative integer")
+    flags = {name: body.get(name, False) for name in ("echo", "stream")}
+    for name, value in flags.items():
+        _check(isinstance(value, bool), f"{name} must be a boolean")
+    _check(not (flags["stream"] and len(prompts) > 1), "stream: one prompt at a time")
+    return Job(prompts, tokens, SamplingParams(float(temperature), top_k, 0.0 if top_p == 1.0 else float(top_p)),
+               seed, logprobs is not None, stop, echo=flags["echo"], stream=flags["stream"])

@@ -1,0 +1,76 @@
+"""recipes.generate as users run it: from a trained checkpoint, at any layout, with one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fmeg.inference import SamplingParams, generate
+from recipes.convert_checkpoint import load_full
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _run(args, nproc=1, timeout=180):
+    launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    return subprocess.run(launcher + ["-m", "recipes.generate", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _json_rows(out):
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+PROMPTS = ["--prompt", "import os\n", "--prompt", "def main("]
+
+
+def test_greedy_text_is_the_models_greedy_continuation(trained_checkpoint):
+    rows = _json_rows(_run(["--load", trained_checkpoint, *PROMPTS, "--tokens", "24", "--temperature", "0",
+                            "--json", "--ignore-eod"]))
+    config, params = load_full(trained_checkpoint)
+    want = generate(params, [list(b"import os\n"), list(b"def main(")], config, max_new_tokens=24,
+                    sampling=SamplingParams(temperature=0.0))
+    assert [r["tokens"] for r in rows] == want.tokens
+    assert rows[0]["text"] == bytes(t for t in want.tokens[0] if t < 256).decode("utf-8", errors="replace")
+    assert all(r["finish_reason"] == "length" for r in rows)
+
+
+def test_one_prompt_streams_its_text(trained_checkpoint):
+    out = _run(["--load", trained_checkpoint, "--prompt", "import sys", "--tokens", "16", "--temperature", "0",
+                "--ignore-eod"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _json_rows(_run(["--load", trained_checkpoint, "--prompt", "import sys", "--tokens", "16",
+                            "--temperature", "0", "--json", "--ignore-eod"]))
+    assert out.stdout == "import sys" + rows[0]["text"] + "\n"
+
+
+@pytest.mark.parametrize("nproc, layout", [(2, ["--tensor-model-parallel-size", "2"]),
+                                           (2, ["--pipeline-model-parallel-size", "2"])], ids=["tp2", "pp2"])
+def test_a_sampled_run_is_the_same_at_every_layout(trained_checkpoint, nproc, layout):
+    args = ["--load", trained_checkpoint, *PROMPTS, "--tokens", "20", "--temperature", "0.9", "--top-k", "40",
+            "--seed", "7", "--json"]
+    sharded, alone = _json_rows(_run(args + layout, nproc)), _json_rows(_run(args))
+    assert [(r["text"], r["tokens"]) for r in sharded] == [(r["text"], r["tokens"]) for r in alone]
+    for got, want in zip(sharded, alone):
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) < 1e-5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensor-model-parallel-size", "2"], "world size is 1"),
+    (["--prompt", ""], "prompt 1 is empty"),
+    (["--prompt", "x" * 70], "exceeds the model's 64 positions"),
+    (["--tokens", "-1"], "--tokens must be >= 0"),
+    (["--top-p", "1.5"], "--top-p must be at most 1"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], "checkpoint's vocabulary has 257 ids"),
+])
+def test_bad_input_is_one_line_and_exit_2(trained_checkpoint, args, message):
+    out = _run(["--load", trained_checkpoint, "--prompt", "x", *args])
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path):
+    out = _run(["--load", str(tmp_path / "none"), "--prompt", "x"])
+    assert out.returncode == 2 and "no such directory" in out.stderr
+    out = _run(["--load", str(tmp_path), "--prompt", "x"])
+    assert out.returncode == 2 and "not a checkpoint directory" in out.stderr

@@ -1,0 +1,163 @@
+"""recipes.serve as clients use it: real HTTP requests to a running server (Megatron's PUT /api and
+OpenAI's /v1/completions, streamed and not), bad requests answered with 400 and a reason."""
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from fmeg.inference import SamplingParams, generate
+from fmeg.parallel.spmd import free_port
+from recipes.convert_checkpoint import load_full
+
+pytest.importorskip("flask")
+
+
+class Server:
+    def __init__(self, checkpoint, nproc=1, extra=()):
+        self.port = free_port()
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        self.proc = subprocess.Popen(launcher + ["-m", "recipes.serve", "--load", checkpoint, "--port",
+                                                 str(self.port), *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:  # the banner comes once the port is bound
+            line = self.proc.stdout.readline()
+            if "serving" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise AssertionError("the server did not start")
+
+    def request(self, method, path, body):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(trained_checkpoint):
+    s = Server(trained_checkpoint)
+    yield s
+    s.stop()
+
+
+def _greedy(checkpoint, prompts, tokens):
+    config, params = load_full(checkpoint)
+    return generate(params, [list(p.encode()) for p in prompts], config, max_new_tokens=tokens,
+                    sampling=SamplingParams(temperature=0.0), eod=256)
+
+
+def test_megatron_api_answers_as_megatron_does(server, trained_checkpoint):
+    """text_generation_cli's request: PUT /api with prompts and tokens_to_generate; top_k 1 is greedy."""
+    status, body = server.request("PUT", "/api", {"prompts": ["import os\n", "def f("], "tokens_to_generate": 12,
+                                                  "top_k": 1, "logprobs": True})
+    assert status == 200, body
+    out = json.loads(body)
+    want = _greedy(trained_checkpoint, ["import os\n", "def f("], 12)
+    for i, prompt in enumerate(["import os\n", "def f("]):
+        ids = list(prompt.encode())
+        assert out["tokens"][i] == ids + want.tokens[i]
+        assert out["text"][i] == prompt + bytes(t for t in want.tokens[i] if t < 256).decode(errors="replace")
+        assert len(out["segments"][i]) == len(out["tokens"][i])
+        assert len(out["logprobs"][i]) == len(out["tokens"][i]) - 1  # every token but the first
+        assert max(abs(a - b) for a, b in zip(out["logprobs"][i][len(ids) - 1:], want.logprobs[i])) < 1e-5
+
+
+def test_openai_completions_plain_and_streamed_agree(server, trained_checkpoint):
+    request = {"prompt": "import sys", "max_tokens": 10, "temperature": 0, "logprobs": 0}
+    status, body = server.request("POST", "/v1/completions", request)
+    assert status == 200, body
+    out = json.loads(body)
+    want = _greedy(trained_checkpoint, ["import sys"], 10)
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and choice["finish_reason"] in ("length", "stop")
+    assert choice["text"] == bytes(t for t in want.tokens[0] if t < 256).decode(errors="replace")
+    assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": len(want.tokens[0]),
+                            "total_tokens": 10 + len(want.tokens[0])}
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], want.logprobs[0])) < 1e-5
+    status, body = server.request("POST", "/v1/completions", {**request, "stream": True})
+    assert status == 200
+    events = [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    status, body = server.request("POST", "/v1/completions", {"prompt": "import os", "max_tokens": 30,
+                                                              "temperature": 0})
+    text = json.loads(body)["choices"][0]["text"]
+    stop = text[3:5]
+    for stream in (False, True):
+        status, body = server.request("POST", "/v1/completions", {"prompt": "import os", "max_tokens": 30,
+                                                                  "temperature": 0, "stop": stop, "stream": stream})
+        if stream:
+            chunks = [json.loads(line[6:])["choices"][0] for line in body.splitlines()
+                      if line.startswith("data: {")]
+            got, reason = "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+        else:
+            got, reason = json.loads(body)["choices"][0]["text"], json.loads(body)["choices"][0]["finish_reason"]
+        assert got == text[:text.index(stop)] and reason == "stop"
+
+
+@pytest.mark.parametrize("method, path, body, message", [
+    ("PUT", "/api", b'{"prompts": ["x"', "malformed JSON"),
+    ("POST", "/v1/completions", b"{'prompt': 1}", "malformed JSON"),
+    ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": -3}, "tokens_to_generate must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens must be an integer"),
+    ("PUT", "/api", {"prompts": [""]}, "Empty prompts require add_BOS=true"),
+    ("POST", "/v1/completions", {"prompt": ""}, "prompt is empty"),
+    ("PUT", "/api", {"prompts": ["x" * 80]}, "exceeds the model's 64 positions"),
+    ("POST", "/v1/completions", {"prompt": "x" * 60, "stream": True}, "exceeds the model's 64 positions"),
+    ("PUT", "/api", {"prompts": ["x"], "colour": "red"}, "unknown field 'colour'"),
+    ("POST", "/v1/completions", {"prompt": "x", "colour": "red"}, "unknown field 'colour'"),
+    ("PUT", "/api", {"prompts": ["x"], "beam_width": 2}, "beam search is not implemented"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature must be a number"),
+    ("PUT", "/api", [1, 2], "must be a JSON object"),
+])
+def test_bad_requests_get_400_with_a_reason_and_the_server_stays_up(server, method, path, body, message):
+    status, text = server.request(method, path, body)
+    assert status == 400 and message in text, text
+    if path.startswith("/v1/"):
+        assert message in json.loads(text)["error"]["message"]
+    status, _ = server.request("PUT", "/api", {"prompts": ["ok"], "tokens_to_generate": 2})
+    assert status == 200
+
+
+def test_a_tensor_parallel_server_answers_as_one_rank(server, trained_checkpoint):
+    request = {"prompts": ["import os\n", "x = "], "tokens_to_generate": 12, "temperature": 0.8,
+               "random_seed": 3, "logprobs": True}
+    _, alone = server.request("PUT", "/api", request)
+    sharded = Server(trained_checkpoint, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    try:
+        status, body = sharded.request("PUT", "/api", request)
+        streamed = sharded.request("POST", "/v1/completions", {"prompt": "import os\n", "max_tokens": 8,
+                                                                "stream": True, "seed": 3})
+    finally:
+        sharded.stop()
+    assert status == 200, body
+    got, want = json.loads(body), json.loads(alone)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    for a, b in zip(got["logprobs"], want["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert streamed[0] == 200 and streamed[1].rstrip().endswith("data: [DONE]")
