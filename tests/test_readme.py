@@ -55,7 +55,7 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 def test_every_readme_command_is_run_by_a_test():
     tested = section("Quick start") + section("Checkpoints") + section("Data")
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 7
+    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 9
 
 
 def test_readme_main_job(tmp_path):
@@ -66,7 +66,7 @@ def test_readme_main_job(tmp_path):
 
 
 def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
-    save, resume, export, load = run_block(section("Checkpoints"), tmp_path)
+    save, resume, export, load, generated, sharded = run_block(section("Checkpoints"), tmp_path)
     assert "exiting at iteration 40: --exit-interval 40" in save
     assert "resumed from ckpt/iter_0000040" in resume and "resharded from" in resume
     assert " iteration       60/      60 |" in resume
@@ -74,6 +74,11 @@ def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
     assert "wrote hf_model (GPT2LMHeadModel)" in export
     assert json.loads((tmp_path / "hf_model" / "config.json").read_text())["vocab_size"] == 257
     assert "GPT2LMHeadModel" in load
+    (alone,), (two_ranks,) = ([json.loads(line) for line in out.splitlines() if line.startswith("{")]
+                              for out in (generated, sharded))
+    assert alone["tokens"] == two_ranks["tokens"] and len(alone["tokens"]) >= 1
+    assert alone["text"] == two_ranks["text"] and alone["prompt"] == "import os"
+    assert max(abs(a - b) for a, b in zip(alone["logprobs"], two_ranks["logprobs"])) < 1e-5
 
 
 @pytest.mark.slow
