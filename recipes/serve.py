@@ -160,7 +160,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     def bad_request(e: BadRequest):
         if request.path.startswith("/v1/"):
             return {"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}}, 400
-        return Response(str(e), status=400, mimetype="text/plain")
+        return {"message": str(e)}, 400  # Megatron's text_generation_cli prints response.json()["message"]
 
     @app.put("/api")
     def megatron_api():

@@ -6,6 +6,7 @@ Megatron's `PUT /api` (tools/run_text_generation_server.py):
      "stop_token": <eod>, "no_log": false}
     -> {"text": [prompt + completion], "tokens": [prompt ids + new ids], "segments": [[piece per token]],
         "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}     (logprobs when asked)
+    a bad request: HTTP 400 {"message": reason}, which Megatron's tools/text_generation_cli.py prints
 OpenAI's `POST /v1/completions`:
     {"prompt": "..." | ["..."], "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "stop": "..." | [...],
      "logprobs": null | 0, "echo": false, "seed": null, "stream": false, "n": 1, "model": "..."}
