@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from fmeg import ops
 from fmeg.inference.kv_cache import KVCache
 from fmeg.models import gpt
 from fmeg.models.gpt import GPTConfig, Params
 from fmeg.parallel import collectives as C
-from fmeg.parallel.tensor import NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding, row_parallel_linear
+from fmeg.parallel.tensor import NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding
 
 
 def positions_and_mask(cache: KVCache, new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,20 +50,13 @@ def cached_attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tu
                      v_cache: torch.Tensor, start: int, mask: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Self-attention of the new tokens over the cached ones and themselves; writes their k and v into the
     cache at slots start .. start + new - 1."""
-    d, per_group = config.head_dim, config.heads_per_group
-    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
-    qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
-    q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
-    k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
-    if rope is not None:
-        q, k = gpt._rotate(q, rope, config.rotary_dim), gpt._rotate(k, rope, config.rotary_dim)
+    q, k, v = gpt.project_qkv(p, x_BSH, config, rope, tp)
     end = start + x_BSH.shape[1]
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
     out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    out = rearrange(out, "b n s d -> b s (n d)")
-    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
+    return gpt.project_out(p, out, tp)
 
 
 def stage_forward(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, cache: KVCache, config: GPTConfig,

@@ -273,6 +273,17 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
     key, attention dropout masks each probability by its global (batch, head, query, key) position.
     recompute_core keeps only q, k and v of the attention core for backward (selective recomputation)."""
+    q, k, v = project_qkv(p, x_BSH, config, rope, tp)
+    core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
+                             head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
+    out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
+    return project_out(p, out, tp)
+
+
+def project_qkv(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
+                tp: TensorParallel = NO_TP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention's input projection: q [b, N, s, d] and k, v [b, G, s, d] for the heads held in p (column-
+    parallel: this rank's N/t and G/t), RoPE applied to q and k when rope is given."""
     d, per_group = config.head_dim, config.heads_per_group
     qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
@@ -280,10 +291,12 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if rope is not None:
         q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
-    core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
-                             head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
-    out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
-    out = rearrange(out, "b n s d -> b s (n d)")
+    return q, k, v
+
+
+def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """Attention's output projection (row-parallel) of the heads' outputs [b, N, s, d] -> [b, s, h]."""
+    out = rearrange(out_BNSD, "b n s d -> b s (n d)")
     return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
 
 
