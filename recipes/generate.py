@@ -100,6 +100,13 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
     return problems
 
 
+def refuse(problems: list[str], rank: int) -> int:
+    """Print the problems, one line each, from rank 0 only; the exit code for bad input."""
+    if rank == 0:
+        print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
+    return 2
+
+
 def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
     pick = (lambda name: getattr(a, name) or saved.get(name)) if a.tokenizer_type is None else \
         (lambda name: getattr(a, name))
@@ -187,18 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     problems = flag_problems(a, world) + ([f"--tokens must be >= 0, got {a.tokens}"] if a.tokens < 0 else [])
     if problems:
-        if rank == 0:
-            print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
-        return 2
+        return refuse(problems, rank)
     torch.set_grad_enabled(False)
     try:
         model = load_model(a)
         prompts = [encode(model.tokenizer, text) for text in a.prompt]
         check_prompts(prompts, model.config, a.tokens)
     except (ValueError, OSError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse([str(e)], rank)
     tokenizer = model.tokenizer
     stop = (lambda row, ids: any(s in tokenizer.decode(ids) for s in a.stop)) if a.stop else None
     options = dict(max_new_tokens=a.tokens, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from fmeg.inference import SamplingParams
-from recipes.generate import LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags
+from recipes.generate import (LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags,
+                              refuse)
 from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
 
 STOP_SERVING = b""
@@ -244,16 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("flask") is None:
         problems.append('recipes.serve needs Flask: pip install "fmeg[serve]" (or pip install flask)')
     if problems:
-        if rank == 0:
-            print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
-        return 2
+        return refuse(problems, rank)
     torch.set_grad_enabled(False)
     try:
         model = load_model(a)
     except (ValueError, OSError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return refuse([str(e)], rank)
     broadcast = Broadcast(world, model.device)
     if rank != 0:
         follow(model, broadcast)
