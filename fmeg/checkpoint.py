@@ -159,9 +159,16 @@ def latest(root: str | os.PathLike) -> Path | None:
     for partial in root.glob("iter_*.tmp*"):
         warnings.warn(f"{partial}: an unfinished checkpoint (a save was interrupted); ignoring it")
     pointer = root / LATEST
+    if (root / "metadata.json").is_file() and not pointer.is_file():
+        raise CheckpointError(f"{root} is one iteration of a checkpoint; give the directory that holds it "
+                              f"({root.parent}), which names its newest iteration in {LATEST}")
     if not pointer.is_file():
         return None
-    path = iteration_dir(root, int(pointer.read_text().strip()))
+    text = pointer.read_text(errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{pointer}: holds {text[:40]!r}, not an iteration number; write the number of a "
+                              f"complete iteration directory there, or delete the file to start from scratch")
+    path = iteration_dir(root, int(text))
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{pointer}: names {path.name}, which has no metadata.json")
     return path

@@ -4,6 +4,7 @@ exit conditions save and exit cleanly; non-finite steps are skipped and counted,
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,3 +102,22 @@ def test_a_dead_runs_partial_save_never_breaks_a_restart_at_another_world_size(t
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000004", checkpoint.LATEST]
     assert sorted(p.name for p in (ck / "iter_0000004").iterdir()) == [
         "metadata.json", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors"]
+
+
+def test_a_load_path_that_is_an_iteration_or_has_a_bad_pointer_is_one_line(trained_checkpoint, tmp_path):
+    """--load naming iter_0000030 (not its parent) would otherwise train from scratch in silence, and a
+    garbled latest pointer would end in a traceback."""
+    iteration = str(checkpoint.latest(trained_checkpoint))
+    flags = ["--train-iters", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "4"]
+    out = subprocess.run([sys.executable, "-m", "recipes.gpt_pretrain", *flags, "--load", iteration],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "is one iteration of a checkpoint" in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1
+    shutil.copytree(trained_checkpoint, tmp_path / "ck")
+    (tmp_path / "ck" / checkpoint.LATEST).write_text("thirty\n")
+    for recipe in (["recipes.gpt_pretrain", *flags], ["recipes.generate", "--prompt", "x"]):
+        out = subprocess.run([sys.executable, "-m", *recipe, "--load", str(tmp_path / "ck")], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and "not an iteration number" in out.stderr, out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1
