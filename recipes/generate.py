@@ -9,7 +9,8 @@ shard, as --load does when resharding (so each rank briefly holds the whole mode
 the run was trained with (from the checkpoint's arguments) unless --tokenizer-type and its files are given.
 One prompt streams to the terminal as it is generated; several are generated as one batch. --json prints one
 JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i samples with seed --seed + i,
-so a sampled run is reproducible across layouts and batches. Problems with the flags, the checkpoint or a prompt are one line and exit 2.
+so a sampled run is reproducible across layouts and batches. Problems with the flags, the checkpoint or a
+prompt are one line and exit 2.
 """
 
 from __future__ import annotations
