@@ -175,6 +175,14 @@ class TextStream:
         return piece
 
 
+def stop_on_strings(tokenizer: Any, stops: list[str]):
+    """generate's stop condition for stop strings: a row stops once its decoded text contains one (None: no
+    strings, no condition)."""
+    if not stops:
+        return None
+    return lambda row, ids: any(s in tokenizer.decode(ids) for s in stops)
+
+
 def cut_at_stop(text: str, stops: list[str]) -> str:
     """text up to the first stop string (excluded)."""
     ends = [text.find(s) for s in stops if s and s in text]
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         return refuse([str(e)], rank)
     tokenizer = model.tokenizer
-    stop = (lambda row, ids: any(s in tokenizer.decode(ids) for s in a.stop)) if a.stop else None
+    stop = stop_on_strings(tokenizer, a.stop)
     options = dict(max_new_tokens=a.tokens, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
                    seed=[a.seed + i for i in range(len(prompts))],
                    eod=None if a.ignore_eod else tokenizer.eod, stop=stop)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from fmeg.inference import SamplingParams
 from recipes.generate import (LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags,
-                              refuse)
+                              refuse, stop_on_strings)
 from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
 
 STOP_SERVING = b""
@@ -57,9 +57,8 @@ def plan(job: Job, model: LoadedModel) -> dict:
 
 def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None) -> Iterator:
     """This rank's part of the generation p describes (the same Steps on every rank)."""
-    tokenizer, stops = model.tokenizer, p["stop"]
-    stop = (lambda row, ids: any(s in tokenizer.decode(ids) for s in stops)) if stops else None
-    return model.stream(p["prompts"], max_new_tokens=p["max_new_tokens"], seed=p["seeds"], eod=p["eod"], stop=stop,
+    return model.stream(p["prompts"], max_new_tokens=p["max_new_tokens"], seed=p["seeds"], eod=p["eod"],
+                        stop=stop_on_strings(model.tokenizer, p["stop"]),
                         sampling=SamplingParams(p["temperature"], p["top_k"], p["top_p"]),
                         prompt_logprobs=prompt_logprobs)
 
