@@ -25,12 +25,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Single-rank loss curves every layout is compared with (computed once per test session)."""
+    """Single-rank CPU loss curves every layout is compared with (computed once per test session); on CPU even
+    where a GPU is present, so that tests/test_cuda.py compares the GPU with the CPU."""
     from runner_harness import DROPOUT, run_layout
 
     tmp = tmp_path_factory.mktemp("reference")
-    return {"plain": run_layout(tmp, "single", 1, []),
-            "dropout": run_layout(tmp, "single_dropout", 1, DROPOUT)}
+    cpu = ["--device", "cpu"]
+    return {"plain": run_layout(tmp, "single", 1, cpu),
+            "dropout": run_layout(tmp, "single_dropout", 1, DROPOUT + cpu)}
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,10 @@ def causal_attention(q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
     n, g = q_BNSD.shape[1], k_BGSD.shape[1]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of key/value heads ({g})")
-    if dropout_p == 0.0 or key is None:
-        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=g != n)
+    if dropout_p == 0.0 or key is None:  # a branch, not enable_gqa=g != n: under dynamic shapes that is a SymBool
+        if g == n:
+            return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True)
+        return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=True)
     b, _, s, d = q_BNSD.shape
     k, v = (t.repeat_interleave(n // g, dim=1) for t in (k_BGSD, v_BGSD))
     scores = (q_BNSD @ k.transpose(-1, -2)).to(torch.promote_types(q_BNSD.dtype, torch.float32)) * d**-0.5
