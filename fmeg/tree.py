@@ -6,6 +6,7 @@ params["layers"][3]["attn"]["qkv"]["weight"]. Everything here is a pure function
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,9 +36,16 @@ def path_of(key_path: tuple) -> str:
 
 def items(tree: Tree) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, leaf) pairs in the tree's canonical order."""
-    flat, _ = pytree.tree_flatten_with_path(tree)
-    for key_path, leaf in flat:
-        yield path_of(key_path), leaf
+    leaves, spec = pytree.tree_flatten(tree)
+    return zip(paths_of(spec), leaves)
+
+
+@functools.lru_cache(maxsize=1024)
+def paths_of(spec: pytree.TreeSpec) -> tuple[str, ...]:
+    """The dotted paths of a tree structure's leaves, in order; cached, since the executor asks for the same
+    few structures (a layer's, a stage's) every microbatch and key paths cost more than the flatten."""
+    flat, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten([object() for _ in range(spec.num_leaves)], spec))
+    return tuple(path_of(key_path) for key_path, _ in flat)
 
 
 def flatten(tree: Tree) -> dict[str, torch.Tensor]:

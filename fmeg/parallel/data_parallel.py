@@ -36,7 +36,8 @@ def default_bucket_numel(dp: int) -> int:
 
 
 class GradSync:
-    """One iteration's data-parallel gradient mean (a fresh one per iteration; group None: dp = 1)."""
+    """An iteration's data-parallel gradient mean (group None: dp = 1); reset() readies it for the next
+    iteration without rebuilding the layout and the buckets."""
 
     def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
                  replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
@@ -64,19 +65,27 @@ class GradSync:
         self.buckets = _buckets(sizes, self.padded, self.dp if owner_slices else 1,
                                 {self.index[p] for p in replicated},
                                 bucket_numel or default_bucket_numel(self.dp))
-        self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
         self._buckets_of: list[list[int]] = [[] for _ in leaves]
         for b, (_, _, leaves_of, _) in enumerate(self.buckets):
             for i in leaves_of:
                 self._buckets_of[i].append(b)
-        self._arrived = [False] * len(leaves)
-        self._touched = [False] * len(leaves)  # received a contribution this iteration
+        self._views = [self.buffer[start:start + shape.numel()].view(shape)
+                       for start, shape in zip(self.offsets, self.shapes)]
         self.overlap = overlap
+        self.reset()
+
+    def reset(self) -> "GradSync":
+        """Ready for an iteration: no gradient arrived yet (the buffer's old values are overwritten by each
+        leaf's first contribution)."""
+        self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
+        self._arrived = [False] * len(self.paths)
+        self._touched = [False] * len(self.paths)  # received a contribution this iteration
         self._handles: list[Any] = []
         self.started_with_pending: list[int] = []  # leaves still to come when each bucket started
         for b, waiting in enumerate(self._waiting):
             if waiting == 0:  # padding only
                 self._start(b)
+        return self
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
         """Add gradients of some leaves of `stage` ({path inside the stage: gradient}) into the buffer;
@@ -132,8 +141,7 @@ class GradSync:
         return self.buffer[self.rank * size:(self.rank + 1) * size]
 
     def _view(self, i: int) -> torch.Tensor:
-        start = self.offsets[i]
-        return self.buffer[start:start + self.shapes[i].numel()].view(self.shapes[i])
+        return self._views[i]
 
     def _start(self, b: int) -> None:
         start, end, _, owner = self.buckets[b]

@@ -179,9 +179,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token)
            for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
-    sync = GradSync(params, mesh.group("dp"), owner_slices=state.zero, bucket_numel=bucket_numel,
-                    replicated=tied_paths(config, layout, params) if state.zero else frozenset(), buffer=state.grad,
-                    overlap=overlap_grad_reduce)
+    sync = state.grad_sync(mesh.group("dp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
+                           replicated=tied_paths(config, layout, params) if state.zero else frozenset())
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
                               loss_scale=loss_scale, grads_into=sync,  # accumulated straight into state.grad
                               microbatch_mean=not per_token)

@@ -82,12 +82,17 @@ def compose(stage: Callable | list[Segment]) -> Callable[[Any, Any, dict], Any]:
 
 
 def check_cover(segments: list[Segment], params: Any, stage: int) -> None:
-    """Every stage parameter is differentiated by exactly one segment."""
-    seen: list[str] = []
+    """Every stage parameter is differentiated by exactly one segment. Checked by leaf identity (cheap: it
+    runs every iteration); paths are built only to name what is wrong."""
+    seen = [id(leaf) for segment in segments for leaf in tree.tree_leaves(take(segment, params))]
+    expected = {id(leaf) for leaf in tree.tree_leaves(params)}
+    if len(seen) == len(expected) and set(seen) == expected:
+        return
+    paths: list[str] = []
     for segment in segments:
-        seen += [path for path, _ in tree.items(take(segment, params))]
-    expected = [path for path, _ in tree.items(params)]
-    if sorted(seen) != sorted(expected):
-        missing, twice = set(expected) - set(seen), {p for p in seen if seen.count(p) > 1}
+        paths += [path for path, _ in tree.items(take(segment, params))]
+    want = [path for path, _ in tree.items(params)]
+    if sorted(paths) != sorted(want):
+        missing, twice = set(want) - set(paths), {p for p in paths if paths.count(p) > 1}
         raise ValueError(f"segments of stage {stage}: parameters missing {sorted(missing)[:3]}, "
                          f"differentiated twice {sorted(twice)[:3]}")
