@@ -242,6 +242,26 @@ def test_linear_cross_entropy_equals_cross_entropy_of_linear(seed, b, s, v, eps,
     torch.testing.assert_close(x_leaf.grad, torch.func.grad(plain)(x, w))
 
 
+@ce_cases
+def test_linear_cross_entropy_over_a_padded_weight_equals_it_over_the_real_rows(seed, b, s, v, eps, masked):
+    """vocab_size=v with weight padded to v + 3 rows: the loss and x's gradient are those of weight[:v] (and
+    so of the unfused op), the padding rows' gradient is exactly zero; forward-mode and compiled too."""
+    _, labels, mask = ce_inputs(seed, b, s, v, masked)
+    x, w = randn(seed + 1, b, s, 5), randn(seed + 2, v + 3, 5)
+    padded = lambda x, w: ops.linear_cross_entropy(x, w, labels, loss_mask=mask, label_smoothing=eps, vocab_size=v)
+    plain = lambda x, w: ops.cross_entropy(ops.linear(x, w[:v]), labels, loss_mask=mask, label_smoothing=eps)
+    torch.testing.assert_close(padded(x, w), plain(x, w))
+    assert_grads_match(padded, plain, (x, w), (0, 1))
+    gw = torch.func.grad(padded, argnums=1)(x, w)
+    assert torch.equal(gw[v:], torch.zeros_like(gw[v:]))
+    tangents = (randn(seed + 3, b, s, 5), randn(seed + 4, v + 3, 5))
+    torch.testing.assert_close(torch.func.jvp(padded, (x, w), tangents)[1], torch.func.jvp(plain, (x, w), tangents)[1])
+    x_leaf, w_leaf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.compile(padded, backend="aot_eager", fullgraph=True)(x_leaf, w_leaf).backward()
+    torch.testing.assert_close(x_leaf.grad, torch.func.grad(plain)(x, w))
+    torch.testing.assert_close(w_leaf.grad, gw)
+
+
 def test_dropout_is_a_pure_function_of_key_and_index():
     x = torch.ones(64, 64)
     a, b, c = ops.dropout(x, 0.25, 7), ops.dropout(x, 0.25, 7), ops.dropout(x, 0.25, 8)

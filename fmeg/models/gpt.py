@@ -419,7 +419,7 @@ def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, vocab_size: 
     counted tokens (loss_tokens gives their number)."""
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if tp.group is None:
-        return ops.linear_cross_entropy(x, weight[:vocab_size], labels, loss_mask=loss_mask,
+        return ops.linear_cross_entropy(x, weight, labels, loss_mask=loss_mask, vocab_size=vocab_size,
                                         label_smoothing=label_smoothing, reduction=reduction)
     logits = column_parallel_linear(x, weight, None, tp)
     losses = vocab_parallel_cross_entropy(logits, labels, tp, label_smoothing=label_smoothing,
