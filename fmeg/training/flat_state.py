@@ -2,7 +2,7 @@
 
     state = FlatState(params, counted, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
     state.params, state.opt_state        # {stage: tree} views, the shapes checkpoints save and load
-    # backward: GradSync(..., buffer=state.grad) accumulates the data-parallel mean gradient in state.grad
+    sync = state.grad_sync(dp_group, ...)   # backward accumulates into it: the dp mean gradient in state.grad
     norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
 
 Every buffer is laid out as zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded
@@ -15,10 +15,11 @@ to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the
 
 Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeRO-1, 2 + 4 + 12 / dp at bf16
 and 4 + 4 + 8 / dp at fp32. The step is the same few whole-buffer ops whatever the number of leaves: the
-global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), the clip
-(a tensor coefficient: no host sync), decoupled weight decay (one foreach multiply over the decayed
-pieces), Adam (torch's fused AdamW kernel over the owned slice, one call per learning-rate group), and the
-refresh of the compute weights from the master (with ZeRO-1, an all-gather).
+global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), then
+torch's fused AdamW kernel over the owned slice, one call per (learning rate, weight decay or not) group,
+with the clip as its grad_scale (a device tensor: no host sync, no pass of its own) and the decoupled
+weight decay inside it, and the refresh of the compute weights from the master (with ZeRO-1, an
+all-gather).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from fmeg import tree
 from fmeg.optim import AdamState, default_decay_mask
+from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.zero import FlatBuffer
 
 
@@ -59,29 +61,39 @@ class FlatState:
         self._norm_pieces = [self.grad[self.lo + a:self.lo + b] for _, _, a, b in pieces]
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
-        master = self.master
-        self._groups = self._lr_groups(pieces, decoupled)
-        owned_grad = self.grad[self.lo:self.hi]
-        self._adam_views = {flag: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
-                            for flag, runs in self._groups.items()}  # made once: the step slices nothing
-        self._decay_pieces = {flag: [master[a:b] for path, leaf, a, b in pieces if decay_mask(path, leaf)
-                                     and bool(decoupled and decoupled(path, leaf)) == flag] for flag in self._groups}
+        master, owned_grad = self.master, self.grad[self.lo:self.hi]
+        self._groups = self._adam_groups(pieces, decay_mask, decoupled)
+        self._adam_views = {group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
+                            for group, runs in self._groups.items()}  # made once: the step slices nothing
+        self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
 
-    def _lr_groups(self, pieces: list, decoupled: Callable | None) -> dict[bool, list[tuple[int, int]]]:
-        """{decoupled?: [(start, end)]}: the owned slice cut into maximal runs of leaves that share a learning
-        rate (a handful whatever the number of leaves: embedding, layers, output)."""
-        if decoupled is None:
-            return {False: [(0, self.hi - self.lo)]}
+    def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
+                  overlap: bool = False) -> GradSync:
+        """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), ready for an
+        iteration: built on first use and reset on every later call with the same arguments."""
+        key = (group, replicated, bucket_numel, overlap)
+        cached = getattr(self, "_grad_sync", None)
+        if cached is not None and cached[0] == key:
+            return cached[1].reset()
+        sync = GradSync(self.params, group, owner_slices=self.zero, bucket_numel=bucket_numel,
+                        replicated=replicated, buffer=self.grad, overlap=overlap)
+        self._grad_sync = (key, sync)
+        return sync
+
+    def _adam_groups(self, pieces: list, decay_mask: Callable, decoupled: Callable | None
+                     ) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
+        """{(decoupled learning rate?, weight decay?): [(start, end)]}: the owned pieces cut into maximal runs
+        of neighbouring leaves that share both, each group one fused AdamW call."""
         runs: list[list] = []
         for path, leaf, a, b in pieces:
-            flag = bool(decoupled(path, leaf))
-            if runs and runs[-1][2] == flag and runs[-1][1] == a:
+            group = (bool(decoupled and decoupled(path, leaf)), bool(decay_mask(path, leaf)))
+            if runs and runs[-1][2] == group and runs[-1][1] == a:
                 runs[-1][1] = b
             else:
-                runs.append([a, b, flag])
-        groups: dict[bool, list[tuple[int, int]]] = {}
-        for a, b, flag in runs:
-            groups.setdefault(flag, []).append((a, b))
+                runs.append([a, b, group])
+        groups: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
+        for a, b, group in runs:
+            groups.setdefault(group, []).append((a, b))
         return groups
 
     def _owned_pieces(self, params: dict[int, Any]) -> list[tuple[str, torch.Tensor, int, int]]:
@@ -138,19 +150,18 @@ class FlatState:
             group = mesh.group(name)
             total = group.all_reduce(total) if group is not None else total
         norm = total.sqrt()
-        if clip_grad:
-            g.mul_((clip_grad / (norm + 1e-6)).clamp(max=1.0))
+        # the clip is the fused kernel's grad_scale (it divides the gradient by it): no pass of its own
+        grad_scale = ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
         b1, b2, eps = self.adam
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
-        for flag, runs in self._groups.items():
-            group_lr = decoupled_lr if flag and decoupled_lr is not None else lr
-            if weight_decay and self._decay_pieces[flag]:  # decoupled decay of the decayed leaves, before Adam
-                torch._foreach_mul_(self._decay_pieces[flag], 1.0 - group_lr * weight_decay)
-            # torch's fused AdamW kernel (CPU and CUDA): moments and master in one pass, no temporary buffer
-            torch._fused_adamw_(*self._adam_views[flag], [], [self._step] * len(runs), lr=group_lr, beta1=b1,
-                                beta2=b2, weight_decay=0.0, eps=eps, amsgrad=False, maximize=False)
+        for (decoupled, decays), views in self._adam_views.items():
+            group_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
+            # torch's fused AdamW (CPU and CUDA): decoupled decay, moments and master in one pass
+            torch._fused_adamw_(*views, [], self._adam_steps[(decoupled, decays)], lr=group_lr, beta1=b1, beta2=b2,
+                                weight_decay=weight_decay if decays else 0.0, eps=eps, amsgrad=False,
+                                maximize=False, grad_scale=grad_scale)
         dp_group = mesh.group("dp") if self.zero else None
         if dp_group is not None:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
