@@ -3,6 +3,7 @@
     python bench/gpu_step.py                         # GPT-2 124M, 1.3B and a Llama-style 1B on the GPU
     python bench/gpu_step.py --model 1.3b --steps 20
     python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run anywhere
+    python bench/gpu_step.py --model 1.3b --profile     # also: one profiled step of each, kernels by time
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
 fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank, each layer compiled
@@ -128,6 +129,67 @@ def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
     return step
 
 
+GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas")
+FP32_GEMM_MARKS = ("f32f32", "sgemm", "tf32", "fp32")  # not "bf16_s16816gemm": bf16 inputs, fp32 accumulation
+
+
+def profile_one_step(variant: str, step, batch: dict, top: int = 12) -> None:
+    """One step under torch.profiler: device kernels counted and timed, GEMMs apart, fp32 GEMMs named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        step(batch)
+        launched = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+    total = sum(sum(v) for v in kernels.values())
+    gemm = {k: v for k, v in kernels.items() if any(m in k.lower() for m in GEMM_MARKS)}
+    fp32 = {k: v for k, v in gemm.items() if any(m in k.lower() for m in FP32_GEMM_MARKS)}
+    print(f"\nprofile, {variant}: wall {wall * 1e3:.1f} ms (host returned after {launched * 1e3:.1f} ms), "
+          f"{sum(map(len, kernels.values()))} kernels, {total:.1f} ms of device time; "
+          f"GEMMs {sum(map(sum, gemm.values())):.1f} ms; fp32 GEMMs {sum(map(sum, fp32.values())):.1f} ms "
+          f"in {sum(map(len, fp32.values()))} launches")
+    launcher = _launching_ops(prof.events())
+    for name, ts in fp32.items():
+        print(f"  fp32 GEMM {sum(ts):8.2f} ms x{len(ts):<4} {name[:110]}  <- {launcher.get(name, '?')}")
+    for name, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(ts):8.2f} ms x{len(ts):<5} {name[:100]}  <- {launcher.get(name, '?')[:120]}")
+
+
+def _launching_ops(events) -> dict[str, str]:
+    """{kernel name: the aten op (with input shapes) that launched its first instance}."""
+    out: dict[str, str] = {}
+    for e in events:
+        for k in getattr(e, "kernels", ()):
+            if k.name in out:
+                continue
+            op = e
+            while op is not None and not op.name.startswith("aten::"):
+                op = op.cpu_parent
+            out[k.name] = f"{op.name} {op.input_shapes}" if op is not None else e.name
+    return out
+
+
+def host_profile(step, batch: dict, top: int = 25) -> None:
+    """cProfile of one step's host side (what the Python launching the kernels spends its time on)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step(batch)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def peak_for(device: torch.device, override: float | None) -> float | None:
     if override or device.type != "cuda":
         return override
@@ -135,8 +197,12 @@ def peak_for(device: torch.device, override: float | None) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bool, peak: float | None) -> dict:
+def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bool, peak: float | None,
+          profile_: bool = False) -> dict:
     config, batch_size = MODELS[name]
+    # Each model compiles afresh, as in its own process: after a first model, dynamo would otherwise
+    # recompile the shared layer function with dynamic shapes, whose kernels are slower.
+    torch._dynamo.reset()
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.max_seq_len + 1), device=device)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     variants = {"fmeg runner": fmeg_step(config, device, compile_),
@@ -171,6 +237,13 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
         print(f"{variant:<20} {medians[variant] * 1e3:>10.1f} {tflops:>9.2f} {mfu:>7} {mem:>9}")
     ratio = medians["nanoGPT-style peer"] / medians["fmeg runner"]
     print(f"throughput ratio fmeg / peer: {ratio:.2f}")
+    if profile_ and device.type == "cuda":
+        try:
+            for variant, step in variants.items():
+                profile_one_step(variant, step, batch)
+            host_profile(variants["fmeg runner"], batch)
+        except Exception as e:  # a profile that fails still leaves the figures above
+            print(f"profile failed: {type(e).__name__}: {e}")
     return {"model": name, "ratio": ratio, **{f"{k} ms": v * 1e3 for k, v in medians.items()}}
 
 
@@ -183,12 +256,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-compile", action="store_true", help="run both eagerly")
+    p.add_argument("--profile", action="store_true", help="then profile one step of each (CUDA only)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)
     print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
           f"torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
-    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak)
+    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile)
             for m in a.model or ["gpt2-124m", "1.3b", "llama-1b"]]
 
 
