@@ -242,6 +242,14 @@ def test_linear_cross_entropy_equals_cross_entropy_of_linear(seed, b, s, v, eps,
     torch.testing.assert_close(x_leaf.grad, torch.func.grad(plain)(x, w))
 
 
+def test_causal_attention_compiles_with_dynamic_head_counts():
+    """Under dynamic shapes the head counts are symbolic: attention must not hand SDPA a SymBool."""
+    compiled = torch.compile(ops.causal_attention, dynamic=True, fullgraph=True, backend="eager")
+    for n, g in ((4, 4), (6, 6), (4, 2), (6, 3)):
+        q, k, v = randn(n, 2, n, 5, 4), randn(n + 1, 2, g, 5, 4), randn(n + 2, 2, g, 5, 4)
+        torch.testing.assert_close(compiled(q, k, v), attention_reference(q, k, v))
+
+
 @ce_cases
 def test_linear_cross_entropy_over_a_padded_weight_equals_it_over_the_real_rows(seed, b, s, v, eps, masked):
     """vocab_size=v with weight padded to v + 3 rows: the loss and x's gradient are those of weight[:v] (and

@@ -164,3 +164,17 @@ def test_png_chart_is_written(tmp_path):
 
     path = draw_timeline(simulate(zero_bubble_h1(4, 8)), tmp_path / "zb.png", "ZB-H1")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
+
+
+def test_segments_that_miss_or_repeat_a_parameter_are_named():
+    import torch
+
+    from fmeg.parallel.pipeline.segments import Segment, check_cover
+
+    params = {"a": torch.zeros(1), "b": {"c": torch.zeros(1)}}
+    fn = lambda sub, x, batch: x  # noqa: E731
+    check_cover([Segment(fn, ("a",)), Segment(fn, ("b",))], params, 0)
+    with pytest.raises(ValueError, match=r"missing \['b.c'\]"):
+        check_cover([Segment(fn, ("a",))], params, 0)
+    with pytest.raises(ValueError, match=r"twice \['a'\]"):
+        check_cover([Segment(fn, ("a",)), Segment(fn, ("a",)), Segment(fn, ("b",))], params, 0)
