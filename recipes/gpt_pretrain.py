@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from fmeg import __version__, checkpoint, optim, tree
-from fmeg.data.blending import build_datasets, target_samples
-from fmeg.data.default_corpus import default_corpus
+from fmeg.data.blending import build_datasets, parse_blend, target_samples
+from fmeg.data.default_corpus import cache_dir, default_corpus
+from fmeg.data.indexed import IndexedDataset
 from fmeg.data.mock_corpus import mock_corpus
+from fmeg.data.token_range import check_token_ids
 from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
@@ -121,28 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in problems:
                 print(f"error: {p}", file=sys.stderr)
         return 2
-    device = choose_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
-    compile_layers = "inductor" if (device.type == "cuda" if a.compile is None else a.compile) else None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=a.distributed_timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
-        mesh = Mesh.from_torch_distributed(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
-                                           device=device)
-    else:
-        mesh = Mesh.single()
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     dp, gbs = batch_geometry(a, world)
-    chunks = (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage \
-        if a.num_layers_per_virtual_pipeline_stage else 1
-    recompute = (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) \
-        if a.recompute_granularity else None
-    layout = Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute)
-    last_rank = rank == world - 1
-    torch.manual_seed(a.seed)
-
     try:
         tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
                                     merge_file=a.merge_file, vocab_size=a.vocab_size)
@@ -159,14 +140,47 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = model_config(a, tokenizer.vocab_size)
     samples = target_samples(a.train_iters, gbs, a.eval_interval or 0, a.eval_iters if a.eval_interval else 0)
-    train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0], a.seed,
-                                               cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
-                                               eod_mask_loss=a.eod_mask_loss)
+    try:  # the data is read and checked before any process group exists: a bad file is one line and exit 2
+        train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0],
+                                                   a.seed, cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
+                                                   eod_mask_loss=a.eod_mask_loss)
+        for prefix in parse_blend(data_path)[0]:
+            check_token_ids(IndexedDataset(prefix), tokenizer.vocab_size, a.data_cache_path or cache_dir())
+    except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if train_data is None and samples[0]:
+        if rank == 0:
+            print(f"error: --data-path {' '.join(data_path)}: the training split has no documents (an empty dataset, "
+                  f"or --split {a.split} gives it no share); give it data or a share", file=sys.stderr)
+        return 2
     if a.eval_interval and a.eval_iters and valid_data is None:  # found now, not at the first evaluation
         if rank == 0:
             print(f"error: --split {a.split} leaves the validation split of {' '.join(data_path)} no documents; "
                   "give it a larger share, or leave out --eval-interval", file=sys.stderr)
         return 2
+
+    device = choose_device(a.device, int(os.environ.get("LOCAL_RANK", "0")))
+    compile_layers = "inductor" if (device.type == "cuda" if a.compile is None else a.compile) else None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=a.distributed_timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+        mesh = Mesh.from_torch_distributed(tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+                                           device=device)
+    else:
+        mesh = Mesh.single()
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    chunks = (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage \
+        if a.num_layers_per_virtual_pipeline_stage else 1
+    recompute = (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) \
+        if a.recompute_granularity else None
+    layout = Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute)
+    last_rank = rank == world - 1
+    torch.manual_seed(a.seed)
 
     compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 

@@ -79,6 +79,59 @@ def test_bad_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, e
     assert not dist.is_initialized()
 
 
+def _dataset(prefix, documents, *, extra_bin_bytes=0):
+    import numpy as np
+
+    from fmeg.data.indexed import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix, np.uint16)
+    for doc in documents:
+        builder.add_document(doc)
+    builder.finalize()
+    if extra_bin_bytes:
+        with open(f"{prefix}.bin", "ab") as f:
+            f.write(b"\0" * extra_bin_bytes)
+    return str(prefix)
+
+
+BAD_DATA = {  # name: (documents, bytes appended to the .bin, the error's words)
+    "ids_past_vocab": ([[1, 2, 300] * 40] * 4, 0, "big.bin: token id 300 is outside the tokenizer's vocabulary of 257"),
+    "stale_index": ([[1, 2, 3] * 40] * 4, 20, "describes only 960; the index is stale"),
+    "empty": ([], 0, "the training split has no documents"),
+    "too_short": ([[1, 2, 3]], 0, "--seq-length 16 is larger than the train split's 3 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_DATA))
+def test_bad_data_fails_before_any_work_with_one_line(monkeypatch, capsys, tmp_path, name):
+    """Data the model cannot train on is refused before any process group or log exists: ids past the vocabulary
+    (silently wrong under tensor parallelism otherwise), a .bin longer than its index, no documents, too few
+    tokens for one sample."""
+    documents, extra, needle = BAD_DATA[name]
+    prefix = _dataset(tmp_path / ("big" if name == "ids_past_vocab" else name), documents, extra_bin_bytes=extra)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("FMEG_CACHE", str(tmp_path / "cache"))
+    flags = ["--data-path", prefix, "--seq-length", "16", "--global-batch-size", "2", "--micro-batch-size", "1",
+             "--tensor-model-parallel-size", "2", "--log-dir", str(tmp_path / "log")]
+    assert gpt_pretrain.main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not dist.is_initialized() and not (tmp_path / "log").exists()
+
+
+def test_token_range_is_cached_by_file_identity(tmp_path):
+    from fmeg.data.indexed import IndexedDataset
+    from fmeg.data.token_range import token_range
+
+    prefix = _dataset(tmp_path / "d", [[5, 9, 7], [0, 3]])
+    assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (0, 9)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (0, 9)  # from the cache
+    _dataset(tmp_path / "d", [[5, 19]])  # rewritten: another size, another entry
+    assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (5, 19)
+
+
 def test_every_problem_is_reported_at_once():
     problems = validate(parse_args(["--hidden-size", "30", "--fp16", "--bf16", "--min-lr", "9", "--clip-grad", "-1"]), 1)
     assert len(problems) >= 4

@@ -35,6 +35,21 @@ class DataError(ValueError):
     """A malformed or missing data file; the message names the file."""
 
 
+def _check_layout(idx_path: Path, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
+                  itemsize: int) -> None:
+    """Sequences back to back from byte 0, and document boundaries that rise from 0 to the sequence count, as
+    Megatron's builder writes them; anything else is a corrupt index."""
+    if (lengths < 0).any():
+        raise DataError(f"{idx_path}: a negative sequence length; the index is corrupt")
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=starts[1:])
+    if not np.array_equal(pointers, starts):
+        raise DataError(f"{idx_path}: sequence offsets do not follow the sequence lengths; the index is corrupt")
+    if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths) or (np.diff(documents) < 0).any():
+        raise DataError(f"{idx_path}: document boundaries do not rise from 0 to the {len(lengths)} sequences; "
+                        "the index is corrupt")
+
+
 class IndexedDataset:
     """Sequences of a .bin/.idx pair, memory-mapped (slices are views, no copies)."""
 
@@ -67,6 +82,11 @@ class IndexedDataset:
         needed = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize) if n_seq else 0
         if bin_bytes < needed:
             raise DataError(f"{bin_path}: {bin_bytes} bytes, but {idx_path.name} needs {needed}; the .bin is truncated")
+        if bin_bytes > needed:
+            raise DataError(f"{bin_path}: {bin_bytes} bytes, but {idx_path.name} describes only {needed}; the index "
+                            "is stale or belongs to another .bin (write both again with recipes.preprocess_data)")
+        _check_layout(idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                      self.dtype.itemsize)
         self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_bytes else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
