@@ -15,7 +15,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 
 from fmeg.data.indexed import DataError, IndexedDataset
 
