@@ -15,7 +15,6 @@ import json
 import os
 from pathlib import Path
 
-
 from fmeg.data.indexed import DataError, IndexedDataset
 
 CHUNK = 1 << 26  # tokens per pass step: 128 MiB of uint16
