@@ -55,24 +55,28 @@ def _init_worker(args: argparse.Namespace) -> None:
     _TOKENIZER = _tokenizer_from(args)
 
 
-def encode_line(task: tuple[int, str, list[str], bool]) -> tuple[int, dict | str, int]:
-    """(line number, {key: ids} or the problem, bytes read) for one JSON line."""
-    number, line, keys, append_eod = task
+def encode_line(task: tuple[int, bytes, list[str], bool]) -> tuple[int, dict | str, int]:
+    """(line number, {key: ids} or the problem, bytes read) for one JSON line (as read: bytes)."""
+    number, raw, keys, append_eod = task
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return number, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})", len(raw)
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        return number, f"invalid JSON ({e.msg} at column {e.colno})", len(line)
+        return number, f"invalid JSON ({e.msg} at column {e.colno})", len(raw)
     if not isinstance(record, dict):
-        return number, "not a JSON object", len(line)
+        return number, "not a JSON object", len(raw)
     out = {}
     for key in keys:
         if key not in record:
-            return number, f"no key {key!r}", len(line)
+            return number, f"no key {key!r}", len(raw)
         if not isinstance(record[key], str):
-            return number, f"key {key!r} holds {type(record[key]).__name__}, not a string", len(line)
+            return number, f"key {key!r} holds {type(record[key]).__name__}, not a string", len(raw)
         ids = _TOKENIZER.encode(record[key])
         out[key] = ids + [_TOKENIZER.eod] if append_eod else ids
-    return number, out, len(line)
+    return number, out, len(raw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
 
     def tasks():
-        with open(args.input, encoding="utf-8") as f:
+        with open(args.input, "rb") as f:  # decoded line by line, so a bad byte names its line
             for number, line in enumerate(f, start=1):
                 if line.strip():
                     yield number, line, args.json_keys, args.append_eod
@@ -123,11 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         for builder in builders.values():
             builder.abort()
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         if pool:
             pool.close()
             pool.join()
+    if docs == 0:  # a dataset of no documents trains nothing: refuse it rather than write it
+        for builder in builders.values():
+            builder.abort()
+        why = f"all {len(bad)} lines were skipped, the first {args.input}:{bad[0][0]}: {bad[0][1]}" if bad \
+            else "it has no non-blank lines"
+        print(f"error: --input {args.input}: no documents ({why}); nothing was written", file=sys.stderr)
+        return 2
     for builder in builders.values():
         builder.finalize()
     elapsed = time.perf_counter() - start

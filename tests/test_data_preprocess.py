@@ -43,9 +43,34 @@ def test_workers_give_the_same_files(tmp_path, jsonl):
 
 
 def test_strict_stops_at_the_first_bad_line_and_leaves_nothing(tmp_path, jsonl, capsys):
-    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "s"), "--strict"]) == 1
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "s"), "--strict"]) == 2
     assert ":11: invalid JSON" in capsys.readouterr().err
     assert not list(tmp_path.glob("s_*"))
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"", "no documents (it has no non-blank lines)"),
+    (b"\n  \n", "no documents (it has no non-blank lines)"),
+    (b'{"title": "a"}\n{"title": "b"}\n', "no documents (all 2 lines were skipped, the first IN:1: no key 'text')"),
+    (b'{"text": "caf\xe9"}\n', "no documents (all 1 lines were skipped, the first IN:1: not UTF-8 (byte 0xe9 at column 14))"),
+])
+def test_input_that_yields_no_documents_writes_nothing(tmp_path, capsys, content, needle):
+    """An empty input, or one whose every line is skipped (a missing key, bytes that are not UTF-8), is refused in
+    one line naming the input and the first bad line, exit 2, and no dataset is written."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(content)
+    assert preprocess_data.main(["--input", str(source), "--output-prefix", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --input {source}: {needle.replace('IN', str(source))}; nothing was written", err
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_a_line_that_is_not_utf8_is_named_and_skipped(tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n{"text": "fine"}\n')
+    assert preprocess_data.main(["--input", str(source), "--output-prefix", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "done: 2 documents" in out and f"{source}:2: not UTF-8 (byte 0xff at column 11)" in out
 
 
 @pytest.mark.parametrize("flags, needle", [(["--input", "/nope.jsonl"], "--input /nope.jsonl: no such file"),
