@@ -132,6 +132,17 @@ def test_token_range_is_cached_by_file_identity(tmp_path):
     assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (5, 19)
 
 
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--bogus"], 2)])
+def test_help_and_usage_errors_print_from_rank_zero_only(monkeypatch, capsys, argv, code):
+    for rank, prints in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == code
+        out = capsys.readouterr()
+        assert ("usage:" in out.out + out.err) == prints, (rank, out)
+
+
 def test_every_problem_is_reported_at_once():
     problems = validate(parse_args(["--hidden-size", "30", "--fp16", "--bf16", "--min-lr", "9", "--clip-grad", "-1"]), 1)
     assert len(problems) >= 4

@@ -29,9 +29,18 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
     return dp, a.global_batch_size or a.micro_batch_size * dp
 
 
+class RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser whose help, usage and errors print from rank 0 only under torchrun (every rank still
+    exits as argparse exits), so 4 ranks print --help once, not 4 times."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
-                                description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
+    p = RankZeroParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
+                       description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
     add = p.add_argument
     add("--config", help="YAML file of settings by flag name; command-line flags override it")
     g = p.add_argument_group("parallelism")
