@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 
+import pytest
 import torch
 
 from fmeg import checkpoint
@@ -60,6 +61,28 @@ def test_sigterm_saves_and_exits_zero_within_one_iteration(tmp_path):
     stopped = int(out.split("exiting at iteration ")[1].split(":")[0])
     assert 3 <= stopped <= 5  # the iteration running when the signal came, or the next
     assert checkpoint.latest(tmp_path / "ck").name == f"iter_{stopped:07d}"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_workers_under_torchrun_saves_and_every_process_exits_zero(tmp_path):
+    """The README's way under torchrun: signal torchrun's workers (its children), not torchrun; each rank
+    saves its part of one checkpoint and exits 0, and torchrun exits 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "recipes.gpt_pretrain", *COMMON, "--train-iters", "100000", "--exit-signal-handler",
+                             "--save", str(tmp_path / "ck"), "--log-interval", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait until training has started
+        if "iteration        3/" in line:
+            break
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM received" in out and "Traceback" not in out
+    latest = checkpoint.latest(tmp_path / "ck")
+    assert latest is not None and len(list(latest.glob("*.safetensors"))) == 2
 
 
 def test_exit_interval_saves_and_stops(tmp_path):
