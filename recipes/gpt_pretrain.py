@@ -346,7 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         params_norm = float(global_norm(state.params, config, layout, mesh)) if a.log_params_norm else None
         if scaler:
             skipped += int(m["skipped"])
+            at_floor = scaler.scale <= scaler.min_scale
             scaler = loss_scale.update(scaler, m["skipped"])
+            if m["skipped"] and a.fail_on_nan and (m["loss_non_finite"] or at_floor):  # every rank agrees
+                if last_rank:
+                    why = "non-finite loss" if m["loss_non_finite"] else \
+                        f"the gradient overflowed at the minimum loss scale {scaler.min_scale:g}"
+                    print(f"error: iteration {iteration}: {why} (--fail-on-nan); lower the learning rate, or "
+                          "train with --bf16", file=sys.stderr)
+                failed = 1
+                break
         elif m["skipped"]:  # a non-finite gradient without loss scaling: a NaN iteration
             nans += 1
             if a.fail_on_nan:

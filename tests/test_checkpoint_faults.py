@@ -102,6 +102,23 @@ def test_non_finite_steps_are_skipped_and_counted_or_stop_the_run(tmp_path):
     assert proc.returncode == 1 and "non-finite loss or gradient (--fail-on-nan)" in out
 
 
+def test_fail_on_nan_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
+    """Under --fp16 an overflow is the scaler's to skip, but a non-finite loss, or an overflow already at
+    --min-loss-scale, stops a --fail-on-nan run (it used to skip 29 of 30 iterations and exit 0)."""
+    absurd = ["--fp16", "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
+              "--log-interval", "20", "--fail-on-nan"]
+    proc = run(tmp_path, absurd)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "non-finite loss (--fail-on-nan)" in out, out[-2000:]
+    floor = ["--fp16", "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30", "--log-interval", "20", "--fail-on-nan"]
+    proc = run(tmp_path, floor)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "overflowed at the minimum loss scale 1e+30 (--fail-on-nan)" in out, out[-2000:]
+    proc = run(tmp_path, floor[:-1])  # without the flag the scaler skips and the run goes on
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "number of skipped iterations:" in out
+
+
 def test_exit_duration(tmp_path):
     proc = run(tmp_path, ["--exit-duration-in-mins", "0", "--save", str(tmp_path / "ck")])
     out, _ = proc.communicate(timeout=120)

@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exit-interval", type=int, default=None, help="exit after iterations divisible by N")
     c.add_argument("--exit-duration-in-mins", type=float, default=None, help="exit after this many minutes")
     c.add_argument("--fail-on-nan", action="store_true",
-                   help="stop (exit 1) at a non-finite loss or gradient instead of skipping the step")
+                   help="stop (exit 1) at a non-finite loss or gradient instead of skipping the step; with --fp16, "
+                        "at a non-finite loss or an overflow at --min-loss-scale (others are the scaler's to skip)")
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")

@@ -127,12 +127,17 @@ def embedding_or_output(layout: Layout):
     return decoupled
 
 
-def _any_overflow(grads: list[torch.Tensor], mesh: Mesh) -> bool:
-    bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float()  # one sync, on the device
+def _non_finite(grad: torch.Tensor, loss: torch.Tensor | None, mesh: Mesh) -> tuple[bool, bool]:
+    """(any rank's gradient holds inf/nan, the loss is inf/nan where it is held): one all-reduce of two flags,
+    one host sync."""
+    bad_loss = (~torch.isfinite(loss)).any() if loss is not None else torch.zeros((), dtype=torch.bool,
+                                                                                  device=grad.device)
+    flags = torch.stack([(~torch.isfinite(grad)).any(), bad_loss.to(grad.device)]).float()
     for name in ("dp", "mp"):
         group = mesh.group(name)
-        bad = group.all_reduce(bad, "max") if group is not None else bad
-    return bool(bad > 0)
+        flags = group.all_reduce(flags, "max") if group is not None else flags
+    overflow, loss_bad = flags.tolist()
+    return overflow > 0, loss_bad > 0
 
 
 def tied_paths(config: gpt.GPTConfig, layout: Layout, stages: Any) -> frozenset[str]:
@@ -165,7 +170,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
                     decoupled_lr: float | None = None, per_token: bool = False) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views) hold the
     next step's values afterwards. With check_overflow (fp16), a step whose gradients hold inf/nan on any
-    rank changes nothing and reports skipped=True. overlap_grad_reduce starts each data-parallel bucket's
+    rank changes nothing and reports skipped=True, and loss_non_finite: whether the loss itself was inf/nan
+    (no loss scale can cure that). overlap_grad_reduce starts each data-parallel bucket's
     reduction as soon as the backward pass has finished its gradients (same numbers; bucket_numel elements
     per bucket). compile: a torch.compile backend for each layer, the embedding and the head
     (gpt_pipeline.stage_segments), or None for eager. decoupled_lr: the word embedding's and output layer's
@@ -204,8 +210,10 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
         return {"forward-backward": (t1 - t0) * 1e3, "grads-reduce": (t2 - t1) * 1e3, "optimizer": (t3 - t2) * 1e3}
 
     # every element of the owned slices is some data-parallel rank's: the overflow check sees them all
-    if check_overflow and _any_overflow([state.grad[state.lo:state.hi]], mesh):
-        return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
-                "timers_ms": timers(time.perf_counter())}
+    if check_overflow:
+        overflow, loss_non_finite = _non_finite(state.grad[state.lo:state.hi], loss, mesh)
+        if overflow:
+            return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
+                    "loss_non_finite": loss_non_finite, "timers_ms": timers(time.perf_counter())}
     norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr)
     return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter())}
