@@ -124,7 +124,8 @@ def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
 
     def step(batch: dict) -> torch.Tensor:
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
-                               clip_grad=1.0, compile="inductor" if compile_ else None)["loss"]
+                               clip_grad=1.0, compile="inductor" if compile_ else None,
+                               check_overflow=True)["loss"]  # as the runner: a non-finite step is skipped
 
     return step
 
