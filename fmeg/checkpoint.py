@@ -147,10 +147,21 @@ def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last:
     pointer.write_text(str(iteration))
     os.replace(pointer, root / LATEST)
     if keep_last:
-        done = sorted(p for p in root.glob("iter_*") if p.is_dir() and ".tmp" not in p.name)
-        for old in done[:-keep_last]:
-            shutil.rmtree(old)
+        prune(root, keep_last)
     return final
+
+
+def prune(root: str | os.PathLike, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under root; returns the names deleted."""
+    done = sorted(p for p in Path(root).glob("iter_*") if p.is_dir() and ".tmp" not in p.name)
+    for old in done[:-keep] if keep > 0 else done:
+        shutil.rmtree(old)
+    return [p.name for p in (done[:-keep] if keep > 0 else done)]
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """The bytes of the files under a directory (a checkpoint's size on disk)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def latest(root: str | os.PathLike) -> Path | None:

@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from fmeg import __version__, checkpoint, optim, tree
 from fmeg.data.blending import build_datasets, parse_blend, target_samples
@@ -249,12 +251,45 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             dist.barrier()
 
-    def save(iteration: int) -> None:
+    def save(iteration: int) -> bool:
+        """Write a checkpoint; False (one line printed, the partial directory removed, the previous checkpoint
+        untouched) when some rank could not write its part, e.g. on a full disk."""
         tensors = checkpoint.state_tensors(state.params, state.opt_state)
-        checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp},
-                             attempt=attempt)
+        if a.keep_last and a.keep_last > 1:  # space short for one more: make room first (keeping keep_last - 1)
+            if rank == 0:
+                newest = checkpoint.latest(a.save)
+                if newest is not None and shutil.disk_usage(a.save).free < checkpoint.disk_bytes(newest):
+                    for name in checkpoint.prune(a.save, a.keep_last - 1):
+                        print(f"removed {Path(a.save) / name} before saving: the disk is short of space for "
+                              f"--keep-last {a.keep_last}", flush=True)
+            if world > 1:
+                dist.barrier()
+        problem = ""
+        try:
+            checkpoint.save_rank(a.save, iteration, rank, coords, tensors, sizes={"tp": tp, "pp": pp, "dp": dp},
+                                 attempt=attempt)
+        except (OSError, SafetensorError) as e:
+            problem = " ".join(str(e).split())[:300]
+        # in place of a barrier: which rank failed first (world if none), and the checkpoint's size
+        status = torch.tensor([rank if problem else world, sum(t.numel() * t.element_size() for t in tensors.values())],
+                              dtype=torch.int64, device=device)
         if world > 1:
-            dist.barrier()
+            first_failed = status[:1].clone()
+            dist.all_reduce(first_failed, op=dist.ReduceOp.MIN)
+            dist.all_reduce(status[1:], op=dist.ReduceOp.SUM)
+            status[0] = first_failed[0]
+        if int(status[0]) < world:
+            if rank == 0:
+                shutil.rmtree(checkpoint.temporary_dir(a.save, iteration, attempt), ignore_errors=True)
+            if world > 1:
+                dist.barrier()
+            if rank == int(status[0]):
+                kept = checkpoint.latest(a.save)
+                print(f"error: --save {a.save}: writing iteration {iteration} failed ({problem}); it needs about "
+                      f"{int(status[1]) / 2**20:,.0f} MiB and {shutil.disk_usage(a.save).free / 2**20:,.0f} MiB are "
+                      f"free; the partial checkpoint was removed and "
+                      f"{kept.name if kept else 'no earlier checkpoint'} is intact", file=sys.stderr, flush=True)
+            return False
         if rank == 0:
             checkpoint.finalize(a.save, iteration, {
                 "world_size": world, "layout": layout_meta, "model": dataclasses.asdict(config),
@@ -266,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
         if last_rank:
             print(f"saved checkpoint {checkpoint.iteration_dir(a.save, iteration)}", flush=True)
+        return True
 
     local = tree.num_params(state.params)
     opt_state = state.opt_state
@@ -398,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{math.exp(min(value, 50)):.6E} |", flush=True)
         reason = exit_reason(a, iteration, start, stop["signal"], world, device)
         if a.save and (reason or (a.save_interval and iteration % a.save_interval == 0) or iteration == a.train_iters):
-            save(iteration)
+            if not save(iteration):
+                failed = 1
+                break
         if reason:
             if last_rank:
                 print(f"exiting at iteration {iteration}: {reason}", flush=True)

@@ -119,6 +119,47 @@ def test_fail_on_nan_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
     assert proc.returncode == 0 and "number of skipped iterations:" in out
 
 
+SAVES = [*COMMON, "--train-iters", "6", "--save-interval", "2", "--log-interval", "100"]
+
+
+def test_a_full_disk_fails_in_one_line_and_the_next_run_resumes(tmp_path, monkeypatch, capsys):
+    """A save that cannot be written (here the writer reports ENOSPC at iteration 4) ends the run with one
+    line naming --save, the size and the free space; the partial directory is gone, iteration 2 is intact, and
+    the next run, with space again, resumes from it."""
+    import errno
+
+    from recipes import gpt_pretrain
+
+    real_save_file = checkpoint.save_file
+
+    def full_disk_at_4(tensors, path):
+        if "iter_0000004" in path:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_save_file(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk_at_4)
+    root = tmp_path / "ck"
+    assert gpt_pretrain.main([*SAVES, "--save", str(root)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and f"--save {root}: writing iteration 4 failed ([Errno 28] No space left" in errors[0]
+    assert "MiB are free" in errors[0] and "iter_0000002 is intact" in errors[0], errors
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    monkeypatch.setattr(checkpoint, "save_file", real_save_file)
+    assert gpt_pretrain.main([*SAVES, "--save", str(root), "--load", str(root)]) == 0
+    assert checkpoint.latest(root).name == "iter_0000006"
+
+
+def test_keep_last_makes_room_before_saving_when_space_is_short(tmp_path, monkeypatch, capsys):
+    from recipes import gpt_pretrain
+
+    monkeypatch.setattr(gpt_pretrain.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    root = tmp_path / "ck"
+    assert gpt_pretrain.main([*SAVES, "--save", str(root), "--keep-last", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {root / 'iter_0000002'} before saving: the disk is short of space for --keep-last 2" in out
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+
+
 def test_exit_duration(tmp_path):
     proc = run(tmp_path, ["--exit-duration-in-mins", "0", "--save", str(tmp_path / "ck")])
     out, _ = proc.communicate(timeout=120)
