@@ -72,6 +72,7 @@ class GradSync:
         self._views = [self.buffer[start:start + shape.numel()].view(shape)
                        for start, shape in zip(self.offsets, self.shapes)]
         self.overlap = overlap
+        self._index_cache: dict[tuple, list[int]] = {}
         self.reset()
 
     def reset(self) -> "GradSync":
@@ -89,19 +90,34 @@ class GradSync:
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
         """Add gradients of some leaves of `stage` ({path inside the stage: gradient}) into the buffer;
-        final: nothing more comes for them this iteration (their buckets may start)."""
-        for path, grad in grads.items():
-            i = self.index[f"{stage}.{path}"]
-            if self._arrived[i]:
-                raise RuntimeError(f"GradSync: gradient of {stage}.{path} given after its final one")
-            view, grad = self._view(i), grad.reshape(self.shapes[i])
-            if self._touched[i]:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
-                self._touched[i] = True
-            if final and self.overlap:
+        final: nothing more comes for them this iteration (their buckets may start). The leaves' first
+        contributions are copied and later ones added, each group as one multi-tensor op."""
+        indices = self._indices(stage, tuple(grads))
+        late = [i for i in indices if self._arrived[i]]
+        if late:
+            raise RuntimeError(f"GradSync: gradient of {self.paths[late[0]]} given after its final one")
+        copy: tuple[list, list] = ([], [])
+        add: tuple[list, list] = ([], [])
+        for i, grad in zip(indices, grads.values()):
+            target = add if self._touched[i] else copy
+            target[0].append(self._views[i])
+            target[1].append(grad.reshape(self.shapes[i]))
+            self._touched[i] = True
+        if copy[0]:
+            torch._foreach_copy_(*copy)
+        if add[0]:
+            torch._foreach_add_(*add)
+        if final and self.overlap:
+            for i in indices:
                 self._arrive(i)
+
+    def _indices(self, stage: int, paths: tuple[str, ...]) -> list[int]:
+        """The buffer leaves of these stage paths (cached: each segment hands over the same paths every time)."""
+        key = (stage, paths)
+        found = self._index_cache.get(key)
+        if found is None:
+            found = self._index_cache[key] = [self.index[f"{stage}.{path}"] for path in paths]
+        return found
 
     def ready(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
         """Take the final gradients of some leaves of `stage`."""

@@ -40,9 +40,10 @@ def _add(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 
 def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Callable]:
-    """(fn(params, *x), vjp function returning (params cotangent tree, *x cotangents)), like torch.func.vjp,
-    through autograd: fn runs on detached leaves that require grad, and the vjp function releases the
-    graph. The output is detached."""
+    """(fn(params, *x), vjp function returning ({path: params cotangent}, *x cotangents)), like torch.func.vjp
+    but with the params' cotangents flat by dotted path (what gradient buffers take), through autograd: fn
+    runs on detached leaves that require grad, and the vjp function releases the graph. The output is
+    detached."""
     leaves, spec = tree.tree_flatten(params)
     inputs = [t.detach().requires_grad_() for t in [*leaves, *x]]
     with torch.enable_grad():
@@ -50,7 +51,7 @@ def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Call
 
     def pullback(grad_out: torch.Tensor) -> tuple:
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True, materialize_grads=True)
-        return (tree.tree_unflatten(list(grads[:len(leaves)]), spec), *grads[len(leaves):])
+        return (dict(zip(tree.paths_of(spec), grads[:len(leaves)])), *grads[len(leaves):])
 
     return out.detach(), pullback
 
@@ -88,7 +89,7 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
             per_segment += grads
             continue
         cotangents = saved(grad_out)
-        per_segment.append(tree.flatten(cotangents[0]))
+        per_segment.append(cotangents[0])
         grad_out = cotangents[1] if len(cotangents) > 1 else None
     return grad_out, per_segment
 
