@@ -185,9 +185,10 @@ def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel,
             sync.started_with_pending)
 
 
-def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, compile, dtype=torch.float32):
+def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, compile, dtype=torch.float32,
+                      overlap=False):
     """`iterations` training steps (train_iteration, AdamW, clipping) with every segment compiled by the
-    backend `compile`, or eager (None);
+    backend `compile`, or eager (None), with or without the data-parallel overlap (small buckets);
     returns (losses, grad norms, dynamo's graph count after each iteration, graph breaks). Graph counts
     are per process, so each program runs on fresh gloo ranks."""
     import torch._dynamo
@@ -207,7 +208,8 @@ def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, com
     for _ in range(iterations):
         mine = microbatches[dp_rank::dp]
         m = train_iteration(state, mine, config=config, layout=layout, mesh=mesh, lr=1e-2, weight_decay=0.01,
-                            clip_grad=1.0, compile=compile)
+                            clip_grad=1.0, compile=compile, overlap_grad_reduce=overlap,
+                            bucket_numel=2000 if overlap else None)
         losses.append(None if m["loss"] is None else float(m["loss"]))
         norms.append(float(m["grad_norm"]))
         graphs.append(counters["stats"]["unique_graphs"])

@@ -1,6 +1,8 @@
-"""Regional compilation in the runner's step: every layer, the embedding and the loss head run
-torch.compile'd (fullgraph: a graph break is an error), collectives inside the graphs, with the numbers of
-the eager step. Runner-level layout tests with --compile are in test_gpt_pretrain.py."""
+"""Compilation in the runner's step: each pipeline stage runs torch.compile'd as one graph, or, where the
+data-parallel overlap needs each layer's gradients as they finish (or whole layers are recomputed), every
+layer, the embedding and the loss head apart (fullgraph: a graph break is an error), collectives inside the
+graphs, with the numbers of the eager step. Runner-level layout tests with --compile are in
+test_gpt_pretrain.py."""
 
 import pytest
 import torch
@@ -25,10 +27,10 @@ def microbatches(config, count=2, batch=2, seq=16, seed=0):
     return out
 
 
-def run(world, config, layout_kwargs, compile, sp=False, iterations=3, **sizes):
+def run(world, config, layout_kwargs, compile, sp=False, iterations=3, overlap=False, **sizes):
     with GlooRanks(world, timeout=300) as ranks:  # fresh processes: dynamo's counters are per process
         return ranks.run(P.compiled_training, config, layout_kwargs, microbatches(config), iterations, compile,
-                         sequence_parallel=sp, **sizes)
+                         torch.float32, overlap, sequence_parallel=sp, **sizes)
 
 
 def check_same_numbers(compiled, eager):
@@ -45,18 +47,30 @@ def check_same_numbers(compiled, eager):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_a_compiled_tp2_sequence_parallel_layer_is_one_graph_with_the_eager_numbers(backend):
-    """tp=2 with sequence parallelism and dropout: no graph break (fullgraph), the four layers share one
-    graph (the layer index turns symbolic at the second layer), nothing recompiles after the first
-    iteration, and the losses and gradient norms are the eager step's. aot_eager captures the same graphs
-    as inductor (dynamo and AOTAutograd) without generating code, which takes minutes on 2 CPU cores."""
+def test_a_compiled_tp2_sequence_parallel_stage_is_one_graph_with_the_eager_numbers(backend):
+    """tp=2 with sequence parallelism and dropout: the stage (embedding, four layers, loss head) is one graph,
+    with no graph break (fullgraph), nothing recompiles after the first iteration, and the losses and
+    gradient norms are the eager step's. aot_eager captures the same graphs as inductor (dynamo and
+    AOTAutograd) without generating code, which takes minutes on 2 CPU cores."""
     compiled = run(2, GPT2, {}, backend, sp=True, tp=2)
     eager = run(2, GPT2, {}, None, sp=True, tp=2)
     check_same_numbers(compiled, eager)
     for _, _, graphs, breaks in compiled:
         assert breaks == {}
-        assert graphs[0] == graphs[-1] <= 4  # embedding, layer (index 0, then symbolic), head
+        assert graphs[0] == graphs[-1] == 1
     assert all(graphs == [0, 0, 0] for _, _, graphs, _ in eager)
+
+
+def test_under_data_parallel_overlap_each_layer_is_compiled_and_the_layers_share_a_graph():
+    """dp=2 with --overlap-grad-reduce: the layers' gradients go to their buckets as each layer's backward
+    ends, so each layer is a compiled segment of its own; the four share one graph (the layer index turns
+    symbolic at the second layer), with the eager numbers."""
+    compiled = run(2, GPT2, {}, "aot_eager", overlap=True)  # two ranks, tp = pp = 1: dp = 2
+    eager = run(2, GPT2, {}, None, overlap=True)
+    check_same_numbers(compiled, eager)
+    for _, _, graphs, breaks in compiled:
+        assert breaks == {}
+        assert graphs[0] == graphs[-1] <= 4  # embedding, layer (index 0, then symbolic), head
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
 
 def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP,
                    recompute: tuple[str, str | None, int | None] | None = None,
-                   compile: str | None = None, per_token: bool = False) -> list[Segment]:
+                   compile: str | None = None, per_token: bool = False, fused: bool = False) -> list[Segment]:
     """The stage as a chain of segments (embeddings, each layer, final norm + loss), so that backward can
     hand over each piece's gradients as soon as they are final. Params may be tensor-parallel shards (tp);
     activations are [b, s, h] ([b, s/t, h] with sequence parallelism). batch holds tokens, labels and
@@ -71,11 +71,19 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     generation) that each piece runs under: regional compilation, one graph per kind of piece shared by
     every layer, collectives inside (torch.distributed groups: comm.TorchGroup; thread ranks do not
     trace), no graph break allowed. None runs eagerly. per_token: the head returns the sum of the token
-    losses instead of their mean (Megatron's --calculate-per-token-loss; the caller divides)."""
+    losses instead of their mean (Megatron's --calculate-per-token-loss; the caller divides).
+    fused: the whole stage as one segment (with compile, one graph): nothing can be handed over before the
+    stage's backward ends, but the per-layer calls (guards, autograd wrappers, gradient hand-over) are
+    gone, which is what a host-bound step needs. Not with full recomputation, whose units are segments."""
     layers = stage_layers(config, stage, num_stages)
     granularity, method, count = recompute or (None, None, None)
     unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
     selective = granularity == "selective"
+    if fused:
+        if any(u is not None for u in unit_of):
+            raise ValueError("fused stage segments cannot recompute whole layers (--recompute-granularity full)")
+        return [Segment(_fused_stage(config, tp, selective, per_token, compile, stage == 0,
+                                     stage == num_stages - 1, layers.start))]
     embedding, layer_fn, head = _compiled_pieces(config, tp, selective, per_token, compile) if compile else \
         _pieces(config, tp, selective, per_token)
 
@@ -121,6 +129,23 @@ def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool
     layers share one graph after the first)."""
     return tuple(torch.compile(fn, backend=backend, fullgraph=True)
                  for fn in _pieces(config, tp, recompute_core, per_token))
+
+
+@functools.cache
+def _fused_stage(config: GPTConfig, tp: TensorParallel, recompute_core: bool, per_token: bool, backend: str | None,
+                 first: bool, last: bool, first_layer: int) -> Callable:
+    """The stage's pieces chained in one function (sub: the whole stage params), compiled as one graph when a
+    backend is given; made once per arguments so that every iteration reuses the graph."""
+    embedding, layer, head = _pieces(config, tp, recompute_core, per_token)
+
+    def stage(params: Params, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        if first:
+            x = embedding(params, batch)
+        for i, layer_params in enumerate(params["layers"]):
+            x = layer(layer_params, x, batch, first_layer + i)
+        return head(params, x, batch) if last else x
+
+    return torch.compile(stage, backend=backend, fullgraph=True) if backend else stage
 
 
 def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP) -> Callable:

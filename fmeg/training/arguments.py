@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "recompute the first --recompute-num-layers layers of each pipeline stage")
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each layer, the embedding and the loss head torch.compile'd (default: on with CUDA, "
-                        "off on CPU, where compiling takes longer than short runs train)")
+                   help="run each pipeline stage torch.compile'd as one graph (each layer, the embedding and the loss "
+                        "head apart under --overlap-grad-reduce with dp > 1 or full recomputation; default: on "
+                        "with CUDA, off on CPU, where compiling takes longer than short runs train)")
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)

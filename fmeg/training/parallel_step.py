@@ -66,7 +66,8 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
              mesh: Mesh, compile: str | None = None) -> torch.Tensor | None:
     """Mean loss over microbatches (data-parallel mean), forward only; None off the last stage's ranks."""
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile) for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile, fused=compile is not None)
+           for s in params}
     full = schedules.gpipe(layout.pp, len(microbatches)) if layout.chunks == 1 else \
         schedules.interleaved_1f1b(layout.pp, len(microbatches), layout.chunks, len(microbatches))
     forwards = [[a for a in actions if a.kind == "F"] for actions in full]
@@ -173,8 +174,9 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     rank changes nothing and reports skipped=True, and loss_non_finite: whether the loss itself was inf/nan
     (no loss scale can cure that). overlap_grad_reduce starts each data-parallel bucket's
     reduction as soon as the backward pass has finished its gradients (same numbers; bucket_numel elements
-    per bucket). compile: a torch.compile backend for each layer, the embedding and the head
-    (gpt_pipeline.stage_segments), or None for eager. decoupled_lr: the word embedding's and output layer's
+    per bucket). compile: a torch.compile backend for each stage, one graph (gpt_pipeline.stage_segments,
+    fused), or for each layer, the embedding and the head when the data-parallel overlap needs the layers'
+    gradients one by one or whole layers are recomputed; None for eager. decoupled_lr: the word embedding's and output layer's
     learning rate (Megatron's --decoupled-lr; default lr). per_token: the loss is the sum of the global batch's
     token losses over its number of tokens (Megatron's --calculate-per-token-loss), not the mean of the
     microbatch means; the two agree when every microbatch counts as many tokens.
@@ -182,7 +184,11 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     t0 = time.perf_counter()
     params = state.params
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token)
+    # Compiled, each stage is one graph (fused), unless its layers' gradients must be handed over one by one
+    # (data-parallel overlap) or whole layers are recomputed.
+    fused = compile is not None and not (overlap_grad_reduce and layout.dp > 1) and \
+        (layout.recompute is None or layout.recompute[0] == "selective")
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused)
            for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = state.grad_sync(mesh.group("dp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
