@@ -4,6 +4,7 @@
     python bench/gpu_step.py --model 1.3b --steps 20
     python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run anywhere
     python bench/gpu_step.py --model 1.3b --profile     # also: one profiled step of each, kernels by time
+    python bench/gpu_step.py --model host --device cpu --steps 30   # the host-time proxy, compiled, on a CPU
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
 fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank, each layer compiled
@@ -37,6 +38,9 @@ MODELS = {  # (config, batch)
                                 hidden_size=2048, num_heads=16), 4),
     "llama-1b": (gpt.GPTConfig.llama(vocab_size=32000, max_seq_len=2048, num_layers=16, hidden_size=2048,
                                      num_heads=16, num_kv_heads=4, ffn_hidden_size=5632), 4),
+    # a host-time proxy: 12 layers with next to no arithmetic, so a CPU step times the Python that launches it
+    "host": (gpt.GPTConfig.gpt2(vocab_size=500, padded_vocab_size=512, max_seq_len=16, num_layers=12, hidden_size=32,
+                                num_heads=2), 1),
     "tiny": (gpt.GPTConfig.llama(vocab_size=500, padded_vocab_size=512, max_seq_len=64, num_layers=2,
                                  hidden_size=64, num_heads=4, num_kv_heads=2), 2),
 }
