@@ -81,23 +81,20 @@ def compose(stage: Callable | list[Segment]) -> Callable[[Any, Any, dict], Any]:
     return run
 
 
-_covered: dict[tuple, tuple] = {}  # (id(params), segment keys) -> (params, its leaves' ids) found covered
+_covered: set[tuple] = set()  # (segment keys, params structure) pairs found covered
 
 
 def check_cover(segments: list[Segment], params: Any, stage: int) -> None:
-    """Every stage parameter is differentiated by exactly one segment. Checked by leaf identity once per params
-    tree, leaves and segment keys (it runs every iteration: a tree checked before, holding the same leaves,
-    passes after one flatten); paths are built only to name what is wrong."""
-    key = (id(params), tuple(segment.keys for segment in segments))
-    leaves = [id(leaf) for leaf in tree.tree_leaves(params)]
-    cached = _covered.get(key)
-    if cached is not None and cached[0] is params and cached[1] == leaves:
+    """Every stage parameter is differentiated by exactly one segment. Which leaves a segment takes depends
+    only on its keys and the params' structure, so each (keys, structure) pair is checked once (this runs
+    every iteration) by leaf identity; paths are built only to name what is wrong."""
+    leaves, spec = tree.tree_flatten(params)
+    key = (tuple(segment.keys for segment in segments), spec)
+    if key in _covered:
         return
     seen = [id(leaf) for segment in segments for leaf in tree.tree_leaves(take(segment, params))]
-    if len(seen) == len(leaves) and set(seen) == set(leaves):
-        if len(_covered) >= 64:
-            _covered.pop(next(iter(_covered)))
-        _covered[key] = (params, leaves)  # params kept alive: its id cannot name another tree
+    if len(seen) == len(leaves) and set(seen) == {id(leaf) for leaf in leaves}:
+        _covered.add(key)
         return
     paths: list[str] = []
     for segment in segments:
