@@ -29,11 +29,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from fmeg import __version__, checkpoint, optim, tree
-from fmeg.data.blending import build_datasets, parse_blend, target_samples
-from fmeg.data.default_corpus import cache_dir, default_corpus
-from fmeg.data.indexed import IndexedDataset
+from fmeg.data.blending import build_datasets, target_samples
+from fmeg.data.default_corpus import default_corpus
 from fmeg.data.mock_corpus import mock_corpus
-from fmeg.data.token_range import check_token_ids
 from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
@@ -145,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the data is read and checked before any process group exists: a bad file is one line and exit 2
         train_data, valid_data, _ = build_datasets(data_path, a.split, a.seq_length, [samples[0], samples[1], 0],
                                                    a.seed, cache_dir=a.data_cache_path, eod_id=tokenizer.eod,
-                                                   eod_mask_loss=a.eod_mask_loss)
-        for prefix in parse_blend(data_path)[0]:
-            check_token_ids(IndexedDataset(prefix), tokenizer.vocab_size, a.data_cache_path or cache_dir())
+                                                   eod_mask_loss=a.eod_mask_loss, vocab_size=tokenizer.vocab_size)
     except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -96,15 +96,21 @@ class BlendedDataset:
 
 def build_datasets(data_path: list[str] | str, split: str, seq_len: int, num_samples: list[int], seed: int, *,
                    cache_dir=None, eod_id: int | None = None, eod_mask_loss: bool = False,
-                   surplus: float = 0.005) -> list:
+                   surplus: float = 0.005, vocab_size: int | None = None) -> list:
     """[train, valid, test] datasets from --data-path, --split and sample counts (None where a split is
     empty or needs no samples). A blend draws ceil(weight * samples * (1 + surplus)) samples from each
-    prefix, as Megatron does, then interleaves them by weight."""
+    prefix, as Megatron does, then interleaves them by weight. vocab_size: every token id of every prefix
+    must lie below it (token_range.check_token_ids; the ranges are cached under cache_dir, else $FMEG_CACHE)."""
+    from fmeg.data.default_corpus import cache_dir as fmeg_cache
     from fmeg.data.gpt_dataset import GPTDataset
     from fmeg.data.indexed import IndexedDataset
+    from fmeg.data.token_range import check_token_ids
 
     prefixes, weights = parse_blend(data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
+    if vocab_size is not None:
+        for ix in indexed:
+            check_token_ids(ix, vocab_size, cache_dir or fmeg_cache())
     names = ("train", "valid", "test")
     out = []
     for i, wanted in enumerate(num_samples):
