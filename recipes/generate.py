@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fmeg import checkpoint, tree
-from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
+from fmeg.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, padded_vocab_size
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
 from fmeg.models import gpt
@@ -35,7 +35,6 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel
 from fmeg.training.parallel_step import Layout, shard_params
 
-TOKENIZERS = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"]
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
@@ -46,12 +45,15 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: fp32)")
     p.add_argument("--fp16", action="store_true", help="compute in float16")
-    p.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None,
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
                    help="default: the one the checkpoint was trained with")
     p.add_argument("--tokenizer-model")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
-    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary; TikTokenizer's ids")
+    p.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
+    p.add_argument("--tiktoken-num-special-tokens", type=int)
+    p.add_argument("--tiktoken-special-tokens", nargs="+")
 
 
 def sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -115,7 +117,9 @@ def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
     kind = a.tokenizer_type or saved.get("tokenizer_type") or (
         "GPT2BPETokenizer" if vocab_file and merge_file else "ByteTokenizer")
     tokenizer = build_tokenizer(kind, model=pick("tokenizer_model"), vocab_file=vocab_file, merge_file=merge_file,
-                                vocab_size=pick("vocab_size"))
+                                vocab_size=pick("vocab_size"), tiktoken_pattern=pick("tiktoken_pattern"),
+                                tiktoken_num_special_tokens=pick("tiktoken_num_special_tokens"),
+                                tiktoken_special_tokens=pick("tiktoken_special_tokens"))
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} ids but {kind} has {tokenizer.vocab_size}; "
                          "give the tokenizer it was trained with (--tokenizer-type and its files)")

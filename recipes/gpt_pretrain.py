@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     dp, gbs = batch_geometry(a, world)
     try:
         tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
-                                    merge_file=a.merge_file, vocab_size=a.vocab_size)
+                                    merge_file=a.merge_file, vocab_size=a.vocab_size,
+                                    tiktoken_pattern=a.tiktoken_pattern,
+                                    tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
+                                    tiktoken_special_tokens=a.tiktoken_special_tokens)
     except ValueError as e:  # a missing or unreadable tokenizer file: one line
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

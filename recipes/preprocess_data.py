@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fmeg.data.indexed import IndexedDatasetBuilder, best_dtype
-from fmeg.data.tokenizers import build_tokenizer
+from fmeg.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 _TOKENIZER = None
 
@@ -33,10 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
-    p.add_argument("--tokenizer-type", default="ByteTokenizer",
-                   choices=["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (text is space-separated ids)")
-    p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer")
+    p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=TOKENIZER_TYPES)
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (text is space-separated ids); "
+                                                   "TikTokenizer's ids in all (default 2**17)")
+    p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer, tokenizer.model for "
+                                              "Llama2Tokenizer, the JSON vocabulary for TikTokenizer")
+    p.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    p.add_argument("--tiktoken-special-tokens", nargs="+")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--eod-token", help="name of the end-of-document token if not a usual one")
@@ -47,7 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _tokenizer_from(args: argparse.Namespace):
     return build_tokenizer(args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, eod_token=args.eod_token, vocab_size=args.vocab_size)
+                           merge_file=args.merge_file, eod_token=args.eod_token, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                           tiktoken_special_tokens=args.tiktoken_special_tokens)
 
 
 def _init_worker(args: argparse.Namespace) -> None:

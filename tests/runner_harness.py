@@ -49,6 +49,17 @@ def sentencepiece_model(directory, vocab_size: int = 60) -> str:
     return str(directory / "tok.model")
 
 
+def tiktoken_vocabulary(directory, merges=("th", "he", "the", " t", " the", "qu", "ick", "ck", "ic")) -> str:
+    """A tiny tiktoken JSON vocabulary (Megatron's TikTokenizer format): the 256 bytes, then a few merges."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + [m.encode() for m in merges]
+    path = directory / "tiktoken_vocab.json"
+    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("latin-1")}
+                                for i, t in enumerate(tokens)]))
+    return str(path)
+
+
 def small_checkpoint(directory) -> str:
     """A checkpoint of a 2-layer model trained for 30 iterations on the default data (byte vocabulary), for
     the generation and serving tests; written by the runner as users write it."""

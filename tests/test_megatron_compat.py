@@ -13,7 +13,7 @@ from fmeg import tree
 from fmeg.models import gpt
 from fmeg.training.arguments import lr_steps, parse_args, validate
 from fmeg.training.megatron_flags import ignored_flags
-from runner_harness import run_recipe, sentencepiece_model
+from runner_harness import run_recipe, sentencepiece_model, tiktoken_vocabulary
 
 # Megatron-LM's defaults (megatron/training/arguments.py) for the flags fmeg shares, where Megatron has one.
 MEGATRON_DEFAULTS = {
@@ -292,3 +292,58 @@ def test_llama2_tokenizer_is_sentencepiece_with_a_leading_bos_and_eos_as_end_of_
         "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model, "--data-path",
         str(tmp_path / "data_text_document"), "--train-iters", "4", "--lr-warmup-iters", "1", "--seq-length", "32"])
     assert len(records) == 4 and "vocab 60 (padded to 128)" in stdout
+
+
+TIKTOKEN_TEXTS = ["the quick brown fox", "The thicket, then 1234 ticks!\n\n  the end", "naïve café — ü", ""]
+
+
+@pytest.mark.parametrize("pattern", ["v1", "v2"])
+def test_tiktokenizer_ids_equal_megatron_cores_and_the_runner_trains_on_them(tmp_path, pattern):
+    """Megatron's TikTokenizer: ids below --tiktoken-num-special-tokens are special (</s> = 2 ends a document),
+    vocabulary rank r is id r + num_special, and --vocab-size counts both. The ids equal megatron-core's
+    TikTokenTokenizer for both patterns; preprocess_data and the runner read the vocabulary."""
+    pytest.importorskip("tiktoken")
+    TikTokenTokenizer = pytest.importorskip("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer").TikTokenTokenizer
+    from fmeg.data.tokenizers import build_tokenizer
+    from recipes import preprocess_data
+
+    vocab = tiktoken_vocabulary(tmp_path)  # 265 ranks
+    ours = build_tokenizer("TikTokenizer", model=vocab, tiktoken_pattern=pattern, vocab_size=265 + 16,
+                           tiktoken_num_special_tokens=16)
+    oracle = TikTokenTokenizer(vocab, num_special_tokens=16, vocab_size=265 + 16, pattern=pattern)
+    for text in TIKTOKEN_TEXTS:
+        assert ours.encode(text) == oracle.text_to_ids(text), text
+        assert ours.decode(ours.encode(text)) == text
+    assert (ours.vocab_size, ours.eod) == (281, oracle.eos_id) == (281, 2)
+    assert ours.encode("the")[0] == 256 + 2 + 16  # the merge "the" is rank 258
+    cut = build_tokenizer("TikTokenizer", model=vocab, tiktoken_pattern=pattern, vocab_size=256 + 16,
+                          tiktoken_num_special_tokens=16)  # Megatron cuts the vocabulary to --vocab-size
+    assert max(cut.encode("the thicket")) < 256 + 16
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i} ticks " * 20}) for i in range(60)))
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, "--tiktoken-pattern", pattern,
+             "--vocab-size", "285", "--tiktoken-num-special-tokens", "20"]
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "data"), "--append-eod",
+                                 *flags]) == 0
+    records, stdout = run_recipe(tmp_path, "tiktoken", 1, [
+        *flags, "--data-path", str(tmp_path / "data_text_document"), "--train-iters", "3", "--lr-warmup-iters", "1",
+        "--seq-length", "32"])
+    assert len(records) == 3 and "vocab 285 (padded to 384)" in stdout
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--vocab-size", "2000"], "has 265 tokens, fewer than the 1000 that --vocab-size minus"),
+    (["--tiktoken-num-special-tokens", "2"], "must be at least the 3 special tokens"),
+    (["--tiktoken-special-tokens", "<s>", "</s>"], "must be distinct and include <unk> <s> </s>"),
+])
+def test_tiktokenizer_refuses_a_vocabulary_it_cannot_build_in_one_line(tmp_path, flags, needle):
+    pytest.importorskip("tiktoken")
+    from fmeg.data.tokenizers import build_tokenizer
+
+    a = parse_args(["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tiktoken_vocabulary(tmp_path),
+                    "--tiktoken-pattern", "v2", "--vocab-size", "1265", *flags])
+    with pytest.raises(ValueError, match=needle):
+        build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_size=a.vocab_size,
+                        tiktoken_pattern=a.tiktoken_pattern, tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
+                        tiktoken_special_tokens=a.tiktoken_special_tokens)

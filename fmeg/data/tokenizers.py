@@ -3,15 +3,21 @@
     ByteTokenizer()                                 ids 0..255 are bytes, 256 is end-of-document
     HuggingFaceTokenizer("tokenizer.json")          any tokenizers-library file
     GPT2BPETokenizer("vocab.json", "merges.txt")    GPT-2's byte-level BPE files
+    NullTokenizer(vocab_size), Llama2Tokenizer("tokenizer.model"), TikTokenizer("vocab.json")   as Megatron's
 
 Each has encode(text) -> list[int], decode(ids) -> str, vocab_size and eod (the end-of-document id).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import os
 from pathlib import Path
+
+TOKENIZER_TYPES = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "TikTokenizer", "HuggingFaceTokenizer",
+                   "GPT2BPETokenizer"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
@@ -68,6 +74,84 @@ class Llama2Tokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+# Megatron's two tiktoken pre-tokenizer patterns (--tiktoken-pattern v1 | v2).
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+class TikTokenizer:
+    """Megatron's TikTokenizer (pip install tiktoken): a byte-level BPE read from a JSON list of
+    {"rank", "token_bytes" (base64), "token_str"} entries, ranks 0..255 being the single bytes.
+
+    Ids 0 .. num_special_tokens - 1 are special: the given special tokens (default <unk>, <s>, </s>), then
+    <SPECIAL_i> fillers; vocabulary rank r is id r + num_special_tokens, and the vocabulary is cut so that
+    there are vocab_size ids in all (--vocab-size, Megatron's default 2**17). </s> ends a document. Text is
+    encoded as ordinary text: a special token's name in the text is not its id."""
+
+    def __init__(self, path: str, pattern: str | None = "v2", vocab_size: int | None = None,
+                 num_special_tokens: int = 1000, special_tokens: list[str] | None = None):
+        try:
+            import tiktoken
+        except ImportError as e:
+            raise ValueError("--tokenizer-type TikTokenizer needs tiktoken: pip install tiktoken") from e
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise ValueError(f"--tiktoken-pattern {pattern}: expected v1 or v2")
+        self.vocab_size = 2**17 if vocab_size is None else vocab_size
+        specials = list(special_tokens or ["<unk>", "<s>", "</s>"])
+        missing = [t for t in ("<unk>", "<s>", "</s>") if t not in specials]
+        if missing or len(set(specials)) != len(specials):
+            raise ValueError(f"--tiktoken-special-tokens must be distinct and include <unk> <s> </s>, got {specials}")
+        if not len(specials) <= num_special_tokens < self.vocab_size:
+            raise ValueError(f"--tiktoken-num-special-tokens {num_special_tokens} must be at least the "
+                             f"{len(specials)} special tokens and below the vocabulary of {self.vocab_size}")
+        specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special_tokens)]
+        ranks = _mergeable_ranks(path, self.vocab_size - num_special_tokens)
+        self.eod = specials.index("</s>")
+        self._num_special = num_special_tokens
+        self._specials = specials
+        self._bpe = tiktoken.Encoding(name=Path(path).parent.name or "tiktoken", pat_str=TIKTOKEN_PATTERNS[pattern],
+                                      mergeable_ranks={b: r + num_special_tokens for b, r in ranks.items()},
+                                      special_tokens={t: i for i, t in enumerate(specials)})
+
+    def encode(self, text: str) -> list[int]:
+        return self._bpe.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self._bpe.decode([int(i) for i in ids])
+
+
+def _mergeable_ranks(path: str, size: int) -> dict[bytes, int]:
+    """{token bytes: rank} of the first `size` entries of a tiktoken JSON vocabulary, checked."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--tokenizer-model {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tokenizer-model {path}: not a tiktoken JSON vocabulary ({e})") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"--tokenizer-model {path}: expected a JSON list of {{rank, token_bytes, token_str}}")
+    if len(entries) < size:
+        raise ValueError(f"--tokenizer-model {path} has {len(entries)} tokens, fewer than the {size} that "
+                         "--vocab-size minus --tiktoken-num-special-tokens asks for; lower --vocab-size")
+    ranks = {}
+    for i, entry in enumerate(entries[:size]):
+        try:
+            token = base64.b64decode(entry["token_bytes"], validate=True)
+            good = entry["rank"] == i and (i >= 256 or token == bytes([i])) and token not in ranks
+        except (TypeError, KeyError, ValueError):
+            good = False
+        if not good:
+            raise ValueError(f"--tokenizer-model {path}: entry {i} is not rank {i} with new base64 token_bytes "
+                             "(ranks 0..255 must be the single bytes)")
+        ranks[token] = i
+    return ranks
+
+
 class HuggingFaceTokenizer:
     def __init__(self, path: str, eod_token: str | None = None):
         from tokenizers import Tokenizer
@@ -109,7 +193,9 @@ def _find_eod(tok, name: str | None, path) -> int:
 
 
 def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | None = None,
-                    merge_file: str | None = None, eod_token: str | None = None, vocab_size: int | None = None):
+                    merge_file: str | None = None, eod_token: str | None = None, vocab_size: int | None = None,
+                    tiktoken_pattern: str | None = None, tiktoken_num_special_tokens: int | None = None,
+                    tiktoken_special_tokens: list[str] | None = None):
     """The tokenizer named by --tokenizer-type and its file flags."""
     if kind == "ByteTokenizer":
         return ByteTokenizer()
@@ -121,6 +207,13 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if not model:
             raise ValueError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model PATH/tokenizer.model")
         return Llama2Tokenizer(model)
+    if kind == "TikTokenizer":
+        if not model or not tiktoken_pattern:
+            raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern "
+                             "v1|v2")
+        return TikTokenizer(model, tiktoken_pattern, vocab_size,
+                            1000 if tiktoken_num_special_tokens is None else tiktoken_num_special_tokens,
+                            tiktoken_special_tokens)
     if kind == "HuggingFaceTokenizer":
         if not model:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json")
@@ -129,5 +222,4 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if not vocab_file or not merge_file:
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    raise ValueError(f"--tokenizer-type {kind!r}: expected ByteTokenizer, NullTokenizer, Llama2Tokenizer, "
-                     "HuggingFaceTokenizer or GPT2BPETokenizer")
+    raise ValueError(f"--tokenizer-type {kind!r}: expected one of {', '.join(TOKENIZER_TYPES)}")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fmeg.data.blending import parse_blend, parse_split
+from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import check_rampup, iterations_for
 from fmeg.training.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, MULTI_VALUED, megatron_leniencies
 
@@ -155,11 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--mock-data", action="store_true",
                    help="synthetic documents (Megatron's mock dataset) instead of --data-path or the stdlib corpus")
     d.add_argument("--split", default="969,30,1")
-    d.add_argument("--tokenizer-type", default=None,
-                   choices=["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+    d.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
                    help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else ByteTokenizer")
-    d.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (ids below it)")
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary (ids below it); TikTokenizer's ids in all (default 2**17)")
     d.add_argument("--tokenizer-model")
+    d.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None, help="TikTokenizer's pre-tokenizer regex")
+    d.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved below the vocabulary for special tokens")
+    d.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer's named special tokens (default <unk> <s> </s>)")
     d.add_argument("--vocab-file")
     d.add_argument("--merge-file")
     d.add_argument("--eod-mask-loss", action="store_true")
@@ -408,6 +414,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
     need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 0,
          "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+    need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
+         "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
     need(a.context_parallel_size == 1,
          f"--context-parallel-size {a.context_parallel_size}: fmeg has no context parallelism yet; use 1")
     if a.data_path:

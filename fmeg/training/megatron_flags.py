@@ -36,7 +36,6 @@ IGNORED_SETTINGS = {
     "--num-workers": "samples are read from memory-mapped files by the training process",
     "--timing-log-level": "the per-phase timers are always printed",
     "--attention-backend": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
-    "--tiktoken-pattern": "used by TikTokenizer only, which fmeg does not provide",
     "--empty-unused-memory-level": "a memory policy: fmeg never empties torch's allocator cache",
     "--profile-step-start": "fmeg has no built-in profiler",
     "--profile-step-end": "fmeg has no built-in profiler",
