@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fmeg import tree
 from fmeg.models import gpt
@@ -29,6 +31,33 @@ def test_scaler_halves_after_hysteresis_overflows_and_doubles_after_a_clean_wind
     assert tiny.scale == 1.0
 
 
+def megatron_scaler(monkeypatch, initial: float, min_scale: float, window: int, hysteresis: int):
+    """megatron-core's DynamicGradScaler as Megatron's training builds it (growth 2, backoff 0.5), with its
+    tensors on the CPU (it puts them on CUDA)."""
+    from types import SimpleNamespace
+
+    grad_scaler = pytest.importorskip("megatron.core.optimizer.grad_scaler")
+    cpu_torch = SimpleNamespace(tensor=lambda *a, device=None, **k: torch.tensor(*a, **k), max=torch.max,
+                                float=torch.float)
+    monkeypatch.setattr(grad_scaler, "torch", cpu_torch)
+    return grad_scaler.DynamicGradScaler(initial_scale=initial, min_scale=min_scale, growth_factor=2.0,
+                                         backoff_factor=0.5, growth_interval=window, hysteresis=hysteresis)
+
+
+@settings(max_examples=60, deadline=None)
+@given(overflows=st.lists(st.booleans(), max_size=60), initial=st.sampled_from([2.0**32, 2.0**16, 4.0]),
+       min_scale=st.sampled_from([1.0, 2.0**10]), window=st.integers(1, 6), hysteresis=st.integers(1, 4))
+def test_scaler_equals_megatron_cores_step_by_step(overflows, initial, min_scale, window, hysteresis):
+    min_scale = min(min_scale, initial)  # as the runner's flags require
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        oracle = megatron_scaler(monkeypatch, initial, min_scale, window, hysteresis)
+        s = loss_scale.initial(initial, min_scale=min_scale, window=window, hysteresis=hysteresis)
+        for overflow in overflows:
+            s = loss_scale.update(s, overflow)
+            oracle.update(overflow)
+            assert s.scale == float(oracle.scale)
+
+
 def step(dtype, scale):
     """(the state's tensors before, after, metrics) of one step, which updates the state in place."""
     mesh, layout = Mesh.single(), Layout()
@@ -50,10 +79,11 @@ def test_an_overflowed_fp16_step_is_skipped_and_changes_nothing():
     assert not m["skipped"] and not torch.equal(after[0], before[0])
 
 
-def test_injected_overflow_through_the_runner_skips_and_halves_and_the_schedule_waits(tmp_path):
+def test_injected_overflow_through_the_runner_skips_and_halves_and_the_schedule_waits(tmp_path, monkeypatch):
     """Overflowed fp16 steps are skipped, the scale halves, and the LR and weight-decay schedules advance
     only after successful updates: step by step what megatron-core's OptimizerParamScheduler gives when
-    stepped as Megatron's training loop steps it (by the global batch, after each successful update)."""
+    stepped as Megatron's training loop steps it (by the global batch, after each successful update), and
+    the loss scale is megatron-core's DynamicGradScaler's, updated after every step."""
     from types import SimpleNamespace
 
     OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
@@ -70,7 +100,10 @@ def test_injected_overflow_through_the_runner_skips_and_halves_and_the_schedule_
     scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=[group]), init_lr=0.0, max_lr=3e-3, min_lr=0.0,
                                         lr_warmup_steps=2 * gbs, lr_decay_steps=20 * gbs, lr_decay_style="linear",
                                         start_wd=0.0, end_wd=0.1, wd_incr_steps=20 * gbs, wd_incr_style="linear")
+    scaler = megatron_scaler(monkeypatch, 2.0**20, 1.0, 1000, 1)
     for r in records:
+        assert r["loss_scale"] == float(scaler.scale)
+        scaler.update(r["skipped"])
         assert r["lr"] == pytest.approx(group["lr"], rel=1e-12, abs=1e-15)
         assert r["weight_decay"] == pytest.approx(group["weight_decay"], rel=1e-12, abs=1e-15)
         if not r["skipped"]:
