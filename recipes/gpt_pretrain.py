@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def new_state(fp32_params):
         return init_state(fp32_params, config, layout, mesh, distributed=a.use_distributed_optimizer,
-                          compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps))
+                          compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps),
+                          grad_dtype=torch.bfloat16 if a.grad_reduce_in_bf16 else torch.float32)
 
     state = new_state(to_device(shard_params(gpt.init(config, a.seed), config, layout, mesh), device))
     scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
@@ -315,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{', recompute ' + ' '.join(str(r) for r in recompute if r is not None) if recompute else ''}; "
               f"{config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {config.vocab_size} (padded to {config.padded_vocab_size}), "
-              f"{str(compute_dtype).removeprefix('torch.')}, layers {'compiled' if compile_layers else 'eager'}; "
+              f"{str(compute_dtype).removeprefix('torch.')}"
+              f"{' (gradients reduced in bfloat16)' if a.grad_reduce_in_bf16 else ''}, "
+              f"layers {'compiled' if compile_layers else 'eager'}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"
               f"{' (distributed optimizer)' if state.zero else ''}; persistent state "

@@ -165,18 +165,21 @@ def zero_state_bytes(mesh, config, compute_dtype):
             state.bytes_per_parameter())
 
 
-def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel, order):
-    """GradSync over the dp group: leaves handed over in `order` (stage, path) pairs; returns (the tree of
-    means (ZeRO: only the replicated leaves are whole), this rank's slice, collectives, pending leaves at
-    each bucket start)."""
+def grad_sync_mean(mesh, grads_per_rank, owner_slices, replicated, bucket_numel, order, buffer_dtype=None):
+    """GradSync over the dp group: leaves handed over in `order` (stage, path) pairs, into a buffer of
+    buffer_dtype if given; returns (the tree of means (ZeRO: only the replicated leaves are whole), this
+    rank's slice, collectives, pending leaves at each bucket start)."""
     from fmeg import tree
     from fmeg.parallel.comm import RecordingGroup
     from fmeg.parallel.data_parallel import GradSync
+    from fmeg.parallel.zero import FlatBuffer
 
     group = RecordingGroup(mesh.group("dp"))
     mine = grads_per_rank[mesh.coord("dp")]
+    padded = FlatBuffer.of(mine, mesh.size("dp")).padded
+    buffer = None if buffer_dtype is None else torch.zeros(padded, dtype=buffer_dtype)
     sync = GradSync(mine, group, owner_slices=owner_slices, replicated=frozenset(replicated),
-                    bucket_numel=bucket_numel)
+                    bucket_numel=bucket_numel, buffer=buffer)
     flat = {s: tree.flatten(g) for s, g in mine.items()}
     for stage, path in order:
         sync.ready(stage, {path: flat[stage][path]})

@@ -61,6 +61,21 @@ def test_bucketed_mean_on_gloo(owner_slices):
     assert set(ops) == ({"reduce", "all_reduce"} if owner_slices else {"all_reduce"}) and len(ops) > 2
 
 
+@pytest.mark.parametrize("owner_slices", [False, True])
+def test_a_bf16_buffer_reduces_in_bf16_on_gloo(owner_slices):
+    """--grad-reduce-in-bf16: given a bf16 buffer, the gradients are reduced and averaged in bf16 (bf16's
+    (a + b) / 2 on two ranks; tests/test_mixed_precision shows the curve moving off the fp32-reduced one)."""
+    per_rank = [tree.tree_map(lambda x: x.bfloat16(), g)
+                for g in per_rank_grads({0: [(10, 10), (10,)], 1: [(20, 5)]}, 2, seed=1)]
+    paths = [path for path, _ in tree.items(per_rank[0])]
+    order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in reversed(paths)]
+    results = run("gloo", 2, P.grad_sync_mean, per_rank, owner_slices, [], 40, order, torch.bfloat16, tp=1)
+    flat = [torch.cat([leaf.reshape(-1) for leaf in tree.tree_leaves(g)]) for g in per_rank]
+    want = torch.nn.functional.pad((flat[0] + flat[1]) / 2, (0, -len(flat[0]) % 2))
+    for rank, (_, owned, _, _) in enumerate(results):
+        assert owned.dtype == torch.bfloat16 and torch.equal(owned, want.chunk(2)[rank])
+
+
 def test_buckets_respect_owner_slices_and_replicated_leaves():
     sizes, padded = [100, 10, 100, 3, 49], 264
     assert _buckets(sizes, padded, 1, set(), 120) == [(110, 264, [2, 3, 4], None), (0, 110, [0, 1], None)]

@@ -13,7 +13,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training import loss_scale
 from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
-from runner_harness import run_layout
+from runner_harness import run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 
@@ -114,3 +114,15 @@ def test_bf16_trains_along_the_fp32_curve(tmp_path, reference):
     got = run_layout(tmp_path, "bf16", 1, ["--bf16"])
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(got, reference["plain"]))
     assert got[-1] < got[0] - 1.0
+
+
+def test_grad_reduce_in_bf16_reduces_in_bf16_and_trains_along_the_fp32_curve(tmp_path, reference):
+    """Megatron's --grad-reduce-in-bf16 with --bf16: gradients are accumulated over microbatches and reduced
+    over data parallelism in bf16 (so the curve moves off the fp32-reduced one), and the step reads an fp32
+    copy; the run still follows the fp32 curve."""
+    records, stdout = run_recipe(tmp_path, "bf16_grads", 2, ["--bf16", "--grad-reduce-in-bf16"])
+    assert "bfloat16 (gradients reduced in bfloat16)" in stdout
+    fp32_reduced = run_layout(tmp_path, "bf16", 2, ["--bf16"])
+    got = [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert got != fp32_reduced
+    assert all(abs(a - b) <= 0.01 * b for a, b in zip(got, reference["plain"]))

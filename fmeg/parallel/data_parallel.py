@@ -6,8 +6,8 @@
     grads = sync.tree()     # replicated optimizer: the whole mean as a pytree of views into the buffer
     g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
 
-Gradients accumulate in one flat buffer (at least fp32; the first contribution of an iteration is copied,
-the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The
+Gradients accumulate in one flat buffer (at least fp32 unless a buffer of another dtype is given, as
+--grad-reduce-in-bf16 gives a bf16 one; the first contribution of an iteration is copied, the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The
 buffer is cut into buckets of about bucket_numel elements, walking leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
 as soon as its last leaf has arrived, so communication overlaps with the rest of the backward pass.
 Without ZeRO a bucket is all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to
@@ -54,9 +54,9 @@ class GradSync:
         sizes = [shape.numel() for shape in self.shapes]
         self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         self.index = {path: i for i, path in enumerate(self.paths)}
+        if buffer is not None and (buffer.shape != (self.padded,) or not buffer.is_floating_point()):
+            raise ValueError(f"GradSync: buffer of {tuple(buffer.shape)} {buffer.dtype}, need ({self.padded},) floats")
         dtype = torch.promote_types(leaves[0][1].dtype if leaves else torch.float32, torch.float32)
-        if buffer is not None and (buffer.shape != (self.padded,) or buffer.dtype != dtype):
-            raise ValueError(f"GradSync: buffer of {tuple(buffer.shape)} {buffer.dtype}, need ({self.padded},) {dtype}")
         self.buffer = buffer if buffer is not None else \
             torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
         unknown = set(replicated) - set(self.index)

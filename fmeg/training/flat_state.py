@@ -9,12 +9,14 @@ Every buffer is laid out as zero.FlatBuffer lays out this rank's {stage: tree} (
 to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the slice [lo, hi) of it:
 
     weights  [padded] compute dtype   what the model reads; state.params are views of it
-    grad     [padded] fp32            the data-parallel mean gradient
+    grad     [padded] fp32            the data-parallel mean gradient (grad_dtype: bf16 for Megatron's
+                                      --grad-reduce-in-bf16, accumulated and reduced in bf16)
+    grad32   [hi - lo] fp32           with a bf16 grad only: the owned slice in fp32, which the step reads
     main     fp32 master weights      [padded], or [hi - lo] with ZeRO-1; absent in fp32 (weights are the master)
     mu, nu   fp32 Adam moments        [padded], or [hi - lo] with ZeRO-1
 
 Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeRO-1, 2 + 4 + 12 / dp at bf16
-and 4 + 4 + 8 / dp at fp32. The step is the same few whole-buffer ops whatever the number of leaves: the
+and 4 + 4 + 8 / dp at fp32; a bf16 grad saves 2 and its fp32 copy costs 4 / dp. The step is the same few whole-buffer ops whatever the number of leaves: the
 global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), then
 torch's fused AdamW kernel over the owned slice, one call per (learning rate, weight decay or not) group,
 with the clip as its grad_scale (a device tensor: no host sync, no pass of its own) and the decoupled
@@ -38,30 +40,34 @@ class FlatState:
     def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, distributed: bool,
                  dp: int, dp_rank: int, compute_dtype: torch.dtype, adam: tuple[float, float, float],
                  decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
-                 decoupled: Callable[[str, torch.Tensor], bool] | None = None):
+                 decoupled: Callable[[str, torch.Tensor], bool] | None = None,
+                 grad_dtype: torch.dtype = torch.float32):
         """params: this rank's fp32 {stage: tree}; counted(path, leaf): whether the leaf counts toward the
         global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
-        whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output)."""
+        whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output);
+        grad_dtype: the dtype gradients are accumulated and reduced in."""
         self.flat, self.zero, self.adam = FlatBuffer.of(params, dp), distributed, adam
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
         device = tree.tree_leaves(params)[0].device
         fp32 = self.flat.flatten(params)
         self.weights = fp32.to(device=device, dtype=compute_dtype)
-        self.grad = torch.zeros_like(fp32, device=device)
+        self.grad = torch.zeros_like(fp32, device=device, dtype=grad_dtype)
         mixed = compute_dtype != torch.float32
         self.main = fp32[self.lo:self.hi].clone() if mixed else None
         owned = self.hi - self.lo
+        self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device)
         self.nu = torch.zeros(owned, device=device)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
         self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
         self.params = self.flat.views(self.weights)
         pieces = self._owned_pieces(params)
-        self._norm_pieces = [self.grad[self.lo + a:self.lo + b] for _, _, a, b in pieces]
+        owned_grad = self.grad32 if self.grad32 is not None else self.grad[self.lo:self.hi]
+        self._norm_pieces = [owned_grad[a:b] for _, _, a, b in pieces]
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
-        master, owned_grad = self.master, self.grad[self.lo:self.hi]
+        master = self.master
         self._groups = self._adam_groups(pieces, decay_mask, decoupled)
         self._adam_views = {group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
                             for group, runs in self._groups.items()}  # made once: the step slices nothing
@@ -121,7 +127,7 @@ class FlatState:
         return state
 
     def bytes_per_parameter(self) -> float:
-        buffers = [self.weights, self.grad, self.mu, self.nu] + ([self.main] if self.main is not None else [])
+        buffers = [self.weights, self.grad, self.mu, self.nu] + [b for b in (self.main, self.grad32) if b is not None]
         return sum(b.numel() * b.element_size() for b in buffers) / self.flat.numel
 
     @torch.no_grad()
@@ -141,8 +147,9 @@ class FlatState:
         """Global norm of grad (returned, a device tensor), clip, AdamW on the owned slice, then the compute
         weights from the master. grad must hold the data-parallel mean (GradSync.finish). decoupled_lr: the
         learning rate of the leaves marked decoupled (default lr)."""
-        g = self.grad[self.lo:self.hi]
-        total = torch.zeros((), dtype=torch.float64, device=g.device)
+        if self.grad32 is not None:
+            self.grad32.copy_(self.grad[self.lo:self.hi])
+        total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()
             total = (norms.square() * self._norm_weight).sum()

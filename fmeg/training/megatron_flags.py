@@ -80,6 +80,10 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
     for flag in ("no_load_optim", "finetune"):
         if getattr(a, flag) and a.load is None:
             notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
+    if a.grad_reduce_in_bf16 and not a.bf16:
+        notices.append("--grad-reduce-in-bf16 has no effect without --bf16 (as in Megatron): gradients are reduced "
+                       "in fp32")
+        a.grad_reduce_in_bf16 = False
     if a.eval_interval is not None and a.eval_iters == 0:
         notices.append("--eval-iters 0: no validation")
     if a.tokenizer_type is None:

@@ -107,13 +107,15 @@ def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, m
 
 def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *, distributed: bool,
                compute_dtype: torch.dtype = torch.float32,
-               adam: tuple[float, float, float] = (0.9, 0.999, 1e-8)) -> FlatState:
+               adam: tuple[float, float, float] = (0.9, 0.999, 1e-8),
+               grad_dtype: torch.dtype = torch.float32) -> FlatState:
     """This rank's training state from its fp32 params ({stage: tree}): the model's weights in the compute
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
-    parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state)."""
+    parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
+    Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16)."""
     return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=layout.dp,
                      dp_rank=mesh.coord("dp"), compute_dtype=compute_dtype, adam=adam,
-                     decoupled=embedding_or_output(layout))
+                     decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
 
 
 def embedding_or_output(layout: Layout):
