@@ -11,7 +11,6 @@ import json
 import pytest
 
 from fmeg.data.default_corpus import default_corpus
-from fmeg.training.arguments import parse_args
 from runner_harness import run_recipe, sentencepiece_model
 
 
