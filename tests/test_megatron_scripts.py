@@ -112,17 +112,19 @@ def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[s
         "--hidden-dropout", "0.0", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
         "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
         "--no-masked-softmax-fusion", "--no-position-embedding", "--rotary-base", "1000000",
-        # MOE_ARGS without the expert flags (--num-experts, --moe-*)
-        "--overlap-param-gather", "--overlap-grad-reduce",
+        # MOE_ARGS without --num-experts: the --moe-* flags then have no effect (named as ignored)
+        "--moe-router-load-balancing-type", "aux_loss", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+        "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather",
+        "--overlap-grad-reduce",
         # DATA_ARGS
         "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer_model, "--mock-data",
         "--split", "99990,8,2",
         # TRAINING_ARGS
         "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-4", "--train-iters", "7",
         "--min-lr", "1.0e-5", "--weight-decay", "0.1", "--clip-grad", "1.0",
-        # MODEL_PARALLEL_ARGS without --expert-model-parallel-size
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
-        "--sequence-parallel",
+        # MODEL_PARALLEL_ARGS (--expert-model-parallel-size 1: no experts)
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "1",
+        "--use-distributed-optimizer", "--sequence-parallel",
         # LOGGING_ARGS
         "--eval-iters", "10", *logging, "--no-load-optim", "--no-load-rng",
     ]
@@ -134,6 +136,7 @@ def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_s
     records, stdout = run_recipe(tmp_path, "as_is", 2, mixtral_8x7b_without_moe(model, []), common=[])
     assert [r["iteration"] for r in records] == list(range(1, 8)) and "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout
     assert "warning: --no-load-optim has no effect without --load DIR" in stdout
+    assert "ignored --moe-router-topk: has no effect without --num-experts" in stdout
     ckpt = str(tmp_path / "ckpt")
     logging = ["--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", ckpt, "--load", ckpt]
     first, _ = run_recipe(tmp_path, "first", 2, [*mixtral_8x7b_without_moe(model, logging), "--exit-interval", "4"],
@@ -142,3 +145,19 @@ def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_s
     assert "resumed from" in stdout2 and "fresh optimizer state" in stdout2  # --no-load-optim, as written
     assert [r["iteration"] for r in first + second if "lm_loss" in r] == list(range(1, 8))
     assert [r["iteration"] for r in first + second if "validation_lm_loss" in r] == [4, 7]
+
+
+def test_the_mixtral_script_with_its_experts_stops_in_one_line_per_feature(tmp_path, capsys, monkeypatch):
+    """--num-experts 8 and --expert-model-parallel-size 8, as the script has them: parsed, then refused
+    before any work with one line naming each feature, exit 2."""
+    from recipes import gpt_pretrain
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    flags = [*mixtral_8x7b_without_moe(str(tmp_path / "tok.model"), []), "--num-experts", "8",
+             "--expert-model-parallel-size", "8"]
+    assert gpt_pretrain.main(flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --num-experts 8: mixture of experts is not supported by fmeg yet; drop the flag",
+                   "error: --expert-model-parallel-size 8: expert parallelism is not supported by fmeg yet; "
+                   "use 1 or drop the flag"]

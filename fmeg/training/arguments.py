@@ -20,7 +20,8 @@ import torch
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import check_rampup, iterations_for
-from fmeg.training.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, MULTI_VALUED, megatron_leniencies
+from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
+                                         later_work_problems, megatron_leniencies)
 
 
 def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
@@ -52,7 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-size", type=int, default=1, help="1 only: fmeg has no context parallelism yet")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="how long a collective may wait before the job fails")
@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add the parameters' global L2 norm to the log line and metrics")
     lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
     lg.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard scalars here (pip install tensorboard)")
+    later = p.add_argument_group("Megatron features fmeg does not have yet (their 'off' value only)")
+    for flag, (keywords, off, feature) in LATER_WORK.items():
+        later.add_argument(flag, **keywords, help=f"{feature}: not in fmeg yet; "
+                           f"{'leave it out' if off in (None, False) else f'{off} only'}")
     ig = p.add_argument_group("accepted from Megatron scripts and ignored (named at start)")
     for flag in IGNORED_SWITCHES:
         ig.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -283,8 +287,11 @@ def _refuse(message: str) -> None:
 
 
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
-    """Every problem with the arguments, one line each (empty when they are consistent)."""
-    problems: list[str] = []
+    """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
+    not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
+    problems = later_work_problems(a)
+    if problems:
+        return problems
 
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -418,8 +425,6 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--tokenizer-type NullTokenizer needs a positive --vocab-size")
     need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
          "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
-    need(a.context_parallel_size == 1,
-         f"--context-parallel-size {a.context_parallel_size}: fmeg has no context parallelism yet; use 1")
     if a.data_path:
         try:
             prefixes, _ = parse_blend(a.data_path)
