@@ -423,14 +423,14 @@ def main(argv: list[str] | None = None) -> int:
                 print("    timers (ms): " + " | ".join(f"{k} {v:.1f}" for k, v in records[-1]["timers_ms"].items()),
                       flush=True)
         if a.eval_interval and a.eval_iters and (iteration % a.eval_interval == 0 or iteration == a.train_iters):
-            total = 0.0
+            total = torch.zeros(2, dtype=torch.float64)  # [token losses, tokens] over every validation batch
             for _ in range(a.eval_iters):
-                value = evaluate(state.params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
-                                 layout=layout, mesh=mesh, compile=compile_layers)
+                pair = evaluate(state.params, batches(valid_data, valid_consumed, gbs, iteration), config=config,
+                                layout=layout, mesh=mesh, compile=compile_layers)
                 valid_consumed += gbs
-                total += float(value) if value is not None else 0.0
+                total += pair.cpu() if pair is not None else 0.0
             if last_rank:
-                value = total / a.eval_iters
+                value = float(total[0] / total[1].clamp_min(1.0))
                 emit({"iteration": iteration, "validation_lm_loss": value})
                 print(f" validation loss at iteration {iteration} | lm loss value: {value:.6E} | lm loss PPL: "
                       f"{math.exp(min(value, 50)):.6E} |", flush=True)

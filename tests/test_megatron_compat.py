@@ -238,7 +238,7 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
     tokens) over the whole global batch, whatever the microbatches' token counts; the default averages the
     microbatch means, which weighs a token of a sparsely masked microbatch more."""
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
 
     config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
     mesh, layout = Mesh.single(), Layout()
@@ -263,15 +263,23 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
     torch.testing.assert_close(m["grad_norm"].float(), tree.global_norm(want_grads))
     mean_of_means = sum(gpt.loss(params, mb, config) for mb in microbatches) / 2
     assert abs(float(mean_of_means) - float(want_loss)) > 1e-3  # the two reductions differ here
+    # validation, as Megatron reports it whatever the flags: [token losses, tokens], divided at the end
+    pair = evaluate(state.params, microbatches, config=config, layout=layout, mesh=mesh)
+    torch.testing.assert_close((pair[0] / pair[1]).float(), want_loss)
+    assert float(pair[1]) == float(sum(gpt.loss_tokens(mb) for mb in microbatches))
 
 
 def test_per_token_loss_is_layout_invariant_with_uneven_masks(tmp_path):
-    flags = ["--calculate-per-token-loss", "--eod-mask-loss", "--train-iters", "6", "--lr-warmup-iters", "1"]
+    flags = ["--calculate-per-token-loss", "--eod-mask-loss", "--train-iters", "6", "--lr-warmup-iters", "1",
+             "--eval-interval", "3"]
     single, _ = run_recipe(tmp_path, "single", 1, flags)
     dp2, _ = run_recipe(tmp_path, "dp2", 2, [*flags, "--use-distributed-optimizer"])
     pp2, _ = run_recipe(tmp_path, "pp2", 2, [*flags, "--pipeline-model-parallel-size", "2"])
-    for other in (dp2, pp2):
-        assert [r["lm_loss"] for r in other] == pytest.approx([r["lm_loss"] for r in single], rel=1e-5)
+    for key in ("lm_loss", "validation_lm_loss"):
+        want = [r[key] for r in single if key in r]
+        assert len(want) == (6 if key == "lm_loss" else 2)
+        for other in (dp2, pp2):
+            assert [r[key] for r in other if key in r] == pytest.approx(want, rel=1e-5)
 
 
 def test_llama2_tokenizer_is_sentencepiece_with_a_leading_bos_and_eos_as_end_of_document(tmp_path):

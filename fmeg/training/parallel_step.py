@@ -64,20 +64,24 @@ def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
 
 def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
              mesh: Mesh, compile: str | None = None) -> torch.Tensor | None:
-    """Mean loss over microbatches (data-parallel mean), forward only; None off the last stage's ranks."""
+    """[sum of the token losses, number of tokens] over the microbatches and data parallelism, forward only;
+    None off the last stage's ranks. Validation divides the sums over all its batches, as Megatron reports
+    its validation loss: a mean over tokens, whatever the loss masks."""
     tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile, fused=compile is not None)
-           for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile, per_token=True,
+                                fused=compile is not None) for s in params}
     full = schedules.gpipe(layout.pp, len(microbatches)) if layout.chunks == 1 else \
         schedules.interleaved_1f1b(layout.pp, len(microbatches), layout.chunks, len(microbatches))
     forwards = [[a for a in actions if a.kind == "F"] for actions in full]
     actions = schedules.with_communication(forwards)[mesh.coord("pp")]
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
-                              forward_only=True)
+                              forward_only=True, microbatch_mean=False)
+    if loss is None:
+        return None
+    tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
+    pair = torch.stack([loss.double(), tokens.double()])
     dp_group = mesh.group("dp")
-    if dp_group is not None and loss is not None:
-        loss = dp_group.all_reduce(loss) / layout.dp
-    return loss
+    return dp_group.all_reduce(pair) if dp_group is not None else pair
 
 
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
