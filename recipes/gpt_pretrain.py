@@ -461,5 +461,18 @@ def main(argv: list[str] | None = None) -> int:
     return failed
 
 
+def _gone_peer(e: BaseException) -> bool:
+    """Whether a collective failed because another rank stopped (killed, or failed on its own)."""
+    return isinstance(e, getattr(dist, "DistBackendError", ())) or any(
+        words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RuntimeError as e:
+        if not _gone_peer(e):
+            raise
+        print(f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank, which stopped or was "
+              "killed; its output says why", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,130 @@
+"""python -m fmeg.launch (torchrun with the workers' exit passed through): bad input on 2 ranks is one line and
+exit 2 with no traceback of torchrun's; SIGTERM to the launcher saves and exits 0; a killed rank takes the job
+down within 10 s in one line; SIGKILLs during saves, with restarts at another world size, always resume from
+the newest complete checkpoint."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from fmeg import checkpoint
+from runner_harness import COMMON
+
+LAUNCH = [sys.executable, "-m", "fmeg.launch", "--standalone"]
+
+
+def launch(nproc, flags, **kwargs):
+    return subprocess.Popen([*LAUNCH, f"--nproc-per-node={nproc}", "-m", "recipes.gpt_pretrain", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+
+
+def assert_one_line(proc, needle, code=2, timeout=120):
+    out, err = proc.communicate(timeout=timeout)
+    lines = err.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+        (proc.returncode, out[-1000:], err[-3000:])
+    return out
+
+
+def test_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
+    """A flag error, a YAML error and a missing tokenizer file: rank 0 prints one line, every rank exits 2,
+    and the launcher exits 2 with nothing of its own, before any log or checkpoint exists."""
+    config = tmp_path / "run.yaml"
+    config.write_text("fp16: 'no'\n")
+    cases = [(["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
+             (["--config", str(config)], "fp16: 'no' is not true or false"),
+             (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(tmp_path / "none.model")],
+              "none.model")]
+    procs = [launch(2, [*flags, "--log-dir", str(tmp_path / f"log{i}"), "--save", str(tmp_path / f"ck{i}")])
+             for i, (flags, _) in enumerate(cases)]
+    for i, (proc, (_, needle)) in enumerate(zip(procs, cases)):
+        assert_one_line(proc, needle)
+        assert not (tmp_path / f"log{i}").exists() and not (tmp_path / f"ck{i}").exists()
+
+
+def wait_for(proc, words, timeout=120):
+    """Read stdout until a line holds words; the lines read."""
+    seen, end = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if words in line or time.monotonic() > end:
+            break
+    return seen
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path):
+    proc = launch(2, [*COMMON, "--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path / "ck"),
+                      "--log-interval", "1"])
+    wait_for(proc, "iteration        3/")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err.strip() == "" and "SIGTERM received" in out, (out[-2000:], err[-2000:])
+    latest = checkpoint.latest(tmp_path / "ck")
+    assert latest is not None and len(list(latest.glob("*.safetensors"))) == 2
+
+
+def workers_of(proc) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_takes_the_job_down_within_10_seconds_in_one_line(tmp_path):
+    proc = launch(2, [*COMMON, "--train-iters", "100000", "--log-interval", "1"])
+    wait_for(proc, "iteration        3/")
+    workers = workers_of(proc)
+    assert len(workers) == 2, workers
+    killed = time.monotonic()
+    os.kill(workers[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - killed
+    assert took < 10, took
+    assert proc.returncode == 128 + signal.SIGKILL, (proc.returncode, err[-2000:])
+    assert "error: rank 1 was killed by SIGKILL; the other ranks were stopped" in err and "Traceback" not in err
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in workers)
+    print(f"a killed rank took the job down in {took:.2f} s")
+
+
+def complete(path) -> bool:
+    """Whether a final checkpoint directory holds exactly its metadata and the files it lists, verified."""
+    meta = json.loads((path / "metadata.json").read_text())
+    expected = {"metadata.json", *meta["files"]} | {f"rank_{r:05d}.json" for r in range(meta["world_size"])}
+    return {p.name for p in path.iterdir()} == expected
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_twenty_times_with_restarts_at_another_world_size(tmp_path):
+    """Every iteration saves; the whole job (launcher and workers) is SIGKILLed at a random moment, 20 times,
+    each restart at another world size (1 and 2 alternating). Each restart resumes from the newest complete
+    checkpoint the last kill left, and no final checkpoint holds a stray file."""
+    rng, ckpt = random.Random(0), tmp_path / "ck"
+    flags = [*COMMON, "--train-iters", "100000", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
+             "--log-interval", "1"]
+    resumed_at, mid_save = [], 0
+    for trial in range(20):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unfinished directories are reported with a warning
+            newest = checkpoint.latest(ckpt) if ckpt.exists() else None
+        proc = launch(1 + trial % 2, flags)
+        lines = wait_for(proc, "saved checkpoint")
+        said = "".join(lines)
+        if newest is not None:
+            assert f"resumed from {newest}" in said, said[-2000:]
+            resumed_at.append(int(newest.name.split("_")[1]))
+        time.sleep(rng.uniform(0.0, 1.5))
+        for pid in [proc.pid, *workers_of(proc)]:  # torchrun's workers live in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        mid_save += any(ckpt.glob("iter_*.tmp*"))  # the kill interrupted a save
+        for final in ckpt.glob("iter_???????"):
+            assert complete(final), sorted(p.name for p in final.iterdir())
+    assert len(resumed_at) == 19 and resumed_at == sorted(resumed_at)
+    assert mid_save >= 3, mid_save
