@@ -3,6 +3,7 @@ depend on the layout (tensor, sequence, pipeline with virtual stages, data paral
 with the layers compiled (--compile) or eager (the default on CPU)."""
 
 import json
+import os
 
 import pytest
 import torch.distributed as dist
@@ -80,8 +81,8 @@ def test_bad_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, e
     monkeypatch.setenv("RANK", "0")
     assert gpt_pretrain.main(flags) == 2
     err = capsys.readouterr().err
-    assert needle in err
-    assert all(line.startswith("error: ") for line in err.strip().splitlines())
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not dist.is_initialized()
 
 
@@ -363,3 +364,25 @@ def test_yaml_values_of_the_right_type_are_taken():
     a = parse_args(["--config", f.name])
     assert (a.fp16, a.seed, a.lr, a.min_lr, a.data_path, a.rampup_batch_size) == (
         True, 7, 1.0, 1e-4, ["corpus_a"], [4, 4, 40])
+
+
+@pytest.mark.parametrize("flag", ["--save", "--log-dir", "--tensorboard-dir", "--data-cache-path"])
+def test_an_output_directory_that_cannot_be_written_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, flag):
+    """A file in the way (as the directory, or above it) and a directory the user cannot write (the check
+    access(2) makes, which also sees read-only filesystems; simulated here, since root passes mode bits)."""
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("")
+    monkeypatch.setenv("RANK", "0")
+    for path, needle in ((in_the_way, "is a file, not a directory"),
+                         (in_the_way / "out", "a_file is a file, so no directory can be made under it")):
+        assert gpt_pretrain.main([flag, str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {flag} {path}: ") and needle in err[0], err
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(read_only) else real_access(p, mode))
+    assert gpt_pretrain.main([flag, str(read_only / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "read_only is not writable (cannot create it)" in err[0], err
+    assert not dist.is_initialized()

@@ -128,3 +128,48 @@ def test_sigkill_during_saves_twenty_times_with_restarts_at_another_world_size(t
             assert complete(final), sorted(p.name for p in final.iterdir())
     assert len(resumed_at) == 19 and resumed_at == sorted(resumed_at)
     assert mid_save >= 3, mid_save
+
+
+def runner_bad_inputs(tmp_path) -> list[tuple[str, int, list[str], str]]:
+    """(name, ranks, flags, the error's words) for every runner case of tests/test_gpt_pretrain.py: bad flags,
+    bad data files and bad YAML, each on at least 2 ranks."""
+    from test_gpt_pretrain import BAD, BAD_DATA, YAML_CASES, _dataset
+
+    cases = [(f"flags{i}", max(2, int(env["WORLD_SIZE"])), flags, needle) for i, (env, flags, needle) in enumerate(BAD)]
+    for name, (documents, extra, needle) in BAD_DATA.items():
+        prefix = _dataset(tmp_path / ("big" if name == "ids_past_vocab" else name), documents, extra_bin_bytes=extra)
+        cases.append((name, 2, ["--data-path", prefix, "--seq-length", "16", "--global-batch-size", "2",
+                                "--micro-batch-size", "1", "--tensor-model-parallel-size", "2"], needle))
+    for i, (text, needle) in enumerate(YAML_CASES):
+        (tmp_path / f"run{i}.yaml").write_text(text)
+        cases.append((f"yaml{i}", 2, ["--config", str(tmp_path / f"run{i}.yaml")], needle))
+    (tmp_path / "a_file").write_text("")
+    for flag in ("--save", "--tensorboard-dir", "--data-cache-path"):
+        cases.append((f"output{flag}", 2, [flag, str(tmp_path / "a_file" / "out")], "a_file is a file, so no directory"))
+    return cases
+
+
+@pytest.mark.slow
+def test_every_runner_bad_input_under_the_launcher_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """The bad-input suite's runner cases (56), each on 2 ranks or its world size under python -m fmeg.launch:
+    exit 2, exactly one line on stderr, naming the flag or file, no traceback, no log directory written."""
+    monkeypatch.setenv("FMEG_CACHE", str(tmp_path / "cache"))
+    cases = runner_bad_inputs(tmp_path)
+    assert len(cases) >= 56
+    failures, running = [], []
+
+    def finish(name, needle, log, proc):
+        out, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        if not (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+                and "Traceback" not in out + err and not log.exists()):
+            failures.append((name, proc.returncode, err[-600:]))
+
+    for name, ranks, flags, needle in cases:  # three jobs at a time
+        log = tmp_path / f"log_{name}"
+        running.append((name, needle, log, launch(ranks, [*flags, "--log-dir", str(log)])))
+        if len(running) == 3:
+            finish(*running.pop(0))
+    for job in running:
+        finish(*job)
+    assert not failures, failures

@@ -317,10 +317,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
     need(a.num_attention_heads % tp == 0,
          f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")
-    groups = a.num_query_groups or a.num_attention_heads
-    need(a.num_attention_heads % groups == 0,
-         f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
-    need(groups % tp == 0, f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+    groups = a.num_query_groups
+    if groups:  # else one group per head, checked just above (0 and below: refused further down)
+        need(a.num_attention_heads % groups == 0,
+             f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
+        need(groups % tp == 0, f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
     if a.ffn_hidden_size is not None:
         need(a.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
@@ -438,7 +439,28 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         parse_split(a.split)
     except ValueError as e:
         problems.append(str(e))
+    for flag in ("save", "log_dir", "tensorboard_dir", "data_cache_path"):
+        path = getattr(a, flag)
+        problem = unwritable_directory(path) if path else None
+        need(problem is None, f"--{flag.replace('_', '-')} {path}: {problem}")
     return problems
+
+
+def unwritable_directory(path: str) -> str | None:
+    """Why a directory cannot be written or created at path (None when it can): a file is in the way, or the
+    nearest existing directory is not writable (a read-only filesystem included)."""
+    target = Path(path).absolute()
+    if target.exists() and not target.is_dir():
+        return "is a file, not a directory; name a directory"
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so no directory can be made under it; name a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable ({'read-only' if existing == target else 'cannot create it'}); " \
+               "name a directory you can write"
+    return None
 
 
 def recompute_problems(a: argparse.Namespace) -> list[str]:
