@@ -229,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
             if not a.finetune:
                 consumed, valid_consumed = meta["consumed_samples"], meta.get("valid_consumed_samples", 0)
                 first_iteration = meta["iteration"] + 1
-                scheduled = meta.get("scheduler_steps", consumed if in_samples else meta["iteration"])
-                if scaler and meta.get("loss_scale"):
+                # --no-load-optim: the LR and weight-decay schedules and the loss scaler start afresh too, as in
+                # Megatron, where they are part of the optimizer state it does not load
+                scheduled = 0 if a.no_load_optim else \
+                    meta.get("scheduler_steps", consumed if in_samples else meta["iteration"])
+                if scaler and meta.get("loss_scale") and not a.no_load_optim:
                     scaler = loss_scale.LossScale(**meta["loss_scale"])
             if last_rank:
-                taken = "weights only" if a.finetune else "fresh optimizer state" if a.no_load_optim else "layout " + (
+                taken = "weights only" if a.finetune else "fresh optimizer state and schedules" if a.no_load_optim \
+                    else "layout " + (
                     "unchanged" if checkpoint.same_layout(meta, layout_meta, config)
                     else f"resharded from {meta['layout']}")
                 print(f"{'fine-tuning from' if a.finetune else 'resumed from'} {found} (iteration {meta['iteration']}, "

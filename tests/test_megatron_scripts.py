@@ -7,6 +7,7 @@ train_mixtral_8x7b_distributed.sh (without its MoE flags), in their order; sizes
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,13 +70,47 @@ def llama3_8b(ckpt: str, cache: str, logs: str, train_samples: int) -> list[str]
     ]
 
 
+def assert_megatron_schedules(runs, monkeypatch, *, lr, min_lr, style, warmup, decay, weight_decay,
+                              decoupled=None, fp16=False):
+    """Step by step, each run's LR (and decoupled LR), weight decay and loss scale equal megatron-core's
+    OptimizerParamScheduler and DynamicGradScaler, built as Megatron's training builds them and stepped as its
+    loop steps them: the scheduler by the global batch after each successful update, the scaler after every
+    step. runs: [(records, whether the run continues the schedules of the one before)]."""
+    OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
+    from test_mixed_precision import megatron_scaler
+
+    for records, continues in runs:
+        if not continues:
+            groups = [{"params": [], "lr": 0.0, "weight_decay": 0.0}]
+            if decoupled:
+                groups.append({"params": [], "lr": 0.0, "weight_decay": 0.0, "max_lr": decoupled[0],
+                               "min_lr": decoupled[1]})
+            scheduler = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), init_lr=0.0, max_lr=lr,
+                                                min_lr=min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
+                                                lr_decay_style=style, start_wd=weight_decay, end_wd=weight_decay,
+                                                wd_incr_steps=decay, wd_incr_style="constant")
+            scaler = megatron_scaler(monkeypatch, 2.0**32, 1.0, 1000, 2) if fp16 else None
+        train = [r for r in records if "lm_loss" in r]
+        assert train
+        for r in train:
+            assert r["lr"] == pytest.approx(groups[0]["lr"], rel=1e-12, abs=1e-18), r["iteration"]
+            assert r["weight_decay"] == pytest.approx(groups[0]["weight_decay"], rel=1e-12)
+            if decoupled:
+                assert r["decoupled_lr"] == pytest.approx(groups[1]["lr"], rel=1e-12, abs=1e-18), r["iteration"]
+            if scaler:
+                assert r["loss_scale"] == float(scaler.scale), r["iteration"]
+                scaler.update(r["skipped"])
+            if not r.get("skipped"):
+                scheduler.step(increment=r["global_batch_size"])
+
+
 def train_then_resume(tmp_path, nproc, first: list[str], second: list[str]):
     records, stdout = run_recipe(tmp_path, "first", nproc, first, common=[])
     resumed, stdout2 = run_recipe(tmp_path, "second", nproc, second, common=[])
     return records, stdout, resumed, stdout2
 
 
-def test_gpt3_175b_script_trains_saves_resumes_and_evaluates(tmp_path):
+def test_gpt3_175b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypatch):
     ckpt, logs = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     data = default_corpus().prefix
     records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 4, gpt3_175b(data, ckpt, logs, 6),
@@ -86,9 +121,12 @@ def test_gpt3_175b_script_trains_saves_resumes_and_evaluates(tmp_path):
     assert [r["iteration"] for r in resumed if "lm_loss" in r] == list(range(7, 13))
     assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 12]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert sum(r.get("skipped", False) for r in records) >= 2  # fp16 from 2**32: the scaler's first steps are skipped
+    assert_megatron_schedules([(records, False), (resumed, True)], monkeypatch, lr=6e-5, min_lr=6e-6, style="cosine",
+                              warmup=0.001 * 10 * 8, decay=10 * 8, weight_decay=0.1, fp16=True)
 
 
-def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path):
+def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypatch):
     ckpt, cache, logs = str(tmp_path / "ckpt"), str(tmp_path / "cache"), str(tmp_path / "tb")
     records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 2, llama3_8b(ckpt, cache, logs, 48),
                                                           llama3_8b(ckpt, cache, logs, 96))
@@ -101,6 +139,8 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path):
     assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])
     assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 12]
     assert json.loads((tmp_path / "ckpt" / "iter_0000012" / "metadata.json").read_text())["model"]["kv_channels"] == 16
+    assert_megatron_schedules([(records, False), (resumed, True)], monkeypatch, lr=1.5e-4, min_lr=1e-5, style="cosine",
+                              warmup=8, decay=80, weight_decay=0.1, decoupled=(5e-4, 4.5e-5))
 
 
 def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[str]:
@@ -130,7 +170,8 @@ def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[s
     ]
 
 
-def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_saves_resumes_and_evaluates(tmp_path):
+def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_saves_resumes_and_evaluates(
+        tmp_path, monkeypatch):
     pytest.importorskip("sentencepiece")
     model = sentencepiece_model(tmp_path, vocab_size=64)
     records, stdout = run_recipe(tmp_path, "as_is", 2, mixtral_8x7b_without_moe(model, []), common=[])
@@ -145,6 +186,9 @@ def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_s
     assert "resumed from" in stdout2 and "fresh optimizer state" in stdout2  # --no-load-optim, as written
     assert [r["iteration"] for r in first + second if "lm_loss" in r] == list(range(1, 8))
     assert [r["iteration"] for r in first + second if "validation_lm_loss" in r] == [4, 7]
+    # --no-load-optim, as the script has it: the resumed run's schedules start afresh, as Megatron's do
+    assert_megatron_schedules([(records, False), (first, False), (second, False)], monkeypatch, lr=1e-4,
+                              min_lr=1e-5, style="linear", warmup=0, decay=7 * 4, weight_decay=0.1)
 
 
 def test_the_mixtral_script_with_its_experts_stops_in_one_line_per_feature(tmp_path, capsys, monkeypatch):
