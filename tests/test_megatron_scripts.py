@@ -36,7 +36,8 @@ def gpt3_175b(data_path: str, ckpt: str, logs: str, train_iters: int) -> list[st
     ]
 
 
-def llama3_8b(ckpt: str, cache: str, logs: str, train_samples: int) -> list[str]:
+def llama3_8b(ckpt: str, cache: str, logs: str, train_samples: int, data: list[str] | None = None) -> list[str]:
+    """data: the real-data branch's --data-path and --tokenizer-model; else the mock branch."""
     return [
         # MODEL_ARGS
         "--use-mcore-models", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "224",  # 32, 4096, 14336
@@ -58,10 +59,14 @@ def llama3_8b(ckpt: str, cache: str, logs: str, train_samples: int) -> list[str]
         "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
         # DDP_ARGS
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        # DATA_ARGS_LIST (mock branch)
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",  # size: 128256
-        "--data-cache-path", cache, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
-        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+        # DATA_ARGS_LIST, mock branch
+        *(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",  # size: 128256
+           "--data-cache-path", cache, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+           "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1"] if data is None else
+          # real-data branch (Megatron's HuggingFaceTokenizer ignores --vocab-size, as fmeg's does)
+          ["--data-path", data[0], "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data[1],
+           "--data-cache-path", cache, "--split", "'99,1,0'", "--no-create-attention-mask-in-dataloader",
+           "--no-mmap-bin-files", "--num-workers", "1", "--vocab-size", "128256"]),
         # EVAL_AND_LOGGING_ARGS
         "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "6", "--save-interval", "6",  # 32, 100, 1000
         "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
@@ -141,6 +146,34 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypat
     assert json.loads((tmp_path / "ckpt" / "iter_0000012" / "metadata.json").read_text())["model"]["kv_channels"] == 16
     assert_megatron_schedules([(records, False), (resumed, True)], monkeypatch, lr=1.5e-4, min_lr=1e-5, style="cosine",
                               warmup=8, decay=80, weight_decay=0.1, decoupled=(5e-4, 4.5e-5))
+
+
+def test_llama3_8b_script_with_real_data_and_a_hugging_face_tokenizer_directory(tmp_path):
+    """The script's real-data branch: --tokenizer-type HuggingFaceTokenizer with --tokenizer-model naming a
+    tokenizer's directory (local: fmeg never downloads), data preprocessed with the same tokenizer."""
+    pytest.importorskip("tokenizers")
+    from recipes import preprocess_data
+    from test_data_preprocess import bpe_files
+
+    from fmeg.data.tokenizers import GPT2BPETokenizer
+
+    tokenizer_dir = tmp_path / "llama3_tokenizer"
+    tokenizer_dir.mkdir()
+    GPT2BPETokenizer(*map(str, bpe_files(tmp_path)))._tok.save(str(tokenizer_dir / "tokenizer.json"))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"hello there, document {i} " * 8}) for i in range(200)))
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "data"), "--append-eod",
+                                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                 str(tokenizer_dir)]) == 0
+    ckpt, cache, logs = str(tmp_path / "ckpt"), str(tmp_path / "cache"), str(tmp_path / "tb")
+    data = [str(tmp_path / "data_text_document"), str(tokenizer_dir)]
+    records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 1, llama3_8b(ckpt, cache, logs, 48, data),
+                                                          llama3_8b(ckpt, cache, logs, 64, data))
+    assert "vocab 258 (padded to 384)" in stdout
+    assert "warning: --vocab-size 128256 has no effect with --tokenizer-type HuggingFaceTokenizer" in stdout
+    assert "resumed from" in stdout2
+    assert [r["iteration"] for r in records + resumed if "lm_loss" in r] == list(range(1, 9))
+    assert [r["iteration"] for r in records + resumed if "validation_lm_loss" in r] == [6, 8]
 
 
 def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[str]:

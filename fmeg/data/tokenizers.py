@@ -153,11 +153,20 @@ def _mergeable_ranks(path: str, size: int) -> dict[bytes, int]:
 
 
 class HuggingFaceTokenizer:
+    """A tokenizers-library file, or a directory holding one as tokenizer.json (a saved Hugging Face
+    tokenizer or a downloaded model's directory, which Megatron's HuggingFaceTokenizer also takes; hub names
+    are not looked up: fmeg never reaches for the network)."""
+
     def __init__(self, path: str, eod_token: str | None = None):
         from tokenizers import Tokenizer
 
-        if not Path(path).is_file():
-            raise ValueError(f"--tokenizer-model {path}: no such file")
+        if Path(path).is_dir():
+            if not (Path(path) / "tokenizer.json").is_file():
+                raise ValueError(f"--tokenizer-model {path}: a directory without tokenizer.json")
+            path = str(Path(path) / "tokenizer.json")
+        elif not Path(path).is_file():
+            raise ValueError(f"--tokenizer-model {path}: no such file or directory (hub names are not downloaded; "
+                             "give a local tokenizer.json or the directory holding it)")
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = _find_eod(self._tok, eod_token, path)

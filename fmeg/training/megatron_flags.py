@@ -134,6 +134,9 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         notices.append("--eval-iters 0: no validation")
     if a.tokenizer_type is None:
         a.tokenizer_type = "GPT2BPETokenizer" if a.vocab_file and a.merge_file else "ByteTokenizer"
+    if a.vocab_size is not None and a.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
+        notices.append(f"--vocab-size {a.vocab_size} has no effect with --tokenizer-type {a.tokenizer_type} (as in "
+                       "Megatron): the tokenizer's vocabulary is used")
     if a.use_rotary_position_embeddings:
         a.position_embedding_type = "rope"
     a.split = a.split.strip().strip("'\"")  # scripts' nested quoting ("'99,1,0'") reaches us literally
