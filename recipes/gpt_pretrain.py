@@ -185,10 +185,14 @@ def main(argv: list[str] | None = None) -> int:
 
     compute_dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
+    # Megatron's gradient dtype: fp32 (bf16's default), bf16 (--grad-reduce-in-bf16), fp16 (fp16's default)
+    grad_dtype = torch.bfloat16 if a.grad_reduce_in_bf16 else \
+        torch.float16 if a.fp16 and not a.accumulate_allreduce_grads_in_fp32 else torch.float32
+
     def new_state(fp32_params):
         return init_state(fp32_params, config, layout, mesh, distributed=a.use_distributed_optimizer,
                           compute_dtype=compute_dtype, adam=(a.adam_beta1, a.adam_beta2, a.adam_eps),
-                          grad_dtype=torch.bfloat16 if a.grad_reduce_in_bf16 else torch.float32)
+                          grad_dtype=grad_dtype)
 
     state = new_state(to_device(shard_params(gpt.init(config, a.seed), config, layout, mesh), device))
     scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis) \
@@ -311,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     opt_state = state.opt_state
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
         (opt_state["adam"].mu, opt_state["adam"].nu, opt_state.get("main", ()))))
+    reduced_in = "" if grad_dtype == torch.float32 else \
+        f" (gradients reduced in {str(grad_dtype).removeprefix('torch.')})"
     if last_rank:
         in_flight = min(pp, gbs // (a.micro_batch_size * dp)) * chunks
         estimate = memory_estimate(local, state_bytes, config, a.micro_batch_size, a.seq_length, tp, pp, in_flight,
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{config.num_layers} layers, hidden "
               f"{config.hidden_size}, vocab {config.vocab_size} (padded to {config.padded_vocab_size}), "
               f"{str(compute_dtype).removeprefix('torch.')}"
-              f"{' (gradients reduced in bfloat16)' if a.grad_reduce_in_bf16 else ''}, "
+              f"{reduced_in}, "
               f"layers {'compiled' if compile_layers else 'eager'}; "
               f"{local / 1e6:.2f}M parameters on this rank; global batch {gbs}"
               f"{' (ramped up)' if a.rampup_batch_size else ''}; optimizer state {state_bytes:,} bytes on this rank"

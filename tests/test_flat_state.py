@@ -75,8 +75,9 @@ def test_persistent_bytes_per_parameter(dtype, bytes_per_param):
 
 
 def test_a_bf16_gradient_buffer_steps_as_its_fp32_copy_would():
-    """grad_dtype=bf16 (--grad-reduce-in-bf16): the buffer is bf16, the step reads an fp32 copy of it and
-    takes the same step as an fp32 buffer holding the same values; 2 bytes saved, 4 spent."""
+    """grad_dtype=bf16 (--grad-reduce-in-bf16; fp16 alike): the buffer is bf16, main_grad() copies the owned
+    slice to fp32, and the step takes the same step as from an fp32 buffer holding the same values; 2 bytes
+    saved, 4 spent."""
     _, fp32_grads, mesh = state_with_grads(2, torch.bfloat16)
     c, layout = config(2), Layout()
     params = shard_params(gpt.init(c, 0), c, layout, mesh)
@@ -86,6 +87,7 @@ def test_a_bf16_gradient_buffer_steps_as_its_fp32_copy_would():
     fp32_grads.grad.copy_(fp32_grads.grad.bfloat16())
     bf16_grads.grad.copy_(fp32_grads.grad)
     for state in (fp32_grads, bf16_grads):
+        assert state.main_grad().dtype == torch.float32  # the fp32 copy is made here, where unscaling happens
         state.norm = state.step(mesh, lr=1e-2, weight_decay=0.1, clip_grad=1.0)
     assert torch.equal(fp32_grads.norm, bf16_grads.norm)
     assert torch.equal(fp32_grads.main, bf16_grads.main) and torch.equal(fp32_grads.weights, bf16_grads.weights)

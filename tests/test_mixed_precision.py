@@ -126,3 +126,17 @@ def test_grad_reduce_in_bf16_reduces_in_bf16_and_trains_along_the_fp32_curve(tmp
     got = [r["lm_loss"] for r in records if "lm_loss" in r]
     assert got != fp32_reduced
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(got, reference["plain"]))
+
+
+def test_fp16_reduces_gradients_in_fp16_unless_asked_for_fp32_as_megatron(tmp_path, reference):
+    """Megatron's --fp16 accumulates and reduces gradients in fp16 (unscaled and checked for overflow in an
+    fp32 copy); --accumulate-allreduce-grads-in-fp32 keeps them in fp32. Both follow the fp32 curve."""
+    fp16 = ["--fp16", "--initial-loss-scale", "4096"]
+    half, stdout = run_recipe(tmp_path, "fp16_grads", 1, fp16)
+    assert "float16 (gradients reduced in float16)" in stdout
+    full, stdout = run_recipe(tmp_path, "fp32_grads", 1, [*fp16, "--accumulate-allreduce-grads-in-fp32"])
+    assert "gradients reduced in" not in stdout
+    half, full = ([r["lm_loss"] for r in records if "lm_loss" in r] for records in (half, full))
+    assert half != full
+    for curve in (half, full):
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(curve, reference["plain"]))

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fp16", action="store_true", help="fp16 compute with a dynamic loss scaler")
     t.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and reduce gradients in bf16 (default fp32), as Megatron")
+    t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="with --fp16: accumulate and reduce gradients in fp32 (default fp16, as Megatron); "
+                        "--bf16 always does unless --grad-reduce-in-bf16")
     t.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     t.add_argument("--min-loss-scale", type=float, default=1.0)
     t.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale doubles")

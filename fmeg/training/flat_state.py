@@ -3,15 +3,16 @@
     state = FlatState(params, counted, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
     state.params, state.opt_state        # {stage: tree} views, the shapes checkpoints save and load
     sync = state.grad_sync(dp_group, ...)   # backward accumulates into it: the dp mean gradient in state.grad
+    g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
     norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
 
 Every buffer is laid out as zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded
 to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the slice [lo, hi) of it:
 
     weights  [padded] compute dtype   what the model reads; state.params are views of it
-    grad     [padded] fp32            the data-parallel mean gradient (grad_dtype: bf16 for Megatron's
-                                      --grad-reduce-in-bf16, accumulated and reduced in bf16)
-    grad32   [hi - lo] fp32           with a bf16 grad only: the owned slice in fp32, which the step reads
+    grad     [padded] grad_dtype      the data-parallel mean gradient: fp32, or as Megatron's fp16 default and
+                                      --grad-reduce-in-bf16, accumulated and reduced in half precision
+    grad32   [hi - lo] fp32           with a half-precision grad only: the owned slice in fp32 (main_grad())
     main     fp32 master weights      [padded], or [hi - lo] with ZeRO-1; absent in fp32 (weights are the master)
     mu, nu   fp32 Adam moments        [padded], or [hi - lo] with ZeRO-1
 
@@ -63,7 +64,7 @@ class FlatState:
         self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
         self.params = self.flat.views(self.weights)
         pieces = self._owned_pieces(params)
-        owned_grad = self.grad32 if self.grad32 is not None else self.grad[self.lo:self.hi]
+        self._owned_grad = owned_grad = self.grad32 if self.grad32 is not None else self.grad[self.lo:self.hi]
         self._norm_pieces = [owned_grad[a:b] for _, _, a, b in pieces]
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
@@ -85,6 +86,13 @@ class FlatState:
                         replicated=replicated, buffer=self.grad, overlap=overlap)
         self._grad_sync = (key, sync)
         return sync
+
+    def main_grad(self) -> torch.Tensor:
+        """The owned slice of the gradient in fp32, which step() reads: a view of grad, or (a half-precision
+        grad) its fp32 copy, refreshed here; unscaling and overflow checks belong on it, in fp32."""
+        if self.grad32 is not None:
+            self.grad32.copy_(self.grad[self.lo:self.hi])
+        return self._owned_grad
 
     def _adam_groups(self, pieces: list, decay_mask: Callable, decoupled: Callable | None
                      ) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
@@ -144,11 +152,9 @@ class FlatState:
     @torch.no_grad()
     def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
              decoupled_lr: float | None = None) -> torch.Tensor:
-        """Global norm of grad (returned, a device tensor), clip, AdamW on the owned slice, then the compute
-        weights from the master. grad must hold the data-parallel mean (GradSync.finish). decoupled_lr: the
-        learning rate of the leaves marked decoupled (default lr)."""
-        if self.grad32 is not None:
-            self.grad32.copy_(self.grad[self.lo:self.hi])
+        """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned slice, then
+        the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
+        mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()

@@ -29,8 +29,6 @@ IGNORED_SWITCHES = {
     "--no-mmap-bin-files": "a memory policy: .bin files are always memory-mapped",
     "--profile": "fmeg has no built-in profiler; wrap the run in torch.profiler or nsys",
     "--no-create-attention-mask-in-dataloader": "attention is causal inside the kernel: no mask is ever built",
-    "--accumulate-allreduce-grads-in-fp32": "what fmeg always does under --fp16 and --bf16 (Megatron's --fp16 "
-                                            "default is fp16 gradients; --grad-reduce-in-bf16 is the bf16 option)",
 }
 IGNORED_SETTINGS = {
     "--transformer-impl": "fmeg has one transformer implementation",

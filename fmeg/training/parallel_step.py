@@ -208,14 +208,15 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
+    grad = state.main_grad()  # this rank's owned slice, in fp32 (a copy where gradients are reduced in fp16/bf16)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
-        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(state.grad.device)
+        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grad.device)
         tokens = dp_group.all_reduce(tokens) if dp_group is not None else tokens
         factor = layout.dp / tokens.clamp_min(1.0)
-        state.grad.mul_(factor.to(state.grad.dtype))
+        grad.mul_(factor.to(grad.dtype))
         loss = None if loss is None else loss * factor
     if loss_scale != 1.0:
-        state.grad.div_(loss_scale)
+        grad.div_(loss_scale)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -223,7 +224,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
 
     # every element of the owned slices is some data-parallel rank's: the overflow check sees them all
     if check_overflow:
-        overflow, loss_non_finite = _non_finite(state.grad[state.lo:state.hi], loss, mesh)
+        overflow, loss_non_finite = _non_finite(grad, loss, mesh)
         if overflow:
             return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
                     "loss_non_finite": loss_non_finite, "timers_ms": timers(time.perf_counter())}
