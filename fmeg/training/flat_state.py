@@ -17,12 +17,12 @@ to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the
     mu, nu   fp32 Adam moments        [padded], or [hi - lo] with ZeRO-1
 
 Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeRO-1, 2 + 4 + 12 / dp at bf16
-and 4 + 4 + 8 / dp at fp32; a bf16 grad saves 2 and its fp32 copy costs 4 / dp. The step is the same few whole-buffer ops whatever the number of leaves: the
-global norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), then
-torch's fused AdamW kernel over the owned slice, one call per (learning rate, weight decay or not) group,
-with the clip as its grad_scale (a device tensor: no host sync, no pass of its own) and the decoupled
-weight decay inside it, and the refresh of the compute weights from the master (with ZeRO-1, an
-all-gather).
+and 4 + 4 + 8 / dp at fp32; a half-precision grad saves 2 and its fp32 copy costs 4 (4 / dp with ZeRO-1).
+The step is the same few whole-buffer ops whatever the number of leaves: the global norm (one foreach norm
+over the owned pieces of the leaves, each parameter counted once), then torch's fused AdamW kernel over the
+owned slice, one call per (learning rate, weight decay or not) group, with the clip as its grad_scale (a
+device tensor: no host sync, no pass of its own) and the decoupled weight decay inside it, and the refresh
+of the compute weights from the master (with ZeRO-1, an all-gather).
 """
 
 from __future__ import annotations
