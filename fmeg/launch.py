@@ -10,7 +10,7 @@ runs torchrun's own code (same flags, same rendezvous, same worker environment) 
   traceback and no report of torchrun's;
 - a worker killed by a signal is named in one line, and the exit code is 128 + the signal's number;
 - SIGTERM is forwarded to the workers, and the launcher exits as they do: 0 once they have saved a
-  checkpoint and exited under --exit-signal-handler.
+  checkpoint and exited under --exit-signal-handler (on Linux; elsewhere torchrun handles SIGTERM).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the outcome is said below
     args = torchrun.parse_args(argv)
-    # SIGTERM is forwarded here, so that the workers' exit decides the launcher's; torchrun keeps the others
-    args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGTERM")
-    signal.signal(signal.SIGTERM, _forward)
+    if os.path.isdir("/proc"):  # Linux: SIGTERM is forwarded here, so that the workers' exit decides ours
+        args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGTERM")
+        signal.signal(signal.SIGTERM, _forward)
     try:
         torchrun.run(args)
     except ChildFailedError as e:
