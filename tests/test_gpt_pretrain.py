@@ -386,3 +386,25 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_before_any_work(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "read_only is not writable (cannot create it)" in err[0], err
     assert not dist.is_initialized()
+
+
+def malformed_tokenizer_files(directory) -> list[tuple[list[str], str]]:
+    """(flags, the error's words) naming tokenizer files that exist but cannot be read."""
+    (directory / "bad.json").write_text('{"a": 1, bad')
+    (directory / "merges.txt").write_text("#version: 0.2\nh e\n")
+    (directory / "bad.model").write_bytes(b"garbage")
+    return [(["--vocab-file", str(directory / "bad.json"), "--merge-file", str(directory / "merges.txt")],
+             "bad.json / --merge-file"),
+            (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory / "bad.json")],
+             "bad.json: not a tokenizers-library file"),
+            (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(directory / "bad.model")],
+             "bad.model: not a sentencepiece model")]
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("sentencepiece")
+    monkeypatch.setenv("RANK", "0")
+    for flags, needle in malformed_tokenizer_files(tmp_path):
+        assert gpt_pretrain.main(flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --") and needle in err[0], err

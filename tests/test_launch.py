@@ -133,7 +133,7 @@ def test_sigkill_during_saves_twenty_times_with_restarts_at_another_world_size(t
 def runner_bad_inputs(tmp_path) -> list[tuple[str, int, list[str], str]]:
     """(name, ranks, flags, the error's words) for every runner case of tests/test_gpt_pretrain.py: bad flags,
     bad data files and bad YAML, each on at least 2 ranks."""
-    from test_gpt_pretrain import BAD, BAD_DATA, YAML_CASES, _dataset
+    from test_gpt_pretrain import BAD, BAD_DATA, YAML_CASES, _dataset, malformed_tokenizer_files
 
     cases = [(f"flags{i}", max(2, int(env["WORLD_SIZE"])), flags, needle) for i, (env, flags, needle) in enumerate(BAD)]
     for name, (documents, extra, needle) in BAD_DATA.items():
@@ -146,16 +146,18 @@ def runner_bad_inputs(tmp_path) -> list[tuple[str, int, list[str], str]]:
     (tmp_path / "a_file").write_text("")
     for flag in ("--save", "--tensorboard-dir", "--data-cache-path"):
         cases.append((f"output{flag}", 2, [flag, str(tmp_path / "a_file" / "out")], "a_file is a file, so no directory"))
+    for i, (flags, needle) in enumerate(malformed_tokenizer_files(tmp_path)):
+        cases.append((f"tokenizer{i}", 2, flags, needle))
     return cases
 
 
 @pytest.mark.slow
 def test_every_runner_bad_input_under_the_launcher_is_one_line_and_exit_2(tmp_path, monkeypatch):
-    """The bad-input suite's runner cases (56), each on 2 ranks or its world size under python -m fmeg.launch:
+    """The bad-input suite's runner cases (59), each on 2 ranks or its world size under python -m fmeg.launch:
     exit 2, exactly one line on stderr, naming the flag or file, no traceback, no log directory written."""
     monkeypatch.setenv("FMEG_CACHE", str(tmp_path / "cache"))
     cases = runner_bad_inputs(tmp_path)
-    assert len(cases) >= 56
+    assert len(cases) >= 59
     failures, running = [], []
 
     def finish(name, needle, log, proc):

@@ -64,7 +64,10 @@ class Llama2Tokenizer:
             raise ValueError("--tokenizer-type Llama2Tokenizer needs sentencepiece: pip install sentencepiece") from e
         if not os.path.isfile(model_file):
             raise ValueError(f"--tokenizer-model {model_file}: no such file")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as e:  # sentencepiece's own parse errors
+            raise ValueError(f"--tokenizer-model {model_file}: not a sentencepiece model ({_first_line(e)})") from None
         self.vocab_size, self.eod, self.bos = self._sp.get_piece_size(), self._sp.eos_id(), self._sp.bos_id()
 
     def encode(self, text: str) -> list[int]:
@@ -167,7 +170,10 @@ class HuggingFaceTokenizer:
         elif not Path(path).is_file():
             raise ValueError(f"--tokenizer-model {path}: no such file or directory (hub names are not downloaded; "
                              "give a local tokenizer.json or the directory holding it)")
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+            raise ValueError(f"--tokenizer-model {path}: not a tokenizers-library file ({_first_line(e)})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = _find_eod(self._tok, eod_token, path)
 
@@ -185,11 +191,19 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not Path(path).is_file():
                 raise ValueError(f"{flag} {path}: no such file")
-        self._tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        try:
+            self._tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as e:  # plain Exception from the tokenizers library
+            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2 BPE files "
+                             f"({_first_line(e)})") from None
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = _find_eod(self._tok, "<|endoftext|>", vocab_file)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _find_eod(tok, name: str | None, path) -> int:
