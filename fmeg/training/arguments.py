@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     later = p.add_argument_group("Megatron features fmeg does not have yet (their 'off' value only)")
     for flag, (keywords, off, feature) in LATER_WORK.items():
         later.add_argument(flag, **keywords, help=f"{feature}: not in fmeg yet; "
-                           f"{'leave it out' if off in (None, False) else f'{off} only'}")
+                           f"{'leave it out' if off[-1] in (None, False) else f'{off[-1]} only'}")
     ig = p.add_argument_group("accepted from Megatron scripts and ignored (named at start)")
     for flag in IGNORED_SWITCHES:
         ig.add_argument(flag, action="store_true", help=argparse.SUPPRESS)

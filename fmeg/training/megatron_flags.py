@@ -64,19 +64,19 @@ IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
 IGNORED_SETTINGS["--cp-comm-type"] = _CP
 MULTI_VALUED = {"--profile-ranks", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type"}
 
-# Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the value that means "off",
-# the feature)}. The "off" value runs; any other stops the run with one line naming the feature.
+# Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
+# the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--num-experts": ({"type": int}, None, "mixture of experts"),
-    "--expert-model-parallel-size": ({"type": int, "default": 1}, 1, "expert parallelism"),
-    "--expert-tensor-parallel-size": ({"type": int}, None, "expert parallelism"),
-    "--context-parallel-size": ({"type": int, "default": 1}, 1, "context parallelism"),
-    "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, None, "FP8 training"),
-    "--use-megatron-fsdp": ({"action": "store_true"}, False, "FSDP"),
-    "--use-torch-fsdp2": ({"action": "store_true"}, False, "FSDP"),
+    "--num-experts": ({"type": int}, (None,), "mixture of experts"),
+    "--expert-model-parallel-size": ({"type": int, "default": 1}, (1,), "expert parallelism"),
+    "--expert-tensor-parallel-size": ({"type": int}, (None, 1), "expert parallelism"),
+    "--context-parallel-size": ({"type": int, "default": 1}, (1,), "context parallelism"),
+    "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
+    "--use-megatron-fsdp": ({"action": "store_true"}, (False,), "FSDP"),
+    "--use-torch-fsdp2": ({"action": "store_true"}, (False,), "FSDP"),
     "--data-parallel-sharding-strategy": ({"default": "no_shard",
                                            "choices": ["no_shard", "optim", "optim_grads", "optim_grads_params"]},
-                                          "no_shard", "FSDP"),
+                                          ("no_shard",), "FSDP"),
 }
 
 
@@ -85,10 +85,10 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
     problems = []
     for flag, (_, off, feature) in LATER_WORK.items():
         value = getattr(a, flag.lstrip("-").replace("-", "_"))
-        if value != off and not (flag == "--expert-tensor-parallel-size" and value == 1):
+        if value not in off:
             given = flag if value is True else f"{flag} {value}"
-            problems.append(f"{given}: {feature} is not supported by fmeg yet; "
-                            f"{'drop the flag' if off in (None, False) else f'use {off} or drop the flag'}")
+            fix = "drop the flag" if off[-1] in (None, False) else f"use {off[-1]} or drop the flag"
+            problems.append(f"{given}: {feature} is not supported by fmeg yet; {fix}")
     return problems
 
 
