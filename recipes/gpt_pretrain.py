@@ -472,9 +472,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gone_peer(e: BaseException) -> bool:
-    """Whether a collective failed because another rank stopped (killed, or failed on its own)."""
-    return isinstance(e, getattr(dist, "DistBackendError", ())) or any(
-        words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    """Whether a collective failed because another rank stopped (killed, or failed on its own), by the words
+    gloo and NCCL use for it; any other error keeps its traceback."""
+    return any(words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                             "remote process exited"))
 
 
 if __name__ == "__main__":
@@ -483,6 +484,7 @@ if __name__ == "__main__":
     except RuntimeError as e:
         if not _gone_peer(e):
             raise
+        said = next(line for line in str(e).splitlines() + [""] if line.strip())[:160]
         print(f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank, which stopped or was "
-              "killed; its output says why", file=sys.stderr)
+              f"killed; its output says why ({said})", file=sys.stderr)
         sys.exit(1)
