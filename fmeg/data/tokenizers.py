@@ -114,8 +114,6 @@ class TikTokenizer:
         specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special_tokens)]
         ranks = _mergeable_ranks(path, self.vocab_size - num_special_tokens)
         self.eod = specials.index("</s>")
-        self._num_special = num_special_tokens
-        self._specials = specials
         self._bpe = tiktoken.Encoding(name=Path(path).parent.name or "tiktoken", pat_str=TIKTOKEN_PATTERNS[pattern],
                                       mergeable_ranks={b: r + num_special_tokens for b, r in ranks.items()},
                                       special_tokens={t: i for i, t in enumerate(specials)})
