@@ -94,7 +94,8 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
     if a.bf16 and a.fp16:
         problems.append("--bf16 and --fp16 exclude each other; give one")
     if not os.path.isdir(a.load):
-        problems.append(f"--load {a.load}: no such directory")
+        problems.append(f"--load {a.load}: " + ("a file; name the checkpoint directory" if os.path.exists(a.load)
+                                                 else "no such directory"))
     for name in ("temperature", "top_k", "top_p"):
         if getattr(a, name, None) is not None and getattr(a, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")

@@ -74,3 +74,6 @@ def test_a_missing_checkpoint_is_one_line(tmp_path):
     assert out.returncode == 2 and "no such directory" in out.stderr
     out = _run(["--load", str(tmp_path), "--prompt", "x"])
     assert out.returncode == 2 and "not a checkpoint directory" in out.stderr
+    (tmp_path / "a_file").write_text("")
+    out = _run(["--load", str(tmp_path / "a_file"), "--prompt", "x"])
+    assert out.returncode == 2 and "a_file: a file; name the checkpoint directory" in out.stderr
