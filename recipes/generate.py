@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fmeg import checkpoint, tree
-from fmeg.data.tokenizers import TOKENIZER_TYPES, build_tokenizer, padded_vocab_size
+from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_from_flags
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
 from fmeg.models import gpt
@@ -112,15 +112,12 @@ def refuse(problems: list[str], rank: int) -> int:
 
 
 def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
-    pick = (lambda name: getattr(a, name) or saved.get(name)) if a.tokenizer_type is None else \
-        (lambda name: getattr(a, name))
+    pick = (lambda name: getattr(a, name, None) or saved.get(name)) if a.tokenizer_type is None else \
+        (lambda name: getattr(a, name, None))
     vocab_file, merge_file = pick("vocab_file"), pick("merge_file")
     kind = a.tokenizer_type or saved.get("tokenizer_type") or (
         "GPT2BPETokenizer" if vocab_file and merge_file else "ByteTokenizer")
-    tokenizer = build_tokenizer(kind, model=pick("tokenizer_model"), vocab_file=vocab_file, merge_file=merge_file,
-                                vocab_size=pick("vocab_size"), tiktoken_pattern=pick("tiktoken_pattern"),
-                                tiktoken_num_special_tokens=pick("tiktoken_num_special_tokens"),
-                                tiktoken_special_tokens=pick("tiktoken_special_tokens"))
+    tokenizer = tokenizer_from_flags(kind, pick)
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} ids but {kind} has {tokenizer.vocab_size}; "
                          "give the tokenizer it was trained with (--tokenizer-type and its files)")

@@ -32,7 +32,7 @@ from fmeg import __version__, checkpoint, optim, tree
 from fmeg.data.blending import build_datasets, target_samples
 from fmeg.data.default_corpus import default_corpus
 from fmeg.data.mock_corpus import mock_corpus
-from fmeg.data.tokenizers import build_tokenizer, padded_vocab_size
+from fmeg.data.tokenizers import padded_vocab_size, tokenizer_from_flags
 from fmeg.log_line import megatron_log_line
 from fmeg.models import gpt
 from fmeg.ops import fold_in
@@ -125,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dp, gbs = batch_geometry(a, world)
     try:
-        tokenizer = build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_file=a.vocab_file,
-                                    merge_file=a.merge_file, vocab_size=a.vocab_size,
-                                    tiktoken_pattern=a.tiktoken_pattern,
-                                    tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
-                                    tiktoken_special_tokens=a.tiktoken_special_tokens)
+        tokenizer = tokenizer_from_flags(a.tokenizer_type, lambda name: getattr(a, name, None))
     except ValueError as e:  # a missing or unreadable tokenizer file: one line
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

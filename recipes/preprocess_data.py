@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from fmeg.data.indexed import IndexedDatasetBuilder, best_dtype
-from fmeg.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from fmeg.data.tokenizers import TOKENIZER_TYPES, tokenizer_from_flags
 
 _TOKENIZER = None
 
@@ -50,11 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _tokenizer_from(args: argparse.Namespace):
-    return build_tokenizer(args.tokenizer_type, model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, eod_token=args.eod_token, vocab_size=args.vocab_size,
-                           tiktoken_pattern=args.tiktoken_pattern,
-                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                           tiktoken_special_tokens=args.tiktoken_special_tokens)
+    return tokenizer_from_flags(args.tokenizer_type, lambda name: getattr(args, name))
 
 
 def _init_worker(args: argparse.Namespace) -> None:

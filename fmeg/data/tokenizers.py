@@ -244,3 +244,13 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
     raise ValueError(f"--tokenizer-type {kind!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def tokenizer_from_flags(kind: str, flag) -> object:
+    """build_tokenizer with its files and options read by flag(name), name as argparse stores the flag
+    (tokenizer_model, vocab_file, ..., tiktoken_special_tokens); None for a flag the recipe lacks."""
+    return build_tokenizer(kind, model=flag("tokenizer_model"), vocab_file=flag("vocab_file"),
+                           merge_file=flag("merge_file"), eod_token=flag("eod_token"), vocab_size=flag("vocab_size"),
+                           tiktoken_pattern=flag("tiktoken_pattern"),
+                           tiktoken_num_special_tokens=flag("tiktoken_num_special_tokens"),
+                           tiktoken_special_tokens=flag("tiktoken_special_tokens"))
