@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -104,10 +105,21 @@ def temporary_dir(root: str | os.PathLike, iteration: int, attempt: str) -> Path
     return Path(root) / f"iter_{iteration:07d}.tmp-{attempt}"
 
 
+_COMPLETE = re.compile(r"iter_\d{7}")
+_TEMPORARY = re.compile(r"iter_\d{7}\.tmp(-[0-9a-f]+)?")  # older fmeg wrote ".tmp" alone
+
+
+def _ours(root: str | os.PathLike, pattern: re.Pattern) -> list[Path]:
+    """The directories under root whose names are exactly fmeg's (never a user's iter_0000004.bak, a file or
+    a symlink)."""
+    return sorted(p for p in Path(root).iterdir() if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()) \
+        if Path(root).is_dir() else []
+
+
 def remove_stale(root: str | os.PathLike) -> list[str]:
     """Delete the temporary directories that interrupted saves left under root; returns their names. Call
     it before this run's first save (every temporary directory is then some dead run's)."""
-    stale = sorted(p for p in Path(root).glob("iter_*.tmp*") if p.is_dir())
+    stale = _ours(root, _TEMPORARY)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return [p.name for p in stale]
@@ -153,7 +165,7 @@ def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last:
 
 def prune(root: str | os.PathLike, keep: int) -> list[str]:
     """Delete all but the newest `keep` complete checkpoints under root; returns the names deleted."""
-    done = sorted(p for p in Path(root).glob("iter_*") if p.is_dir() and ".tmp" not in p.name)
+    done = _ours(root, _COMPLETE)
     for old in done[:-keep] if keep > 0 else done:
         shutil.rmtree(old)
     return [p.name for p in (done[:-keep] if keep > 0 else done)]
@@ -167,7 +179,7 @@ def disk_bytes(path: str | os.PathLike) -> int:
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under root (partial directories are ignored with a warning)."""
     root = Path(root)
-    for partial in root.glob("iter_*.tmp*"):
+    for partial in _ours(root, _TEMPORARY):
         warnings.warn(f"{partial}: an unfinished checkpoint (a save was interrupted); ignoring it")
     pointer = root / LATEST
     if (root / "metadata.json").is_file() and not pointer.is_file():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -14,13 +16,28 @@ COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
+def run_group(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: on a timeout or any failure the whole process group (torchrun
+    and its workers) is killed, so no worker outlives its test. The timeout is sized for a loaded 2-core
+    machine."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
 def run_recipe(tmp_path, name, nproc, flags, common=COMMON) -> tuple[list[dict], str]:
     """(metrics.jsonl records, stdout) of common + flags on nproc ranks."""
     log_dir = tmp_path / name
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    out = subprocess.run(launcher + ["-m", "recipes.gpt_pretrain", *common, "--log-dir", str(log_dir), *flags],
-                         capture_output=True, text=True, timeout=300)
+    out = run_group(launcher + ["-m", "recipes.gpt_pretrain", *common, "--log-dir", str(log_dir), *flags])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()], out.stdout
 
@@ -66,7 +83,6 @@ def small_checkpoint(directory) -> str:
     flags = ["--train-iters", "30", "--global-batch-size", "8", "--micro-batch-size", "4", "--num-layers", "2",
              "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--log-interval", "100",
              "--lr", "3e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--save", str(directory)]
-    out = subprocess.run([sys.executable, "-m", "recipes.gpt_pretrain", *flags], capture_output=True, text=True,
-                         timeout=300)
+    out = run_group([sys.executable, "-m", "recipes.gpt_pretrain", *flags])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return str(directory)

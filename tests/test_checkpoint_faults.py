@@ -92,29 +92,36 @@ def test_exit_interval_saves_and_stops(tmp_path):
     assert (tmp_path / "ck" / checkpoint.LATEST).read_text() == "3"
 
 
-def test_non_finite_steps_are_skipped_and_counted_or_stop_the_run(tmp_path):
+def test_non_finite_steps_stop_the_run_by_default_or_are_counted_without_the_check(tmp_path):
+    """Megatron's --check-for-nan-in-loss-and-grad is on by default: a non-finite loss stops the run (exit 1,
+    one line). With --no-check-for-nan-in-loss-and-grad the run goes on and counts them."""
     # An absurd learning rate drives the weights to inf within a few steps.
     flags = ["--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0", "--log-interval", "20"]
-    out, _ = run(tmp_path, flags).communicate(timeout=120)
-    assert "number of nan iterations:" in out and "0 NaN" not in out.split("done:")[1]
-    proc = run(tmp_path, flags + ["--fail-on-nan"])
+    proc = run(tmp_path, flags)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "non-finite loss or gradient (--fail-on-nan)" in out
+    assert proc.returncode == 1 and "error: iteration " in out and "--check-for-nan-in-loss-and-grad" in out, out[-2000:]
+    for older_name in (["--fail-on-nan"], ["--check-for-nan-in-loss-and-grad"]):
+        proc = run(tmp_path, flags + older_name)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "non-finite" in out
+    proc = run(tmp_path, flags + ["--no-check-for-nan-in-loss-and-grad"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "number of nan iterations:" in out and "0 NaN" not in out.split("done:")[1]
 
 
-def test_fail_on_nan_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
+def test_the_nan_check_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
     """Under --fp16 an overflow is the scaler's to skip, but a non-finite loss, or an overflow already at
-    --min-loss-scale, stops a --fail-on-nan run (it used to skip 29 of 30 iterations and exit 0)."""
+    --min-loss-scale, stops the run with the default check (it used to skip 29 of 30 iterations and exit 0)."""
     absurd = ["--fp16", "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
-              "--log-interval", "20", "--fail-on-nan"]
+              "--log-interval", "20"]
     proc = run(tmp_path, absurd)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "non-finite loss (--fail-on-nan)" in out, out[-2000:]
-    floor = ["--fp16", "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30", "--log-interval", "20", "--fail-on-nan"]
+    assert proc.returncode == 1 and "non-finite loss (Megatron's --check-for-nan-in-loss-and-grad" in out, out[-2000:]
+    floor = ["--fp16", "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30", "--log-interval", "20"]
     proc = run(tmp_path, floor)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "overflowed at the minimum loss scale 1e+30 (--fail-on-nan)" in out, out[-2000:]
-    proc = run(tmp_path, floor[:-1])  # without the flag the scaler skips and the run goes on
+    assert proc.returncode == 1 and "overflowed at the minimum loss scale 1e+30 (Megatron's" in out, out[-2000:]
+    proc = run(tmp_path, floor + ["--no-check-for-nan-in-loss-and-grad"])  # the scaler skips, the run goes on
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "number of skipped iterations:" in out
 
@@ -152,7 +159,9 @@ def test_a_full_disk_fails_in_one_line_and_the_next_run_resumes(tmp_path, monkey
 def test_keep_last_makes_room_before_saving_when_space_is_short(tmp_path, monkeypatch, capsys):
     from recipes import gpt_pretrain
 
-    monkeypatch.setattr(gpt_pretrain.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    from fmeg.training import run_state
+
+    monkeypatch.setattr(run_state.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))
     root = tmp_path / "ck"
     assert gpt_pretrain.main([*SAVES, "--save", str(root), "--keep-last", "2"]) == 0
     out = capsys.readouterr().out
@@ -202,3 +211,22 @@ def test_a_load_path_that_is_an_iteration_or_has_a_bad_pointer_is_one_line(train
                              text=True, timeout=120)
         assert out.returncode == 2 and "not an iteration number" in out.stderr, out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_keep_last_and_cleanup_touch_only_what_fmeg_wrote(tmp_path):
+    """Pruning and the removal of dead runs' leftovers take names that are exactly fmeg's (iter_NNNNNNN and
+    iter_NNNNNNN.tmp-<token>); a user's copy beside them, a file and a symlink stay."""
+    from recipes import gpt_pretrain
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "iter_0000004.bak").mkdir()
+    (root / "iter_0000004.bak" / "notes.txt").write_text("mine")
+    (root / "iter_0000001").write_text("a file with a checkpoint's name")
+    (root / "iter_0000003").symlink_to(root / "iter_0000004.bak")
+    (root / "iter_0000002.tmp-backup").mkdir()
+    assert gpt_pretrain.main([*SAVES, "--save", str(root), "--keep-last", "2"]) == 0
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000001", "iter_0000002.tmp-backup", "iter_0000003", "iter_0000004", "iter_0000004.bak",
+        "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert (root / "iter_0000004.bak" / "notes.txt").read_text() == "mine" and (root / "iter_0000003").is_symlink()

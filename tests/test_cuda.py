@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from recipes.gpt_pretrain import choose_device
+from fmeg.training.session import choose_device
 from runner_harness import run_layout
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

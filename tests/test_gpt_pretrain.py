@@ -139,15 +139,33 @@ def test_token_range_is_cached_by_file_identity(tmp_path):
     assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (5, 19)
 
 
-@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--bogus"], 2)])
-def test_help_and_usage_errors_print_from_rank_zero_only(monkeypatch, capsys, argv, code):
+@pytest.mark.parametrize("argv, code, needle", [(["--help"], 0, "usage:"),
+                                                (["--bogus"], 2, "error: unrecognized argument --bogus; see --help")])
+def test_help_and_usage_errors_print_from_rank_zero_only(monkeypatch, capsys, argv, code, needle):
     for rank, prints in (("1", False), ("0", True)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exit_:
             parse_args(argv)
         assert exit_.value.code == code
         out = capsys.readouterr()
-        assert ("usage:" in out.out + out.err) == prints, (rank, out)
+        assert (needle in out.out + out.err) == prints, (rank, out)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--loss-scale-win", "8"], "unrecognized argument --loss-scale-win (did you mean --loss-scale-window?)"),
+    (["--fp1"], "unrecognized argument --fp1 (did you mean --fp16?)"),
+    (["--exit-sig", "SIGUSR1"], "unrecognized argument --exit-sig (did you mean --exit-signal?)"),
+    (["--tensor-model-parallel", "2"], "unrecognized argument --tensor-model-parallel (did you mean "
+                                       "--tensor-model-parallel-size?)"),
+])
+def test_a_prefix_of_a_flag_is_refused_in_one_line_as_megatron_refuses_it(monkeypatch, capsys, argv, needle):
+    """Megatron's parser has allow_abbrev=False: a prefix is not its flag (argparse's default read
+    --loss-scale 8192 as --loss-scale-window 8192). One line, no usage text, exit 2."""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
 def test_every_problem_is_reported_at_once():

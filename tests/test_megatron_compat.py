@@ -24,6 +24,9 @@ MEGATRON_DEFAULTS = {
     "initial_loss_scale": 2.0**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2,
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "distributed_timeout_minutes": 10,
     "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+    "check_for_nan_in_loss_and_grad": True, "loss_scale": None, "exit_signal": "SIGTERM", "wandb_project": "",
+    "wandb_exp_name": "", "wandb_save_dir": "", "wandb_entity": "", "logging_level": None,
+    "step_batch_size_schedule": None,
 }
 # Where fmeg's default differs (Megatron: log interval 100, eval iters 100) or Megatron has none (the flag
 # is required there): the README's table of differences.

@@ -51,3 +51,18 @@ def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
     windows = torch.from_numpy(np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts]))
     return {"tokens": windows[:, :-1], "labels": windows[:, 1:]}
+
+
+class TokenWindows:
+    """Sample i is the window of seq_len + 1 tokens at a random offset drawn from (seed, i), as the runner's
+    datasets give it: {"tokens", "labels", "loss_mask"} of seq_len each."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has {len(tokens)}")
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+
+    def __getitem__(self, i: int) -> dict:
+        start = int(np.random.default_rng([self.seed, i]).integers(0, len(self.tokens) - self.seq_len - 1))
+        window = torch.from_numpy(np.asarray(self.tokens[start: start + self.seq_len + 1], dtype=np.int64))
+        return {"tokens": window[:-1], "labels": window[1:], "loss_mask": torch.ones(self.seq_len)}

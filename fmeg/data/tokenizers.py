@@ -38,13 +38,14 @@ class ByteTokenizer:
 
 
 class NullTokenizer:
-    """Megatron's NullTokenizer: text is token ids separated by spaces; ids 0 .. vocab_size - 1 are the
-    vocabulary (--vocab-size) and vocab_size itself is the end-of-document id, so there are vocab_size + 1."""
+    """Megatron's NullTokenizer: text is token ids separated by spaces; --vocab-size N gives N ids, the last
+    of which, N - 1, is the end of document (current Megatron builds it from N - 1; megatron-core 0.16's
+    legacy _NullTokenizer counted N + 1 ids with end of document N)."""
 
     def __init__(self, vocab_size: int):
-        if vocab_size <= 0:
-            raise ValueError(f"--tokenizer-type NullTokenizer needs a positive --vocab-size, got {vocab_size}")
-        self.eod, self.vocab_size = vocab_size, vocab_size + 1
+        if vocab_size <= 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs a --vocab-size of at least 2, got {vocab_size}")
+        self.eod, self.vocab_size = vocab_size - 1, vocab_size
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]

@@ -10,6 +10,8 @@ override it. Validation is a pure function of the arguments and the world size.
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import os
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.data.tokenizers import TOKENIZER_TYPES
-from fmeg.training.batch_schedule import check_rampup, iterations_for
+from fmeg.training.batch_schedule import check_rampup, iterations_for, parse_step_schedule
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
                                          later_work_problems, megatron_leniencies)
 
@@ -28,16 +30,34 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
     """(data-parallel size, final global batch): dp = world / (tp * pp) (at least 1), and the global batch
     defaults to one micro batch per data-parallel rank."""
     dp = max(1, world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size))
+    if getattr(a, "step_batch_size_schedule", None):  # its last batch is the final one, as in Megatron
+        try:
+            return dp, parse_step_schedule(a.step_batch_size_schedule, max(a.seq_length, 1))[-1][1]
+        except ValueError:
+            pass  # validate() names the problem
     return dp, a.global_batch_size or a.micro_batch_size * dp
 
 
 class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser whose help, usage and errors print from rank 0 only under torchrun (every rank still
-    exits as argparse exits), so 4 ranks print --help once, not 4 times."""
+    """Megatron's parser rules (no prefix matching: --loss-scale is never --loss-scale-window) with help and
+    errors printed from rank 0 only under torchrun (every rank still exits as argparse exits), and a usage
+    error as one line naming the flag, with a close match when there is one, instead of the usage text."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def _print_message(self, message: str, file: Any = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             super()._print_message(message, file)
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.removeprefix("unrecognized arguments: ").split()
+            flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+            known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(flag, known, n=1)
+            message = f"unrecognized argument {flag}" + (f" (did you mean {close[0]}?)" if close else "")
+        _refuse(f"{message}; see --help")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--micro-batch-size", type=int, default=4)
     t.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data parallel")
     t.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="grow the global batch from START by INCREMENT over SAMPLES samples")
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples (current Megatron "
+                        "ignores it and takes --step-batch-size-schedule; fmeg still ramps)")
+    t.add_argument("--step-batch-size-schedule", default=None, metavar="'THRESHOLD:BATCH ...'",
+                   help="the global batch from each threshold in tokens on (K, M, B, T suffixes), e.g. "
+                        "'0:256 100M:512'; the last batch is the final one (--global-batch-size is ignored)")
     t.add_argument("--lr-warmup-samples", type=int, default=None, help="count the LR schedule in samples")
     t.add_argument("--lr-decay-samples", type=int, default=None)
     length = t.add_mutually_exclusive_group()
@@ -152,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="with --fp16: accumulate and reduce gradients in fp32 (default fp16, as Megatron); "
                         "--bf16 always does unless --grad-reduce-in-bf16")
+    t.add_argument("--loss-scale", type=float, default=None,
+                   help="a static loss scale (with --fp16 or --bf16; an overflowed step is skipped); default: "
+                        "--fp16's dynamic scaler")
     t.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     t.add_argument("--min-loss-scale", type=float, default=1.0)
     t.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale doubles")
@@ -164,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
                    help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else ByteTokenizer")
     d.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocabulary (ids below it); TikTokenizer's ids in all (default 2**17)")
+                   help="NullTokenizer's ids in all (the last is the end of document); TikTokenizer's ids in all "
+                        "(default 2**17)")
     d.add_argument("--tokenizer-model")
     d.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None, help="TikTokenizer's pre-tokenizer regex")
     d.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
@@ -184,12 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--finetune", action="store_true",
                    help="with --load: take the weights only; iteration, samples and optimizer start afresh")
     c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
-    c.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM: save (with --save) and exit 0")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (SIGTERM): save (with --save) and exit 0")
+    c.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+                   help="the signal --exit-signal-handler catches")
     c.add_argument("--exit-interval", type=int, default=None, help="exit after iterations divisible by N")
     c.add_argument("--exit-duration-in-mins", type=float, default=None, help="exit after this many minutes")
-    c.add_argument("--fail-on-nan", action="store_true",
-                   help="stop (exit 1) at a non-finite loss or gradient instead of skipping the step; with --fp16, "
-                        "at a non-finite loss or an overflow at --min-loss-scale (others are the scaler's to skip)")
+    c.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="stop (exit 1) at a non-finite loss or gradient, as Megatron by default; with a loss "
+                        "scaler, at a non-finite loss or an overflow at --min-loss-scale (others it skips)")
+    c.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="go on past non-finite losses and gradients (counted in the log line)")
+    c.add_argument("--fail-on-nan", action="store_true", help="fmeg's older name of the default check")
+    c.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop (exit 2) instead of starting afresh when it holds no checkpoint")
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
@@ -198,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add the parameters' global L2 norm to the log line and metrics")
     lg.add_argument("--log-dir", default=None, help="write metrics.jsonl (and loss.png) here")
     lg.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard scalars here (pip install tensorboard)")
+    lg.add_argument("--wandb-project", default="", help="also log to Weights & Biases in this project (pip install "
+                                                        "wandb; offline unless WANDB_API_KEY is set)")
+    lg.add_argument("--wandb-exp-name", default="", help="the W&B run's name")
+    lg.add_argument("--wandb-save-dir", default="", help="where W&B writes its files (default: --log-dir or .)")
+    lg.add_argument("--wandb-entity", default="", help="the W&B team or user")
+    lg.add_argument("--logging-level", type=int, default=None, help="Python logging's level (e.g. 20 for INFO)")
     later = p.add_argument_group("Megatron features fmeg does not have yet (their 'off' value only)")
     for flag, (keywords, off, feature) in LATER_WORK.items():
         later.add_argument(flag, **keywords, help=f"{feature}: not in fmeg yet; "
@@ -222,7 +265,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if args.train_samples is not None and args.train_iters is None:
         _, gbs = batch_geometry(args, world)
         ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size else None
-        args.train_iters = iterations_for(args.train_samples, gbs, ramp) if gbs > 0 else 0
+        try:
+            steps = parse_step_schedule(args.step_batch_size_schedule, args.seq_length) \
+                if args.step_batch_size_schedule and args.seq_length > 0 else None
+        except ValueError:
+            steps = None  # validate() names the problem
+        args.train_iters = iterations_for(args.train_samples, gbs, ramp, steps) if gbs > 0 else 0
     elif args.train_iters is None:
         args.train_iters = 100
     args.notices = megatron_leniencies(args)
@@ -262,6 +310,8 @@ def _typed(action: argparse.Action, value: Any, where: str) -> Any:
         return value
     if action.nargs in ("*", "+") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]
+        if isinstance(action.nargs, int) and len(items) != action.nargs:
+            _refuse(f"{where}: expected {action.nargs} values, got {value!r}")
         return [_scalar(action, item, where) for item in items]
     if isinstance(value, (list, dict)):
         _refuse(f"{where}: expected one value, got {value!r}")
@@ -346,6 +396,18 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
     if a.rampup_batch_size:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
+    if a.step_batch_size_schedule:
+        need(not a.rampup_batch_size, "--step-batch-size-schedule and --rampup-batch-size are alternatives; choose one")
+        try:
+            steps = parse_step_schedule(a.step_batch_size_schedule, a.seq_length)
+        except ValueError as e:
+            problems.append(str(e))
+            steps = ()
+        odd = [batch for _, batch in steps if batch % (a.micro_batch_size * dp)]
+        need(not odd, f"--step-batch-size-schedule: batch sizes {odd} must be multiples of --micro-batch-size * "
+                      f"data-parallel size = {a.micro_batch_size} * {dp}")
+    need(a.loss_scale is None or a.loss_scale > 0, f"--loss-scale must be positive, got {a.loss_scale}")
+    problems.extend(non_finite_problems(a))
     need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
          "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
     need(a.lr_warmup_samples is None or a.lr_decay_samples is not None or a.train_samples is not None,
@@ -425,8 +487,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(a.padded_vocab_size % tp == 0,
              f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
     need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
-    need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 0,
-         "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+    need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 1,
+         "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the end of document)")
     need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
          "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
     if a.data_path:
@@ -447,6 +509,13 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         problem = unwritable_directory(path) if path else None
         need(problem is None, f"--{flag.replace('_', '-')} {path}: {problem}")
     return problems
+
+
+def non_finite_problems(a: argparse.Namespace) -> list[str]:
+    """One line for each float flag given as inf or nan (argparse and YAML both take them)."""
+    floats = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.type is float}
+    return [f"{flag} must be a finite number, got {getattr(a, dest)}" for dest, flag in floats.items()
+            if isinstance(getattr(a, dest, None), float) and not math.isfinite(getattr(a, dest))]
 
 
 def unwritable_directory(path: str) -> str | None:

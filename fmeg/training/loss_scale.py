@@ -4,7 +4,8 @@
     state = update(state, overflow)      # after every step; an overflowed step is skipped by the caller
 
 The scale halves (never below min_scale) once `hysteresis` overflowed steps have been seen since the last
-growth, and doubles after `window` consecutive clean steps.
+growth, and doubles after `window` consecutive clean steps. A static scale (Megatron's --loss-scale) never
+changes; an overflowed step is still skipped.
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ class LossScale:
     hysteresis: int = 2
     clean_steps: int = 0
     hysteresis_left: int = 2
+    static: bool = False
 
 
 def initial(scale: float = 2.0**32, min_scale: float = 1.0, window: int = 1000, hysteresis: int = 2) -> LossScale:
     return LossScale(scale, min_scale, window, hysteresis, 0, hysteresis)
 
 
+def static(scale: float) -> LossScale:
+    return LossScale(scale, scale, 0, 0, 0, 0, static=True)
+
+
 def update(state: LossScale, overflow: bool) -> LossScale:
+    if state.static:
+        return state
     if overflow:
         left = state.hysteresis_left - 1
         scale = max(state.scale * 0.5, state.min_scale) if left <= 0 else state.scale

@@ -43,6 +43,62 @@ IGNORED_SETTINGS = {
     "--ckpt-format": "fmeg writes sharded safetensors that any layout can load (as torch_dist does), "
                      "whatever the format",
 }
+# Logging, checkpoint-policy and kernel switches that Megatron's functional-test configurations pass: accepted
+# and named as ignored, each with the reason (none of them changes a number fmeg computes).
+_TB = "fmeg writes its fixed set of scalars (loss, grad norm, lr, loss scale, throughput) to every sink"
+_CKPT = "fmeg's checkpoints are one synchronous format that any layout loads"
+IGNORED_SWITCHES.update({
+    "--log-num-zeros-in-grad": "fmeg does not count zero gradients",
+    "--log-timers-to-tensorboard": _TB, "--log-validation-ppl-to-tensorboard": _TB,
+    "--log-memory-to-tensorboard": _TB, "--log-world-size-to-tensorboard": _TB,
+    "--no-log-loss-scale-to-tensorboard": _TB, "--log-progress": "the log line and metrics.jsonl carry the progress",
+    "--log-energy": "fmeg does not read energy counters",
+    "--no-barrier-with-level-1-timing": "fmeg's timers take no barriers",
+    "--log-straggler": "fmeg has no straggler detector",
+    "--disable-straggler-on-startup": "fmeg has no straggler detector",
+    "--no-one-logger": "fmeg has no one_logger", "--one-logger-async": "fmeg has no one_logger",
+    "--enable-ft-package": "fmeg has no fault-tolerance package",
+    "--calc-ft-timeouts": "fmeg has no fault-tolerance package",
+    "--async-save": _CKPT, "--ckpt-fully-parallel-load": _CKPT, "--ckpt-fully-parallel-save": _CKPT,
+    "--no-ckpt-fully-parallel-save": _CKPT, "--ckpt-assume-constant-structure": _CKPT,
+    "--use-persistent-ckpt-worker": _CKPT, "--auto-detect-ckpt-format": _CKPT, "--use-dist-ckpt": _CKPT,
+    "--dist-ckpt-save-pre-mcore-014": _CKPT, "--dist-ckpt-optim-fully-reshardable": _CKPT,
+    "--distrib-optim-fully-reshardable-mem-efficient": _CKPT,
+    "--use-checkpoint-opt_param-scheduler": "the schedules' position always comes from the checkpoint, their shape "
+                                            "from the flags",
+    "--check-for-spiky-loss": "fmeg's NaN check covers non-finite values only",
+    "--check-for-large-grads": "fmeg's NaN check covers non-finite values only",
+    "--deterministic-mode": "fmeg's CPU runs are deterministic; on CUDA call torch.use_deterministic_algorithms",
+    "--no-async-tensor-model-parallel-allreduce": "an overlap policy of Megatron's kernels",
+    "--tp-comm-overlap": "an overlap policy of Transformer Engine's kernels",
+    "--overlap-param-gather-with-optimizer-step": "an overlap policy: the distributed optimizer all-gathers right "
+                                                  "after its step",
+    "--no-align-grad-reduce": "an overlap policy", "--no-align-param-gather": "an overlap policy",
+    "--disable-bf16-reduced-precision-matmul": "a kernel precision policy (torch.backends.cuda.matmul)",
+    "--record-memory-history": "fmeg has no built-in memory profiler",
+    "--use-pytorch-profiler": "fmeg has no built-in profiler; wrap the run in torch.profiler",
+    "--run-workload-inspector-server": "fmeg has no workload inspector",
+})
+IGNORED_SETTINGS.update({
+    "--tensorboard-log-interval": "every iteration's scalars are written", "--tensorboard-queue-size": _TB,
+    "--timing-log-option": "the timers are this rank's", "--one-logger-project": "fmeg has no one_logger",
+    "--one-logger-run-name": "fmeg has no one_logger", "--app-tag-run-name": "fmeg has no one_logger",
+    "--app-tag-run-version": "fmeg has no one_logger", "--config-logger-dir": "checkpoints record the arguments",
+    "--straggler-ctrlr-port": "fmeg has no straggler detector", "--straggler-minmax-count": "fmeg has no straggler "
+                                                                                            "detector",
+    "--dist-ckpt-strictness": _CKPT, "--non-persistent-save-interval": "fmeg writes persistent checkpoints only",
+    "--non-persistent-ckpt-type": "fmeg writes persistent checkpoints only",
+    "--non-persistent-global-ckpt-dir": "fmeg writes persistent checkpoints only",
+    "--non-persistent-local-ckpt-dir": "fmeg writes persistent checkpoints only",
+    "--non-persistent-local-ckpt-algo": "fmeg writes persistent checkpoints only",
+    "--save-retain-interval": "fmeg keeps every checkpoint unless --keep-last",
+    "--num-dataset-builder-threads": "datasets are built by one thread from memory-mapped files",
+    "--check-weight-hash-across-dp-replicas-interval": "data-parallel replicas are bitwise equal by construction",
+    "--nccl-communicator-config-path": "fmeg's NCCL groups take torch's defaults",
+    "--memory-snapshot-path": "fmeg has no built-in memory profiler",
+    "--rerun-mode": "fmeg has no rerun state machine",
+    "--result-rejected-tracker-filename": "fmeg has no rerun state machine",
+})
 # Megatron flags that only act with a feature fmeg does not have yet (experts, FP8, context parallelism):
 # accepted and named as ignored, since the feature's own flag (LATER_WORK) stops the run when switched on.
 _MOE = "has no effect without --num-experts (fmeg has no mixture of experts yet)"
@@ -137,6 +193,18 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
     if a.vocab_size is not None and a.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
         notices.append(f"--vocab-size {a.vocab_size} has no effect with --tokenizer-type {a.tokenizer_type} (as in "
                        "Megatron): the tokenizer's vocabulary is used")
+    if a.rampup_batch_size:
+        notices.append("--rampup-batch-size is deprecated and ignored by current Megatron (which takes "
+                       "--step-batch-size-schedule); fmeg still ramps the batch up as older Megatron did")
+    if a.step_batch_size_schedule and a.global_batch_size is not None:
+        notices.append(f"--global-batch-size {a.global_batch_size} is ignored with --step-batch-size-schedule (as in "
+                       "Megatron): its last batch size is the final one")
+    if a.lr_warmup_samples == 0 and a.train_samples is None and a.lr_decay_samples is None:
+        a.lr_warmup_samples = None  # Megatron's default value: iteration-based training takes it
+    if a.loss_scale is not None and not (a.fp16 or a.bf16):
+        notices.append(f"--loss-scale {a.loss_scale:g} has no effect without --fp16 or --bf16 (as in Megatron)")
+    if a.exit_on_missing_checkpoint and a.load is None:
+        notices.append("--exit-on-missing-checkpoint has no effect without --load DIR")
     if a.use_rotary_position_embeddings:
         a.position_embedding_type = "rope"
     a.split = a.split.strip().strip("'\"")  # scripts' nested quoting ("'99,1,0'") reaches us literally

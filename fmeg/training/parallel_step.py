@@ -36,10 +36,34 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
+    zero: bool = False  # the distributed optimizer: Adam's state sharded over dp (ZeRO-1)
+    micro_batch_size: int = 1
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
+
+    def microbatches(self, global_batch: int) -> int:
+        """Microbatches each data-parallel rank runs for a global batch."""
+        return global_batch // (self.micro_batch_size * self.dp)
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def coords(self, mesh: Mesh) -> dict[str, int]:
+        return {axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}
+
+    def checkpoint_meta(self, dtype: torch.dtype) -> dict:
+        """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
+        return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
+                "dtype": str(dtype).removeprefix("torch.")}
+
+    def describe(self) -> str:
+        """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
+        recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
+        return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
+                + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", recompute {recompute}" if recompute else ""))
 
 
 def local_stages(layout: Layout, pp_rank: int) -> list[int]:

@@ -1,0 +1,95 @@
+"""The runner's process-level state: this rank's device, its process groups (fmeg.parallel.mesh.Mesh) and
+the few host-side agreements every rank must make (stop together, share a token, wait for each other).
+
+    session = Session.start(cfg)        # after validation: the only place a process group is created
+    ...
+    session.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fmeg.parallel.mesh import Mesh
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (NCCL) when asked for or, with auto, when CUDA is available; else the CPU (gloo)."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclass
+class Session:
+    world: int
+    rank: int
+    device: torch.device
+    mesh: Mesh
+    compile: str | None  # the torch.compile backend of the step's stages, None for eager
+
+    @classmethod
+    def start(cls, cfg) -> Session:
+        world, rank = cfg.world, int(os.environ.get("RANK", "0"))
+        device = choose_device(cfg.runtime.device, int(os.environ.get("LOCAL_RANK", "0")))
+        compiled = device.type == "cuda" if cfg.runtime.compile is None else cfg.runtime.compile
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if world > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes),
+                                    device_id=device if device.type == "cuda" else None)
+            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, device=device)
+        else:
+            mesh = Mesh.single()
+        return cls(world, rank, device, mesh, "inductor" if compiled else None)
+
+    @property
+    def last_rank(self) -> bool:
+        """The rank that holds the loss and prints (the last pipeline stage's last rank)."""
+        return self.rank == self.world - 1
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any rank's flag is set (one all-reduce)."""
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def first_failure(self, failed: bool, size: int) -> tuple[int, int]:
+        """(the lowest rank that failed, or world when none did; the sum of every rank's size), in place of
+        a barrier."""
+        status = torch.tensor([self.rank if failed else self.world, size], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            first = status[:1].clone()
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+            dist.all_reduce(status[1:], op=dist.ReduceOp.SUM)
+            status[0] = first[0]
+        return int(status[0]), int(status[1])
+
+    def shared_token(self, value: int) -> int:
+        """Rank 0's value on every rank."""
+        token = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            dist.broadcast(token, src=0)
+        return int(token.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def to_device(self, values):
+        from fmeg import tree
+
+        return tree.tree_map(lambda t: t.to(self.device), values)
