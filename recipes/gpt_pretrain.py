@@ -27,7 +27,8 @@ from fmeg.data.blending import build_datasets, target_samples  # noqa: E402
 from fmeg.data.default_corpus import default_corpus  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.tokenizers import tokenizer_from_flags  # noqa: E402
-from fmeg.training.arguments import parse_args, validate  # noqa: E402
+from fmeg.training.arguments import parse_args  # noqa: E402
+from fmeg.training.validation import validate  # noqa: E402
 from fmeg.training.metrics import wandb_missing  # noqa: E402
 from fmeg.training.report import memory_estimate  # noqa: E402
 from fmeg.training.run_config import RunConfig  # noqa: E402

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from fmeg.training.arguments import parse_args, validate
+from fmeg.training.arguments import parse_args
+from fmeg.training.validation import validate
 from recipes import gpt_pretrain
 from runner_harness import COMMON, DROPOUT, assert_same_curve, run_layout, run_recipe
 

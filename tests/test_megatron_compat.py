@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from fmeg import tree
 from fmeg.models import gpt
-from fmeg.training.arguments import lr_steps, parse_args, validate
+from fmeg.training.arguments import lr_steps, parse_args
+from fmeg.training.validation import validate
 from fmeg.training.megatron_flags import ignored_flags
 from runner_harness import run_recipe, sentencepiece_model, tiktoken_vocabulary
 

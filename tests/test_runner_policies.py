@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from fmeg.data.tokenizers import NullTokenizer
 from fmeg.training import loss_scale
-from fmeg.training.arguments import parse_args, validate
+from fmeg.training.arguments import parse_args
+from fmeg.training.validation import validate
 from fmeg.training.batch_schedule import global_batch_size, iterations_for, parse_step_schedule
 from fmeg.training.policies import Progress, exit_reasons, non_finite_stop, resume, should_evaluate, should_save
 from fmeg.training.run_config import RunConfig

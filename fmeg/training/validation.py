@@ -1,0 +1,235 @@
+"""The runner's flags checked together, before any process group exists: every problem as one line.
+
+    problems = validate(parse_args(argv), world_size=4)
+
+Validation is a pure function of the arguments and the world size (and of the files the flags name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from fmeg.data.blending import parse_blend, parse_split
+from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
+from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
+from fmeg.training.megatron_flags import later_work_problems
+
+
+def validate(a: argparse.Namespace, world_size: int) -> list[str]:
+    """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
+    not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
+    problems = later_work_problems(a)
+    if problems:
+        return problems
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if a.train_samples is not None:
+        need(a.train_iters > 0, f"--train-samples {a.train_samples} is less than one global batch; raise it")
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
+                 "num_attention_heads", "seq_length", "micro_batch_size", "log_interval") + \
+            (("train_iters",) if a.train_samples is None else ()):
+        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    if problems:
+        return problems
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
+         f"--pipeline-model-parallel-size = {tp} * {pp}")
+    dp, gbs = batch_geometry(a, world_size)
+    need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
+         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
+         "(or give --kv-channels)")
+    need(a.kv_channels is None or a.kv_channels > 0, f"--kv-channels must be positive, got {a.kv_channels}")
+    need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
+    need(a.num_attention_heads % tp == 0,
+         f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")
+    groups = a.num_query_groups
+    if groups:  # else one group per head, checked just above (0 and below: refused further down)
+        need(a.num_attention_heads % groups == 0,
+             f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
+        need(groups % tp == 0, f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+    if a.ffn_hidden_size is not None:
+        need(a.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+    vp_chunks = 1
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        per_rank = a.num_layers // pp
+        need(a.num_layers_per_virtual_pipeline_stage > 0 and per_rank % a.num_layers_per_virtual_pipeline_stage == 0,
+             f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} must divide the "
+             f"{per_rank} layers each pipeline rank holds")
+        if a.num_layers_per_virtual_pipeline_stage > 0:
+            vp_chunks = max(1, per_rank // a.num_layers_per_virtual_pipeline_stage)
+    need(a.num_layers % (pp * vp_chunks) == 0,
+         f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
+         f"{pp} * {vp_chunks}")
+    need(gbs % (a.micro_batch_size * dp) == 0,
+         f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
+         f"{a.micro_batch_size} * {dp}")
+    microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
+    if a.rampup_batch_size:
+        problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
+    if a.step_batch_size_schedule:
+        need(not a.rampup_batch_size, "--step-batch-size-schedule and --rampup-batch-size are alternatives; choose one")
+        try:
+            steps = parse_step_schedule(a.step_batch_size_schedule, a.seq_length)
+        except ValueError as e:
+            problems.append(str(e))
+            steps = ()
+        odd = [batch for _, batch in steps if batch % (a.micro_batch_size * dp)]
+        need(not odd, f"--step-batch-size-schedule: batch sizes {odd} must be multiples of --micro-batch-size * "
+                      f"data-parallel size = {a.micro_batch_size} * {dp}")
+    need(a.loss_scale is None or a.loss_scale > 0, f"--loss-scale must be positive, got {a.loss_scale}")
+    problems.extend(non_finite_problems(a))
+    need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
+         "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
+    need(a.lr_warmup_samples is None or a.lr_decay_samples is not None or a.train_samples is not None,
+         "--lr-warmup-samples needs --lr-decay-samples or --train-samples (the schedule counts samples)")
+    need(a.lr_decay_samples is None or a.lr_warmup_samples is not None or a.lr_warmup_fraction is not None
+         or a.train_samples is not None,
+         "--lr-decay-samples needs --lr-warmup-samples or --lr-warmup-fraction (the schedule counts samples)")
+    warmup, decay_steps, in_samples = lr_steps(a)
+    if in_samples:
+        need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
+             f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
+             "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
+    need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
+    need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
+    need(not a.no_position_embedding or a.position_embedding_type == "rope",
+         "--no-position-embedding without --position-embedding-type rope would leave the model no positions; "
+         "fmeg does not support that yet: add --position-embedding-type rope")
+    need(a.device != "cuda" or torch.cuda.is_available(),
+         "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
+    need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
+         f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}")
+    need(a.load is None or not os.path.isfile(a.load), f"--load {a.load} is a file; name the checkpoint directory")
+    if a.tensorboard_dir:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
+    need(a.eval_interval is None or a.eval_interval > 0, f"--eval-interval must be positive, got {a.eval_interval}")
+    need(a.eval_iters >= 0, f"--eval-iters must be >= 0, got {a.eval_iters}")
+    need(a.distributed_timeout_minutes > 0,
+         f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}")
+    if vp_chunks > 1 and microbatches:
+        need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
+                                 f"microbatches per step, got {microbatches}; raise --global-batch-size")
+    problems.extend(recompute_problems(a))
+    need(not a.sequence_parallel or a.seq_length % tp == 0,
+         f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
+         "--sequence-parallel")
+    need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
+    need(a.initial_loss_scale >= a.min_loss_scale > 0,
+         f"--initial-loss-scale {a.initial_loss_scale} must be >= --min-loss-scale {a.min_loss_scale} > 0")
+    need(a.loss_scale_window > 0 and a.hysteresis > 0, "--loss-scale-window and --hysteresis must be positive")
+    max_pos = a.max_position_embeddings or a.seq_length
+    need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
+    need(a.lr > 0, f"--lr must be positive, got {a.lr}")
+    need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
+    if a.decoupled_lr is not None:
+        low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
+        need(0 <= low <= a.decoupled_lr, f"--decoupled-min-lr {low} must be between 0 and --decoupled-lr {a.decoupled_lr}")
+    need(a.decoupled_min_lr is None or a.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+    decay = a.lr_decay_iters or a.train_iters
+    if a.lr_warmup_fraction is not None:
+        need(0.0 <= a.lr_warmup_fraction < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}")
+    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant" or a.lr_warmup_fraction is not None
+         or in_samples,
+         f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
+    need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
+    for flag in ("adam_beta1", "adam_beta2"):
+        need(0.0 <= getattr(a, flag) < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(a, flag)}")
+    for flag in ("adam_eps", "norm_epsilon", "init_method_std", "rotary_base"):
+        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+    need(0 <= a.seed < 2**63, f"--seed must be in [0, 2**63), got {a.seed}")
+    for flag in ("ffn_hidden_size", "num_query_groups", "global_batch_size", "max_position_embeddings",
+                 "padded_vocab_size", "exit_interval", "lr_decay_iters", "vocab_size"):
+        value = getattr(a, flag)
+        need(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    need(a.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {a.lr_warmup_iters}")
+    start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
+    end_wd = a.weight_decay if a.end_weight_decay is None else a.end_weight_decay
+    need(a.weight_decay_incr_style != "constant" or start_wd == end_wd,
+         "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay")
+    need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
+    need(0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
+    need(0.0 <= a.attention_dropout < 1.0, f"--attention-dropout must be in [0, 1), got {a.attention_dropout}")
+    need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
+    if a.padded_vocab_size is not None:
+        need(a.padded_vocab_size % tp == 0,
+             f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+    need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
+    need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 1,
+         "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the end of document)")
+    need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
+         "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
+    if a.data_path:
+        try:
+            prefixes, _ = parse_blend(a.data_path)
+        except ValueError as e:
+            problems.append(str(e))
+            prefixes = []
+        for prefix in prefixes:
+            need(os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
+                 f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
+    try:
+        parse_split(a.split)
+    except ValueError as e:
+        problems.append(str(e))
+    for flag in ("save", "log_dir", "tensorboard_dir", "data_cache_path"):
+        path = getattr(a, flag)
+        problem = unwritable_directory(path) if path else None
+        need(problem is None, f"--{flag.replace('_', '-')} {path}: {problem}")
+    return problems
+
+
+def non_finite_problems(a: argparse.Namespace) -> list[str]:
+    """One line for each float flag given as inf or nan (argparse and YAML both take them)."""
+    floats = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.type is float}
+    return [f"{flag} must be a finite number, got {getattr(a, dest)}" for dest, flag in floats.items()
+            if isinstance(getattr(a, dest, None), float) and not math.isfinite(getattr(a, dest))]
+
+
+def unwritable_directory(path: str) -> str | None:
+    """Why a directory cannot be written or created at path (None when it can): a file is in the way, or the
+    nearest existing directory is not writable (a read-only filesystem included)."""
+    target = Path(path).absolute()
+    if target.exists() and not target.is_dir():
+        return "is a file, not a directory; name a directory"
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so no directory can be made under it; name a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable ({'read-only' if existing == target else 'cannot create it'}); " \
+               "name a directory you can write"
+    return None
+
+
+def recompute_problems(a: argparse.Namespace) -> list[str]:
+    """Megatron's rules for the recompute flags, one line each."""
+    per_rank = a.num_layers // a.pipeline_model_parallel_size
+    if a.recompute_granularity is None:
+        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
+        return [f"--{f.replace('_', '-')} needs --recompute-granularity full" for f in given]
+    if a.recompute_granularity == "selective":
+        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
+        return [f"--{f.replace('_', '-')} applies to --recompute-granularity full, not selective" for f in given]
+    if a.recompute_method is None or a.recompute_num_layers is None:
+        return ["--recompute-granularity full needs --recompute-method (uniform or block) and "
+                "--recompute-num-layers"]
+    low = 1 if a.recompute_method == "uniform" else 0
+    if not low <= a.recompute_num_layers <= per_rank:
+        return [f"--recompute-num-layers {a.recompute_num_layers} must be between {low} and the {per_rank} layers "
+                f"of each pipeline rank with --recompute-method {a.recompute_method}"]
+    return []
