@@ -205,17 +205,44 @@ def model_fields(config: gpt.GPTConfig) -> dict:
     return fields
 
 
+# Model settings that are not part of any parameter's shape and that a run may change when it loads a
+# checkpoint (Megatron loads the weights whatever they are): regularisation, the initialisation (unused on
+# load), and RoPE's base and context length (continued pretraining at a longer context).
+CHANGEABLE_ON_LOAD = ("hidden_dropout", "attention_dropout", "init_std", "rope_theta")
+
+
+def saved_model(meta: dict, where: str) -> dict:
+    """The checkpoint's model fields, with the defaults of fields added since it was written; a field this
+    fmeg does not know (a newer fmeg wrote it) is a CheckpointError naming it."""
+    known = {f.name: f for f in dataclasses.fields(gpt.GPTConfig)}
+    unknown = sorted(set(meta.get("model", {})) - set(known))
+    if unknown:
+        raise CheckpointError(f"{where}: names model fields this fmeg does not know ({', '.join(unknown)}): a newer "
+                              "fmeg wrote it; upgrade fmeg to read it")
+    defaults = {k: f.default for k, f in known.items() if f.default is not dataclasses.MISSING}
+    saved = {**defaults, **meta.get("model", {})}
+    saved.pop("padded_vocab_size", None)
+    return saved
+
+
+def changed_on_load(meta: dict, config: gpt.GPTConfig) -> list[str]:
+    """'name saved -> now' for each setting that differs but may change on load (CHANGEABLE_ON_LOAD, and the
+    context length of a model without learned positions)."""
+    saved, now = saved_model(meta, "the checkpoint"), model_fields(config)
+    names = CHANGEABLE_ON_LOAD + (("max_seq_len",) if config.position != "learned" else ())
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in names if saved.get(k) != now[k]]
+
+
 def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
     meta_path = path / "metadata.json"
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
-    defaults = {f.name: f.default for f in dataclasses.fields(gpt.GPTConfig) if f.default is not dataclasses.MISSING}
-    saved = {**defaults, **meta.get("model", {})}  # fields added since the checkpoint was written: defaults
-    saved.pop("padded_vocab_size", None)
-    if saved != model_fields(config):
-        diff = sorted(k for k, v in model_fields(config).items() if saved.get(k) != v)
+    saved, now = saved_model(meta, str(meta_path)), model_fields(config)
+    may_change = CHANGEABLE_ON_LOAD + (("max_seq_len",) if config.position != "learned" else ())
+    diff = sorted(k for k, v in now.items() if saved.get(k) != v and k not in may_change)
+    if diff:
         raise CheckpointError(f"{meta_path}: the checkpoint's model differs from the flags in {', '.join(diff)}")
     for name, info in meta["files"].items():
         file = path / name

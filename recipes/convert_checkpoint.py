@@ -31,6 +31,7 @@ def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
     if path is None:
         raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
     meta = json.loads((path / "metadata.json").read_text())
+    checkpoint.saved_model(meta, str(path))  # refuses what a newer fmeg wrote
     config = gpt.GPTConfig(**meta["model"])
     checkpoint.read_metadata(path, config)
     full = checkpoint.full_state(path, meta, config)

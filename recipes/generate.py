@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -96,11 +97,22 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
     if not os.path.isdir(a.load):
         problems.append(f"--load {a.load}: " + ("a file; name the checkpoint directory" if os.path.exists(a.load)
                                                  else "no such directory"))
+    for name in ("temperature", "top_p"):
+        value = getattr(a, name, None)
+        if value is not None and not math.isfinite(value):
+            problems.append(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     for name in ("temperature", "top_k", "top_p"):
-        if getattr(a, name, None) is not None and getattr(a, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+        value = getattr(a, name, None)
+        if value is not None and value < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if getattr(a, "top_p", 0.0) > 1.0:
         problems.append(f"--top-p must be at most 1, got {a.top_p}")
+    seed = getattr(a, "seed", None)
+    if seed is not None and not 0 <= seed <= 2**63 - 1:
+        problems.append(f"--seed must be an integer from 0 to 2**63 - 1, got {seed}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); "
+                        "use --device cpu")
     return problems
 
 
@@ -134,6 +146,7 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
     if path is None:
         raise checkpoint.CheckpointError(f"--load {a.load}: no {checkpoint.LATEST}; not a checkpoint directory")
     meta = json.loads((path / "metadata.json").read_text())
+    checkpoint.saved_model(meta, f"--load {a.load}: {path.name}")  # refuses what a newer fmeg wrote
     saved_config = gpt.GPTConfig(**meta["model"])
     tokenizer = _tokenizer(a, meta.get("arguments", {}), saved_config.vocab_size)
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
@@ -222,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
         text = TextStream(tokenizer)
         if rank == 0:
             print(a.prompt[0], end="", flush=True)
-        shown = ""
+        shown, ids = "", []
         for step in model.stream(prompts, **options):
             if step.ids[0] is not None and step.ids[0] != tokenizer.eod:
+                ids.append(step.ids[0])
                 piece = text.add(step.ids[0])
                 visible = cut_at_stop(shown + piece, a.stop)[len(shown):]
                 shown += visible
                 if rank == 0:
                     print(visible, end="", flush=True)
-        if rank == 0:
-            print(flush=True)
+        if rank == 0:  # a last partial character, as the tokenizer decodes it (the --json text has it too)
+            print(cut_at_stop(tokenizer.decode(ids), a.stop)[len(shown):], flush=True)
     else:
         out = model.run(prompts, **options)
         if rank == 0:

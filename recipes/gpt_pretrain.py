@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         state, progress, said = build_or_restore(cfg, session)
     except (checkpoint.CheckpointError, MissingCheckpoint) as e:
         return refuse([str(e)], rank)
-    if said and session.last_rank:
-        print(said, flush=True)
+    for line in said if session.last_rank else ():
+        print(line, flush=True)
     checkpointer = Checkpointer(cfg, session) if cfg.checkpoint.save else None
     if session.last_rank:
         announce(cfg, session, state)

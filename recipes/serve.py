@@ -16,11 +16,14 @@ reason (`recipes/serve_api.py`) and never reaches the other ranks; the server st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from fmeg.inference import SamplingParams
 from recipes.generate import (LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags,
                               refuse, stop_on_strings)
-from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
+from recipes.serve_api import MAX_SEED, BadRequest, Job, megatron_job, openai_job, parse_json
 
 STOP_SERVING = b""
 
@@ -41,7 +44,12 @@ def plan(job: Job, model: LoadedModel) -> dict:
     """The job as every rank runs it: token ids, seeds and stop rules (raises BadRequest on prompts that do
     not fit the model)."""
     tokenizer, config = model.tokenizer, model.config
-    ids = [([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text) for text in job.prompts]
+    ids = []
+    for i, text in enumerate(job.prompts):
+        try:
+            ids.append(([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text))
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer cannot read is the request's problem
+            raise BadRequest(f"prompt {i} cannot be tokenized ({type(e).__name__}: {str(e)[:100]})") from None
     for i, row in enumerate(ids):
         if not row:
             raise BadRequest(f"prompt {i} is empty")
@@ -49,8 +57,9 @@ def plan(job: Job, model: LoadedModel) -> dict:
             raise BadRequest(f"prompt {i} is {len(row)} tokens; with {job.max_new_tokens} to generate that exceeds "
                              f"the model's {config.max_seq_len} positions")
     seed = secrets.randbits(31) if job.seed is None else job.seed
+    seeds = [(seed + i) % (MAX_SEED + 1) for i in range(len(ids))]  # prompt i samples with seed + i, in int64
     return {"prompts": ids, "max_new_tokens": job.max_new_tokens, "temperature": job.sampling.temperature,
-            "top_k": job.sampling.top_k, "top_p": job.sampling.top_p, "seeds": [seed + i for i in range(len(ids))],
+            "top_k": job.sampling.top_k, "top_p": job.sampling.top_p, "seeds": seeds,
             "eod": tokenizer.eod if job.stop_token is None else job.stop_token, "stop": job.stop,
             "prompt_logprobs": job.logprobs}
 
@@ -95,8 +104,12 @@ def follow(model: LoadedModel, broadcast: Broadcast) -> None:
         if payload == STOP_SERVING:
             return
         p = json.loads(payload)
-        for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None):
-            pass
+        try:
+            for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None):
+                pass
+        except Exception as e:  # noqa: BLE001 - a request must never end a rank; rank 0 answers it
+            print(f"error: rank {dist.get_rank() if dist.is_initialized() else 0}: a request failed "
+                  f"({type(e).__name__}: {str(e)[:200]}); serving on", file=sys.stderr, flush=True)
 
 
 class Completion:
@@ -104,16 +117,19 @@ class Completion:
     the tail that could still become a stop string held back too."""
 
     def __init__(self, tokenizer: Any, stops: list[str], eod: int):
-        self.text, self.stops, self.eod = TextStream(tokenizer), stops, eod
+        self.tokenizer, self.text, self.stops, self.eod = tokenizer, TextStream(tokenizer), stops, eod
         self.ids, self.logprobs, self.full, self.sent = [], [], "", 0
         self.finish: str | None = None
 
     def add(self, token: int, logprob: float, finished: str | None) -> str:
-        """Take one step; return the new text that is now certain."""
+        """Take one step; return the new text that is now certain (at the end, all of it: a partial
+        character is decoded as the tokenizer decodes it, so the text agrees with its tokens)."""
         self.ids.append(token)
         self.logprobs.append(logprob)
         if token != self.eod:
             self.full += self.text.add(token)
+        if finished:
+            self.full = self.tokenizer.decode([t for t in self.ids if t != self.eod])
         self.finish = finished
         visible = cut_at_stop(self.full, self.stops)
         hold = 0 if finished else max((len(s) - 1 for s in self.stops), default=0)
@@ -204,7 +220,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
             row = Completion(tokenizer, job.stop, p["eod"])
             try:
                 if job.echo:
-                    yield f"data: {json.dumps(chunk(head, job.prompts[0], None))}\n\n"
+                    yield f"data: {json.dumps(chunk(head, job.prompts[0], None, None, job.usage_chunk))}\n\n"
                 for step in steps:
                     if step.ids[0] is None:
                         continue
@@ -213,7 +229,11 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
                           "top_logprobs": None, "text_offset": None} if job.logprobs else None
                     finish = openai_reason(row.finish) if row.finish else None
                     if piece or finish or lp:
-                        yield f"data: {json.dumps(chunk(head, piece, finish, lp))}\n\n"
+                        yield f"data: {json.dumps(chunk(head, piece, finish, lp, job.usage_chunk))}\n\n"
+                if job.usage_chunk:  # OpenAI's include_usage: a last chunk with no choices and the usage
+                    used, made = len(p["prompts"][0]), len(row.ids)
+                    usage = {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # a client that left early: the other ranks are mid-generation, so finish it with them
                 for _ in steps:
@@ -222,8 +242,10 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     return app
 
 
-def chunk(head: dict, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+def chunk(head: dict, text: str, finish: str | None, logprobs: dict | None = None, usage: bool = False) -> dict:
+    """One streamed chunk; with include_usage each carries "usage": null, as OpenAI's do."""
+    return {**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+            **({"usage": None} if usage else {})}
 
 
 def _interrupt(*_: Any) -> None:
@@ -258,10 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     from werkzeug.serving import make_server
 
     app = make_app(model, broadcast, a.model_name or a.load)
-    try:
-        server = make_server(a.host, a.port, app, threaded=True)
-    except OSError as e:
-        print(f"error: --port {a.port}: {e.strerror or e}; choose another port", file=sys.stderr)
+    said = io.StringIO()
+    try:  # werkzeug prints its own lines and exits 1 on a busy port: one line of ours instead
+        socket.getaddrinfo(a.host, a.port)
+        with contextlib.redirect_stderr(said):
+            server = make_server(a.host, a.port, app, threaded=True)
+    except socket.gaierror as e:
+        print(f"error: --host {a.host}: not an address of this machine ({e.strerror or e}); use 127.0.0.1 or "
+              "0.0.0.0", file=sys.stderr)
+        broadcast.send(STOP_SERVING)
+        return 2
+    except (OSError, SystemExit) as e:
+        why = getattr(e, "strerror", None) or next((line for line in said.getvalue().splitlines() if line), "")
+        print(f"error: --port {a.port} on --host {a.host}: {why or 'cannot listen there'}; choose another port",
+              file=sys.stderr)
         broadcast.send(STOP_SERVING)
         return 2
     print(f"serving {a.load} on http://{a.host}:{server.port} (PUT /api, POST /v1/completions); "

@@ -12,19 +12,25 @@ OpenAI's `POST /v1/completions`:
      "logprobs": null | 0, "echo": false, "seed": null, "stream": false, "n": 1, "model": "..."}
 
 A field the format does not define, or one fmeg does not implement (beam search, top-p decay,
-penalties), is refused with its name, so a request is never half-honoured. Prompt length and vocabulary
-checks need the tokenizer and the model: `tokenized` does them.
+penalties), is refused with its name, so a request is never half-honoured. Every value is checked here,
+before anything reaches a rank: integers within the range the code uses (seeds from 0 to 2**63 - 1, as
+torch's int64 generators take them; larger ones are refused, not wrapped), numbers finite, prompts text that
+UTF-8 can encode. OpenAI's null for an optional field means its default. Prompt length and vocabulary checks
+need the tokenizer and the model: recipes.serve.plan does them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from fmeg.inference import SamplingParams
 
 MAX_PROMPTS = 128
+MAX_SEED = 2**63 - 1
+MAX_TOKENS = 2**31 - 1  # far above any model's positions: plan() then says how many fit
 
 
 class BadRequest(ValueError):
@@ -46,6 +52,7 @@ class Job:
     echo: bool = False
     stream: bool = False
     log: bool = True
+    usage_chunk: bool = False  # OpenAI's stream_options.include_usage: a last chunk with the usage
 
 
 def parse_json(body: bytes) -> dict:
@@ -68,7 +75,17 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_text(prompts: list[str], name: str) -> None:
+    """Each prompt encodes as UTF-8 (JSON allows lone surrogates such as "\\ud800", which no tokenizer reads)."""
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"{name}[{i}] is not valid text: it holds {text[e.start:e.end]!r} (a lone surrogate) "
+                             f"at {e.start}; send UTF-8 text") from None
 
 
 def _unknown(body: dict, known: set[str], unsupported: dict[str, str]) -> None:
@@ -98,8 +115,10 @@ def megatron_job(body: dict) -> Job:
     _check(isinstance(prompts, list) and all(isinstance(p, str) for p in prompts), "prompts is not a list of strings")
     _check(len(prompts) > 0, "prompts is empty")
     _check(len(prompts) <= MAX_PROMPTS, f"Maximum number of prompts is {MAX_PROMPTS}")
+    _check_text(prompts, "prompts")
     tokens = body.get("tokens_to_generate", 64)
-    _check(_is_int(tokens) and tokens >= 0, "tokens_to_generate must be an integer greater than or equal to 0")
+    _check(_is_int(tokens) and 0 <= tokens <= MAX_TOKENS,
+           "tokens_to_generate must be an integer greater than or equal to 0")
     logprobs = body.get("logprobs", False)
     _check(isinstance(logprobs, bool), "logprobs must be a boolean value")
     _check(tokens > 0 or logprobs, "tokens_to_generate=0 implies logprobs should be True")
@@ -112,14 +131,16 @@ def megatron_job(body: dict) -> Job:
     _check(_is_number(top_p) and 0.0 <= top_p <= 1.0, "top_p must be a number from 0 to 1.0")
     _check(not (top_p > 0.0 and top_k > 0), "cannot set both top-k and top-p samplings.")
     seed = body.get("random_seed", -1)
-    _check(_is_int(seed) and seed >= -1, "random_seed must be a non-negative integer (or -1 for a fresh one)")
+    _check(_is_int(seed) and -1 <= seed <= MAX_SEED,
+           "random_seed must be an integer from 0 to 2**63 - 1 (or -1 for a fresh one)")
     flags = {}
     for name in ("add_BOS", "stop_on_eol", "stop_on_double_eol", "no_log"):
         flags[name] = body.get(name, False)
         _check(isinstance(flags[name], bool), f"{name} must be a boolean value")
     _check(flags["add_BOS"] or all(prompts), "Empty prompts require add_BOS=true")
     stop_token = body.get("stop_token")
-    _check(stop_token is None or _is_int(stop_token), "stop_token must be an integer")
+    _check(stop_token is None or (_is_int(stop_token) and 0 <= stop_token <= MAX_TOKENS),
+           "stop_token must be a token id (a non-negative integer)")
     stop = ["\n\n"] if flags["stop_on_double_eol"] else ["\n"] if flags["stop_on_eol"] else []
     return Job(prompts, tokens, SamplingParams(float(temperature), top_k, float(top_p)),
                None if seed == -1 else seed, logprobs, stop, stop_token, flags["add_BOS"], echo=True,
@@ -133,7 +154,8 @@ OPENAI_UNSUPPORTED = {"suffix": "insertion (suffix) is not implemented in fmeg; 
 
 
 def openai_job(body: dict) -> Job:
-    """An OpenAI `POST /v1/completions` request."""
+    """An OpenAI `POST /v1/completions` request (null for an optional field is its default)."""
+    body = {k: v for k, v in body.items() if v is not None}
     _unknown(body, OPENAI_FIELDS, OPENAI_UNSUPPORTED)
     _check("prompt" in body, "prompt is required")
     prompt = body["prompt"]
@@ -142,18 +164,20 @@ def openai_job(body: dict) -> Job:
            "prompt must be a string or a list of strings")
     _check(0 < len(prompts) <= MAX_PROMPTS, f"prompt must hold 1 to {MAX_PROMPTS} strings")
     _check(all(prompts), "prompt is empty; give at least one character")
+    _check_text(prompts, "prompt")
     tokens = body.get("max_tokens", 16)
-    _check(_is_int(tokens) and tokens >= 0, "max_tokens must be an integer greater than or equal to 0")
+    _check(_is_int(tokens) and 0 <= tokens <= MAX_TOKENS, "max_tokens must be an integer greater than or equal to 0")
     temperature = body.get("temperature", 1.0)
     _check(_is_number(temperature) and 0.0 <= temperature <= 2.0, "temperature must be a number from 0 to 2")
     top_p = body.get("top_p", 1.0)
     _check(_is_number(top_p) and 0.0 < top_p <= 1.0, "top_p must be a number in (0, 1]")
     top_k = body.get("top_k", 0)
-    _check(_is_int(top_k) and top_k >= 0, "top_k must be an integer >= 0 (0: no cut)")
+    _check(_is_int(top_k) and 0 <= top_k <= MAX_TOKENS, "top_k must be an integer >= 0 (0: no cut)")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     _check(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop),
            "stop must be a non-empty string or a list of up to 4 of them")
+    _check_text(stop, "stop")
     logprobs = body.get("logprobs")
     _check(logprobs is None or (_is_int(logprobs) and logprobs == 0),
            "logprobs: only 0 (the chosen tokens' logprobs) is implemented, or null")
@@ -163,10 +187,16 @@ def openai_job(body: dict) -> Job:
         _check(body.get(name, ok) == ok and not isinstance(body.get(name, ok), bool), f"{name}: {why}")
     _check(not body.get("logit_bias"), "logit_bias: not implemented; leave it out")
     seed = body.get("seed")
-    _check(seed is None or (_is_int(seed) and seed >= 0), "seed must be a non-negative integer")
+    _check(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed must be an integer from 0 to 2**63 - 1")
     flags = {name: body.get(name, False) for name in ("echo", "stream")}
     for name, value in flags.items():
         _check(isinstance(value, bool), f"{name} must be a boolean")
     _check(not (flags["stream"] and len(prompts) > 1), "stream: one prompt at a time")
+    options = body.get("stream_options", {})
+    _check(isinstance(options, dict) and set(options) <= {"include_usage"}
+           and isinstance(options.get("include_usage", False), bool),
+           "stream_options must be an object with include_usage true or false")
+    _check(not options or flags["stream"], "stream_options is only allowed with stream: true")
     return Job(prompts, tokens, SamplingParams(float(temperature), top_k, 0.0 if top_p == 1.0 else float(top_p)),
-               seed, logprobs is not None, stop, echo=flags["echo"], stream=flags["stream"])
+               seed, logprobs is not None, stop, echo=flags["echo"], stream=flags["stream"],
+               usage_chunk=options.get("include_usage", False))

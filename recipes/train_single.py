@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     session = Session.start(cfg)
     torch.manual_seed(cfg.training.seed)
     state, progress, said = build_or_restore(cfg, session)
-    if said:
-        print(said, flush=True)
+    for line in said:
+        print(line, flush=True)
     print(f"fmeg train_single: {len(tokens):,} tokens, vocab {vocab_size}, model {own.model}", flush=True)
     announce(cfg, session, state)
     saver = Checkpointer(cfg, session) if cfg.checkpoint.save else None

@@ -230,3 +230,20 @@ def test_keep_last_and_cleanup_touch_only_what_fmeg_wrote(tmp_path):
         "iter_0000001", "iter_0000002.tmp-backup", "iter_0000003", "iter_0000004", "iter_0000004.bak",
         "iter_0000006", "latest_checkpointed_iteration.txt"]
     assert (root / "iter_0000004.bak" / "notes.txt").read_text() == "mine" and (root / "iter_0000003").is_symlink()
+
+
+def test_settings_outside_the_shapes_may_change_on_load_and_shapes_may_not(tmp_path, capsys):
+    """As Megatron: a run may load a checkpoint with other dropout (or init, RoPE base) and says so in one
+    warning line; a change of a parameter's shape is still refused in one line."""
+    from recipes import gpt_pretrain
+
+    root = tmp_path / "ck"
+    assert gpt_pretrain.main([*SAVES, "--save", str(root), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]) == 0
+    capsys.readouterr()
+    assert gpt_pretrain.main([*SAVES, "--load", str(root), "--finetune", "--train-iters", "3"]) == 0
+    out = capsys.readouterr().out
+    for change in ("hidden_dropout 0.1 -> 0.0", "attention_dropout 0.1 -> 0.0"):
+        assert out.count(f"warning: --load {root}: {change} (a setting outside the parameters' shapes") == 1, out
+    assert gpt_pretrain.main([*SAVES, "--load", str(root), "--finetune", "--ffn-hidden-size", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the checkpoint's model differs from the flags in ffn_hidden_size" in err[0], err

@@ -63,7 +63,13 @@ def test_a_sampled_run_is_the_same_at_every_layout(trained_checkpoint, nproc, la
     (["--tokens", "-1"], "--tokens must be >= 0"),
     (["--top-p", "1.5"], "--top-p must be at most 1"),
     (["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"], "checkpoint's vocabulary has 257 ids"),
-])
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--top-p", "nan"], "--top-p must be a finite number, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    (["--seed", str(2**64)], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["--seed", "-3"], "--seed must be an integer from 0 to 2**63 - 1"),
+] + ([(["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False")]
+     if not __import__("torch").cuda.is_available() else []))
 def test_bad_input_is_one_line_and_exit_2(trained_checkpoint, args, message):
     out = _run(["--load", trained_checkpoint, "--prompt", "x", *args])
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -77,3 +83,21 @@ def test_a_missing_checkpoint_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     out = _run(["--load", str(tmp_path / "a_file"), "--prompt", "x"])
     assert out.returncode == 2 and "a_file: a file; name the checkpoint directory" in out.stderr
+
+
+def test_a_checkpoint_from_a_newer_fmeg_is_one_line_naming_the_field(trained_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from fmeg import checkpoint
+
+    copy = tmp_path / "newer"
+    shutil.copytree(trained_checkpoint, copy)
+    latest = checkpoint.latest(copy)
+    meta = json.loads((latest / "metadata.json").read_text())
+    meta["model"]["moe_router_topk"] = 2
+    (latest / "metadata.json").write_text(json.dumps(meta))
+    out = _run(["--load", str(copy), "--prompt", "x"])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "model fields this fmeg does not know (moe_router_topk)" \
+        in lines[0] and "upgrade fmeg" in lines[0], out.stderr

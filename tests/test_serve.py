@@ -2,6 +2,8 @@
 OpenAI's /v1/completions, streamed and not), bad requests answered with 400 and a reason."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +26,8 @@ class Server:
             if nproc > 1 else [sys.executable]
         self.proc = subprocess.Popen(launcher + ["-m", "recipes.serve", "--load", checkpoint, "--port",
                                                  str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # stop() ends torchrun and its workers together
         deadline = time.time() + 120
         while time.time() < deadline:  # the banner comes once the port is bound
             line = self.proc.stdout.readline()
@@ -50,7 +53,12 @@ class Server:
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +169,118 @@ def test_a_tensor_parallel_server_answers_as_one_rank(server, trained_checkpoint
     for a, b in zip(got["logprobs"], want["logprobs"]):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
     assert streamed[0] == 200 and streamed[1].rstrip().endswith("data: [DONE]")
+
+
+# Malformed and out-of-range requests of every kind: each is answered 400 by rank 0 and none reaches a rank.
+HOSTILE = [
+    ("PUT", "/api", {"prompts": ["x"], "random_seed": 2**70}, "random_seed must be an integer from 0 to 2**63 - 1"),
+    ("PUT", "/api", {"prompts": ["x"], "random_seed": 2**63}, "random_seed must be an integer from 0 to 2**63 - 1"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": 2**64}, "seed must be an integer from 0 to 2**63 - 1"),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": -1}, "seed must be an integer from 0 to 2**63 - 1"),
+    ("PUT", "/api", {"prompts": ["ab\ud800cd"]}, "prompts[0] is not valid text"),
+    ("POST", "/v1/completions", {"prompt": "ab\udc00"}, "prompt[0] is not valid text"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": "\ud800"}, "stop[0] is not valid text"),
+    ("PUT", "/api", b'{"prompts": ["x"], "temperature": NaN}', "temperature must be a positive number"),
+    ("PUT", "/api", b'{"prompts": ["x"], "top_p": Infinity}', "top_p must be a number from 0 to 1.0"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature must be a number from 0 to 2"),
+    ("POST", "/v1/completions", b'{"prompt": "x", "top_p": -Infinity}', "top_p must be a number in (0, 1]"),
+    ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": 2**70}, "tokens_to_generate must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2**70}, "max_tokens must be an integer"),
+    ("PUT", "/api", {"prompts": ["x"], "stop_token": 2**70}, "stop_token must be a token id"),
+    ("PUT", "/api", {"prompts": ["x"], "stop_token": -5}, "stop_token must be a token id"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": 2**70}, "top_k must be an integer"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options is only allowed with stream: true"),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options must be an object"),
+    ("PUT", "/api", {"prompts": ["x"] * 200}, "Maximum number of prompts is 128"),
+    ("PUT", "/api", {"prompts": [1]}, "prompts is not a list of strings"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 5}, "logprobs: only 0"),
+    ("PUT", "/api", b"\xff\xfe", "malformed JSON"),
+]
+
+
+@pytest.fixture(scope="module")
+def tp2_server(trained_checkpoint):
+    s = Server(trained_checkpoint, nproc=2, extra=["--tensor-model-parallel-size", "2"])
+    yield s
+    s.stop()
+
+
+def test_no_request_can_end_a_tensor_parallel_server(tp2_server, server):
+    """The tp 2 server answers every hostile request with 400 and a reason, then answers a good request with
+    the tokens one rank gives (a seed past int64 used to end rank 1, and with it the job)."""
+    good = {"prompts": ["import os\n"], "tokens_to_generate": 8, "temperature": 0.8, "random_seed": 5}
+    _, before = server.request("PUT", "/api", good)
+    for method, path, body, message in HOSTILE:
+        status, text = tp2_server.request(method, path, body)
+        assert status == 400 and message in text, (body, text)
+    assert tp2_server.proc.poll() is None
+    status, after = tp2_server.request("PUT", "/api", good)
+    assert status == 200 and json.loads(after)["tokens"] == json.loads(before)["tokens"]
+
+
+def test_the_largest_seed_samples_on_every_prompt(server):
+    """Prompt i samples with seed + i, wrapped within int64: the largest seed is served, not a 500."""
+    status, body = server.request("PUT", "/api", {"prompts": ["a", "b"], "tokens_to_generate": 2,
+                                                  "random_seed": 2**63 - 1})
+    assert status == 200, body
+
+
+def test_scoring_request_returns_the_prompts_logprobs_as_megatron(server):
+    """Megatron's scoring request: tokens_to_generate 0 with logprobs gives the prompt's log-probabilities
+    (every token but the first), the same as a generating request reports for its prompt."""
+    prompt = "import os\nimport sys\n"
+    status, body = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 0, "logprobs": True})
+    assert status == 200, body
+    scored = json.loads(body)
+    assert scored["tokens"] == [list(prompt.encode())] and scored["text"] == [prompt]
+    assert len(scored["logprobs"][0]) == len(prompt.encode()) - 1
+    _, body = server.request("PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 3, "logprobs": True,
+                                             "top_k": 1})
+    generated = json.loads(body)["logprobs"][0][:len(prompt.encode()) - 1]
+    assert max(abs(a - b) for a, b in zip(scored["logprobs"][0], generated)) < 1e-5
+
+
+def test_include_usage_streams_a_last_chunk_with_the_usage(server):
+    status, body = server.request("POST", "/v1/completions", {
+        "prompt": "import os", "max_tokens": 5, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    usage, text = chunks[-1]["usage"], "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    assert usage["prompt_tokens"] == 9 and 1 <= usage["completion_tokens"] <= 5
+    assert usage["total_tokens"] == 9 + usage["completion_tokens"] and len(text.encode()) <= usage["completion_tokens"]
+
+
+def test_null_means_the_default_for_openais_optional_fields(server):
+    status, body = server.request("POST", "/v1/completions", {
+        "prompt": "import os", "max_tokens": 3, "temperature": None, "top_p": None, "stop": None, "seed": None,
+        "logprobs": None, "echo": None, "stream": None, "n": None, "stream_options": None, "user": None})
+    assert status == 200 and len(json.loads(body)["choices"]) == 1, body
+
+
+def test_a_completion_ending_inside_a_character_keeps_its_bytes():
+    """The final text is what the tokenizer decodes of its tokens, a trailing partial character included
+    (it used to be dropped), and the streamed pieces add up to it."""
+    from fmeg.data.tokenizers import ByteTokenizer
+    from recipes.serve import Completion
+
+    tokenizer = ByteTokenizer()
+    ids = list("naïve é".encode())[:-1]  # the last character cut after its first byte
+    row, pieces = Completion(tokenizer, [], tokenizer.eod), []
+    for i, t in enumerate(ids):
+        pieces.append(row.add(t, -1.0, "length" if i == len(ids) - 1 else None))
+    assert row.final_text == tokenizer.decode(ids) == "naïve \ufffd" and "".join(pieces) == row.final_text
+
+
+def test_a_busy_port_or_a_bad_host_is_one_line(server, trained_checkpoint):
+    """Not the web server's own lines and exit 1: one error line naming the flag, exit 2."""
+    for extra, needle in ((["--port", str(server.port)], f"error: --port {server.port} on --host 127.0.0.1: "),
+                          (["--host", "256.1.1.1", "--port", "0"], "error: --host 256.1.1.1: not an address of this machine")):
+        out = subprocess.run([sys.executable, "-m", "recipes.serve", "--load", trained_checkpoint, *extra],
+                             capture_output=True, text=True, timeout=300)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), out.stderr

@@ -97,7 +97,7 @@ def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_n
     per row (a row's draws depend on its own seed only). prompt_logprobs: a list that receives, before the
     first Step, each row's prompt-token logprobs."""
     check_prompts(prompts, config, max_new_tokens)
-    if max_new_tokens == 0:
+    if max_new_tokens == 0 and prompt_logprobs is None:
         return
     stage = _Pipeline(params, config, tp, pp_group)
     device = next(t for t in torch.utils._pytree.tree_leaves(params)).device
@@ -114,6 +114,8 @@ def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_n
                 lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
             lp = stage.share(lp, tokens[:, 1:]).float()
             prompt_logprobs.extend(lp[r, pad[r]:].tolist() for r in range(b))
+        if max_new_tokens == 0:  # scoring: the prompts' logprobs only
+            return
         finished: list[str | None] = [None] * b
         generated: list[list[int]] = [[] for _ in range(b)]
         for step in range(max_new_tokens):

@@ -48,7 +48,7 @@ def _resharded(path, meta, cfg, session, state: FlatState):
     return weights, {"adam": optim.AdamState(full["count"], local("mu"), local("nu")), "main": local(master)}
 
 
-def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, str | None]:
+def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[str]]:
     """This rank's state and the run's progress: initialised as on one device and sharded, then, with
     --load, overwritten by the newest checkpoint there (resharded when its layout differs) as
     policies.resume says. The third value is what the last rank prints about it. CheckpointError and
@@ -58,15 +58,15 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, str | 
     state, progress = new_state(cfg, session, fresh), policies.Progress(scaler=cfg.precision.scaler)
     ck = cfg.checkpoint
     if not ck.load:
-        return state, progress, None
+        return state, progress, []
     found = checkpoint.latest(ck.load)
     meta = checkpoint.read_metadata(found, cfg.model) if found else None
     if meta is None:
         if ck.exit_on_missing_checkpoint:
             raise MissingCheckpoint(f"--load {ck.load}: no checkpoint there ({checkpoint.LATEST} missing) and "
                                     "--exit-on-missing-checkpoint is set; fix the path or drop the flag")
-        return state, progress, f"--load {ck.load}: no checkpoint there yet ({checkpoint.LATEST} missing); " \
-                                "starting from scratch"
+        return state, progress, [f"--load {ck.load}: no checkpoint there yet ({checkpoint.LATEST} missing); "
+                                 "starting from scratch"]
     layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
     same = checkpoint.same_layout(meta, layout_meta, cfg.model)
     if same:
@@ -79,7 +79,9 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, str | 
                            path=str(found))
     if plan.fresh_optimizer:  # the weights only: fp32 main weights from the loaded ones
         state = new_state(cfg, session, tree.tree_map(lambda x: x.float(), state.params))
-    return state, plan.progress, plan.description
+    changed = [f"warning: --load {ck.load}: {change} (a setting outside the parameters' shapes, which may "
+               "change on load as in Megatron)" for change in checkpoint.changed_on_load(meta, cfg.model)]
+    return state, plan.progress, [plan.description, *changed]
 
 
 class Checkpointer:
