@@ -44,6 +44,32 @@ def _forward(signum: int, frame) -> None:
             pass
 
 
+def argument_problems(args) -> list[str]:
+    """torchrun's flags that its own code would end in a traceback, one line each."""
+    problems = []
+    n = str(args.nproc_per_node)
+    if n == "gpu" and not _cuda():
+        problems.append("--nproc-per-node gpu: no GPU is visible (torch.cuda.is_available() is False); give a "
+                        "number of processes")
+    elif n not in ("auto", "cpu", "gpu", "xpu") and not (n.isdigit() and int(n) > 0):
+        problems.append(f"--nproc-per-node {n}: give a positive number of processes per node, or auto, cpu or gpu")
+    nodes = str(args.nnodes).split(":")
+    if not (1 <= len(nodes) <= 2 and all(x.isdigit() and int(x) > 0 for x in nodes)
+            and int(nodes[0]) <= int(nodes[-1])):
+        problems.append(f"--nnodes {args.nnodes}: give a positive number of nodes, or MIN:MAX with 0 < MIN <= MAX")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        problems.append(f"--master-port {args.master_port}: a port is a number from 1 to 65535")
+    if args.node_rank < 0:
+        problems.append(f"--node-rank {args.node_rank}: must be >= 0")
+    return problems
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -52,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the outcome is said below
     args = torchrun.parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     if os.path.isdir("/proc"):  # Linux: SIGTERM is forwarded here, so that the workers' exit decides ours
         args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGTERM")
         signal.signal(signal.SIGTERM, _forward)

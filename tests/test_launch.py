@@ -175,3 +175,36 @@ def test_every_runner_bad_input_under_the_launcher_is_one_line_and_exit_2(tmp_pa
     for job in running:
         finish(*job)
     assert not failures, failures
+
+
+LAUNCHER_BAD = [(["--nproc-per-node", "0"], "--nproc-per-node 0: give a positive number"),
+                (["--nproc-per-node", "abc"], "--nproc-per-node abc: give a positive number"),
+                (["--master-port", "99999"], "--master-port 99999: a port is a number from 1 to 65535"),
+                (["--nnodes", "0"], "--nnodes 0: give a positive number of nodes"),
+                (["--nnodes", "3:2"], "--nnodes 3:2: give a positive number of nodes")] + \
+    ([(["--nproc-per-node", "gpu"], "--nproc-per-node gpu: no GPU is visible")]
+     if not __import__("torch").cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("flags, needle", LAUNCHER_BAD, ids=[c[1][:30] for c in LAUNCHER_BAD])
+def test_the_launchers_own_bad_flags_are_one_line(tmp_path, flags, needle):
+    proc = subprocess.Popen([*LAUNCH, *flags, "-m", "recipes.gpt_pretrain", "--log-dir", str(tmp_path / "log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert_one_line(proc, needle)
+    assert not (tmp_path / "log").exists()
+
+
+@pytest.mark.slow
+def test_two_sigterms_during_a_save_still_exit_zero_with_the_checkpoint(tmp_path):
+    """A second SIGTERM 0.3 s after the first (a scheduler's repeat) is ignored once the run is exiting on the
+    first: the checkpoint is complete and the job exits 0 (it used to report a killed rank, exit 143)."""
+    proc = launch(2, [*COMMON, "--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path / "ck"),
+                      "--log-interval", "1"])
+    wait_for(proc, "iteration        3/")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err.strip() == "" and "SIGTERM received" in out, (out[-2000:], err[-2000:])
+    latest = checkpoint.latest(tmp_path / "ck")
+    assert latest is not None and complete(latest)

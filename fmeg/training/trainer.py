@@ -63,6 +63,8 @@ class Trainer:
                 self.validate(iteration)
             reason = stop or self.exit_reason(iteration)
             exiting = reason is not None and not reason.startswith("error: ")
+            if exiting and self.cfg.training.exit_signal_handler:  # a repeated signal must not kill the save or
+                signal.signal(getattr(signal, self.cfg.training.exit_signal), signal.SIG_IGN)  # the exit after it
             if stop is None and policies.should_save(iteration, save=self.cfg.checkpoint.save,
                                                      save_interval=self.cfg.checkpoint.save_interval,
                                                      train_iters=t.train_iters, exiting=exiting):
