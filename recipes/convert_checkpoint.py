@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fmeg import checkpoint, tree
@@ -64,8 +65,13 @@ def consolidate(args) -> None:
     tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))})
-    tmp.replace(out)
+    try:
+        save_file(tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))})
+        tmp.replace(out)
+    except (OSError, SafetensorError) as e:  # a full disk, a read-only directory: nothing half-written stays
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
+                         "written") from None
     print(f"wrote {out}: {len(tensors)} tensors, {tree.num_params(params):,} parameters")
 
 

@@ -94,10 +94,27 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: --output-prefix {args.output_prefix}: cannot create its directory ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
     _init_worker(args)
     dtype = best_dtype(tokenizer.vocab_size)
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
-    builders = {k: IndexedDatasetBuilder(p, dtype) for k, p in prefixes.items()}
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    try:
+        return _build(args, prefixes, builders, dtype)
+    except OSError as e:  # a full disk, a read-only directory: one line, and nothing half-written
+        for builder in builders.values():
+            builder.abort()
+        print(f"error: --output-prefix {args.output_prefix}: cannot write the dataset ({e.strerror or e}); nothing "
+              "was written", file=sys.stderr)
+        return 2
+
+
+def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
+    for key, prefix in prefixes.items():
+        builders[key] = IndexedDatasetBuilder(prefix, dtype)
     bad: list[tuple[int, str]] = []
     docs = tokens = read = 0
     start = time.perf_counter()

@@ -231,3 +231,25 @@ def test_metadata_describes_global_shapes_and_offsets(tmp_path):
     assert norm["global_shape"] == norm["local_shape"] == [32] and norm["offset"] == [0]
     shard = ranks[0]["tensors"]["mu/shard"]
     assert shard["global_shape"] == shard["local_shape"] and shard["offset"] == [0]  # dp = 1 here
+
+
+def test_consolidate_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from recipes import convert_checkpoint
+
+    save_one(tmp_path / "ck", 1)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def full_disk(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(convert_checkpoint, "save_file", full_disk)
+    assert convert_checkpoint.main(["consolidate", "--load", str(tmp_path / "ck"), "--output",
+                                    str(out / "full.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --output {out / 'full.safetensors'}: cannot write it"), err
+    assert "No space left on device" in err[0] and list(out.iterdir()) == []

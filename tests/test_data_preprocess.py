@@ -121,3 +121,44 @@ def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path):
     built = sorted(p.name for p in tmp_path.iterdir())
     again = default_corpus(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == built and again.prefix == ds.prefix
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """Writing fails (ENOSPC after some documents, EACCES at the first file, ENOSPC at the index): one error
+    line naming --output-prefix, exit 2, and no .bin, .idx or .tmp file left behind."""
+    import builtins
+    import errno
+    import json
+
+    from fmeg.data import indexed
+    from recipes import preprocess_data
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(50)) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    real_add, real_open = indexed.IndexedDatasetBuilder.add_document, builtins.open
+    written = []
+
+    def full_after_10(self, tokens, lengths=None):
+        written.append(1)
+        if len(written) > 10:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_add(self, tokens, lengths)
+
+    def refuse(name, fail_on):
+        def patched(path, *args, **kwargs):
+            if str(path).endswith(fail_on):
+                raise OSError(errno.EACCES if fail_on == ".bin.tmp" else errno.ENOSPC, name)
+            return real_open(path, *args, **kwargs)
+        return patched
+
+    for patch in ((indexed.IndexedDatasetBuilder, "add_document", full_after_10),
+                  (builtins, "open", refuse("Permission denied", ".bin.tmp")),
+                  (builtins, "open", refuse("No space left on device", ".idx.tmp"))):
+        with monkeypatch.context() as m:
+            m.setattr(*patch)
+            code = preprocess_data.main(["--input", str(source), "--output-prefix", str(out / "c")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --output-prefix {out / 'c'}: cannot write"), err
+        assert list(out.iterdir()) == []

@@ -128,6 +128,41 @@ def test_bad_data_fails_before_any_work_with_one_line(monkeypatch, capsys, tmp_p
     assert not dist.is_initialized() and not (tmp_path / "log").exists()
 
 
+def test_a_float_index_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    """An .idx that declares float values is not token ids (it used to be trained on as ids)."""
+    import numpy as np
+
+    from fmeg.data.indexed import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(tmp_path / "floats", np.float32)
+    for _ in range(4):
+        builder.add_document(np.arange(40, dtype=np.float32))
+    builder.finalize()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("FMEG_CACHE", str(tmp_path / "cache"))
+    assert gpt_pretrain.main(["--data-path", str(tmp_path / "floats"), "--seq-length", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "floats.idx declares float32 values, not integer token ids" in err[0], err
+
+
+def test_a_bin_rewritten_in_place_with_its_size_and_mtime_is_counted_again(tmp_path):
+    """The cache key holds the change time, which no user call sets back: ids past the vocabulary written
+    into the same file, with its size and mtime restored, are found (they used to be trained on)."""
+    import numpy as np
+
+    from fmeg.data.indexed import IndexedDataset
+    from fmeg.data.token_range import token_range
+
+    prefix = _dataset(tmp_path / "d", [[5, 9, 7], [0, 3]])
+    assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (0, 9)
+    stat = os.stat(prefix + ".bin")
+    with open(prefix + ".bin", "r+b") as f:
+        f.write(np.asarray([5, 900], dtype=np.uint16).tobytes())
+    os.utime(prefix + ".bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(prefix + ".bin").st_size == stat.st_size
+    assert token_range(IndexedDataset(prefix), tmp_path / "cache") == (0, 900)
+
+
 def test_token_range_is_cached_by_file_identity(tmp_path):
     from fmeg.data.indexed import IndexedDataset
     from fmeg.data.token_range import token_range

@@ -158,11 +158,26 @@ class IndexedDatasetBuilder:
         self._bin.write(np.asarray(other.tokens).tobytes())
 
     def abort(self) -> None:
-        """Stop without writing a dataset: the partial data file is removed."""
-        self._bin.close()
-        os.remove(self._tmp_bin)
+        """Stop without writing a dataset: the partial files are removed (also after a failed write)."""
+        try:
+            self._bin.close()
+        except OSError:  # a full disk fails the last flush too
+            pass
+        for path in (self._tmp_bin, self.prefix + ".idx.tmp"):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
     def finalize(self) -> None:
+        """Write the index and rename both files into place; on any failure, nothing is left behind."""
+        try:
+            self._finalize()
+        except OSError:
+            self.abort()
+            raise
+
+    def _finalize(self) -> None:
         self._bin.close()
         lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)

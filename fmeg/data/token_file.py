@@ -20,10 +20,10 @@ def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     if Path(f"{path}.idx").is_file():  # a Megatron indexed dataset prefix: every token, in file order
         from fmeg.data.indexed import IndexedDataset
 
-        return np.asarray(IndexedDataset(path).tokens)
-    if not path.is_file():
+        tokens = np.asarray(IndexedDataset(path).tokens)
+    elif not path.is_file():
         raise ValueError(f"--data-path {path}: no such file (nor {path}.idx / .bin)")
-    if path.suffix == ".npy":
+    elif path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as e:

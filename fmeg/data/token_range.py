@@ -4,8 +4,10 @@
 
 An id outside [0, vocab_size) indexes past the embedding: at tp 1 an IndexError mid-run, under tensor
 parallelism (each rank looks up only its own rows) silently wrong training. One pass over the .bin finds
-the range, in chunks of the memory map; the result is cached under $FMEG_CACHE keyed by the file's path,
-size and modification time, so a large dataset is read once, not at every start.
+the range, in chunks of the memory map; the result is cached under $FMEG_CACHE keyed by the .bin's path,
+inode, size, modification and change times and the .idx's content, so a large dataset is read once, not at
+every start, and a .bin rewritten in place is counted again even when its size and mtime were put back (the
+change time, which no user call can set back, moves with any write).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ def token_range(dataset: IndexedDataset, cache_dir: str | os.PathLike | None = N
     """(min id, max id) over every token of the dataset, or None when it holds no tokens."""
     bin_path = Path(dataset.prefix + ".bin").resolve()
     stat = bin_path.stat()
-    key = hashlib.sha256(f"{bin_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    index = hashlib.sha256(Path(dataset.prefix + ".idx").read_bytes()).hexdigest()
+    identity = f"{bin_path}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{index}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:32]
     cached = Path(cache_dir) / f"token-range-{key}.json" if cache_dir is not None else None
     if cached is not None and cached.is_file():
         try:
@@ -49,7 +53,10 @@ def token_range(dataset: IndexedDataset, cache_dir: str | os.PathLike | None = N
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache_dir: str | os.PathLike | None = None) -> None:
-    """DataError unless every token id of the dataset lies in [0, vocab_size)."""
+    """DataError unless the dataset holds integer token ids that all lie in [0, vocab_size)."""
+    if dataset.dtype.kind not in "iu":
+        raise DataError(f"{dataset.prefix}.idx declares {dataset.dtype} values, not integer token ids; a GPT trains "
+                        "on token ids: preprocess the text with recipes.preprocess_data")
     found = token_range(dataset, cache_dir)
     if found is None:
         return
