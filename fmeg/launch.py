@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 
+from fmeg.cli import one_line, refuse
+
 
 def _children(pid: int) -> list[int]:
     """The ids of the processes whose parent is pid (torchrun's workers are the launcher's children)."""
@@ -77,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the outcome is said below
-    args = torchrun.parse_args(argv)
+    parser = torchrun.get_args_parser()
+    parser.allow_abbrev = False  # as every fmeg command: --nproc-per-nod is not --nproc-per-node
+    parser.error = lambda message: refuse(f"{one_line(message, parser._actions)}; see --help")  # not the usage
+    args = parser.parse_args(argv)
     problems = argument_problems(args)
     if problems:
         for line in problems:

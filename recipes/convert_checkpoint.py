@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fmeg import checkpoint, tree
+from fmeg.cli import OneLineParser
 from fmeg.models import gpt
 
 
@@ -104,7 +105,7 @@ def import_hf(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.convert_checkpoint", description=__doc__,
+    p = OneLineParser(prog="python -m recipes.convert_checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fmeg import checkpoint, tree
+from fmeg.cli import OneLineParser
 from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_from_flags
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
@@ -97,16 +98,14 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
     if not os.path.isdir(a.load):
         problems.append(f"--load {a.load}: " + ("a file; name the checkpoint directory" if os.path.exists(a.load)
                                                  else "no such directory"))
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_k", "top_p"):
         value = getattr(a, name, None)
         if value is not None and not math.isfinite(value):
             problems.append(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-    for name in ("temperature", "top_k", "top_p"):
-        value = getattr(a, name, None)
-        if value is not None and value < 0:
+        elif value is not None and value < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if getattr(a, "top_p", 0.0) > 1.0:
-        problems.append(f"--top-p must be at most 1, got {a.top_p}")
+        elif name == "top_p" and value is not None and value > 1.0:
+            problems.append(f"--top-p must be at most 1, got {value}")
     seed = getattr(a, "seed", None)
     if seed is not None and not 0 <= seed <= 2**63 - 1:
         problems.append(f"--seed must be an integer from 0 to 2**63 - 1, got {seed}")
@@ -205,7 +204,7 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.generate", description=__doc__,
+    p = OneLineParser(prog="python -m recipes.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(p)
     sampling_flags(p)

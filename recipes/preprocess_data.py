@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from fmeg.cli import OneLineParser
 from fmeg.data.indexed import IndexedDatasetBuilder, best_dtype
 from fmeg.data.tokenizers import TOKENIZER_TYPES, tokenizer_from_flags
 
@@ -26,7 +27,7 @@ _TOKENIZER = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m recipes.preprocess_data", description=__doc__,
+    p = OneLineParser(prog="python -m recipes.preprocess_data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="JSON lines file")
     p.add_argument("--json-keys", nargs="+", default=["text"])

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from fmeg.cli import OneLineParser
 from fmeg.inference import SamplingParams
 from recipes.generate import (LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags,
                               refuse, stop_on_strings)
@@ -253,7 +254,7 @@ def _interrupt(*_: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.serve", description=__doc__,
+    p = OneLineParser(prog="python -m recipes.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")

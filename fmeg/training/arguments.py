@@ -10,12 +10,11 @@ override it.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
@@ -34,30 +33,8 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
     return dp, a.global_batch_size or a.micro_batch_size * dp
 
 
-class RankZeroParser(argparse.ArgumentParser):
-    """Megatron's parser rules (no prefix matching: --loss-scale is never --loss-scale-window) with help and
-    errors printed from rank 0 only under torchrun (every rank still exits as argparse exits), and a usage
-    error as one line naming the flag, with a close match when there is one, instead of the usage text."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if os.environ.get("RANK", "0") == "0":
-            super()._print_message(message, file)
-
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments: "):
-            unknown = message.removeprefix("unrecognized arguments: ").split()
-            flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
-            known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
-            close = difflib.get_close_matches(flag, known, n=1)
-            message = f"unrecognized argument {flag}" + (f" (did you mean {close[0]}?)" if close else "")
-        _refuse(f"{message}; see --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
+    p = OneLineParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
                        description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
     add = p.add_argument
     add("--config", help="YAML file of settings by flag name; command-line flags override it")
@@ -279,38 +256,38 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
     import yaml
 
     if not Path(path).is_file():
-        _refuse(f"--config {path}: no such file")
+        refuse(f"--config {path}: no such file")
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # syntax errors, and !!python tags safe_load refuses
-        _refuse(f"--config {path}: not readable YAML ({' '.join(str(e).split())[:200]})")
+        refuse(f"--config {path}: not readable YAML ({' '.join(str(e).split())[:200]})")
     if not isinstance(data, dict):
-        _refuse(f"--config {path}: expected a mapping of flag names to values")
+        refuse(f"--config {path}: expected a mapping of flag names to values")
     actions = {a.dest: a for a in parser._actions}
     settings = {}
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
         if dest not in actions or dest in ("config", "help"):
-            _refuse(f"--config {path}: unknown setting {key!r} (use the flag's name, e.g. num-layers)")
+            refuse(f"--config {path}: unknown setting {key!r} (use the flag's name, e.g. num-layers)")
         settings[dest] = _typed(actions[dest], value, f"--config {path}: {key}")
     return settings
 
 
 def _typed(action: argparse.Action, value: Any, where: str) -> Any:
     if value is None:
-        _refuse(f"{where} is null; give a value or leave the setting out")
+        refuse(f"{where} is null; give a value or leave the setting out")
     if action.nargs == 0:  # a switch
         if not isinstance(value, bool):
-            _refuse(f"{where}: {value!r} is not true or false")
+            refuse(f"{where}: {value!r} is not true or false")
         return value
     if action.nargs in ("*", "+") or isinstance(action.nargs, int):
         items = value if isinstance(value, list) else [value]
         if isinstance(action.nargs, int) and len(items) != action.nargs:
-            _refuse(f"{where}: expected {action.nargs} values, got {value!r}")
+            refuse(f"{where}: expected {action.nargs} values, got {value!r}")
         return [_scalar(action, item, where) for item in items]
     if isinstance(value, (list, dict)):
-        _refuse(f"{where}: expected one value, got {value!r}")
+        refuse(f"{where}: expected one value, got {value!r}")
     return _scalar(action, value, where)
 
 
@@ -318,21 +295,14 @@ def _scalar(action: argparse.Action, value: Any, where: str) -> Any:
     kind = action.type or str
     if isinstance(value, bool) or isinstance(value, (list, dict)) or \
             (kind is int and isinstance(value, float) and not value.is_integer()):
-        _refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
+        refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
     try:
         value = kind(value)
     except (TypeError, ValueError):
-        _refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
+        refuse(f"{where}: {value!r} is not {'an integer' if kind is int else 'a ' + kind.__name__}")
     if action.choices is not None and value not in action.choices:
-        _refuse(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        refuse(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
     return value
-
-
-def _refuse(message: str) -> None:
-    """One line on stderr (from rank 0 only under torchrun) and exit 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def lr_steps(a: argparse.Namespace) -> tuple[float, int, bool]:

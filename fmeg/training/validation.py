@@ -23,7 +23,7 @@ from fmeg.training.megatron_flags import later_work_problems
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
     not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
-    problems = later_work_problems(a)
+    problems = later_work_problems(a) or non_finite_problems(a)  # alone: the other checks would repeat them
     if problems:
         return problems
 
@@ -71,7 +71,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.num_layers % (pp * vp_chunks) == 0,
          f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
          f"{pp} * {vp_chunks}")
-    need(gbs % (a.micro_batch_size * dp) == 0,
+    need(gbs % (a.micro_batch_size * dp) == 0 or a.step_batch_size_schedule,  # its own check names each batch
          f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
          f"{a.micro_batch_size} * {dp}")
     microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
@@ -88,7 +88,6 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(not odd, f"--step-batch-size-schedule: batch sizes {odd} must be multiples of --micro-batch-size * "
                       f"data-parallel size = {a.micro_batch_size} * {dp}")
     need(a.loss_scale is None or a.loss_scale > 0, f"--loss-scale must be positive, got {a.loss_scale}")
-    problems.extend(non_finite_problems(a))
     need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
          "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
     need(a.lr_warmup_samples is None or a.lr_decay_samples is not None or a.train_samples is not None,

@@ -1,0 +1,45 @@
+"""The command-line parser every fmeg command uses: Megatron's rules (no prefix of a flag is taken for it),
+help and errors printed by rank 0 only under torchrun, and a usage error as one line naming the flag (with
+the closest flag when there is one) and a pointer to --help, exit 2, instead of the usage text.
+
+    p = OneLineParser(prog="python -m recipes.generate")
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import Any
+
+
+def refuse(message: str) -> None:
+    """One line on stderr (from rank 0 only under torchrun) and exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+    def error(self, message: str):
+        refuse(f"{one_line(message, self._actions)}; see --help")
+
+
+def one_line(message: str, actions) -> str:
+    """argparse's error message, with an unrecognized flag named alone and its closest known flag."""
+    if message.startswith("unrecognized arguments: "):
+        unknown = message.removeprefix("unrecognized arguments: ").split()
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        known = [o for action in actions for o in action.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(flag, known, n=1)
+        return f"unrecognized argument {flag}" + (f" (did you mean {close[0]}?)" if close else "")
+    return message

@@ -1,0 +1,176 @@
+"""Every command refuses bad input the same way: a non-zero exit (2), exactly one `error:` line naming the
+flag, file or field, no traceback, and no file left behind. One process each, in this process; the same cases
+on several ranks through the launcher are in test_launch.py (slow).
+
+Cases: every float flag of the runner given nan and inf, every integer flag given a word, every choice
+flag given a value it does not take, prefixes and misspellings, and the commands' own rules."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+
+from fmeg.training.arguments import build_parser
+
+T = "{tmp}"  # replaced by the case's own empty directory
+
+
+def runner_cases() -> list[tuple[list[str], str]]:
+    cases = []
+    for action in build_parser()._actions:
+        if not action.option_strings or not action.option_strings[0].startswith("--"):
+            continue
+        flag = action.option_strings[0]
+        if action.type is float:
+            cases += [([flag, "nan"], f"{flag} must be a finite number, got nan"),
+                      ([flag, "inf"], f"{flag} must be a finite number, got inf")]
+        elif action.type is int and action.nargs is None:
+            cases.append(([flag, "many"], f"argument {flag}: invalid int value: 'many'"))
+        if action.choices is not None and action.nargs is None:
+            cases.append(([flag, "bogus"], f"argument {flag}: invalid choice: 'bogus'"))
+    return cases + [
+        (["--loss-scale-win", "8"], "unrecognized argument --loss-scale-win (did you mean --loss-scale-window?)"),
+        (["--tensor-model-parallel", "2"], "unrecognized argument --tensor-model-parallel"),
+        (["--lr-decay"], "unrecognized argument --lr-decay"),
+        (["--hiden-size", "64"], "unrecognized argument --hiden-size (did you mean --hidden-size?)"),
+        (["--rampup-batch-size", "4", "4"], "argument --rampup-batch-size: expected 3 arguments"),
+        (["--config", f"{T}/none.yaml"], "--config"),
+        (["--data-path", f"{T}/missing"], "--data-path"),
+        (["--load", f"{T}"], None),  # fine: a directory without a checkpoint starts afresh (not a case)
+        (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs a --vocab-size"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1"], "--vocab-size of at least 2"),
+        (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f"{T}/none.json"], "none.json"),
+        (["--step-batch-size-schedule", "0:3", "--micro-batch-size", "2"], "--step-batch-size-schedule"),
+        (["--step-batch-size-schedule", "10M:8"], "--step-batch-size-schedule: the first threshold must be 0"),
+        (["--step-batch-size-schedule", "0:4", "--rampup-batch-size", "4", "4", "8"],
+         "--step-batch-size-schedule and --rampup-batch-size are alternatives"),
+        (["--loss-scale", "0", "--fp16"], "--loss-scale must be positive"),
+        (["--exit-signal", "SIGKILL"], "argument --exit-signal: invalid choice: 'SIGKILL'"),
+        (["--wandb-project"], "argument --wandb-project: expected one argument"),
+        (["--keep-last", "0"], "--keep-last must be positive"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
+        (["--eval-interval", "0"], "--eval-interval must be positive"),
+    ]
+
+
+def recipe_cases() -> list[tuple[str, list[str], str]]:
+    load = ["--load", f"{T}/ck"]
+    out = [("generate", ["--load", f"{T}/none", "--prompt", "x"], "--load"),
+           ("generate", [*load, "--prompt", "x", "--temperature", "nan"], "--temperature must be a finite number"),
+           ("generate", [*load, "--prompt", "x", "--top-p", "inf"], "--top-p must be a finite number"),
+           ("generate", [*load, "--prompt", "x", "--top-p", "2"], "--top-p must be at most 1"),
+           ("generate", [*load, "--prompt", "x", "--top-k", "-1"], "--top-k must be >= 0"),
+           ("generate", [*load, "--prompt", "x", "--seed", str(2**64)], "--seed must be an integer from 0"),
+           ("generate", [*load, "--prompt", "x", "--tokens", "-2"], "--tokens must be >= 0"),
+           ("generate", [*load, "--prompt", "x", "--tokens", "ten"], "argument --tokens: invalid int value"),
+           ("generate", [*load, "--prompt", "x", "--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+           ("generate", [*load, "--prompt", "x", "--tensor-model-parallel-size", "0"], "must be positive"),
+           ("generate", [*load, "--prompt", "x", "--tensor-model-parallel-size", "2"], "world size is 1"),
+           ("generate", [*load, "--prompt", "x", "--promt", "y"], "unrecognized argument --promt"),
+           ("generate", [*load], "the following arguments are required: --prompt"),
+           ("generate", [*load, "--prompt", "x", "--device", "tpu"], "argument --device: invalid choice"),
+           ("generate", [*load, "--prompt", "x", "--tokenizer-type", "Nope"], "argument --tokenizer-type"),
+           ("serve", ["--load", f"{T}/none"], "--load"),
+           ("serve", [*load, "--port", "99999"], "--port must be in [0, 65535]"),
+           ("serve", [*load, "--port", "-1"], "--port must be in [0, 65535]"),
+           ("serve", [*load, "--port", "http"], "argument --port: invalid int value"),
+           ("serve", [*load, "--prot", "80"], "unrecognized argument --prot (did you mean --port?)"),
+           ("serve", [*load, "--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+           ("serve", [*load, "--pipeline-model-parallel-size", "3"], "world size is 1"),
+           ("preprocess_data", ["--input", f"{T}/none.jsonl", "--output-prefix", f"{T}/out"], "--input"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--workers", "0"],
+            "--workers must be at least 1"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--worker", "2"],
+            "unrecognized argument --worker (did you mean --workers?)"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--tokenizer-type",
+                                "NullTokenizer"], "--vocab-size"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--json-keys", "body"],
+            "--input"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--json-keys", "body",
+                                "--strict"], "no key 'body'"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/in.jsonl/out"],
+            "--output-prefix"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl"], "the following arguments are required: --output-prefix"),
+           ("preprocess_data", ["--input", f"{T}/in.jsonl", "--output-prefix", f"{T}/out", "--tokenizer-type",
+                                "GPT2BPETokenizer"], "--vocab-file"),
+           ("convert_checkpoint", ["consolidate", "--load", f"{T}/none", "--output", f"{T}/x.safetensors"], "none"),
+           ("convert_checkpoint", ["consolidate", "--load", f"{T}/ck", "--output", f"{T}/in.jsonl"],
+            "exists; choose a new file name"),
+           ("convert_checkpoint", ["consolidate", "--load", f"{T}/ck", "--output", f"{T}/no/x.safetensors"],
+            "no directory"),
+           ("convert_checkpoint", ["export-hf", "--load", f"{T}/ck", "--output", f"{T}/ck"], "not an empty directory"),
+           ("convert_checkpoint", ["import-hf", "--input", f"{T}/none", "--save", f"{T}/out"], "--input"),
+           ("convert_checkpoint", ["import-hf", "--input", f"{T}", "--save", f"{T}/ck"], "already holds a checkpoint"),
+           ("convert_checkpoint", ["bogus"], "invalid choice: 'bogus'"),
+           ("convert_checkpoint", ["consolidate", "--lod", "x", "--output", "y"], "--load"),
+           ("convert_checkpoint", [], "the following arguments are required: command"),
+           ("launch", ["--nproc-per-node", "0", "-m", "recipes.gpt_pretrain"], "--nproc-per-node 0"),
+           ("launch", ["--nproc-per-node", "two", "-m", "recipes.gpt_pretrain"], "--nproc-per-node two"),
+           ("launch", ["--nnodes", "0", "-m", "recipes.gpt_pretrain"], "--nnodes 0"),
+           ("launch", ["--nnodes", "2:1", "-m", "recipes.gpt_pretrain"], "--nnodes 2:1"),
+           ("launch", ["--master-port", "99999", "-m", "recipes.gpt_pretrain"], "--master-port 99999"),
+           ("launch", ["--master-port", "0", "-m", "recipes.gpt_pretrain"], "--master-port 0"),
+           ("launch", ["--nproc-per-nod", "2", "-m", "recipes.gpt_pretrain"], "unrecognized argument --nproc-per-nod"),
+           ("launch", ["--node-rank", "-1", "-m", "recipes.gpt_pretrain"], "--node-rank -1")]
+    if not torch.cuda.is_available():
+        out += [("generate", [*load, "--prompt", "x", "--device", "cuda"], "--device cuda"),
+                ("launch", ["--nproc-per-node", "gpu", "-m", "recipes.gpt_pretrain"], "--nproc-per-node gpu")]
+    return out
+
+
+CASES = [("gpt_pretrain", argv, needle) for argv, needle in runner_cases() if needle] + recipe_cases()
+
+
+def main_of(name: str):
+    if name == "launch":
+        from fmeg import launch
+
+        return launch.main
+    module = __import__(f"recipes.{name}", fromlist=["main"])
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint_dir(tmp_path_factory):
+    """One tiny checkpoint (built in this process, as convert_checkpoint's import-hf writes one)."""
+    from test_checkpoint import save_one
+
+    root = tmp_path_factory.mktemp("bad_input_ck") / "ck"
+    save_one(root, 1)
+    return root
+
+
+def test_there_are_at_least_150_distinct_cases():
+    assert len({(name, tuple(argv)) for name, argv, _ in CASES}) >= 150
+
+
+@pytest.mark.parametrize("name, argv, needle", CASES, ids=[f"{c[0]}:{' '.join(c[1])[:50]}" for c in CASES])
+def test_bad_input_is_one_line_exit_2_no_traceback_nothing_left(tmp_path, monkeypatch, small_checkpoint_dir, name,
+                                                                argv, needle):
+    import shutil
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("FMEG_CACHE", str(tmp_path / ".cache"))
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(small_checkpoint_dir, tmp_path / "ck")
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main_of(name)([a.replace(T, str(tmp_path)) for a in argv])
+        except SystemExit as e:
+            code = e.code
+    lines = err.getvalue().strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2, (code, lines)
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in err.getvalue(), lines
+    left = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if not str(p).startswith(str(tmp_path / ".cache")))
+    assert left == [p for p in before if not str(tmp_path / p).startswith(str(tmp_path / ".cache"))], \
+        set(left) ^ set(before)
+    assert not os.environ.get("MASTER_ADDR") or name == "launch"
