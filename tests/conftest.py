@@ -41,3 +41,32 @@ def trained_checkpoint(tmp_path_factory):
     from runner_harness import small_checkpoint
 
     return small_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt")
+
+
+_OURS = ("recipes.", "fmeg.launch", "torch.distributed.run", "bench/")
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(monkeypatch):
+    """Every fmeg command a test starts (recipes, the launcher, torchrun) runs in a session of its own, and its
+    whole process group (torchrun's workers included) is killed when the test ends, pass, fail or timeout."""
+    import signal
+    import subprocess
+
+    started, real_init = [], subprocess.Popen.__init__
+
+    def init(self, args, *rest, **kwargs):
+        ours = any(word in str(a) for a in (args if isinstance(args, (list, tuple)) else [args]) for word in _OURS)
+        if ours:
+            kwargs.setdefault("start_new_session", True)
+        real_init(self, args, *rest, **kwargs)
+        if ours and kwargs.get("start_new_session"):
+            started.append(self.pid)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", init)
+    yield
+    for pid in started:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

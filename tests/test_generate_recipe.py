@@ -12,7 +12,7 @@ from recipes.convert_checkpoint import load_full
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def _run(args, nproc=1, timeout=180):
+def _run(args, nproc=1, timeout=400):  # sized for a loaded 2-core machine
     launcher = TORCHRUN + [f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     return subprocess.run(launcher + ["-m", "recipes.generate", *args], capture_output=True, text=True, timeout=timeout)
 

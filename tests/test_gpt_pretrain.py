@@ -397,6 +397,7 @@ YAML_CASES = [
     ("num-layers: 4\n  hidden-size: 8: 9\n", "not readable YAML"),
     ("lr: !!python/object/apply:os.system ['true']\n", "not readable YAML"),
     ("- 1\n- 2\n", "expected a mapping of flag names to values"),
+    ("rampup-batch-size: [4, 4]\n", "rampup-batch-size: expected 3 values, got [4, 4]"),
 ]
 
 
@@ -462,3 +463,10 @@ def test_a_tokenizer_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch,
         assert gpt_pretrain.main(flags) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: --") and needle in err[0], err
+
+
+def test_a_yaml_infinity_is_refused_as_the_flag_is(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("lr: .inf\nmin-lr: .nan\n")
+    problems = validate(parse_args(["--config", str(cfg)]), 1)
+    assert problems == ["--lr must be a finite number, got inf", "--min-lr must be a finite number, got nan"]

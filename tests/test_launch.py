@@ -26,7 +26,7 @@ def launch(nproc, flags, **kwargs):
                             **kwargs)
 
 
-def assert_one_line(proc, needle, code=2, timeout=120):
+def assert_one_line(proc, needle, code=2, timeout=400):
     out, err = proc.communicate(timeout=timeout)
     lines = err.strip().splitlines()
     assert proc.returncode == code and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
@@ -50,7 +50,7 @@ def test_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
         assert not (tmp_path / f"log{i}").exists() and not (tmp_path / f"ck{i}").exists()
 
 
-def wait_for(proc, words, timeout=120):
+def wait_for(proc, words, timeout=400):
     """Read stdout until a line holds words; the lines read."""
     seen, end = [], time.monotonic() + timeout
     for line in proc.stdout:
@@ -66,7 +66,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path):
                       "--log-interval", "1"])
     wait_for(proc, "iteration        3/")
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0 and err.strip() == "" and "SIGTERM received" in out, (out[-2000:], err[-2000:])
     latest = checkpoint.latest(tmp_path / "ck")
     assert latest is not None and len(list(latest.glob("*.safetensors"))) == 2
@@ -204,7 +204,7 @@ def test_two_sigterms_during_a_save_still_exit_zero_with_the_checkpoint(tmp_path
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0 and err.strip() == "" and "SIGTERM received" in out, (out[-2000:], err[-2000:])
     latest = checkpoint.latest(tmp_path / "ck")
     assert latest is not None and complete(latest)

@@ -28,7 +28,7 @@ class Server:
                                                  str(self.port), *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)  # stop() ends torchrun and its workers together
-        deadline = time.time() + 120
+        deadline = time.time() + 400  # a loaded 2-core machine starts torchrun and two ranks slowly
         while time.time() < deadline:  # the banner comes once the port is bound
             line = self.proc.stdout.readline()
             if "serving" in line:
