@@ -33,84 +33,9 @@ import torch
 import torch.distributed as dist
 
 from fmeg.cli import OneLineParser
-from fmeg.inference import SamplingParams
-from recipes.generate import (LoadedModel, TextStream, cut_at_stop, encode, flag_problems, load_model, model_flags,
-                              refuse, stop_on_strings)
-from recipes.serve_api import MAX_SEED, BadRequest, Job, megatron_job, openai_job, parse_json
-
-STOP_SERVING = b""
-
-
-def plan(job: Job, model: LoadedModel) -> dict:
-    """The job as every rank runs it: token ids, seeds and stop rules (raises BadRequest on prompts that do
-    not fit the model)."""
-    tokenizer, config = model.tokenizer, model.config
-    ids = []
-    for i, text in enumerate(job.prompts):
-        try:
-            ids.append(([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text))
-        except Exception as e:  # noqa: BLE001 - whatever the tokenizer cannot read is the request's problem
-            raise BadRequest(f"prompt {i} cannot be tokenized ({type(e).__name__}: {str(e)[:100]})") from None
-    for i, row in enumerate(ids):
-        if not row:
-            raise BadRequest(f"prompt {i} is empty")
-        if len(row) + job.max_new_tokens > config.max_seq_len:
-            raise BadRequest(f"prompt {i} is {len(row)} tokens; with {job.max_new_tokens} to generate that exceeds "
-                             f"the model's {config.max_seq_len} positions")
-    seed = secrets.randbits(31) if job.seed is None else job.seed
-    seeds = [(seed + i) % (MAX_SEED + 1) for i in range(len(ids))]  # prompt i samples with seed + i, in int64
-    return {"prompts": ids, "max_new_tokens": job.max_new_tokens, "temperature": job.sampling.temperature,
-            "top_k": job.sampling.top_k, "top_p": job.sampling.top_p, "seeds": seeds,
-            "eod": tokenizer.eod if job.stop_token is None else job.stop_token, "stop": job.stop,
-            "prompt_logprobs": job.logprobs}
-
-
-def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None) -> Iterator:
-    """This rank's part of the generation p describes (the same Steps on every rank)."""
-    return model.stream(p["prompts"], max_new_tokens=p["max_new_tokens"], seed=p["seeds"], eod=p["eod"],
-                        stop=stop_on_strings(model.tokenizer, p["stop"]),
-                        sampling=SamplingParams(p["temperature"], p["top_k"], p["top_p"]),
-                        prompt_logprobs=prompt_logprobs)
-
-
-class Broadcast:
-    """Rank 0 tells the other ranks the next job (JSON bytes in a uint8 tensor); empty bytes: stop."""
-
-    def __init__(self, world: int, device: torch.device):
-        self.world, self.device = world, device
-
-    def send(self, payload: bytes) -> None:
-        if self.world > 1:
-            self._exchange(payload)
-
-    def receive(self) -> bytes:
-        return self._exchange(None)
-
-    def _exchange(self, payload: bytes | None) -> bytes:
-        sending = payload is not None
-        size = torch.tensor([len(payload) if sending else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=0)
-        n = int(size.item())
-        data = torch.tensor(list(payload), dtype=torch.uint8, device=self.device) if sending and n else \
-            torch.empty(n, dtype=torch.uint8, device=self.device)
-        if n:
-            dist.broadcast(data, src=0)
-        return payload if sending else bytes(data.cpu().tolist())
-
-
-def follow(model: LoadedModel, broadcast: Broadcast) -> None:
-    """The loop of every rank but 0: run each job rank 0 sends, until it says stop."""
-    while True:
-        payload = broadcast.receive()
-        if payload == STOP_SERVING:
-            return
-        p = json.loads(payload)
-        try:
-            for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None):
-                pass
-        except Exception as e:  # noqa: BLE001 - a request must never end a rank; rank 0 answers it
-            print(f"error: rank {dist.get_rank() if dist.is_initialized() else 0}: a request failed "
-                  f"({type(e).__name__}: {str(e)[:200]}); serving on", file=sys.stderr, flush=True)
+from recipes.generate import LoadedModel, TextStream, cut_at_stop, flag_problems, load_model, model_flags, refuse
+from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
+from recipes.serve_ranks import STOP_SERVING, Broadcast, follow, plan, run_plan
 
 
 class Completion:
@@ -178,6 +103,18 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         if request.path.startswith("/v1/"):
             return {"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}}, 400
         return {"message": str(e)}, 400  # Megatron's text_generation_cli prints response.json()["message"]
+
+    @app.errorhandler(Exception)
+    def failed(e: Exception):  # a request that failed inside generation: one line, and the server goes on
+        from werkzeug.exceptions import HTTPException
+
+        if isinstance(e, HTTPException):  # 404, 405, ...: werkzeug's own answer
+            return e
+        message = f"generation failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if request.path.startswith("/v1/"):
+            return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}, 500
+        return {"message": message}, 500
 
     @app.put("/api")
     def megatron_api():
