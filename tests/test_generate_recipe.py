@@ -101,3 +101,25 @@ def test_a_checkpoint_from_a_newer_fmeg_is_one_line_naming_the_field(trained_che
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "model fields this fmeg does not know (moe_router_topk)" \
         in lines[0] and "upgrade fmeg" in lines[0], out.stderr
+
+
+def test_streamed_text_ending_inside_a_character_keeps_its_bytes(trained_checkpoint, monkeypatch, capsys):
+    """The CLI streams one prompt; a completion that ends after the first byte of a two-byte character
+    prints it as the tokenizer decodes it (the --json text's way), instead of dropping it."""
+    from fmeg.inference.generate import Step
+    from recipes import generate as recipe
+
+    real_load = recipe.load_model
+
+    def load_model(a):
+        model = real_load(a)
+        tail = list("é".encode())[:1]  # the completion ends after the first byte of "é"
+        steps = [Step([t], [-0.5], [None]) for t in list("caf".encode())] + [Step(tail, [-0.5], ["length"])]
+        model.stream = lambda prompts, **options: iter(steps)
+        return model
+
+    monkeypatch.setattr(recipe, "load_model", load_model)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert recipe.main(["--load", trained_checkpoint, "--prompt", "x", "--tokens", "4"]) == 0
+    assert capsys.readouterr().out == "x" + bytes([*b"caf", 0xC3]).decode(errors="replace") + "\n"
