@@ -220,8 +220,8 @@ def saved_model(meta: dict, where: str) -> dict:
         raise CheckpointError(f"{where}: names model fields this fmeg does not know ({', '.join(unknown)}): a newer "
                               "fmeg wrote it; upgrade fmeg to read it")
     defaults = {k: f.default for k, f in known.items() if f.default is not dataclasses.MISSING}
-    saved = {**defaults, **meta.get("model", {})}
-    saved.pop("padded_vocab_size", None)
+    saved = {**defaults, **{k: tuple(v) if isinstance(v, list) else v for k, v in meta.get("model", {}).items()}}
+    saved.pop("padded_vocab_size", None)  # JSON gave tuples (rope_scaling) back as lists
     return saved
 
 

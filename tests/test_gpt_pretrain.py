@@ -470,3 +470,26 @@ def test_a_yaml_infinity_is_refused_as_the_flag_is(tmp_path):
     cfg.write_text("lr: .inf\nmin-lr: .nan\n")
     problems = validate(parse_args(["--config", str(cfg)]), 1)
     assert problems == ["--lr must be a finite number, got inf", "--min-lr must be a finite number, got nan"]
+
+
+OPEN_MODELS = ["--qk-layernorm", "--add-qkv-bias", "--disable-bias-linear", "--use-rope-scaling",
+               "--rope-scaling-factor", "4", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+               "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--max-position-embeddings", "16"]
+OPEN_LAYOUTS = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+                ("dp2_zero1", 2, ["--use-distributed-optimizer"])]
+
+
+@pytest.fixture(scope="module")
+def open_model_reference(tmp_path_factory):
+    return run_layout(tmp_path_factory.mktemp("open"), "single_open", 1, OPEN_MODELS)
+
+
+@pytest.mark.parametrize("name, nproc, flags", [pytest.param(*row, marks=() if row[0] == "tp2_sp" else
+                                                             pytest.mark.slow) for row in OPEN_LAYOUTS],
+                         ids=[row[0] for row in OPEN_LAYOUTS])
+def test_qk_norm_qkv_bias_and_rope_scaling_are_layout_invariant(tmp_path, open_model_reference, name, nproc, flags):
+    """Qwen3's q/k norm, Qwen2.5's q/k/v bias and Llama 3.1's RoPE scaling, at default flags otherwise: the
+    curve at tp 2 with sp (the norm's replicated weight summed over tp), pp 2 and dp 2 with ZeRO-1 is one
+    rank's within 1e-5."""
+    assert_same_curve(run_layout(tmp_path, name, nproc, [*OPEN_MODELS, *flags]), open_model_reference)

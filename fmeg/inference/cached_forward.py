@@ -73,7 +73,7 @@ def stage_forward(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, 
     positions, mask = positions_and_mask(cache, new)
     rope = None
     if config.position == "rope":
-        cos, sin = ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta)
+        cos, sin = gpt.rope_tables(positions, config)
         rope = (cos[:, None], sin[:, None])  # [b, 1, new, d]: broadcast over heads
     if x is None:
         x = gpt.embed(params, tokens, config, positions, tp)

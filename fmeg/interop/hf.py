@@ -1,4 +1,6 @@
-"""Hugging Face transformers <-> fmeg: GPT2LMHeadModel and LlamaForCausalLM.
+"""Hugging Face transformers <-> fmeg: GPT2LMHeadModel, LlamaForCausalLM (Llama 2, 3.1 with its rope scaling,
+3.2 with tied embeddings), Qwen2ForCausalLM (Qwen2.5: a bias on q, k and v) and Qwen3ForCausalLM (a norm on
+each head's queries and keys).
 
     config, params = from_hf(hf_model)
     hf_model = to_hf(params, config)
@@ -26,10 +28,11 @@ def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
     if kind == "GPT2LMHeadModel":
         config = _gpt2_config(hf_model.config)
         return config, tree.unflatten(_gpt2_params(state, config))
-    if kind == "LlamaForCausalLM":
-        config = _llama_config(hf_model.config)
+    if kind in _LLAMA_FAMILY:
+        config = _llama_config(hf_model.config, kind)
         return config, tree.unflatten(_llama_params(state, config))
-    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel or LlamaForCausalLM")
+    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel or one of "
+                     f"{', '.join(_LLAMA_FAMILY)}")
 
 
 def to_hf(params: Params, config: GPTConfig) -> Any:
@@ -48,7 +51,8 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
     elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
         if config.rotary_percent != 1.0:
             raise ValueError(f"to_hf: Llama rotates whole heads; got rotary_percent={config.rotary_percent}")
-        model, state = _new_model("Llama", _llama_hf_config(config)), _llama_state(flat, config)
+        family = _family_of(config)
+        model, state = _new_model(family, _llama_hf_config(config, family)), _llama_state(flat, config)
     else:
         raise ValueError(
             "to_hf: only GPT-2 style (learned, layernorm, gelu) and Llama style (rope, rmsnorm, swiglu) "
@@ -62,6 +66,8 @@ def _new_model(family: str, hf_config: Any) -> Any:
     import transformers
 
     cls = getattr(transformers, f"{family}LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM")
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        hf_config.use_sliding_window = False
     with torch.device("cpu"):
         return cls(hf_config).float()
 
@@ -148,35 +154,67 @@ def _gpt2_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Ten
 # --- Llama ------------------------------------------------------------------------------------------
 
 
-def _llama_config(hf: Any) -> GPTConfig:
+_LLAMA_FAMILY = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2", "Qwen3ForCausalLM": "Qwen3"}
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _family_of(c: GPTConfig) -> str:
+    """The transformers class of a Llama-style config: Qwen3 (qk norm), Qwen2 (bias on q, k, v only), Llama."""
+    if c.qk_norm:
+        if c.bias or c.qkv_bias:
+            raise ValueError("to_hf: a qk-norm model (Qwen3) has no biases; got bias or qkv_bias")
+        return "Qwen3"
+    if c.qkv_bias and not c.bias:
+        if c.rope_scaling is not None:
+            raise ValueError("to_hf: Qwen2 has no llama3 rope scaling")
+        return "Qwen2"
+    return "Llama"
+
+
+def _llama_config(hf: Any, kind: str = "LlamaForCausalLM") -> GPTConfig:
+    family = _LLAMA_FAMILY[kind]
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"from_hf: Llama rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"from_hf: {family} rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    scaling = tuple(rope[k] for k in _SCALING_KEYS) if rope_type == "llama3" else None
     if hf.hidden_act != "silu":
-        raise ValueError(f"from_hf: Llama hidden_act {hf.hidden_act!r} is not supported (only 'silu')")
-    if hf.attention_bias != hf.mlp_bias:
+        raise ValueError(f"from_hf: {family} hidden_act {hf.hidden_act!r} is not supported (only 'silu')")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"from_hf: {family} use_sliding_window=True is not supported (fmeg attends to every "
+                         "earlier position)")
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    if family == "Llama" and attention_bias != hf.mlp_bias:
         raise ValueError("from_hf: Llama attention_bias and mlp_bias must agree")
+    if family == "Qwen3" and attention_bias:
+        raise ValueError("from_hf: Qwen3 attention_bias=True (a bias on attention but not the MLP) is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_channels = None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim
     return GPTConfig(vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
                      num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                      num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
                      ffn_hidden_size=hf.intermediate_size, norm="rmsnorm", activation="swiglu", position="rope",
-                     tie_embeddings=bool(hf.tie_word_embeddings), bias=bool(hf.attention_bias),
+                     tie_embeddings=bool(hf.tie_word_embeddings), bias=family == "Llama" and attention_bias,
+                     qkv_bias=family == "Qwen2", qk_norm=family == "Qwen3", rope_scaling=scaling,
                      norm_eps=hf.rms_norm_eps, rope_theta=float(rope["rope_theta"]), init_std=hf.initializer_range,
                      kv_channels=kv_channels)
 
 
-def _llama_hf_config(c: GPTConfig) -> Any:
-    from transformers import LlamaConfig
+def _llama_hf_config(c: GPTConfig, family: str = "Llama") -> Any:
+    import transformers
 
-    return LlamaConfig(vocab_size=c.vocab_size, max_position_embeddings=c.max_seq_len,
-                       num_hidden_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
-                       num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_hidden_size, hidden_act="silu",
-                       rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, attention_bias=c.bias,
-                       mlp_bias=c.bias, initializer_range=c.init_std, head_dim=c.head_dim,
-                       rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dict(zip(_SCALING_KEYS, c.rope_scaling))}
+    common = dict(vocab_size=c.vocab_size, max_position_embeddings=c.max_seq_len, num_hidden_layers=c.num_layers,
+                  hidden_size=c.hidden_size, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                  intermediate_size=c.ffn_hidden_size, hidden_act="silu", rms_norm_eps=c.norm_eps,
+                  tie_word_embeddings=c.tie_embeddings, initializer_range=c.init_std, head_dim=c.head_dim,
+                  rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "Llama":
+        return transformers.LlamaConfig(**common, attention_bias=c.bias, mlp_bias=c.bias)
+    return getattr(transformers, f"{family}Config")(**common, use_sliding_window=False,
+                                                    **({"attention_bias": False} if family == "Qwen3" else {}))
 
 
 _LLAMA_LINEARS = {"attn.proj": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj"}
@@ -190,6 +228,11 @@ def _llama_params(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.T
         hf, at = f"model.layers.{i}", f"layers.{i}"
         for ours, theirs in _LLAMA_NORMS.items():
             out[f"{at}.{ours}.weight"] = s[f"{hf}.{theirs}.weight"]
+        if c.qk_norm:
+            for x in "qk":
+                out[f"{at}.attn.{x}_norm.weight"] = s[f"{hf}.self_attn.{x}_norm.weight"]
+        if c.qkv_bias and not c.bias:
+            out[f"{at}.attn.qkv.bias"] = fuse_qkv(*[s[f"{hf}.self_attn.{x}_proj.bias"] for x in "qkv"], c.num_kv_heads)
         for kind in kinds:
             attn = [s[f"{hf}.self_attn.{x}_proj.{kind}"] for x in "qkv"]
             out[f"{at}.attn.qkv.{kind}"] = fuse_qkv(*attn, c.num_kv_heads)
@@ -208,6 +251,12 @@ def _llama_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Te
         hf, at = f"model.layers.{i}", f"layers.{i}"
         for ours, theirs in _LLAMA_NORMS.items():
             s[f"{hf}.{theirs}.weight"] = f[f"{at}.{ours}.weight"]
+        if c.qk_norm:
+            for x in "qk":
+                s[f"{hf}.self_attn.{x}_norm.weight"] = f[f"{at}.attn.{x}_norm.weight"]
+        if c.qkv_bias and not c.bias:
+            for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.bias"], c)):
+                s[f"{hf}.self_attn.{x}_proj.bias"] = t.contiguous()
         for kind in kinds:
             for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.{kind}"], c)):
                 s[f"{hf}.self_attn.{x}_proj.{kind}"] = t.contiguous()

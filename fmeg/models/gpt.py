@@ -39,6 +39,7 @@ import torch
 from einops import rearrange
 
 from fmeg import ops
+from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
 from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding,
                                   replicated_param, row_parallel_linear, vocab_parallel_cross_entropy,
@@ -47,7 +48,7 @@ from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear,
 Params = dict[str, Any]
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
 POSITIONS = ("learned", "rope")
 
 
@@ -74,8 +75,13 @@ class GPTConfig:
     norm_zero_centered: bool = False  # Megatron's --apply-layernorm-1p: norm weights w start at 0, scale by 1 + w
     kv_channels: int | None = None  # the head dimension (Megatron's --kv-channels); None: hidden_size / num_heads
     rotary_percent: float = 1.0  # the fraction of each head's dimensions that RoPE rotates (the first ones)
+    qk_norm: bool = False  # Megatron's --qk-layernorm (Qwen3): the norm on each head's queries and keys
+    qkv_bias: bool = False  # Megatron's --add-qkv-bias (Qwen2.5): a bias on q, k and v when bias=False
+    rope_scaling: tuple[float, float, float, int] | None = None  # Llama 3.1's (factor, low, high, original)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, list):  # as JSON metadata gives it back
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
         if self.padded_vocab_size is None:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         if self.num_kv_heads is None:
@@ -147,6 +153,9 @@ def _validate(c: GPTConfig) -> None:
          f"{c.rotary_percent} = {c.rotary_dim}")
     need(c.norm_eps > 0, "norm_eps", f"must be positive, got {c.norm_eps}")
     need(c.init_std > 0, "init_std", f"must be positive, got {c.init_std}")
+    need(c.rope_scaling is None or (len(c.rope_scaling) == 4 and c.rope_scaling[0] > 0
+                                    and c.rope_scaling[2] > c.rope_scaling[1] > 0 and c.rope_scaling[3] > 0),
+         "rope_scaling", f"must be (factor > 0, low > 0, high > low, original positions > 0), got {c.rope_scaling}")
     need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
     need(0.0 <= c.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {c.attention_dropout}")
 
@@ -165,10 +174,11 @@ def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.T
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def _norm_params(c: GPTConfig) -> Params:
-    p = {"weight": torch.zeros(c.hidden_size) if c.norm_zero_centered else torch.ones(c.hidden_size)}
+def _norm_params(c: GPTConfig, size: int | None = None) -> Params:
+    size = size or c.hidden_size
+    p = {"weight": torch.zeros(size) if c.norm_zero_centered else torch.ones(size)}
     if c.norm == "layernorm":
-        p["bias"] = torch.zeros(c.hidden_size)
+        p["bias"] = torch.zeros(size)
     return p
 
 
@@ -185,12 +195,13 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
     qkv_rows = c.num_kv_heads * (c.heads_per_group + 2) * c.head_dim
     fc1_shape = (2, c.ffn_hidden_size, c.hidden_size) if c.activation == "swiglu" else (c.ffn_hidden_size, c.hidden_size)
+    attn = {"qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias or c.qkv_bias, seed, f"{at}.attn.qkv"),
+            "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj")}
+    if c.qk_norm:  # over each head's dimensions, shared by every head: replicated under tensor parallelism
+        attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
     return {
         "attn_norm": _norm_params(c),
-        "attn": {
-            "qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias, seed, f"{at}.attn.qkv"),
-            "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj"),
-        },
+        "attn": attn,
         "mlp_norm": _norm_params(c),
         "mlp": {
             "fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
@@ -289,9 +300,29 @@ def project_qkv(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple |
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
     q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
+    if config.qk_norm:  # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
+        q, k = head_norm(p["q_norm"], q, config, tp), head_norm(p["k_norm"], k, config, tp)
     if rope is not None:
         q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
     return q, k, v
+
+
+def head_norm(p: Params, x_BNSD: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """The norm over each head's dimensions. Its weight is replicated while the heads are split over tp, so
+    each rank's gradient covers its own heads only: copy_to sums them over tp in backward."""
+    weight, bias = p["weight"], p.get("bias")
+    if tp.size > 1:
+        weight, bias = C.copy_to(weight, tp.group), None if bias is None else C.copy_to(bias, tp.group)
+    if config.norm_zero_centered:
+        weight = weight + 1.0
+    if config.norm == "rmsnorm":
+        return ops.rms_norm(x_BNSD, weight, config.norm_eps)
+    return ops.layer_norm(x_BNSD, weight, bias, config.norm_eps)
+
+
+def rope_tables(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin for these positions (Llama 3.1's frequency scaling when the config has it)."""
+    return ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta, config.rope_scaling)
 
 
 def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -> torch.Tensor:
@@ -314,6 +345,8 @@ def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = 
         h = ops.swiglu(gate, up)
     elif config.activation == "gelu_tanh":
         h = ops.gelu_tanh(h)
+    elif config.activation == "squared_relu":  # Megatron's --squared-relu
+        h = torch.relu(h).square()
     else:
         h = ops.gelu(h)
     return row_parallel_linear(h, p["fc2"]["weight"], p["fc2"].get("bias"), tp)
@@ -379,7 +412,7 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
-    rope = ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta) if config.position == "rope" else None
+    rope = rope_tables(positions, config) if config.position == "rope" else None
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):

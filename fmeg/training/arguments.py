@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     m.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     m.add_argument("--swiglu", action="store_true")
+    m.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as the MLP's activation")
+    m.add_argument("--qk-layernorm", action="store_true",
+                   help="a norm (--normalization) on each head's queries and keys before RoPE (Qwen3)")
+    m.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on q, k and v even with --disable-bias-linear (Qwen2.5)")
+    m.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's RoPE frequency scaling (low/high frequency factors 1 and 4, original "
+                        "context 8192, as Megatron's)")
+    m.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
     m.add_argument("--openai-gelu", action="store_true", help="GELU with the tanh approximation (GPT-2's)")
     m.add_argument("--no-bias-gelu-fusion", action="store_true",
                    help="exact (erf) GELU: as in Megatron, whose default fused bias-GELU is the tanh approximation "

@@ -160,6 +160,8 @@ def activation(a: argparse.Namespace) -> str:
     or the default fused bias-GELU, which needs biases); else exact GELU."""
     if a.swiglu:
         return "swiglu"
+    if a.squared_relu:
+        return "squared_relu"
     fused_bias_gelu = not a.no_bias_gelu_fusion and not a.disable_bias_linear
     return "gelu_tanh" if a.openai_gelu or fused_bias_gelu else "gelu"
 

@@ -40,7 +40,9 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         kv_channels=a.kv_channels, rotary_percent=a.rotary_percent,
         position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
-        init_std=a.init_method_std, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
+        init_std=a.init_method_std, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        qk_norm=a.qk_layernorm, qkv_bias=a.add_qkv_bias and a.disable_bias_linear,
+        rope_scaling=(a.rope_scaling_factor, 1.0, 4.0, 8192) if a.use_rope_scaling else None)
 
 
 def layout_from_args(a, world: int) -> Layout:

@@ -48,6 +48,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
          "(or give --kv-channels)")
     need(a.kv_channels is None or a.kv_channels > 0, f"--kv-channels must be positive, got {a.kv_channels}")
+    need(not (a.swiglu and a.squared_relu), "--swiglu and --squared-relu are alternatives; choose one")
+    need(not a.use_rope_scaling or a.position_embedding_type == "rope",
+         "--use-rope-scaling needs --position-embedding-type rope")
+    need(a.rope_scaling_factor > 0, f"--rope-scaling-factor must be positive, got {a.rope_scaling_factor}")
     need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
     need(a.num_attention_heads % tp == 0,
          f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")

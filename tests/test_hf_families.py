@@ -1,0 +1,125 @@
+"""The open models people continue from: Llama 3.1 (llama3 rope scaling), Llama 3.2 (tied embeddings), Qwen2.5
+(a bias on q, k and v) and Qwen3 (a norm on each head's queries and keys), imported from tiny random
+transformers models: the same logits (fp32), the same greedy tokens, and export then import bitwise; and the
+new options sharded over tensor parallelism equal one rank."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fmeg import tree
+from fmeg.inference import SamplingParams, generate
+from fmeg.interop.hf import from_hf, to_hf
+from fmeg.models import gpt
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def tiny(family: str, heads: int, groups: int, head_dim: int, layers: int, seed: int):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=97, hidden_size=heads * head_dim, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=groups, intermediate_size=48, max_position_embeddings=64, head_dim=head_dim,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama3.1":
+        config = transformers.LlamaConfig(**common, rope_parameters=LLAMA31_ROPE)
+    elif family == "llama3.2":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True,
+                                          rope_parameters={**LLAMA31_ROPE, "factor": 32.0})
+    elif family == "qwen2.5":
+        config = transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                          tie_word_embeddings=True)
+    else:
+        config = transformers.Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    model = getattr(transformers, {"llama3.1": "LlamaForCausalLM", "llama3.2": "LlamaForCausalLM",
+                                   "qwen2.5": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family])(config)
+    with torch.no_grad():  # transformers starts norms at 1 and biases at 0: move them so the test sees them
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.float().eval()
+
+
+FAMILIES = ["llama3.1", "llama3.2", "qwen2.5", "qwen3"]
+
+
+@settings(max_examples=4, deadline=None)
+@given(family=st.sampled_from(FAMILIES), groups=st.sampled_from([1, 2]), per_group=st.sampled_from([1, 2]),
+       head_dim=st.sampled_from([8, 16]), layers=st.integers(1, 2), seed=st.integers(0, 100))
+def test_imported_logits_equal_transformers_and_export_round_trips(family, groups, per_group, head_dim, layers, seed):
+    hf = tiny(family, groups * per_group, groups, head_dim, layers, seed)
+    config, params = from_hf(hf)
+    assert (config.qk_norm, config.qkv_bias, config.rope_scaling is not None, config.tie_embeddings) == (
+        family == "qwen3", family == "qwen2.5", family.startswith("llama"), family in ("llama3.2", "qwen2.5"))
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    back = to_hf(params, config)
+    assert type(back) is type(hf)
+    config2, params2 = from_hf(back)
+    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
+                                                                        tree.tree_leaves(params)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_gives_transformers_tokens(family):
+    hf = tiny(family, 4, 2, 16, 2, 3)
+    config, params = from_hf(hf)
+    prompt = [5, 17, 42, 8, 60]
+    ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_llama3_rope_scaling_is_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from fmeg.ops.rope import llama3_scaled
+
+    config = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=32768,
+                                      rope_parameters={**LLAMA31_ROPE, "original_max_position_embeddings": 8192})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    base = 1.0 / 500000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    torch.testing.assert_close(llama3_scaled(base, 8.0, 1.0, 4.0, 8192), want)
+
+
+@pytest.mark.parametrize("options", [dict(qk_norm=True), dict(qkv_bias=True, bias=False),
+                                     dict(rope_scaling=(8.0, 1.0, 4.0, 16)), dict(activation="squared_relu")])
+def test_the_new_options_sharded_over_tp_equal_one_rank(options):
+    """Forward and gradients at tp 2 (sequence parallel too) equal one rank's slices; the q/k norm weight is
+    replicated and its gradient sums every rank's heads."""
+    from fmeg.parallel.sharding import shard, unshard
+    from fmeg.parallel.spmd import run_threads
+    from fmeg.parallel.tensor import TensorParallel
+
+    base = dict(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+    config = gpt.GPTConfig(**{**base, **options})
+    params = gpt.init(config, 0)
+    if config.qk_norm:  # away from the init's ones, so that a wrong gradient shows
+        params = tree.tree_map(lambda t: t, params)
+        for layer in params["layers"]:
+            layer["attn"]["q_norm"]["weight"] = 1.0 + 0.3 * torch.randn(config.head_dim)
+    if config.qkv_bias:
+        for layer in params["layers"]:
+            layer["attn"]["qkv"]["bias"] = 0.1 * torch.randn_like(layer["attn"]["qkv"]["bias"])
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    want_loss, want_grads = torch.func.grad_and_value(gpt.loss)(params, batch, config)[::-1]
+    for sp in (False, True):
+        def program(mesh):
+            tp = TensorParallel(mesh.group("tp"), sp)
+            local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), 2)})
+            grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, tp=tp))(local)
+            return loss, grads
+
+        outs = run_threads(2, program, tp=2)
+        torch.testing.assert_close(outs[0][0], want_loss, rtol=1e-5, atol=1e-6)
+        grads = unshard([g for _, g in outs], gpt.TP_RULES, "tp")
+        for (path, got), (_, want) in zip(tree.items(grads), tree.items(want_grads)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=path)
