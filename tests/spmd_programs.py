@@ -230,3 +230,68 @@ def generation(mesh, config, seed, prompts, max_new_tokens, sampling, seeds):
     out = generate(params, prompts, config, max_new_tokens=max_new_tokens, sampling=sampling, seed=seeds,
                    tp=TensorParallel(mesh.group("tp")), pp_group=mesh.group("pp"))
     return out.tokens, out.logprobs
+
+
+def megatron_gpt_logits(mesh, params, tokens, config):
+    """megatron-core's GPTModel (local spec, on CPU) holding fmeg's parameters: its logits [b, s, V] for
+    tokens. One rank; parallel_state is initialised for it."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from fmeg import tree
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    if not torch.cuda.is_available():  # megatron-core's RoPE moves its table to the current CUDA device
+        torch.cuda.current_device = lambda: "cpu"  # (this worker process only)
+    try:
+        model_parallel_cuda_manual_seed(0)
+    except Exception:  # noqa: BLE001 - CPU only: without dropout, the CUDA RNG tracker has nothing to fork
+        import contextlib
+
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    c = config
+    tc = TransformerConfig(num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+                           num_query_groups=c.num_kv_heads, ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.head_dim,
+                           normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=c.norm_eps,
+                           gated_linear_unit=c.activation == "swiglu", activation_func=F.silu,
+                           add_bias_linear=c.bias, add_qkv_bias=c.qkv_bias, qk_layernorm=c.qk_norm,
+                           hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                           bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                           apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+    model = GPTModel(tc, get_gpt_layer_local_spec(qk_layernorm=c.qk_norm, normalization=tc.normalization),
+                     vocab_size=c.padded_vocab_size, max_sequence_length=c.max_seq_len,
+                     share_embeddings_and_output_weights=c.tie_embeddings, position_embedding_type="rope",
+                     rotary_base=int(c.rope_theta), rope_scaling=c.rope_scaling is not None,
+                     rope_scaling_factor=c.rope_scaling[0] if c.rope_scaling else 8.0).float().eval()
+    flat = tree.flatten(params)
+    state = {"embedding.word_embeddings.weight": flat["embedding.word.weight"],
+             "decoder.final_layernorm.weight": flat["final_norm.weight"]}
+    if not c.tie_embeddings:
+        state["output_layer.weight"] = flat["output.weight"]
+    for i in range(c.num_layers):
+        ours, theirs = f"layers.{i}", f"decoder.layers.{i}"
+        state |= {f"{theirs}.input_layernorm.weight": flat[f"{ours}.attn_norm.weight"],
+                  f"{theirs}.self_attention.linear_qkv.weight": flat[f"{ours}.attn.qkv.weight"],
+                  f"{theirs}.self_attention.linear_proj.weight": flat[f"{ours}.attn.proj.weight"],
+                  f"{theirs}.pre_mlp_layernorm.weight": flat[f"{ours}.mlp_norm.weight"],
+                  f"{theirs}.mlp.linear_fc1.weight": flat[f"{ours}.mlp.fc1.weight"].reshape(-1, c.hidden_size),
+                  f"{theirs}.mlp.linear_fc2.weight": flat[f"{ours}.mlp.fc2.weight"]}
+        if c.qkv_bias:
+            state[f"{theirs}.self_attention.linear_qkv.bias"] = flat[f"{ours}.attn.qkv.bias"]
+        if c.qk_norm:
+            state[f"{theirs}.self_attention.q_layernorm.weight"] = flat[f"{ours}.attn.q_norm.weight"]
+            state[f"{theirs}.self_attention.k_layernorm.weight"] = flat[f"{ours}.attn.k_norm.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
+    b, s = tokens.shape
+    position_ids = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        return model(tokens, position_ids, mask)

@@ -123,3 +123,28 @@ def test_the_new_options_sharded_over_tp_equal_one_rank(options):
         grads = unshard([g for _, g in outs], gpt.TP_RULES, "tp")
         for (path, got), (_, want) in zip(tree.items(grads), tree.items(want_grads)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=path)
+
+
+@pytest.mark.parametrize("options", [dict(qk_norm=True), dict(qkv_bias=True), dict(rope_scaling=(8.0, 1.0, 4.0, 8192)),
+                                     dict(qk_norm=True, qkv_bias=True, rope_scaling=(32.0, 1.0, 4.0, 8192))])
+def test_the_options_equal_megatron_cores_gpt_model(options):
+    """fmeg's GPT with q/k norm, q/k/v bias and RoPE scaling equals megatron-core's GPTModel (local spec,
+    qk_layernorm, add_qkv_bias, rope_scaling) holding the same weights, on CPU."""
+    pytest.importorskip("megatron.core.models.gpt")
+    import spmd_programs as P
+    from parallel_harness import gloo
+
+    config = gpt.GPTConfig(vocab_size=128, max_seq_len=32, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                           norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False,
+                           rope_theta=500000.0, **options)
+    params = gpt.init(config, 0)
+    for layer in params["layers"]:  # norms and biases away from their init, so that a misplaced one shows
+        for leaf in ("q_norm", "k_norm"):
+            if leaf in layer["attn"]:
+                layer["attn"][leaf]["weight"] = 1.0 + 0.3 * torch.randn(config.head_dim)
+        if config.qkv_bias:
+            layer["attn"]["qkv"]["bias"] = 0.1 * torch.randn_like(layer["attn"]["qkv"]["bias"])
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = gloo(1).run(P.megatron_gpt_logits, params, tokens, config, tp=1)[0]  # its own process
+    ours = gpt.apply(params, tokens, config)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
