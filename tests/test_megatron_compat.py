@@ -362,3 +362,29 @@ def test_tiktokenizer_refuses_a_vocabulary_it_cannot_build_in_one_line(tmp_path,
         build_tokenizer(a.tokenizer_type, model=a.tokenizer_model, vocab_size=a.vocab_size,
                         tiktoken_pattern=a.tiktoken_pattern, tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
                         tiktoken_special_tokens=a.tiktoken_special_tokens)
+
+
+def test_gpt_sentencepiece_tokenizer_is_megatron_cores(tmp_path):
+    """Megatron's GPTSentencePieceTokenizer: a sentencepiece model that adds no BOS; its ids, end of document
+    and vocabulary equal megatron-core's tokenizer of that type, and the runner trains on it."""
+    pytest.importorskip("sentencepiece")
+    import types
+
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build
+
+    from fmeg.data.tokenizers import build_tokenizer
+
+    model = sentencepiece_model(tmp_path, vocab_size=60)
+    args = types.SimpleNamespace(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=model,
+                                 tokenizer_metadata=None, vocab_size=None, vocab_extra_ids=0,
+                                 tokenizer_special_tokens=None, trust_remote_code=False, tokenizer_hf_use_fast=False,
+                                 tokenizer_hf_include_special_tokens=False, rank=0, make_vocab_size_divisible_by=128,
+                                 tensor_model_parallel_size=1, tokenizer_sentencepiece_legacy=False)
+    theirs, ours = megatron_build(args), build_tokenizer("GPTSentencePieceTokenizer", model=model)
+    for text in ("the lazy fox", "jumps over 12 the quick", ""):
+        assert ours.encode(text) == list(theirs.tokenize(text))
+    assert (ours.eod, ours.vocab_size) == (theirs.eod, theirs.vocab_size)
+    records, stdout = run_recipe(tmp_path, "gptsp", 1, ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                                        "--tokenizer-model", model, "--mock-data", "--train-iters", "3",
+                                                        "--lr-warmup-iters", "1"])
+    assert len(records) == 3 and "vocab 60 (padded to 128)" in stdout

@@ -16,8 +16,8 @@ import math
 import os
 from pathlib import Path
 
-TOKENIZER_TYPES = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "TikTokenizer", "HuggingFaceTokenizer",
-                   "GPT2BPETokenizer"]
+TOKENIZER_TYPES = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer", "TikTokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
@@ -58,11 +58,13 @@ class Llama2Tokenizer:
     """Megatron's Llama2Tokenizer: a sentencepiece model (pip install sentencepiece); encode prepends the
     beginning-of-sequence id as Megatron's does, and the end-of-sequence id is the end of document."""
 
+    name = "Llama2Tokenizer"
+
     def __init__(self, model_file: str):
         try:
             import sentencepiece
         except ImportError as e:
-            raise ValueError("--tokenizer-type Llama2Tokenizer needs sentencepiece: pip install sentencepiece") from e
+            raise ValueError(f"--tokenizer-type {self.name} needs sentencepiece: pip install sentencepiece") from e
         if not os.path.isfile(model_file):
             raise ValueError(f"--tokenizer-model {model_file}: no such file")
         try:
@@ -76,6 +78,16 @@ class Llama2Tokenizer:
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer(Llama2Tokenizer):
+    """Megatron's GPTSentencePieceTokenizer: a sentencepiece model whose encode adds nothing (no
+    beginning-of-sequence id, unlike Llama2Tokenizer); the end-of-sequence id is the end of document."""
+
+    name = "GPTSentencePieceTokenizer"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
 
 
 # Megatron's two tiktoken pre-tokenizer patterns (--tiktoken-pattern v1 | v2).
@@ -225,10 +237,10 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    if kind == "Llama2Tokenizer":
+    if kind in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):
         if not model:
-            raise ValueError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model PATH/tokenizer.model")
-        return Llama2Tokenizer(model)
+            raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model PATH/tokenizer.model")
+        return (Llama2Tokenizer if kind == "Llama2Tokenizer" else GPTSentencePieceTokenizer)(model)
     if kind == "TikTokenizer":
         if not model or not tiktoken_pattern:
             raise ValueError("--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern "
