@@ -3,6 +3,8 @@
 transformers models: the same logits (fp32), the same greedy tokens, and export then import bitwise; and the
 new options sharded over tensor parallelism equal one rank."""
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -148,3 +150,39 @@ def test_the_options_equal_megatron_cores_gpt_model(options):
     theirs = gloo(1).run(P.megatron_gpt_logits, params, tokens, config, tp=1)[0]  # its own process
     ours = gpt.apply(params, tokens, config)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+QWEN3_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+               "--num-query-groups", "2", "--kv-channels", "16", "--ffn-hidden-size", "48", "--normalization", "RMSNorm",
+               "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear", "--qk-layernorm",
+               "--position-embedding-type", "rope", "--rotary-base", "1000000", "--untie-embeddings-and-output-weights",
+               "--max-position-embeddings", "64", "--seq-length", "32"]
+
+
+def test_an_imported_qwen3_continues_pretraining_and_is_served(tmp_path):
+    """transformers' Qwen3 -> convert_checkpoint import-hf -> the runner continues pretraining it with
+    --load --finetune on the embedded data (dropout changed on load, with a warning) -> recipes.generate
+    serves the result, and export-hf gives transformers a model with the trained weights."""
+    from runner_harness import run_group, run_recipe
+    import sys
+
+    hf = tiny("qwen3", 4, 2, 16, 2, 0)
+    hf.config.vocab_size = 257  # the byte tokenizer of the embedded data
+    hf.resize_token_embeddings(257)
+    hf.save_pretrained(tmp_path / "qwen3")
+    convert = [sys.executable, "-m", "recipes.convert_checkpoint"]
+    out = run_group([*convert, "import-hf", "--input", str(tmp_path / "qwen3"), "--save", str(tmp_path / "imported")])
+    assert out.returncode == 0, out.stderr
+    records, stdout = run_recipe(tmp_path, "continued", 2, [*QWEN3_FLAGS, "--load", str(tmp_path / "imported"),
+                                                            "--finetune", "--save", str(tmp_path / "ck"),
+                                                            "--tensor-model-parallel-size", "2", "--train-iters", "6",
+                                                            "--lr", "1e-3", "--lr-warmup-iters", "1",
+                                                            "--hidden-dropout", "0.1"])
+    assert "fine-tuning from" in stdout and "warning: --load" in stdout and len(records) == 6
+    out = run_group([sys.executable, "-m", "recipes.generate", "--load", str(tmp_path / "ck"), "--prompt", "def ",
+                     "--tokens", "8", "--temperature", "0", "--json"])
+    assert out.returncode == 0 and len(json.loads(out.stdout)["tokens"]) == 8, out.stderr
+    out = run_group([*convert, "export-hf", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "out")])
+    assert out.returncode == 0, out.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert type(back).__name__ == "Qwen3ForCausalLM" and back.config.vocab_size == 257
