@@ -152,6 +152,23 @@ def test_the_options_equal_megatron_cores_gpt_model(options):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
 
 
+@pytest.mark.parametrize("family", FAMILIES + ["gpt2"])
+def test_use_checkpoint_args_reads_back_the_models_flags(tmp_path, family):
+    """Megatron's --use-checkpoint-args: the flags it sets from a checkpoint's model give that model again."""
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.run_config import model_config
+    from test_checkpoint import save_one
+
+    if family == "gpt2":
+        config = gpt.GPTConfig.gpt2(vocab_size=97, max_seq_len=32, num_layers=2, hidden_size=32, num_heads=4)
+    else:
+        config, _ = from_hf(tiny(family, 4, 2, 16, 2, 0))
+    save_one(tmp_path / "ck", 1, config)
+    a = parse_args(["--load", str(tmp_path / "ck"), "--use-checkpoint-args", "--seq-length", "16"])
+    got = model_config(a, config.vocab_size)
+    assert got.replace(padded_vocab_size=None, hidden_dropout=0.0, attention_dropout=0.0) == config
+
+
 QWEN3_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
                "--num-query-groups", "2", "--kv-channels", "16", "--ffn-hidden-size", "48", "--normalization", "RMSNorm",
                "--norm-epsilon", "1e-6", "--swiglu", "--disable-bias-linear", "--qk-layernorm",
@@ -173,7 +190,8 @@ def test_an_imported_qwen3_continues_pretraining_and_is_served(tmp_path):
     convert = [sys.executable, "-m", "recipes.convert_checkpoint"]
     out = run_group([*convert, "import-hf", "--input", str(tmp_path / "qwen3"), "--save", str(tmp_path / "imported")])
     assert out.returncode == 0, out.stderr
-    records, stdout = run_recipe(tmp_path, "continued", 2, [*QWEN3_FLAGS, "--load", str(tmp_path / "imported"),
+    records, stdout = run_recipe(tmp_path, "continued", 2, ["--use-checkpoint-args", "--seq-length", "32",
+                                                            "--load", str(tmp_path / "imported"),
                                                             "--finetune", "--save", str(tmp_path / "ck"),
                                                             "--tensor-model-parallel-size", "2", "--train-iters", "6",
                                                             "--lr", "1e-3", "--lr-warmup-iters", "1",

@@ -85,10 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a norm (--normalization) on each head's queries and keys before RoPE (Qwen3)")
     m.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias on q, k and v even with --disable-bias-linear (Qwen2.5)")
-    m.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.1's RoPE frequency scaling (low/high frequency factors 1 and 4, original "
-                        "context 8192, as Megatron's)")
+    m.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE frequency scaling")
     m.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.2: 32)")
+    m.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="with --use-rope-scaling: HF's low_freq_factor (Megatron fixes it at 1)")
+    m.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="with --use-rope-scaling: HF's high_freq_factor (Megatron fixes it at 4)")
+    m.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: the context the model was trained at (Megatron fixes it at 8192)")
     m.add_argument("--openai-gelu", action="store_true", help="GELU with the tanh approximation (GPT-2's)")
     m.add_argument("--no-bias-gelu-fusion", action="store_true",
                    help="exact (erf) GELU: as in Megatron, whose default fused bias-GELU is the tanh approximation "
@@ -191,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
     c.add_argument("--no-load-optim", action="store_true",
                    help="with --load: take the weights, iteration and samples, but start a fresh optimizer state")
+    c.add_argument("--use-checkpoint-args", action="store_true",
+                   help="with --load: take the model's flags (sizes, norms, activation, positions...) from the "
+                        "checkpoint, as Megatron's; the run's other flags stay yours")
     c.add_argument("--finetune", action="store_true",
                    help="with --load: take the weights only; iteration, samples and optimizer start afresh")
     c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
@@ -243,6 +250,12 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     if first.config:
         parser.set_defaults(**load_config(first.config, parser))
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args and args.load:
+        from fmeg.training.checkpoint_args import apply_checkpoint_args
+
+        problem = apply_checkpoint_args(args)
+        if problem:
+            refuse(problem)
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if args.train_samples is not None and args.train_iters is None:
         _, gbs = batch_geometry(args, world)

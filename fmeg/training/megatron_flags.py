@@ -181,7 +181,7 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         a.sequence_parallel = False
     if a.save_interval is not None and a.save is None:
         notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
-    for flag in ("no_load_optim", "finetune"):
+    for flag in ("no_load_optim", "finetune", "use_checkpoint_args"):
         if getattr(a, flag) and a.load is None:
             notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
     if a.grad_reduce_in_bf16 and not a.bf16:

@@ -42,7 +42,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         tie_embeddings=not a.untie_embeddings_and_output_weights, bias=not a.disable_bias_linear,
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
         qk_norm=a.qk_layernorm, qkv_bias=a.add_qkv_bias and a.disable_bias_linear,
-        rope_scaling=(a.rope_scaling_factor, 1.0, 4.0, 8192) if a.use_rope_scaling else None)
+        rope_scaling=(a.rope_scaling_factor, a.rope_scaling_low_freq_factor, a.rope_scaling_high_freq_factor,
+                      a.rope_scaling_original_max_position_embeddings) if a.use_rope_scaling else None)
 
 
 def layout_from_args(a, world: int) -> Layout:

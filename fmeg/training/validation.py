@@ -52,6 +52,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(not a.use_rope_scaling or a.position_embedding_type == "rope",
          "--use-rope-scaling needs --position-embedding-type rope")
     need(a.rope_scaling_factor > 0, f"--rope-scaling-factor must be positive, got {a.rope_scaling_factor}")
+    need(0 < a.rope_scaling_low_freq_factor < a.rope_scaling_high_freq_factor,
+         "--rope-scaling-low-freq-factor must be positive and below --rope-scaling-high-freq-factor")
+    need(a.rope_scaling_original_max_position_embeddings > 0,
+         "--rope-scaling-original-max-position-embeddings must be positive")
     need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
     need(a.num_attention_heads % tp == 0,
          f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")

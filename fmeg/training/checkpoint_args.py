@@ -1,0 +1,58 @@
+"""Megatron's --use-checkpoint-args: the model's flags read from the checkpoint --load names, so that a run
+continues an imported or earlier model without repeating its architecture.
+
+    apply_checkpoint_args(args)       # in place, before validation; the flags given still decide the rest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fmeg import checkpoint
+
+
+def model_flags(model: dict) -> dict:
+    """{flag dest: value} that give gpt.GPTConfig fields `model` (the inverse of run_config.model_config)."""
+    activation = model.get("activation", "gelu")
+    flags = {
+        "num_layers": model["num_layers"], "hidden_size": model["hidden_size"],
+        "num_attention_heads": model["num_heads"], "ffn_hidden_size": model["ffn_hidden_size"],
+        "group_query_attention": model.get("num_kv_heads", model["num_heads"]) != model["num_heads"],
+        "num_query_groups": model.get("num_kv_heads") if model.get("num_kv_heads") != model["num_heads"] else None,
+        "normalization": "RMSNorm" if model.get("norm") == "rmsnorm" else "LayerNorm",
+        "swiglu": activation == "swiglu", "squared_relu": activation == "squared_relu",
+        "openai_gelu": activation == "gelu_tanh", "no_bias_gelu_fusion": activation == "gelu",
+        "norm_epsilon": model.get("norm_eps", 1e-5), "apply_layernorm_1p": model.get("norm_zero_centered", False),
+        "rotary_base": model.get("rope_theta", 10000.0), "kv_channels": model.get("kv_channels"),
+        "rotary_percent": model.get("rotary_percent", 1.0),
+        "position_embedding_type": "rope" if model.get("position") == "rope" else "learned_absolute",
+        "untie_embeddings_and_output_weights": not model.get("tie_embeddings", True),
+        "disable_bias_linear": not model.get("bias", True), "add_qkv_bias": model.get("qkv_bias", False),
+        "qk_layernorm": model.get("qk_norm", False), "max_position_embeddings": model["max_seq_len"],
+        "use_rope_scaling": model.get("rope_scaling") is not None, "init_method_std": model.get("init_std", 0.02),
+    }
+    if model.get("rope_scaling") is not None:
+        (flags["rope_scaling_factor"], flags["rope_scaling_low_freq_factor"], flags["rope_scaling_high_freq_factor"],
+         flags["rope_scaling_original_max_position_embeddings"]) = model["rope_scaling"]
+    return flags
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
+    """Set the model's flags from the newest checkpoint under --load; a one-line problem, or None."""
+    try:
+        found = checkpoint.latest(args.load)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    if found is None:
+        return f"--use-checkpoint-args: --load {args.load} holds no checkpoint to read the model from"
+    try:
+        model = json.loads((found / "metadata.json").read_text())["model"]
+        checkpoint.saved_model({"model": model}, str(found))
+        for dest, value in model_flags(model).items():
+            setattr(args, dest, value)
+    except (OSError, ValueError, KeyError) as e:
+        return f"--use-checkpoint-args: {found}/metadata.json: unreadable ({e})"
+    if args.seq_length > args.max_position_embeddings and model.get("position") != "rope":
+        args.seq_length = args.max_position_embeddings
+    return None
