@@ -54,8 +54,8 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 
 def test_every_readme_command_is_run_by_a_test():
-    tested = section("Quick start") + section("Checkpoints") + section("Data")
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 9
+    tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data")
+    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 14
 
 
 def test_readme_main_job(tmp_path):
@@ -93,3 +93,17 @@ def test_readme_preprocess_and_train_single(tmp_path):
     assert (tmp_path / "data" / "corpus_text_document.idx").is_file()
     first, last = loss_fall(train)
     assert last < first - 2.0
+
+
+@pytest.mark.slow
+def test_readme_open_models(tmp_path):
+    """A transformers Qwen3 imported, continued on the embedded data at tp 2, served and exported."""
+    pytest.importorskip("transformers")
+    _, _, train, generated, _ = run_block(section("Open models"), tmp_path)
+    first, last = loss_fall(train)
+    assert last < first - 1.0 and "fine-tuning from" in train
+    assert generated.startswith("import os")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3_continued_hf"))
+    assert type(model).__name__ == "Qwen3ForCausalLM"
