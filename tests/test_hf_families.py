@@ -204,3 +204,67 @@ def test_an_imported_qwen3_continues_pretraining_and_is_served(tmp_path):
     assert out.returncode == 0, out.stderr
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert type(back).__name__ == "Qwen3ForCausalLM" and back.config.vocab_size == 257
+
+
+def hf_tokenizer_dir(directory, style: str) -> str:
+    """A small byte-level BPE saved as Llama 3's (<|begin_of_text|> added in front, <|end_of_text|> the end of
+    document) or Qwen's (no BOS, <|endoftext|> the end of document, chat tokens) tokenizer.json and
+    tokenizer_config.json, trained here on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"] if style == "llama3" else \
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([f"def f{i}(x):\n    return x * {i}  # the quick brown fox" for i in range(300)],
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if style == "llama3":
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
+    path = directory / style
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    eos = "<|end_of_text|>" if style == "llama3" else "<|endoftext|>"
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+        **({"bos_token": "<|begin_of_text|>"} if style == "llama3" else {})}))
+    return str(path)
+
+
+@pytest.mark.parametrize("style", ["llama3", "qwen"])
+def test_llama3_and_qwen_tokenizers_round_trip_through_preprocess_runner_and_generation(tmp_path, style):
+    """Ids as transformers' AutoTokenizer gives them (Llama 3's BOS in front, Qwen's none), its eos as the end of
+    document; preprocess_data, the runner and recipes.generate all read the directory."""
+    from fmeg.data.tokenizers import build_tokenizer
+    from recipes import preprocess_data
+    from runner_harness import run_group, run_recipe
+    import sys
+
+    directory = hf_tokenizer_dir(tmp_path, style)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    ours = build_tokenizer("HuggingFaceTokenizer", model=directory)
+    for text in ("def f7(x):\n    return x", "the quick brown fox", "naïve <|im_start|> x"):
+        assert ours.encode(text) == theirs(text).input_ids
+        assert ours.decode(ours.encode(text)[1 if style == "llama3" else 0:]) == text
+    assert ours.eod == theirs.eos_token_id and ours.vocab_size == len(theirs)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}"}) for i in range(200)))
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix", str(tmp_path / "data"), "--append-eod",
+                                 *tokenizer]) == 0
+    from fmeg.data.indexed import IndexedDataset
+
+    first = IndexedDataset(str(tmp_path / "data_text_document"))[0].tolist()
+    assert first == theirs("def f0(x):\n    return x * 0").input_ids + [theirs.eos_token_id]
+    records, _ = run_recipe(tmp_path, "trained", 1, [*tokenizer, "--data-path", str(tmp_path / "data_text_document"),
+                                                     "--save", str(tmp_path / "ck"), "--train-iters", "4",
+                                                     "--lr-warmup-iters", "1", "--seq-length", "16"])
+    assert len(records) == 4
+    out = run_group([sys.executable, "-m", "recipes.generate", "--load", str(tmp_path / "ck"), "--prompt", "def f",
+                     "--tokens", "4", "--json"])
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert row["prompt"] == "def f" and len(row["tokens"]) >= 1

@@ -169,7 +169,9 @@ def _mergeable_ranks(path: str, size: int) -> dict[bytes, int]:
 class HuggingFaceTokenizer:
     """A tokenizers-library file, or a directory holding one as tokenizer.json (a saved Hugging Face
     tokenizer or a downloaded model's directory, which Megatron's HuggingFaceTokenizer also takes; hub names
-    are not looked up: fmeg never reaches for the network)."""
+    are not looked up: fmeg never reaches for the network). As transformers' AutoTokenizer, which Megatron's
+    uses: encode adds what the tokenizer's post-processor adds (Llama 3's <|begin_of_text|>; nothing for
+    Qwen), and a directory's tokenizer_config.json names the end of document (its eos_token)."""
 
     def __init__(self, path: str, eod_token: str | None = None):
         from tokenizers import Tokenizer
@@ -177,6 +179,7 @@ class HuggingFaceTokenizer:
         if Path(path).is_dir():
             if not (Path(path) / "tokenizer.json").is_file():
                 raise ValueError(f"--tokenizer-model {path}: a directory without tokenizer.json")
+            eod_token = eod_token or _config_eos(Path(path) / "tokenizer_config.json")
             path = str(Path(path) / "tokenizer.json")
         elif not Path(path).is_file():
             raise ValueError(f"--tokenizer-model {path}: no such file or directory (hub names are not downloaded; "
@@ -189,10 +192,19 @@ class HuggingFaceTokenizer:
         self.eod = _find_eod(self._tok, eod_token, path)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text).ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids) -> str:  # special tokens kept, as transformers' decode keeps them by default
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _config_eos(config: Path) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or {"content": ...}), when the file has one."""
+    try:
+        eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer-model {config}: not readable JSON ({_first_line(e)})") from None
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 class GPT2BPETokenizer(HuggingFaceTokenizer):
