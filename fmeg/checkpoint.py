@@ -202,6 +202,13 @@ def model_fields(config: gpt.GPTConfig) -> dict:
     redone on load)."""
     fields = dataclasses.asdict(config)
     fields.pop("padded_vocab_size")
+    return _one_spelling(fields)
+
+
+def _one_spelling(fields: dict) -> dict:
+    """kv_channels equal to hidden_size / num_heads is the default head dimension, however it was given."""
+    if fields.get("kv_channels") is not None and fields["kv_channels"] * fields["num_heads"] == fields["hidden_size"]:
+        fields = {**fields, "kv_channels": None}
     return fields
 
 
@@ -222,7 +229,7 @@ def saved_model(meta: dict, where: str) -> dict:
     defaults = {k: f.default for k, f in known.items() if f.default is not dataclasses.MISSING}
     saved = {**defaults, **{k: tuple(v) if isinstance(v, list) else v for k, v in meta.get("model", {}).items()}}
     saved.pop("padded_vocab_size", None)  # JSON gave tuples (rope_scaling) back as lists
-    return saved
+    return _one_spelling(saved)
 
 
 def changed_on_load(meta: dict, config: gpt.GPTConfig) -> list[str]:

@@ -204,6 +204,11 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with torch.no_grad():  # inference only, and the caller's grad mode stays as it was
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m recipes.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(p)
@@ -218,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     problems = flag_problems(a, world) + ([f"--tokens must be >= 0, got {a.tokens}"] if a.tokens < 0 else [])
     if problems:
         return refuse(problems, rank)
-    torch.set_grad_enabled(False)
     try:
         model = load_model(a)
         prompts = [encode(model.tokenizer, text) for text in a.prompt]

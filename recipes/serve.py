@@ -191,6 +191,11 @@ def _interrupt(*_: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with torch.no_grad():  # inference only, and the caller's grad mode stays as it was
+        return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m recipes.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model_flags(p)
@@ -205,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         problems.append('recipes.serve needs Flask: pip install "fmeg[serve]" (or pip install flask)')
     if problems:
         return refuse(problems, rank)
-    torch.set_grad_enabled(False)
     try:
         model = load_model(a)
     except (ValueError, OSError) as e:

@@ -65,6 +65,9 @@ def no_process_outlives_its_test(monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", init)
     yield
+    leaked = not torch.is_grad_enabled()  # a command run in this process must not switch autograd off for
+    torch.set_grad_enabled(True)  # the tests after it
+    assert not leaked, "the test left autograd disabled (torch.set_grad_enabled(False) without restoring it)"
     for pid in started:
         try:
             os.killpg(pid, signal.SIGKILL)

@@ -176,6 +176,7 @@ QWEN3_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--max-position-embeddings", "64", "--seq-length", "32"]
 
 
+@pytest.mark.slow
 def test_an_imported_qwen3_continues_pretraining_and_is_served(tmp_path):
     """transformers' Qwen3 -> convert_checkpoint import-hf -> the runner continues pretraining it with
     --load --finetune on the embedded data (dropout changed on load, with a warning) -> recipes.generate

@@ -82,8 +82,6 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, list):  # as JSON metadata gives it back
             object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
-        if self.kv_channels is not None and self.kv_channels * self.num_heads == self.hidden_size:
-            object.__setattr__(self, "kv_channels", None)  # the default head dimension: one spelling of a model
         if self.padded_vocab_size is None:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         if self.num_kv_heads is None:
