@@ -236,8 +236,11 @@ def changed_on_load(meta: dict, config: gpt.GPTConfig) -> list[str]:
     """'name saved -> now' for each setting that differs but may change on load (CHANGEABLE_ON_LOAD, and the
     context length of a model without learned positions)."""
     saved, now = saved_model(meta, "the checkpoint"), model_fields(config)
-    names = CHANGEABLE_ON_LOAD + (("max_seq_len",) if config.position != "learned" else ())
-    return [f"{k} {saved.get(k)} -> {now[k]}" for k in names if saved.get(k) != now[k]]
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in _changeable(config) if saved.get(k) != now[k]]
+
+
+def _changeable(config: gpt.GPTConfig) -> tuple[str, ...]:
+    return CHANGEABLE_ON_LOAD + (("max_seq_len",) if config.position != "learned" else ())
 
 
 def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
@@ -247,8 +250,7 @@ def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
     saved, now = saved_model(meta, str(meta_path)), model_fields(config)
-    may_change = CHANGEABLE_ON_LOAD + (("max_seq_len",) if config.position != "learned" else ())
-    diff = sorted(k for k, v in now.items() if saved.get(k) != v and k not in may_change)
+    diff = sorted(k for k, v in now.items() if saved.get(k) != v and k not in _changeable(config))
     if diff:
         raise CheckpointError(f"{meta_path}: the checkpoint's model differs from the flags in {', '.join(diff)}")
     for name, info in meta["files"].items():
