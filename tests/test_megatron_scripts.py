@@ -210,7 +210,7 @@ def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_s
     records, stdout = run_recipe(tmp_path, "as_is", 2, mixtral_8x7b_without_moe(model, []), common=[])
     assert [r["iteration"] for r in records] == list(range(1, 8)) and "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout
     assert "warning: --no-load-optim has no effect without --load DIR" in stdout
-    assert "ignored --moe-router-topk: has no effect without --num-experts" in stdout
+    assert "ignored --moe-aux-loss-coeff: has no effect without --num-experts" in stdout
     ckpt = str(tmp_path / "ckpt")
     logging = ["--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", ckpt, "--load", ckpt]
     first, _ = run_recipe(tmp_path, "first", 2, [*mixtral_8x7b_without_moe(model, logging), "--exit-interval", "4"],
@@ -224,17 +224,23 @@ def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_s
                               min_lr=1e-5, style="linear", warmup=0, decay=7 * 4, weight_decay=0.1)
 
 
-def test_the_mixtral_script_with_its_experts_stops_in_one_line_per_feature(tmp_path, capsys, monkeypatch):
-    """--num-experts 8 and --expert-model-parallel-size 8, as the script has them: parsed, then refused
-    before any work with one line naming each feature, exit 2."""
+def test_the_mixtral_script_with_its_experts_trains_and_refuses_expert_parallelism_in_one_line(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """The script's MOE_ARGS as written (--num-experts 8, top-2, aux loss 1e-2, grouped GEMM, alltoall): it trains
+    on 2 ranks at --expert-model-parallel-size 1 with Megatron's load_balancing_loss in the log line; its
+    --expert-model-parallel-size 8 stops before any work with one line naming the feature, exit 2."""
+    pytest.importorskip("sentencepiece")
+    model = sentencepiece_model(tmp_path, vocab_size=64)
+    flags = [*mixtral_8x7b_without_moe(model, ["--log-interval", "1"]), "--num-experts", "8"]
+    records, stdout = run_recipe(tmp_path, "experts", 2, flags, common=[])
+    assert [r["iteration"] for r in records] == list(range(1, 8))
+    assert all(0.5 < r["load_balancing_loss"] < 2.0 for r in records)  # 1 when perfectly balanced
+    assert "| load_balancing_loss: " in stdout and "ignored --moe-grouped-gemm:" in stdout
     from recipes import gpt_pretrain
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "0")
-    flags = [*mixtral_8x7b_without_moe(str(tmp_path / "tok.model"), []), "--num-experts", "8",
-             "--expert-model-parallel-size", "8"]
-    assert gpt_pretrain.main(flags) == 2
+    assert gpt_pretrain.main([*flags, "--expert-model-parallel-size", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --num-experts 8: mixture of experts is not supported by fmeg yet; drop the flag",
-                   "error: --expert-model-parallel-size 8: expert parallelism is not supported by fmeg yet; "
+    assert err == ["error: --expert-model-parallel-size 8: expert parallelism is not supported by fmeg yet; "
                    "use 1 or drop the flag"]

@@ -39,6 +39,7 @@ import torch
 from einops import rearrange
 
 from fmeg import ops
+from fmeg.models import moe
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
 from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding,
@@ -78,10 +79,30 @@ class GPTConfig:
     qk_norm: bool = False  # Megatron's --qk-layernorm (Qwen3): the norm on each head's queries and keys
     qkv_bias: bool = False  # Megatron's --add-qkv-bias (Qwen2.5): a bias on q, k and v when bias=False
     rope_scaling: tuple[float, float, float, int] | None = None  # Llama 3.1's (factor, low, high, original)
+    # Mixture of experts (fmeg.models.moe), named as Megatron's flags; None experts: every MLP is dense
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_layer_freq: int | tuple[int, ...] = 1  # every N-th layer is MoE, or one 0/1 per layer
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_dtype: str | None = None  # "fp32" or "fp64": the router's matmul in that dtype
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, list):  # as JSON metadata gives it back
-            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+        for name in ("rope_scaling", "moe_layer_freq"):
+            if isinstance(getattr(self, name), list):  # as JSON metadata gives it back
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.padded_vocab_size is None:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         if self.num_kv_heads is None:
@@ -158,6 +179,8 @@ def _validate(c: GPTConfig) -> None:
          "rope_scaling", f"must be (factor > 0, low > 0, high > low, original positions > 0), got {c.rope_scaling}")
     need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
     need(0.0 <= c.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {c.attention_dropout}")
+    if c.num_experts is not None:
+        moe.validate(c, need)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,15 +222,12 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
             "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj")}
     if c.qk_norm:  # over each head's dimensions, shared by every head: replicated under tensor parallelism
         attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
-    return {
-        "attn_norm": _norm_params(c),
-        "attn": attn,
-        "mlp_norm": _norm_params(c),
-        "mlp": {
-            "fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
-            "fc2": _linear_params((c.hidden_size, c.ffn_hidden_size), out_std, c.bias, seed, f"{at}.mlp.fc2"),
-        },
-    }
+    if moe.moe_layers(c)[index]:
+        mlp_params = moe.init_moe(c, seed, f"{at}.mlp", _normal, _linear_params)
+    else:
+        mlp_params = {"fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
+                      "fc2": _linear_params((c.hidden_size, c.ffn_hidden_size), out_std, c.bias, seed, f"{at}.mlp.fc2")}
+    return {"attn_norm": _norm_params(c), "attn": attn, "mlp_norm": _norm_params(c), "mlp": mlp_params}
 
 
 def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
@@ -338,18 +358,31 @@ def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
     return torch.cat([ops.apply_rope(x_BNSD[..., :rotary_dim], *rope), x_BNSD[..., rotary_dim:]], dim=-1)
 
 
-def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
+def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP,
+        aux: moe.AuxLosses = moe.NO_AUX, index: int = 0) -> torch.Tensor:
+    """The layer's MLP: dense, or a mixture of experts where p has a router (fmeg.models.moe)."""
+    activation = functools.partial(activate, activation=config.activation)
+    if "router" in p:
+        return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index)
+    return dense_mlp(p, x_BSH, activation, tp)
+
+
+def dense_mlp(p: Params, x_BSH: torch.Tensor, activation, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """fc2(activation(fc1(x))), column- then row-parallel."""
     h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp)
-    if config.activation == "swiglu":
+    return row_parallel_linear(activation(h), p["fc2"]["weight"], p["fc2"].get("bias"), tp)
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP's activation on fc1's output [..., F] (swiglu: [..., 2F], gate then up, giving [..., F])."""
+    if activation == "swiglu":
         gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
-        h = ops.swiglu(gate, up)
-    elif config.activation == "gelu_tanh":
-        h = ops.gelu_tanh(h)
-    elif config.activation == "squared_relu":  # Megatron's --squared-relu
-        h = torch.relu(h).square()
-    else:
-        h = ops.gelu(h)
-    return row_parallel_linear(h, p["fc2"]["weight"], p["fc2"].get("bias"), tp)
+        return ops.swiglu(gate, up)
+    if activation == "gelu_tanh":
+        return ops.gelu_tanh(h)
+    if activation == "squared_relu":  # Megatron's --squared-relu
+        return torch.relu(h).square()
+    return ops.gelu(h)
 
 
 def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *site: int) -> torch.Tensor:
@@ -366,13 +399,14 @@ def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *
 
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
-          index: int = 0, tp: TensorParallel = NO_TP, recompute_core: bool = False) -> torch.Tensor:
+          index: int = 0, tp: TensorParallel = NO_TP, recompute_core: bool = False,
+          aux: moe.AuxLosses = moe.NO_AUX) -> torch.Tensor:
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
     attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
     attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp, attn_key, recompute_core)
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
-    out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp)
+    out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp, aux, index)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
 
 
@@ -399,7 +433,8 @@ def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, po
 
 def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, config: GPTConfig, *,
                  first_layer: int = 0, final: bool = True, positions: torch.Tensor | None = None, key: Any = None,
-                 tp: TensorParallel = NO_TP, recompute_core: bool = False) -> torch.Tensor:
+                 tp: TensorParallel = NO_TP, recompute_core: bool = False,
+                 aux: moe.AuxLosses = moe.NO_AUX) -> torch.Tensor:
     """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
     numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
     one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores."""
@@ -416,7 +451,8 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
-        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core)
+        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core,
+                  aux=aux)
     return norm(params["final_norm"], x, config, tp) if final else x
 
 
@@ -476,13 +512,17 @@ TP_RULES = (
     ("layers.*.attn.proj.weight", Partition(-1)),
     ("layers.*.mlp.fc1.weight", Partition(-2)), ("layers.*.mlp.fc1.bias", Partition(-1)),
     ("layers.*.mlp.fc2.weight", Partition(-1)),
-)
+) + moe.TP_RULES
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
     """Raise ValueError naming the field if the model does not split over tp ranks."""
-    for field, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                         ("ffn_hidden_size", config.ffn_hidden_size), ("padded_vocab_size", config.padded_vocab_size)):
+    sizes = [("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+             ("ffn_hidden_size", config.ffn_hidden_size), ("padded_vocab_size", config.padded_vocab_size)]
+    if config.num_experts:
+        sizes += [("moe_ffn_hidden_size", moe.expert_ffn(config)),
+                  ("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size or tp)]
+    for field, value in sizes:
         if value % tp:
             hint = " (Megatron pads to a multiple of 128 * tp)" if field == "padded_vocab_size" else ""
             raise ValueError(f"GPTConfig.{field}={value} must be divisible by the tensor-parallel size {tp}{hint}")

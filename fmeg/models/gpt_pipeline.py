@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from fmeg.models import gpt
+from fmeg.models import gpt, moe
 from fmeg.models.gpt import GPTConfig, Params
 from fmeg.parallel.pipeline.segments import Segment, compose, recompute_units
 from fmeg.parallel.tensor import NO_TP, TensorParallel
@@ -65,7 +65,9 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     """The stage as a chain of segments (embeddings, each layer, final norm + loss), so that backward can
     hand over each piece's gradients as soon as they are final. Params may be tensor-parallel shards (tp);
     activations are [b, s, h] ([b, s/t, h] with sequence parallelism). batch holds tokens, labels and
-    loss_mask, and optionally a dropout key. recompute = Megatron's (granularity, method, layers):
+    loss_mask, and optionally a dropout key, and for mixtures of experts loss_seed (the backward seed of the
+    microbatch's loss, which the auxiliary losses' gradients take) and moe_metrics (where they write their values:
+    fmeg.models.moe.AuxLosses). recompute = Megatron's (granularity, method, layers):
     ("full", method, layers) recomputes whole layers (segments.recompute_units), ("selective", None, None)
     the attention cores. compile: a torch.compile backend ("inductor"; "aot_eager" traces without code
     generation) that each piece runs under: regional compilation, one graph per kind of piece shared by
@@ -104,8 +106,9 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
     head(sub, x, batch) -> the microbatch's loss."""
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:
+        aux = moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"))
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core)
+                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core, aux=aux)
 
     def embedding(sub: Params, batch: dict) -> torch.Tensor:
         return span({"embedding": sub["embedding"], "layers": []}, None, batch)

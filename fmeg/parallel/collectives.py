@@ -132,34 +132,59 @@ def all_to_all(x: torch.Tensor, group: Group, split_dim: int, cat_dim: int) -> t
     return x if group is None else _apply(_AllToAll, x, group, (split_dim, cat_dim))
 
 
-class _AllReduceMax(torch.autograd.Function):
-    """Elementwise maximum over the group, treated as a constant (for numerical shifts that cancel)."""
+class _Constant(torch.autograd.Function):
+    """A collective whose result is treated as a constant (maxima for numerical shifts that cancel, counts,
+    routing choices): no gradient flows through it. op: "max" or "sum" (all-reduce) or "gather" (all-gather
+    along dim)."""
 
     @staticmethod
-    def forward(x, group):
-        return group.all_reduce(x, "max")
+    def forward(x, group, op, dim):
+        return group.all_gather(x, dim) if op == "gather" else group.all_reduce(x, op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.op, ctx.dim = inputs
         ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None
+        return None, None, None, None
 
     @staticmethod
-    def jvp(ctx, x_t, _group_t):
-        return torch.zeros_like(x_t)
+    def jvp(ctx, x_t, _group_t, _op_t, _dim_t):
+        if ctx.op != "gather":
+            return torch.zeros_like(x_t)
+        shape = list(x_t.shape)
+        shape[ctx.dim] *= ctx.group.size
+        return x_t.new_zeros(shape)
 
     @staticmethod
-    def vmap(info, in_dims, x, group):
-        return _AllReduceMax.apply(x, group), in_dims[0]
+    def vmap(info, in_dims, x, group, op, dim):
+        if in_dims[0] is None:
+            return _Constant.apply(x, group, op, dim), None
+        x = x.movedim(in_dims[0], 0)
+        return _Constant.apply(x, group, op, dim % (x.dim() - 1) + 1 if op == "gather" else dim), 0
+
+
+def _constant(x: torch.Tensor, group: Group, op: str, dim: int = 0) -> torch.Tensor:
+    if group is None:
+        return x.detach()
+    if torch.compiler.is_compiling():  # no gradient flows, so no Function is needed (nor traced)
+        x = x.detach()
+        return group.all_gather(x, dim) if op == "gather" else group.all_reduce(x, op)
+    return _Constant.apply(x.detach(), group, op, dim)
 
 
 def all_reduce_max_constant(x: torch.Tensor, group: Group) -> torch.Tensor:
     """max over the group of x, with no gradient (the caller's result must not depend on it)."""
-    if group is None:
-        return x.detach()
-    if torch.compiler.is_compiling():  # no gradient flows, so no Function is needed (nor traced)
-        return group.all_reduce(x.detach(), "max")
-    return _AllReduceMax.apply(x.detach(), group)
+    return _constant(x, group, "max")
+
+
+def all_reduce_constant(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """sum over the group of x, with no gradient (counts, statistics)."""
+    return _constant(x, group, "sum")
+
+
+def all_gather_constant(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """every rank's x concatenated along dim, with no gradient (integer choices such as routed experts)."""
+    return _constant(x, group, "gather", dim)

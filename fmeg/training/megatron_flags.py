@@ -99,31 +99,19 @@ IGNORED_SETTINGS.update({
     "--rerun-mode": "fmeg has no rerun state machine",
     "--result-rejected-tracker-filename": "fmeg has no rerun state machine",
 })
-# Megatron flags that only act with a feature fmeg does not have yet (experts, FP8, context parallelism):
+# Megatron flags that only act with a feature fmeg does not have yet (FP8, context parallelism):
 # accepted and named as ignored, since the feature's own flag (LATER_WORK) stops the run when switched on.
-_MOE = "has no effect without --num-experts (fmeg has no mixture of experts yet)"
 _FP8 = "has no effect without --fp8-format (fmeg has no FP8 yet)"
 _CP = "has no effect at --context-parallel-size 1 (fmeg has no context parallelism yet)"
-IGNORED_SETTINGS.update({flag: _MOE for flag in (
-    "--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
-    "--moe-ffn-hidden-size", "--moe-layer-freq", "--moe-z-loss-coeff", "--moe-input-jitter-eps",
-    "--moe-router-dtype", "--moe-router-score-function", "--moe-shared-expert-intermediate-size",
-    "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-router-bias-update-rate",
-    "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk")})
-IGNORED_SWITCHES.update({flag: _MOE for flag in (
-    "--moe-grouped-gemm", "--moe-router-pre-softmax", "--moe-permute-fusion", "--moe-pad-expert-input-to-capacity",
-    "--moe-router-enable-expert-bias", "--moe-router-fusion", "--moe-shared-expert-overlap",
-    "--moe-use-legacy-grouped-gemm")})
 IGNORED_SETTINGS.update({flag: _FP8 for flag in (
     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-recipe", "--fp8-margin")})
 IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
 IGNORED_SETTINGS["--cp-comm-type"] = _CP
-MULTI_VALUED = {"--profile-ranks", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--cp-comm-type"}
+MULTI_VALUED = {"--profile-ranks", "--cp-comm-type"}
 
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--num-experts": ({"type": int}, (None,), "mixture of experts"),
     "--expert-model-parallel-size": ({"type": int, "default": 1}, (1,), "expert parallelism"),
     "--expert-tensor-parallel-size": ({"type": int}, (None, 1), "expert parallelism"),
     "--context-parallel-size": ({"type": int, "default": 1}, (1,), "context parallelism"),
@@ -150,9 +138,11 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
 
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
+    from fmeg.training import moe_flags
+
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
     return [f"{flag}: {why}" for flag, why in given.items()
-            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)]
+            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)] + moe_flags.ignored(a)
 
 
 def activation(a: argparse.Namespace) -> str:

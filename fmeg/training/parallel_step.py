@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fmeg import tree
-from fmeg.models import gpt
+from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.mesh import Mesh
@@ -194,6 +194,43 @@ def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh
             sync.leaf(path).copy_(value)
 
 
+def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale: float, per_token: bool
+                    ) -> tuple[list[dict], torch.Tensor | None]:
+    """For a mixture of experts, the microbatches (copies) with what their auxiliary losses need: loss_seed, the
+    backward seed of the microbatch's loss (loss scale / microbatches; with per-token losses, loss scale times
+    the microbatch's tokens, as Megatron scales them), and moe_metrics, this microbatch's row of a
+    [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into."""
+    if not config.num_experts:
+        return microbatches, None
+    device = microbatches[0]["tokens"].device
+    metrics = torch.zeros(len(microbatches), config.num_layers, len(moe.METRICS), device=device)
+    out = []
+    for i, mb in enumerate(microbatches):
+        seed = torch.tensor(loss_scale, device=device) * (gpt.loss_tokens(mb).to(device) if per_token
+                                                          else 1.0 / len(microbatches))
+        out.append({**mb, "loss_seed": seed, "moe_metrics": metrics[i]})
+    return out, metrics
+
+
+def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict:
+    """{Megatron's name: device tensor} of the auxiliary losses in use, as Megatron logs them: each layer's
+    value averaged over microbatches and data parallelism, then over the MoE layers (parts under sequence
+    parallelism and the layers of other pipeline stages summed over the tp-pp group first)."""
+    if metrics is None:
+        return {}
+    per_layer = metrics.mean(dim=0)
+    for name in ("mp", "dp"):
+        group = mesh.group(name)
+        if group is not None:
+            per_layer = group.all_reduce(per_layer)
+    per_layer = per_layer / layout.dp
+    layers = torch.tensor(moe.moe_layers(config), device=per_layer.device)
+    mean = per_layer[layers].mean(dim=0)
+    used = {"load_balancing_loss": config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none",
+            "z_loss": bool(config.moe_z_loss_coeff)}
+    return {name: mean[i] for i, name in enumerate(moe.METRICS) if used[name]}
+
+
 def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
                     mesh: Mesh, lr: float, weight_decay: float, clip_grad: float, loss_scale: float = 1.0,
                     check_overflow: bool = False, overlap_grad_reduce: bool = False,
@@ -221,6 +258,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused)
            for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
+    microbatches, moe_metrics = with_aux_losses(microbatches, config, loss_scale, per_token)
     sync = state.grad_sync(mesh.group("dp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
                            replicated=tied_paths(config, layout, params) if state.zero else frozenset())
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
@@ -253,4 +291,5 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
             return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
                     "loss_non_finite": loss_non_finite, "timers_ms": timers(time.perf_counter())}
     norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr)
-    return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter())}
+    return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter()),
+            "moe": aux_loss_values(moe_metrics, config, layout, mesh)}

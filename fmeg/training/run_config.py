@@ -22,6 +22,7 @@ from fmeg.models import gpt
 from fmeg.training import loss_scale
 from fmeg.training.arguments import batch_geometry, lr_steps
 from fmeg.training.batch_schedule import global_batch_size, parse_step_schedule
+from fmeg.training import moe_flags
 from fmeg.training.megatron_flags import activation, ignored_flags
 from fmeg.training.parallel_step import Layout
 
@@ -43,7 +44,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         init_std=a.init_method_std, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
         qk_norm=a.qk_layernorm, qkv_bias=a.add_qkv_bias and a.disable_bias_linear,
         rope_scaling=(a.rope_scaling_factor, a.rope_scaling_low_freq_factor, a.rope_scaling_high_freq_factor,
-                      a.rope_scaling_original_max_position_embeddings) if a.use_rope_scaling else None)
+                      a.rope_scaling_original_max_position_embeddings) if a.use_rope_scaling else None,
+        **moe_flags.model_fields(a))
 
 
 def layout_from_args(a, world: int) -> Layout:

@@ -117,10 +117,11 @@ class Trainer:
                  decoupled_lr) -> None:
         cfg, p = self.cfg, self.progress
         grad_norm = float(m["grad_norm"])
+        other = {name: float(value) for name, value in m.get("moe", {}).items()}
         self.losses.append(loss)
         tokens_per_s = global_batch * cfg.data.seq_length / elapsed
         tflops = model_flops(cfg.model, global_batch, cfg.data.seq_length) / (elapsed * 1e12 * self.session.world)
-        self.emit({"iteration": iteration, "lm_loss": loss, "grad_norm": grad_norm, "lr": lr,
+        self.emit({"iteration": iteration, "lm_loss": loss, **other, "grad_norm": grad_norm, "lr": lr,
                    "weight_decay": weight_decay, "loss_scale": scale, "skipped": bool(m["skipped"]),
                    "consumed_samples": p.consumed, "global_batch_size": global_batch, "elapsed_ms": elapsed * 1e3,
                    "tokens_per_s": tokens_per_s, "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]},
@@ -131,7 +132,8 @@ class Trainer:
             line = megatron_log_line(iteration=iteration, train_iters=cfg.training.train_iters,
                                      consumed_samples=p.consumed, elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
                                      global_batch_size=global_batch, lm_loss=loss, grad_norm=grad_norm,
-                                     loss_scale=scale, params_norm=params_norm, skipped=p.skipped, nans=p.nans)
+                                     loss_scale=scale, params_norm=params_norm, skipped=p.skipped, nans=p.nans,
+                                     other_losses=other)
             timers = " | ".join(f"{k} {v:.1f}" for k, v in self.records[-1]["timers_ms"].items())
             self.display.log_line([line, f"    timers (ms): {timers}"], iteration, tokens_per_s)
 

@@ -17,6 +17,7 @@ import torch
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
 from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
+from fmeg.training import moe_flags
 from fmeg.training.megatron_flags import later_work_problems
 
 
@@ -108,6 +109,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
              f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
              "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
+    problems.extend(moe_problems(a, tp))
     need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
     need(not a.no_position_embedding or a.position_embedding_type == "rope",
@@ -240,3 +242,49 @@ def recompute_problems(a: argparse.Namespace) -> list[str]:
         return [f"--recompute-num-layers {a.recompute_num_layers} must be between {low} and the {per_rank} layers "
                 f"of each pipeline rank with --recompute-method {a.recompute_method}"]
     return []
+
+
+def moe_problems(a: argparse.Namespace, tp: int) -> list[str]:
+    """Megatron's mixture-of-experts argument rules, each naming its flag."""
+    problems = moe_flags.problems(a)
+    e, k = a.num_experts, a.moe_router_topk
+    if e is None:
+        return problems
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    need(e > 0, f"--num-experts must be positive, got {e}")
+    need(0 < k <= max(e, 1), f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
+    freq = a.moe_layer_freq
+    if isinstance(freq, int):
+        need(freq > 0, f"--moe-layer-freq must be positive, got {freq}")
+    else:
+        need(len(freq) == a.num_layers, f"--moe-layer-freq: the pattern has {len(freq)} entries for --num-layers "
+                                        f"{a.num_layers}; give one per layer")
+    ffn = a.moe_ffn_hidden_size or a.ffn_hidden_size
+    need(a.moe_ffn_hidden_size is None or a.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive")
+    need(ffn is None or ffn % tp == 0, f"--moe-ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp}")
+    shared = a.moe_shared_expert_intermediate_size
+    need(shared is None or (shared > 0 and shared % tp == 0),
+         f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by "
+         f"--tensor-model-parallel-size {tp}")
+    need(not a.moe_shared_expert_gate or shared, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    groups, group_topk = a.moe_router_num_groups, a.moe_router_group_topk
+    if groups or group_topk:
+        need(bool(groups) and bool(group_topk), "--moe-router-num-groups and --moe-router-group-topk go together")
+        if groups and group_topk and e > 0:
+            need(e % groups == 0, f"--moe-router-num-groups {groups} must divide --num-experts {e}")
+            need(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
+            need(k % group_topk == 0 and k // group_topk <= max(e // groups, 1),
+                 f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk}, taking at most "
+                 f"{e // groups} experts (one group's) from each group")
+    need(not a.moe_router_pre_softmax or a.moe_router_score_function == "softmax",
+         "--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
+    need(a.moe_expert_capacity_factor is None or a.moe_expert_capacity_factor > 0,
+         "--moe-expert-capacity-factor must be positive")
+    need(not a.moe_pad_expert_input_to_capacity or a.moe_expert_capacity_factor is not None,
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    need(min(a.moe_aux_loss_coeff) >= 0, "--moe-aux-loss-coeff must be >= 0")
+    return problems

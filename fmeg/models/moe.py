@@ -1,0 +1,292 @@
+"""The mixture-of-experts MLP of a GPT layer, as pure functions over its parameters.
+
+Parameter paths (in place of the dense layer's mlp):
+
+    layers.{i}.mlp.router.weight              [E, H]              replicated
+    layers.{i}.mlp.experts.fc1.{weight,bias}  [E, F, H] or [E, 2, F, H] (gate, up), bias [E, F] / [E, 2, F]
+    layers.{i}.mlp.experts.fc2.{weight,bias}  [E, H, F], bias [E, H]
+    layers.{i}.mlp.shared.fc1 / fc2           a dense MLP of moe_shared_expert_intermediate_size
+    layers.{i}.mlp.shared_gate.weight         [1, H]             with moe_shared_expert_gate
+
+Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense MLP's, and
+requires sequence parallelism when tp > 1 (as Megatron-core does with experts). Each rank routes its own
+sequence chunk, then the tokens, their experts and their weights are all-gathered over tp, every rank runs its
+F-slice of the experts on all of them, and a reduce-scatter returns each rank its chunk's sum, as for the
+dense MLP. The router's weight is replicated: its gradient is summed over tp.
+
+The auxiliary losses (load balancing, z-loss) join the training objective the way Megatron's
+MoEAuxLossAutoScaler makes them: their gradient is injected at the layer, with the seed the main loss's
+backward starts from (aux.seed: loss scale / microbatches), so no loss value has to travel through the
+pipeline. Their values (divided by their coefficients) are written to aux.metrics for logging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmeg import ops
+from fmeg.ops import moe as moe_ops
+from fmeg.parallel import collectives as C
+from fmeg.parallel.sharding import Partition
+from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_param
+
+Params = dict[str, Any]
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+METRICS = ("load_balancing_loss", "z_loss")  # Megatron's names, in the order of aux.metrics' last axis
+
+
+@dataclass
+class AuxLosses:
+    """Where a forward pass puts its auxiliary losses: seed, the gradient their sum gets (the main loss's
+    backward seed); metrics, a [layers, len(METRICS)] buffer that each MoE layer writes its values into (a
+    recomputed layer writes the same values again), or None."""
+    seed: torch.Tensor | float = 1.0
+    metrics: torch.Tensor | None = None
+
+
+NO_AUX = AuxLosses()
+
+
+def moe_layers(config) -> tuple[bool, ...]:
+    """Which layers are MoE layers: Megatron's --moe-layer-freq, an int N (every N-th layer, from layer 0) or a
+    per-layer list of 0/1."""
+    if not config.num_experts:
+        return (False,) * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(config.num_layers))
+    return tuple(bool(f) for f in freq)
+
+
+def expert_ffn(config) -> int:
+    return config.moe_ffn_hidden_size or config.ffn_hidden_size
+
+
+def validate(config, need) -> None:
+    """GPTConfig's MoE fields, each a ValueError naming the field (need(ok, field, why))."""
+    e, k = config.num_experts, config.moe_router_topk
+    need(e >= 1, "num_experts", f"must be positive, got {e}")
+    need(1 <= k <= e, "moe_router_topk", f"must be in [1, num_experts={e}], got {k}")
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        need(freq >= 1, "moe_layer_freq", f"must be positive, got {freq}")
+    else:
+        need(len(freq) == config.num_layers and all(f in (0, 1) for f in freq), "moe_layer_freq",
+             f"a list must hold one 0 or 1 per layer ({config.num_layers}), got {list(freq)}")
+    need(config.moe_ffn_hidden_size is None or config.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size",
+         f"must be positive, got {config.moe_ffn_hidden_size}")
+    need(config.moe_router_score_function in moe_ops.SCORE_FUNCTIONS, "moe_router_score_function",
+         f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}")
+    need(config.moe_router_load_balancing_type in LOAD_BALANCING_TYPES, "moe_router_load_balancing_type",
+         f"must be one of {LOAD_BALANCING_TYPES}, got {config.moe_router_load_balancing_type!r}")
+    need(config.moe_token_drop_policy in moe_ops.DROP_POLICIES, "moe_token_drop_policy",
+         f"must be one of {moe_ops.DROP_POLICIES}, got {config.moe_token_drop_policy!r}")
+    need(config.moe_expert_capacity_factor is None or config.moe_expert_capacity_factor > 0,
+         "moe_expert_capacity_factor", f"must be positive, got {config.moe_expert_capacity_factor}")
+    need(not config.moe_pad_expert_input_to_capacity or config.moe_expert_capacity_factor is not None,
+         "moe_pad_expert_input_to_capacity", "needs moe_expert_capacity_factor")
+    need(config.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", f"must be >= 0, got {config.moe_aux_loss_coeff}")
+    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    if groups or group_topk:
+        need(bool(groups) and bool(group_topk), "moe_router_group_topk",
+             "group-limited routing needs both moe_router_num_groups and moe_router_group_topk")
+        need(e % groups == 0, "moe_router_num_groups", f"{groups} must divide num_experts={e}")
+        need(group_topk <= groups, "moe_router_group_topk", f"{group_topk} exceeds moe_router_num_groups={groups}")
+        need(k % group_topk == 0 and k // group_topk <= e // groups, "moe_router_group_topk",
+             f"moe_router_topk={k} must be a multiple of {group_topk}, with at most {e // groups} (experts per "
+             "group) taken from each group")
+    need(not config.moe_router_pre_softmax or config.moe_router_score_function == "softmax",
+         "moe_router_pre_softmax", "applies to the softmax score function only")
+    need(config.moe_router_dtype in (None, "fp32", "fp64"), "moe_router_dtype",
+         f"must be fp32 or fp64, got {config.moe_router_dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# init
+
+
+def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
+    """The MoE MLP's parameters at path `at` (layers.{i}.mlp), drawn like the dense layer's (normal(shape, std,
+    seed, path) per leaf; output projections with Megatron's scaled std)."""
+    c, e, f = config, config.num_experts, expert_ffn(config)
+    std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
+    gated = c.activation == "swiglu"
+    fc1_shape = (e, 2, f, c.hidden_size) if gated else (e, f, c.hidden_size)
+    p = {"router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
+         "experts": {"fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),
+                     "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2")}}
+    if c.moe_shared_expert_intermediate_size:
+        s = c.moe_shared_expert_intermediate_size
+        shared_fc1 = (2, s, c.hidden_size) if gated else (s, c.hidden_size)
+        p["shared"] = {"fc1": linear_params(shared_fc1, std, c.bias, seed, f"{at}.shared.fc1"),
+                       "fc2": linear_params((c.hidden_size, s), out_std, c.bias, seed, f"{at}.shared.fc2")}
+        if c.moe_shared_expert_gate:
+            p["shared_gate"] = {"weight": normal((1, c.hidden_size), std, seed, f"{at}.shared_gate.weight")}
+    return p
+
+
+# Experts split their F over tp like the dense MLP (dims from the end); the router and shared gate replicate.
+TP_RULES = (
+    ("layers.*.mlp.experts.fc1.weight", Partition(-2)), ("layers.*.mlp.experts.fc1.bias", Partition(-1)),
+    ("layers.*.mlp.experts.fc2.weight", Partition(-1)),
+    ("layers.*.mlp.shared.fc1.weight", Partition(-2)), ("layers.*.mlp.shared.fc1.bias", Partition(-1)),
+    ("layers.*.mlp.shared.fc2.weight", Partition(-1)),
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# apply
+
+
+def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """[b, s, E] router logits of the tokens held here (in --moe-router-dtype when given)."""
+    weight = replicated_param(p["router"]["weight"], tp)
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype)
+    if dtype is not None:
+        return ops.linear(x_BSH.to(dtype), weight.to(dtype))
+    return ops.linear(x_BSH, weight)
+
+
+def route_tokens(logits_BSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, experts) [b, s, k] for the tokens held here, with token dropping when a capacity is set (the
+    capacity counts these tokens: Megatron's router counts its own sequence chunk)."""
+    b, s, e = logits_BSE.shape
+    probs, experts = moe_ops.route(
+        logits_BSE.reshape(b * s, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
+        pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor)
+    if config.moe_expert_capacity_factor is not None:
+        keep = moe_ops.capacity_keep(probs, experts, e, config.moe_expert_capacity_factor,
+                                     config.moe_token_drop_policy)
+        probs = probs * keep
+    return probs.reshape(b, s, -1), experts.reshape(b, s, -1)
+
+
+def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP) -> dict[str, torch.Tensor]:
+    """This rank's part of each auxiliary loss (coefficient not applied): under sequence parallelism the parts
+    over tp sum to the loss of the whole microbatch, as on one rank."""
+    out = {}
+    b, s, e = logits_BSE.shape
+    k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
+    if kind != "none" and config.moe_aux_loss_coeff > 0:
+        scores, chosen = moe_ops.aux_scores(logits_BSE.reshape(b * s, e), k, config.moe_router_score_function)
+        if kind == "aux_loss":
+            counts = C.all_reduce_constant(chosen.sum(dim=0), tp.group if tp.sp else None)
+            out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * (tp.size if tp.sp else 1), k)
+        else:  # seq_aux_loss: per sequence, over its whole length (gathered under sequence parallelism)
+            scores = scores.reshape(b, s, e)
+            chosen = chosen.reshape(b, s, e)
+            if tp.sp:
+                scores = C.gather_from_sp(scores, tp.group, SEQ_DIM)
+                chosen = C.all_gather_constant(chosen, tp.group, SEQ_DIM)
+            loss = moe_ops.sequence_aux_loss(scores, chosen, k)
+            out["load_balancing_loss"] = loss / tp.size if tp.sp else loss  # every rank holds all of it
+    if config.moe_z_loss_coeff:
+        z = moe_ops.z_loss(logits_BSE.reshape(b * s, e))
+        out["z_loss"] = z / tp.size if tp.sp else z
+    return out
+
+
+class _InjectGradient(torch.autograd.Function):
+    """x unchanged; in backward, loss gets gradient `seed` (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(x, loss, seed):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, loss, seed = inputs
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        ctx.save_for_backward(seed if torch.is_tensor(seed) else torch.tensor(float(seed)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (seed,) = ctx.saved_tensors
+        return grad, torch.full(ctx.loss_shape, 1.0, dtype=ctx.loss_dtype, device=grad.device) * seed.to(grad.device), None
+
+    @staticmethod
+    def jvp(ctx, x_t, _loss_t, _seed_t):
+        return x_t
+
+    @staticmethod
+    def vmap(info, in_dims, x, loss, seed):
+        if in_dims[1] is not None:
+            raise NotImplementedError("auxiliary losses under vmap over their batch")
+        return _InjectGradient.apply(x, loss, seed), in_dims[0]
+
+
+class _InjectGradientTraced(torch.autograd.Function):
+    """_InjectGradient without jvp and vmap rules, which torch.compile can trace."""
+
+    @staticmethod
+    def forward(ctx, x, loss, seed):
+        ctx.save_for_backward(seed)
+        ctx.loss_shape = loss.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (seed,) = ctx.saved_tensors
+        return grad, seed.expand(ctx.loss_shape).to(grad.dtype), None
+
+
+def inject_gradient(x: torch.Tensor, loss: torch.Tensor, seed: torch.Tensor | float) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _InjectGradientTraced.apply(x, loss, torch.as_tensor(seed, device=loss.device, dtype=loss.dtype))
+    return _InjectGradient.apply(x, loss, seed)
+
+
+def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, *, activation,
+            aux: AuxLosses = NO_AUX, index: int = 0) -> torch.Tensor:
+    """The MoE MLP on x [b, s, h] ([b, s/t, h] under sequence parallelism) -> the same shape; the auxiliary
+    losses' gradients join at the router's probabilities (see the module docstring)."""
+    if tp.size > 1 and not tp.sp:
+        raise ValueError("mixture of experts with tensor parallelism needs sequence parallelism "
+                         "(--sequence-parallel), as in Megatron-core")
+    logits = router_logits(p, x_BSH, config, tp)
+    probs, experts = route_tokens(logits, config)
+    losses = balance_losses(logits, config, tp)
+    coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff}
+    if losses:
+        total = sum(coeffs[name] * value for name, value in losses.items())
+        probs = inject_gradient(probs, total, aux.seed)
+        if aux.metrics is not None:
+            values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
+            aux.metrics[index] = values
+    local_probs, local_experts = probs, experts
+    if tp.sp:  # every rank's tokens, each rank computing its slice of every expert's F
+        x_all = C.gather_from_sp(x_BSH, tp.group, SEQ_DIM)
+        probs = C.gather_from_sp(probs, tp.group, SEQ_DIM)
+        experts = C.all_gather_constant(experts, tp.group, SEQ_DIM)
+    else:
+        x_all = x_BSH
+    b, s, h = x_all.shape
+    fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
+    y = moe_ops.expert_mlp(x_all.reshape(b * s, h), probs.reshape(b * s, -1).to(x_all.dtype),
+                           experts.reshape(b * s, -1), fc1["weight"], fc2["weight"], activation,
+                           fc1.get("bias"), None)
+    y = y.reshape(b, s, h)
+    if tp.sp:
+        y = C.reduce_scatter_to(y, tp.group, SEQ_DIM)
+    if fc2.get("bias") is not None:  # after the reduction, once per token: each chosen expert's bias, weighted
+        bias = replicated_param(fc2["bias"], tp)
+        y = y + (local_probs.to(bias.dtype)[..., None] * bias[local_experts]).sum(dim=-2)
+    if "shared" in p:
+        y = y + shared_expert(p, x_BSH, config, tp, activation)
+    return y
+
+
+def shared_expert(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel, activation) -> torch.Tensor:
+    """The shared expert (a dense MLP every token goes through), gated by sigmoid(x . w) with a shared gate."""
+    from fmeg.models import gpt
+
+    y = gpt.dense_mlp(p["shared"], x_BSH, activation, tp)
+    if "shared_gate" in p:
+        gate = ops.linear(x_BSH, replicated_param(p["shared_gate"]["weight"], tp))
+        y = y * torch.sigmoid(gate)
+    return y

@@ -1,0 +1,134 @@
+"""Megatron's mixture-of-experts flags: their parser group, the GPTConfig fields they set, and their rules."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+# Flags that choose a kernel or an overlap, not a number: accepted with --num-experts and named as ignored.
+IGNORED = {
+    "--moe-grouped-gemm": "experts always run as grouped matmuls (torch._grouped_mm where the device takes it)",
+    "--moe-permute-fusion": "fmeg fuses no kernels by hand", "--moe-router-fusion": "fmeg fuses no kernels by hand",
+    "--moe-shared-expert-overlap": "an overlap policy", "--moe-use-legacy-grouped-gemm": "one grouped-matmul path",
+}
+IGNORED_SETTINGS = {
+    "--moe-token-dispatcher-type": "tokens reach their experts by one all-gather / reduce-scatter dispatcher",
+}
+
+
+def layer_freq(text: str) -> int | tuple[int, ...]:
+    """--moe-layer-freq: N (layers 0, N, 2N, ... are MoE) or a list pattern such as "([0]*3+[1]*58)", read
+    without eval: list literals of 0/1, + and * by integers."""
+    text = text.strip()
+    if "[" not in text:
+        return int(text)
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError("only list literals, + and * are allowed")
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"not a layer pattern such as '([0]*1+[1]*3)': {e}") from None
+    if not isinstance(result, list) or not all(v in (0, 1) for v in result):
+        raise argparse.ArgumentTypeError("a layer pattern must be a list of 0 and 1, one per layer")
+    return tuple(result)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense MLPs)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=layer_freq, default=1, help="N, or a 0/1 pattern per layer")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    for flag in IGNORED:
+        g.add_argument(flag, action="store_true", help=f"accepted, ignored: {IGNORED[flag]}")
+    for flag in IGNORED_SETTINGS:
+        g.add_argument(flag, default=None, help=f"accepted, ignored: {IGNORED_SETTINGS[flag]}")
+
+
+def model_fields(a: argparse.Namespace) -> dict:
+    """The GPTConfig fields of the MoE flags (none without --num-experts)."""
+    if a.num_experts is None:
+        return {}
+    return dict(
+        num_experts=a.num_experts, moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=a.moe_layer_freq,
+        moe_router_topk=a.moe_router_topk, moe_router_score_function=a.moe_router_score_function,
+        moe_router_pre_softmax=a.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
+        moe_router_num_groups=a.moe_router_num_groups, moe_router_group_topk=a.moe_router_group_topk,
+        moe_router_dtype=a.moe_router_dtype, moe_router_load_balancing_type=a.moe_router_load_balancing_type[0],
+        moe_aux_loss_coeff=a.moe_aux_loss_coeff[0], moe_z_loss_coeff=a.moe_z_loss_coeff,
+        moe_expert_capacity_factor=a.moe_expert_capacity_factor, moe_token_drop_policy=a.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=a.moe_pad_expert_input_to_capacity,
+        moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=a.moe_shared_expert_gate)
+
+
+def problems(a: argparse.Namespace) -> list[str]:
+    """One line for each MoE flag that cannot run (Megatron's argument rules, and what fmeg lacks yet)."""
+    out = []
+    if a.num_experts is None:
+        given = [f for f in ("moe_router_enable_expert_bias", "moe_shared_expert_gate")
+                 if getattr(a, f)]
+        return [f"--{f.replace('_', '-')} needs --num-experts" for f in given]
+    if len(a.moe_router_load_balancing_type) > 1 or len(a.moe_aux_loss_coeff) > 1:
+        out.append("--moe-router-load-balancing-type / --moe-aux-loss-coeff: fmeg takes one type and one coefficient "
+                   "yet; give one of each")
+    kind = a.moe_router_load_balancing_type[0]
+    if kind in ("global_aux_loss", "sinkhorn"):
+        out.append(f"--moe-router-load-balancing-type {kind}: not supported by fmeg yet; use aux_loss, seq_aux_loss "
+                   "or none")
+    if a.moe_router_enable_expert_bias:
+        out.append("--moe-router-enable-expert-bias: the aux-loss-free expert bias is not supported by fmeg yet; "
+                   "drop the flag")
+    if a.moe_input_jitter_eps:
+        out.append("--moe-input-jitter-eps: router input jitter is not supported by fmeg yet; drop the flag")
+    if a.moe_router_enable_expert_bias and a.moe_router_score_function != "sigmoid":
+        out.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if a.tensor_model_parallel_size > 1 and not a.sequence_parallel:
+        out.append("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+    return out
+
+
+def ignored(a: argparse.Namespace) -> list[str]:
+    """'--flag: why' for the accepted, ignored MoE flags that were given (without --num-experts, every MoE flag
+    given a value other than its default, as Megatron ignores them then)."""
+    given = [(f, why) for f, why in {**IGNORED, **IGNORED_SETTINGS}.items()
+             if getattr(a, f.lstrip("-").replace("-", "_")) not in (None, False)]
+    if a.num_experts is None:
+        defaults = vars(_defaults())
+        given = [(f"--{k.replace('_', '-')}", "has no effect without --num-experts") for k, v in vars(a).items()
+                 if k.startswith("moe_") and k in defaults and v != defaults[k]]
+    return [f"{f}: {why}" for f, why in given]
+
+
+def _defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])

@@ -1,0 +1,261 @@
+"""Mixture of experts: the routed, grouped-matmul layer equals a plain loop over experts; routing, token
+dropping and the balance losses equal their definitions written token by token; under tensor and sequence
+parallelism the model's loss and every gradient equal one device's."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spmd_programs as P
+from fmeg import tree
+from fmeg.models import gpt, moe
+from fmeg.ops import moe as moe_ops
+from fmeg.parallel.sharding import partition_of, unshard
+from parallel_harness import run
+
+f64 = torch.float64
+
+
+def gated(h):
+    return F.silu(h[..., :h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:]
+
+
+# --- routing, written token by token --------------------------------------------------------------
+
+
+def route_one_token(logits, k, score_function, pre_softmax, groups, group_topk, scale, bias):
+    """Megatron's routing for one token's logits [E], as plain Python: (experts, probs) sorted by expert."""
+    e = len(logits)
+    if score_function == "softmax":
+        scores = torch.softmax(logits, 0) if pre_softmax else logits
+    else:
+        scores = torch.sigmoid(logits)
+    choice = scores + bias if bias is not None else scores
+    allowed = list(range(e))
+    if group_topk:
+        size = e // groups
+        best = sorted(range(groups), key=lambda g: -sum(sorted(choice[g * size:(g + 1) * size].tolist())[-(k // group_topk):]))
+        allowed = [i for g in best[:group_topk] for i in range(g * size, (g + 1) * size)]
+    chosen = sorted(allowed, key=lambda i: -choice[i].item())[:k]
+    if score_function == "softmax":
+        probs = torch.softmax(logits[chosen], 0) if not pre_softmax else scores[chosen]
+    else:
+        probs = scores[chosen]
+        probs = probs / probs.sum() if k > 1 else probs
+    if scale:
+        probs = probs * scale
+    order = sorted(range(k), key=lambda j: chosen[j])
+    return [chosen[j] for j in order], probs[order]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_routing_equals_its_definition_token_by_token(data):
+    groups = data.draw(st.sampled_from([None, 2, 4]))
+    e = (groups or 1) * data.draw(st.integers(1, 3)) if groups else data.draw(st.integers(1, 8))
+    group_topk = data.draw(st.integers(1, groups)) if groups else None
+    per_group = e // groups if groups else e
+    k = group_topk * data.draw(st.integers(1, per_group)) if groups else data.draw(st.integers(1, e))
+    score = data.draw(st.sampled_from(moe_ops.SCORE_FUNCTIONS))
+    pre = score == "softmax" and data.draw(st.booleans())
+    scale = data.draw(st.sampled_from([None, 2.5]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    logits = torch.randn(7, e, generator=gen, dtype=f64)
+    bias = torch.randn(e, generator=gen, dtype=f64) * 0.1 if score == "sigmoid" and data.draw(st.booleans()) else None
+    probs, experts = moe_ops.route(logits, topk=k, score_function=score, pre_softmax=pre, num_groups=groups,
+                                   group_topk=group_topk, scaling_factor=scale, expert_bias=bias)
+    for t in range(logits.shape[0]):
+        want_e, want_p = route_one_token(logits[t], k, score, pre, groups, group_topk, scale, bias)
+        order = experts[t].argsort()
+        assert experts[t][order].tolist() == want_e
+        torch.testing.assert_close(probs[t][order].double(), want_p, rtol=1e-6, atol=1e-7)
+
+
+# --- the experts ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_grouped_experts_equal_a_loop_over_experts_with_every_gradient(data):
+    """Sorted tokens through grouped matmuls (torch._grouped_mm or the per-expert fallback) equal each expert
+    applied to every token and masked; splitting the experts between holders (expert parallelism's shards)
+    sums to the same."""
+    e, t, h = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 12)), data.draw(st.sampled_from([4, 8]))
+    f, k = data.draw(st.sampled_from([3, 4, 8])), data.draw(st.integers(1, 6))
+    k = min(k, e)
+    is_gated = data.draw(st.booleans())
+    dtype = data.draw(st.sampled_from([torch.float32, f64]))  # fp32 takes torch._grouped_mm where aligned
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    x = torch.randn(t, h, generator=gen, dtype=dtype)
+    fc1 = torch.randn(e, *((2,) if is_gated else ()), f, h, generator=gen, dtype=dtype)
+    fc2 = torch.randn(e, h, f, generator=gen, dtype=dtype)
+    logits = torch.randn(t, e, generator=gen, dtype=dtype)
+    act = gated if is_gated else F.gelu
+    cot = torch.randn(t, h, generator=gen, dtype=dtype)
+
+    def ours(x, fc1, fc2, logits):
+        probs, experts = moe_ops.route(logits, topk=k)
+        return moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1, fc2, act)
+
+    def reference(x, fc1, fc2, logits):
+        probs, experts = moe_ops.route(logits, topk=k)
+        return moe_ops.reference_moe(x, probs.to(dtype), experts, fc1, fc2, act)
+
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-9)
+    args = (x, fc1, fc2, logits)
+    got, got_vjp = torch.func.vjp(ours, *args)
+    want, want_vjp = torch.func.vjp(reference, *args)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(got_vjp(cot), want_vjp(cot)):
+        torch.testing.assert_close(g, w, **tol)
+    split = data.draw(st.integers(0, e))
+    probs, experts = moe_ops.route(logits, topk=k)
+    halves = moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[:split], fc2[:split], act) + \
+        moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[split:], fc2[split:], act, first_expert=split)
+    torch.testing.assert_close(halves, want, **tol)
+
+
+# --- token dropping and the balance losses ----------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_capacity_keeps_each_experts_best_or_first_tokens(data):
+    e, t = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 16))
+    k, factor = min(data.draw(st.integers(1, 3)), e), data.draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+    policy = data.draw(st.sampled_from(moe_ops.DROP_POLICIES))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    probs, experts = moe_ops.route(torch.randn(t, e, generator=gen, dtype=f64), topk=k)
+    keep = moe_ops.capacity_keep(probs, experts, e, factor, policy)
+    capacity = math.ceil(t * k / e * factor)
+    assert capacity == moe_ops.capacity(t, e, k, factor)
+    for expert in range(e):
+        routed = [(tok, j) for tok in range(t) for j in range(k) if experts[tok, j] == expert]
+        kept = [a for a in routed if keep[a]]
+        if policy == "position":
+            assert kept == routed[:capacity]
+        else:  # the best `capacity` probabilities (ties may go either way)
+            dropped = [a for a in routed if not keep[a]]
+            assert len(kept) == min(capacity, len(routed))
+            assert not dropped or min(probs[a] for a in kept) >= max(probs[a] for a in dropped)
+    assert not keep[experts < 0].any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_balance_losses_equal_their_definitions_and_split_over_sequence_chunks(data):
+    e, b, s = data.draw(st.integers(2, 6)), data.draw(st.integers(1, 3)), data.draw(st.sampled_from([2, 4, 8]))
+    k = data.draw(st.integers(1, e))
+    score = data.draw(st.sampled_from(moe_ops.SCORE_FUNCTIONS))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    logits = torch.randn(b, s, e, generator=gen, dtype=f64)
+    scores, chosen = moe_ops.aux_scores(logits.reshape(-1, e), k, score)
+    raw = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    raw = raw / raw.sum(-1, keepdim=True)
+    torch.testing.assert_close(scores.double(), raw.reshape(-1, e))
+    # Switch: E * sum_i (fraction of the T*k assignments to i) * (mean score of i)
+    t = b * s
+    fraction = chosen.sum(0) / (t * k)
+    want = e * (fraction * scores.mean(0)).sum()
+    whole = moe_ops.switch_aux_loss(scores, chosen.sum(0), t, k)
+    torch.testing.assert_close(whole, want)
+    chunks = 2  # sequence parallelism: each part's scores with the whole's counts
+    parts = sum(moe_ops.switch_aux_loss(sc.reshape(-1, e), chosen.sum(0), t, k)
+                for sc in scores.reshape(b, s, e).chunk(chunks, dim=1))
+    torch.testing.assert_close(parts, whole)
+    # sequence-level: the switch loss of each sequence, averaged
+    per_seq = [moe_ops.switch_aux_loss(scores.reshape(b, s, e)[i], chosen.reshape(b, s, e)[i].sum(0), s, k)
+               for i in range(b)]
+    torch.testing.assert_close(moe_ops.sequence_aux_loss(scores.reshape(b, s, e), chosen.reshape(b, s, e), k),
+                               sum(per_seq) / b)
+    torch.testing.assert_close(moe_ops.z_loss(logits.reshape(-1, e)),
+                               (torch.logsumexp(logits, -1) ** 2).mean().float(), check_dtype=False)
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+def moe_config(**overrides):
+    base = dict(vocab_size=48, max_seq_len=16, num_layers=3, hidden_size=16, num_heads=4, num_kv_heads=2,
+                ffn_hidden_size=16, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
+                moe_layer_freq=(0, 1, 1), moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    return gpt.GPTConfig.llama(**{**base, **overrides})
+
+
+def batch_for(config, b=2, s=8):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, config.vocab_size, (b, s + 1), generator=gen)
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def plain_objective(params, batch, config):
+    """The one-device definition: each MoE layer a loop over experts, and the objective the LM loss plus every
+    layer's coefficient-weighted balance losses (what the injected gradients add up to)."""
+    extra = []
+
+    def loop_moe(p, x, config, tp, *, activation, aux, index):
+        b, s, h = x.shape
+        logits = moe.router_logits(p, x, config)
+        probs, experts = moe.route_tokens(logits, config)
+        losses = moe.balance_losses(logits, config)
+        extra.append(sum({"load_balancing_loss": config.moe_aux_loss_coeff,
+                          "z_loss": config.moe_z_loss_coeff or 0.0}[n] * v for n, v in losses.items()))
+        fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
+        y = moe_ops.reference_moe(x.reshape(-1, h), probs.reshape(b * s, -1), experts.reshape(b * s, -1),
+                                  fc1["weight"], fc2["weight"], activation, fc1.get("bias"),
+                                  fc2.get("bias")).reshape(b, s, h)
+        return y + moe.shared_expert(p, x, config, tp, activation) if "shared" in p else y
+
+    original = moe.moe_mlp
+    moe.moe_mlp = loop_moe
+    try:
+        lm = gpt.loss(params, batch, config)
+    finally:
+        moe.moe_mlp = original
+    return lm + sum(extra)
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+         "moe_shared_expert_intermediate_size": 8, "moe_shared_expert_gate": True,
+         "moe_router_load_balancing_type": "seq_aux_loss", "moe_router_topk_scaling_factor": 2.0},
+    {"moe_expert_capacity_factor": 0.5, "moe_token_drop_policy": "position", "activation": "gelu", "bias": True},
+], ids=["mixtral", "deepseek", "capacity_gelu_bias"])
+def test_the_moe_model_gradients_are_those_of_lm_loss_plus_balance_losses(overrides):
+    config = moe_config(**overrides)
+    params, batch = gpt.init(config, 0, dtype=f64), batch_for(config)
+    got = torch.func.grad(lambda p: gpt.loss(p, batch, config))(params)
+    want = torch.func.grad(lambda p: plain_objective(p, batch, config))(params)
+    for path, g in tree.items(got):
+        torch.testing.assert_close(g, tree.flatten(want)[path], rtol=1e-9, atol=1e-10, msg=path)
+    assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend, world, balance", [("threads", 2, "aux_loss"), ("threads", 4, "aux_loss"),
+                                                     ("threads", 2, "seq_aux_loss"), ("gloo", 2, "aux_loss")])
+def test_moe_under_tensor_and_sequence_parallelism_equals_one_device(backend, world, balance):
+    """Experts' F split over tp, tokens gathered over the sequence chunks: loss and every gradient (the
+    router's summed over tp) equal one device's, aux and z losses included."""
+    config = moe_config(moe_shared_expert_intermediate_size=8, num_kv_heads=4, moe_router_load_balancing_type=balance)
+    params, batch = gpt.init(config, 0), batch_for(config)
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config))(params)
+    results = run(backend, world, P.gpt_loss_and_grads, params, batch, config, None, sequence_parallel=True)
+    got = unshard([g for _, g in results], gpt.TP_RULES, "tp")
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for path, g in tree.items(got):
+        torch.testing.assert_close(g, tree.flatten(want_grads)[path], rtol=1e-5, atol=1e-6, msg=path)
+    for _, g in results:
+        for path, leaf in tree.items(g):
+            if partition_of(path, gpt.TP_RULES) is None:
+                torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    config = moe_config()
+    with pytest.raises(RuntimeError, match="needs sequence parallelism"):
+        run("threads", 2, P.gpt_loss_and_grads, gpt.init(config, 0), batch_for(config), config, None)
