@@ -215,7 +215,11 @@ def _one_spelling(fields: dict) -> dict:
 # Model settings that are not part of any parameter's shape and that a run may change when it loads a
 # checkpoint (Megatron loads the weights whatever they are): regularisation, the initialisation (unused on
 # load), and RoPE's base and context length (continued pretraining at a longer context).
-CHANGEABLE_ON_LOAD = ("hidden_dropout", "attention_dropout", "init_std", "rope_theta")
+CHANGEABLE_ON_LOAD = ("hidden_dropout", "attention_dropout", "init_std", "rope_theta",
+                      # how experts are trained, not what they are: a run may resume with other balance losses or
+                      # capacity
+                      "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                      "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")
 
 
 def saved_model(meta: dict, where: str) -> dict:

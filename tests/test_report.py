@@ -34,3 +34,20 @@ def test_megatrons_formula_counts_every_matmul_of_a_training_step(style, groups,
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         torch.func.grad(gpt.loss)(params, batch, c)
     assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, seq), rel=1e-12)
+
+
+@pytest.mark.parametrize("shared", [None, 12])
+def test_megatrons_moe_terms_count_every_expert_matmul(shared):
+    """With experts (a dense first layer, top-2 of 4, SwiGLU, a shared expert), torch's FLOP counter over a
+    training step equals Megatron's formula plus the router's matmuls, which the formula leaves out (the expert
+    width is odd so that experts take the per-expert matmuls, which the counter counts, not torch._grouped_mm)."""
+    c = gpt.GPTConfig.llama(vocab_size=40, max_seq_len=16, num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=20, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=5,
+                            moe_layer_freq=(0, 1, 1), moe_shared_expert_intermediate_size=shared)
+    params = gpt.init(c, 0)
+    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        torch.func.grad(gpt.loss)(params, batch, c)
+    router = 3 * 2 * (2 * 8) * c.hidden_size * c.num_experts * 2  # forward + backward, 2 MoE layers
+    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8) + router, rel=1e-12)

@@ -11,11 +11,18 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     """Megatron's num_floating_point_operations (forward and backward, every matmul three times):
     12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query heads
     of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
-    72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on dense layers,
+    topk * the expert width + the shared expert's on MoE layers (the router's matmul is not counted)."""
+    from fmeg.models.moe import expert_ffn, moe_layers
+
     c, s = config, seq_len
     h, L = c.hidden_size, c.num_layers
     attention = (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
-    mlp = c.ffn_hidden_size / h * (1.5 if c.activation == "swiglu" else 1.0)
+    moe = sum(moe_layers(c))
+    ffn = c.ffn_hidden_size * (L - moe) / L
+    if moe:
+        ffn += (expert_ffn(c) * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0)) * moe / L
+    mlp = ffn / h * (1.5 if c.activation == "swiglu" else 1.0)
     logits = c.padded_vocab_size / (2 * L * h)
     return 12.0 * global_batch * s * L * h * h * (attention + mlp + logits)
 
