@@ -1,6 +1,7 @@
 """Hugging Face transformers <-> fmeg: GPT2LMHeadModel, LlamaForCausalLM (Llama 2, 3.1 with its rope scaling,
-3.2 with tied embeddings), Qwen2ForCausalLM (Qwen2.5: a bias on q, k and v) and Qwen3ForCausalLM (a norm on
-each head's queries and keys).
+3.2 with tied embeddings), Qwen2ForCausalLM (Qwen2.5: a bias on q, k and v), Qwen3ForCausalLM (a norm on
+each head's queries and keys), and the mixtures of experts MixtralForCausalLM and Qwen3MoeForCausalLM (experts
+stacked as transformers 5 stacks them: gate_up_proj [E, 2F, H], down_proj [E, H, F]).
 
     config, params = from_hf(hf_model)
     hf_model = to_hf(params, config)
@@ -17,6 +18,7 @@ import torch
 
 from fmeg import tree
 from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, repad_vocab, split_qkv
+from fmeg.models.moe import expert_ffn, moe_layers
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -66,7 +68,7 @@ def _new_model(family: str, hf_config: Any) -> Any:
     import transformers
 
     cls = getattr(transformers, f"{family}LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM")
-    if hf_config.model_type in ("qwen2", "qwen3"):
+    if hf_config.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         hf_config.use_sliding_window = False
     with torch.device("cpu"):
         return cls(hf_config).float()
@@ -154,12 +156,22 @@ def _gpt2_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Ten
 # --- Llama ------------------------------------------------------------------------------------------
 
 
-_LLAMA_FAMILY = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2", "Qwen3ForCausalLM": "Qwen3"}
+_LLAMA_FAMILY = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2", "Qwen3ForCausalLM": "Qwen3",
+                 "MixtralForCausalLM": "Mixtral", "Qwen3MoeForCausalLM": "Qwen3Moe"}
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _family_of(c: GPTConfig) -> str:
-    """The transformers class of a Llama-style config: Qwen3 (qk norm), Qwen2 (bias on q, k, v only), Llama."""
+    """The transformers class of a Llama-style config: Qwen3 (qk norm), Qwen2 (bias on q, k, v only), Llama, and
+    with experts Qwen3Moe (qk norm) or Mixtral."""
+    if c.num_experts:
+        if c.bias or c.qkv_bias or c.moe_shared_expert_intermediate_size or c.moe_router_score_function != "softmax" \
+                or c.moe_router_num_groups or c.moe_router_topk_scaling_factor:
+            raise ValueError("to_hf: Mixtral and Qwen3-MoE have softmax routers, no biases, shared experts, groups "
+                             "or scaling")
+        if not c.qk_norm and (c.moe_router_pre_softmax or any(not m for m in moe_layers(c))):
+            raise ValueError("to_hf: Mixtral renormalises its top-k (no pre-softmax) and every layer is MoE")
+        return "Qwen3Moe" if c.qk_norm else "Mixtral"
     if c.qk_norm:
         if c.bias or c.qkv_bias:
             raise ValueError("to_hf: a qk-norm model (Qwen3) has no biases; got bias or qkv_bias")
@@ -186,18 +198,34 @@ def _llama_config(hf: Any, kind: str = "LlamaForCausalLM") -> GPTConfig:
     attention_bias = bool(getattr(hf, "attention_bias", False))
     if family == "Llama" and attention_bias != hf.mlp_bias:
         raise ValueError("from_hf: Llama attention_bias and mlp_bias must agree")
-    if family == "Qwen3" and attention_bias:
+    if family in ("Qwen3", "Qwen3Moe") and attention_bias:
         raise ValueError("from_hf: Qwen3 attention_bias=True (a bias on attention but not the MLP) is not supported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_channels = None if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim
-    return GPTConfig(vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
+    if getattr(hf, "sliding_window", None) and family == "Mixtral":
+        raise ValueError("from_hf: Mixtral sliding_window is not supported (fmeg attends to every earlier position)")
+    return GPTConfig(**_moe_fields(hf, family),vocab_size=hf.vocab_size, max_seq_len=hf.max_position_embeddings,
                      num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
                      num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
-                     ffn_hidden_size=hf.intermediate_size, norm="rmsnorm", activation="swiglu", position="rope",
+                     norm="rmsnorm", activation="swiglu", position="rope",
                      tie_embeddings=bool(hf.tie_word_embeddings), bias=family == "Llama" and attention_bias,
-                     qkv_bias=family == "Qwen2", qk_norm=family == "Qwen3", rope_scaling=scaling,
+                     qkv_bias=family == "Qwen2", qk_norm=family in ("Qwen3", "Qwen3Moe"), rope_scaling=scaling,
                      norm_eps=hf.rms_norm_eps, rope_theta=float(rope["rope_theta"]), init_std=hf.initializer_range,
                      kv_channels=kv_channels)
+
+
+def _moe_fields(hf: Any, family: str) -> dict:
+    """GPTConfig's expert fields (and the dense width) of a Mixtral or Qwen3-MoE config; none for dense models."""
+    if family == "Mixtral":
+        return dict(ffn_hidden_size=hf.intermediate_size, num_experts=hf.num_local_experts,
+                    moe_router_topk=hf.num_experts_per_tok)
+    if family == "Qwen3Moe":
+        pattern = tuple(int(i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0)
+                        for i in range(hf.num_hidden_layers))
+        return dict(ffn_hidden_size=hf.intermediate_size, num_experts=hf.num_experts,
+                    moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                    moe_layer_freq=pattern, moe_router_pre_softmax=not hf.norm_topk_prob)
+    return dict(ffn_hidden_size=hf.intermediate_size)
 
 
 def _llama_hf_config(c: GPTConfig, family: str = "Llama") -> Any:
@@ -213,6 +241,17 @@ def _llama_hf_config(c: GPTConfig, family: str = "Llama") -> Any:
                   rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "Llama":
         return transformers.LlamaConfig(**common, attention_bias=c.bias, mlp_bias=c.bias)
+    if family == "Mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=c.num_experts, sliding_window=None,
+                                          num_experts_per_tok=c.moe_router_topk, router_jitter_noise=0.0)
+    if family == "Qwen3Moe":
+        pattern = moe_layers(c)
+        return transformers.Qwen3MoeConfig(**{**common, "intermediate_size": c.ffn_hidden_size},
+                                           num_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
+                                           moe_intermediate_size=expert_ffn(c), decoder_sparse_step=1,
+                                           mlp_only_layers=[i for i, m in enumerate(pattern) if not m],
+                                           norm_topk_prob=not c.moe_router_pre_softmax, use_sliding_window=False,
+                                           attention_bias=False)
     return getattr(transformers, f"{family}Config")(**common, use_sliding_window=False,
                                                     **({"attention_bias": False} if family == "Qwen3" else {}))
 
@@ -233,12 +272,21 @@ def _llama_params(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.T
                 out[f"{at}.attn.{x}_norm.weight"] = s[f"{hf}.self_attn.{x}_norm.weight"]
         if c.qkv_bias and not c.bias:
             out[f"{at}.attn.qkv.bias"] = fuse_qkv(*[s[f"{hf}.self_attn.{x}_proj.bias"] for x in "qkv"], c.num_kv_heads)
+        moe = moe_layers(c)[i]
+        if moe:
+            e, gate_up = c.num_experts, s[f"{hf}.mlp.experts.gate_up_proj"]
+            out[f"{at}.mlp.router.weight"] = s[f"{hf}.mlp.gate.weight"]
+            out[f"{at}.mlp.experts.fc1.weight"] = gate_up.reshape(e, 2, gate_up.shape[1] // 2, c.hidden_size)
+            out[f"{at}.mlp.experts.fc2.weight"] = s[f"{hf}.mlp.experts.down_proj"]
         for kind in kinds:
             attn = [s[f"{hf}.self_attn.{x}_proj.{kind}"] for x in "qkv"]
             out[f"{at}.attn.qkv.{kind}"] = fuse_qkv(*attn, c.num_kv_heads)
-            out[f"{at}.mlp.fc1.{kind}"] = torch.stack([s[f"{hf}.mlp.gate_proj.{kind}"], s[f"{hf}.mlp.up_proj.{kind}"]])
             for ours, theirs in _LLAMA_LINEARS.items():
-                out[f"{at}.{ours}.{kind}"] = s[f"{hf}.{theirs}.{kind}"]
+                if not (moe and ours.startswith("mlp")):
+                    out[f"{at}.{ours}.{kind}"] = s[f"{hf}.{theirs}.{kind}"]
+            if not moe:
+                out[f"{at}.mlp.fc1.{kind}"] = torch.stack([s[f"{hf}.mlp.gate_proj.{kind}"],
+                                                           s[f"{hf}.mlp.up_proj.{kind}"]])
     if not c.tie_embeddings:
         out["output.weight"] = s["lm_head.weight"]
     return out
@@ -257,12 +305,20 @@ def _llama_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Te
         if c.qkv_bias and not c.bias:
             for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.bias"], c)):
                 s[f"{hf}.self_attn.{x}_proj.bias"] = t.contiguous()
+        moe = moe_layers(c)[i]
+        if moe:
+            fc1 = f[f"{at}.mlp.experts.fc1.weight"]
+            s[f"{hf}.mlp.gate.weight"] = f[f"{at}.mlp.router.weight"]
+            s[f"{hf}.mlp.experts.gate_up_proj"] = fc1.reshape(fc1.shape[0], -1, fc1.shape[-1]).contiguous()
+            s[f"{hf}.mlp.experts.down_proj"] = f[f"{at}.mlp.experts.fc2.weight"]
         for kind in kinds:
             for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.{kind}"], c)):
                 s[f"{hf}.self_attn.{x}_proj.{kind}"] = t.contiguous()
-            gate, up = f[f"{at}.mlp.fc1.{kind}"].unbind(0)
-            s[f"{hf}.mlp.gate_proj.{kind}"], s[f"{hf}.mlp.up_proj.{kind}"] = gate.contiguous(), up.contiguous()
+            if not moe:
+                gate, up = f[f"{at}.mlp.fc1.{kind}"].unbind(0)
+                s[f"{hf}.mlp.gate_proj.{kind}"], s[f"{hf}.mlp.up_proj.{kind}"] = gate.contiguous(), up.contiguous()
             for ours, theirs in _LLAMA_LINEARS.items():
-                s[f"{hf}.{theirs}.{kind}"] = f[f"{at}.{ours}.{kind}"]
+                if not (moe and ours.startswith("mlp")):
+                    s[f"{hf}.{theirs}.{kind}"] = f[f"{at}.{ours}.{kind}"]
     s["lm_head.weight"] = f["embedding.word.weight"] if c.tie_embeddings else f["output.weight"]
     return s
