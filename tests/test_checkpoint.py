@@ -108,7 +108,8 @@ def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
 
 
 # fp16 starts below overflow: whether a step near the threshold overflows depends on the layout's partial sums
-@pytest.mark.parametrize("dtype", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [["--bf16"], pytest.param(["--fp16", "--initial-loss-scale", "4096"],
+                                                            marks=pytest.mark.slow)], ids=["bf16", "fp16"])
 def test_mixed_precision_with_the_distributed_optimizer_saves_resumes_bitwise_and_at_another_layout(tmp_path, dtype):
     """Megatron's most common configurations: bf16 or fp16 with ZeRO-1 save (the fp32 main-weight slices and
     the loss scaler included), resume bitwise in their own layout, and continue their curve at tp 2 without

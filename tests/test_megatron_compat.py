@@ -218,6 +218,7 @@ def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
         assert torch.equal(value, start[path]) == (path in frozen), path
 
 
+@pytest.mark.slow
 def test_decoupled_lr_follows_megatron_cores_scheduler_and_is_layout_invariant(tmp_path):
     OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
     from types import SimpleNamespace

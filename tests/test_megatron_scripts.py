@@ -115,6 +115,7 @@ def train_then_resume(tmp_path, nproc, first: list[str], second: list[str]):
     return records, stdout, resumed, stdout2
 
 
+@pytest.mark.slow  # the Llama 3 and Mixtral scripts run in the default suite
 def test_gpt3_175b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypatch):
     ckpt, logs = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     data = default_corpus().prefix
@@ -203,6 +204,7 @@ def mixtral_8x7b_without_moe(tokenizer_model: str, logging: list[str]) -> list[s
     ]
 
 
+@pytest.mark.slow  # the script with its experts runs in the default suite
 def test_mixtral_8x7b_script_without_moe_trains_and_with_its_commented_logging_saves_resumes_and_evaluates(
         tmp_path, monkeypatch):
     pytest.importorskip("sentencepiece")

@@ -65,6 +65,7 @@ def test_readme_main_job(tmp_path):
     assert first > 5.2 and last < 3.3  # from about ln 257 (the README says 5.4 to 3.0)
 
 
+@pytest.mark.slow  # 90 s; the main job runs in the default suite, resharding in tests/test_checkpoint.py
 def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
     save, resume, export, load, generated, sharded = run_block(section("Checkpoints"), tmp_path)
     assert "exiting at iteration 40: --exit-interval 40" in save
