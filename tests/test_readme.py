@@ -54,8 +54,16 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 
 def test_every_readme_command_is_run_by_a_test():
-    tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data")
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 14
+    tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data") + \
+        section("Mixtures of experts")
+    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 15
+
+
+def test_readme_mixture_of_experts(tmp_path):
+    (stdout,) = run_block(section("Mixtures of experts"), tmp_path)
+    assert "| load_balancing_loss: " in stdout and "world 2 = tp 2" in stdout
+    first, last = loss_fall(stdout)
+    assert last < first - 1.5
 
 
 def test_readme_main_job(tmp_path):
