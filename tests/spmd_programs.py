@@ -295,3 +295,20 @@ def megatron_gpt_logits(mesh, params, tokens, config):
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     with torch.no_grad():
         return model(tokens, position_ids, mask)
+
+
+def expert_parallel_loss_and_grads(mesh, params, batches, config, ep):
+    """Expert parallelism over the world (each rank its own batch: ep ranks are data-parallel ranks), tensor
+    parallelism with sequence parallelism inside each ep rank when mesh's tp > 1: this rank's loss and the
+    gradients of its shards (those of its own loss for dense leaves; of every ep rank's loss for its experts)."""
+    from fmeg.models import gpt, moe
+    from fmeg.parallel.sharding import shard
+    from fmeg.parallel.tensor import ExpertParallel
+
+    ep_rank = mesh.coord("ep")
+    experts = ExpertParallel(mesh.group("tp_ep"), ep_rank, ep)
+    tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, experts)
+    local = shard(params, gpt.TP_RULES + moe.EP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp")), "ep": (ep_rank, ep)})
+    batch = batches[ep_rank]
+    grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, tp=tp))(local)
+    return loss, grads, {"tp": (mesh.coord("tp"), mesh.size("tp")), "ep": (ep_rank, ep)}

@@ -113,10 +113,16 @@ def test_grouped_experts_equal_a_loop_over_experts_with_every_gradient(data):
     for g, w in zip(got_vjp(cot), want_vjp(cot)):
         torch.testing.assert_close(g, w, **tol)
     split = data.draw(st.integers(0, e))
-    probs, experts = moe_ops.route(logits, topk=k)
-    halves = moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[:split], fc2[:split], act) + \
-        moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[split:], fc2[split:], act, first_expert=split)
-    torch.testing.assert_close(halves, want, **tol)
+
+    def halves(x, fc1, fc2, logits):
+        probs, experts = moe_ops.route(logits, topk=k)
+        return moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[:split], fc2[:split], act) + \
+            moe_ops.expert_mlp(x, probs.to(dtype), experts, fc1[split:], fc2[split:], act, first_expert=split)
+
+    got, got_vjp = torch.func.vjp(halves, *args)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(got_vjp(cot), want_vjp(cot)):  # the other holder's rows give no gradient, not garbage
+        torch.testing.assert_close(g, w, **tol)
 
 
 # --- token dropping and the balance losses ----------------------------------------------------------
@@ -259,3 +265,33 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     config = moe_config()
     with pytest.raises(RuntimeError, match="needs sequence parallelism"):
         run("threads", 2, P.gpt_loss_and_grads, gpt.init(config, 0), batch_for(config), config, None)
+
+
+@pytest.mark.parametrize("backend, world, tp", [("threads", 2, 1), ("threads", 4, 2), ("gloo", 2, 1),
+                                                ("threads", 4, 1)])
+def test_expert_parallelism_equals_one_device(backend, world, tp):
+    """Each ep rank holds E / ep experts and its own batch (ep ranks are data-parallel ranks): its loss is one
+    device's loss of that batch; its dense gradients are that loss's, its experts' gradients those of the sum
+    of every ep rank's loss (what the expert-data-parallel reduction then averages), tp 2 + sp inside."""
+    from fmeg.parallel.sharding import shard
+
+    ep = world // tp
+    config = moe_config(num_experts=4, moe_shared_expert_intermediate_size=8, num_kv_heads=4, bias=True,
+                        activation="gelu")
+    params = gpt.init(config, 0)
+    batches = [batch_for(config, s=8) for _ in range(ep)]
+    for r, b in enumerate(batches):  # a different batch on each ep rank
+        b["tokens"] = (b["tokens"] + 7 * r) % config.vocab_size
+    per_batch = [torch.func.grad_and_value(lambda p, b=b: gpt.loss(p, b, config))(params) for b in batches]
+    total = torch.func.grad(lambda p: sum(gpt.loss(p, b, config) for b in batches))(params)
+    rules = gpt.TP_RULES + moe.EP_RULES
+    results = run(backend, world, P.expert_parallel_loss_and_grads, params, batches, config, ep, tp=tp, ep=ep,
+                  sequence_parallel=tp > 1)
+    for loss, grads, coords in results:
+        own_grads, own_loss = per_batch[coords["ep"][0]]
+        torch.testing.assert_close(loss, own_loss, rtol=1e-6, atol=1e-6)
+        want = {path: (tree.flatten(total)[path] if ".experts." in path else g)
+                for path, g in tree.items(own_grads)}
+        want = tree.flatten(shard(tree.unflatten(want), rules, coords))
+        for path, g in tree.items(grads):
+            torch.testing.assert_close(g, want[path], rtol=1e-5, atol=1e-6, msg=path)

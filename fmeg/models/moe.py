@@ -9,10 +9,14 @@ Parameter paths (in place of the dense layer's mlp):
     layers.{i}.mlp.shared_gate.weight         [1, H]             with moe_shared_expert_gate
 
 Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense MLP's, and
-requires sequence parallelism when tp > 1 (as Megatron-core does with experts). Each rank routes its own
-sequence chunk, then the tokens, their experts and their weights are all-gathered over tp, every rank runs its
-F-slice of the experts on all of them, and a reduce-scatter returns each rank its chunk's sum, as for the
-dense MLP. The router's weight is replicated: its gradient is summed over tp.
+requires sequence parallelism when tp > 1 (as Megatron-core does with experts). Expert parallelism (tp.experts)
+gives each of its ep ranks E / ep experts (the leading dimension of every experts leaf); its ranks are
+data-parallel ranks, each with its own tokens. Each rank routes its own tokens (its sequence chunk under
+sequence parallelism), then the tokens, their experts and their weights are all-gathered over the dispatch
+group (tp under sequence parallelism, times ep: Megatron's allgather token dispatcher), every rank runs its
+F-slice of its experts on all of them, and a reduce-scatter returns each rank the sum for its own tokens. The
+router's weight is replicated: its gradient is summed over tp. An expert's gradient covers the tokens of every
+ep rank; data-parallel reduction of expert gradients runs over the expert-data-parallel ranks only.
 
 The auxiliary losses (load balancing, z-loss) join the training objective the way Megatron's
 MoEAuxLossAutoScaler makes them: their gradient is injected at the layer, with the seed the main loss's
@@ -130,6 +134,9 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
 
 
 # Experts split their F over tp like the dense MLP (dims from the end); the router and shared gate replicate.
+# Expert parallelism splits every experts leaf along its leading (expert) dimension.
+EP_RULES = tuple((f"layers.*.mlp.experts.{leaf}", Partition(0, "ep"))
+                 for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
 TP_RULES = (
     ("layers.*.mlp.experts.fc1.weight", Partition(-2)), ("layers.*.mlp.experts.fc1.bias", Partition(-1)),
     ("layers.*.mlp.experts.fc2.weight", Partition(-1)),
@@ -248,6 +255,8 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     if tp.size > 1 and not tp.sp:
         raise ValueError("mixture of experts with tensor parallelism needs sequence parallelism "
                          "(--sequence-parallel), as in Megatron-core")
+    ep = tp.experts
+    dispatch = ep.group if ep.size > 1 else (tp.group if tp.sp else None)
     logits = router_logits(p, x_BSH, config, tp)
     probs, experts = route_tokens(logits, config)
     losses = balance_losses(logits, config, tp)
@@ -258,24 +267,23 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
         if aux.metrics is not None:
             values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
             aux.metrics[index] = values
-    local_probs, local_experts = probs, experts
-    if tp.sp:  # every rank's tokens, each rank computing its slice of every expert's F
-        x_all = C.gather_from_sp(x_BSH, tp.group, SEQ_DIM)
-        probs = C.gather_from_sp(probs, tp.group, SEQ_DIM)
-        experts = C.all_gather_constant(experts, tp.group, SEQ_DIM)
+    if dispatch is not None:  # every rank's tokens, each rank computing its experts' slice of F
+        x_all = C.gather_from_sp(x_BSH, dispatch, SEQ_DIM)
+        probs = C.gather_from_sp(probs, dispatch, SEQ_DIM)
+        experts = C.all_gather_constant(experts, dispatch, SEQ_DIM)
     else:
         x_all = x_BSH
     b, s, h = x_all.shape
     fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
+    bias = fc2.get("bias")
+    if bias is not None and tp.size > 1:  # added by one tp rank (the reduction sums the F-slices' partials)
+        bias = C.copy_to(bias, tp.group) * (1.0 if tp.rank == 0 else 0.0)
     y = moe_ops.expert_mlp(x_all.reshape(b * s, h), probs.reshape(b * s, -1).to(x_all.dtype),
                            experts.reshape(b * s, -1), fc1["weight"], fc2["weight"], activation,
-                           fc1.get("bias"), None)
+                           fc1.get("bias"), bias, first_expert=ep.rank * fc1["weight"].shape[0])
     y = y.reshape(b, s, h)
-    if tp.sp:
-        y = C.reduce_scatter_to(y, tp.group, SEQ_DIM)
-    if fc2.get("bias") is not None:  # after the reduction, once per token: each chosen expert's bias, weighted
-        bias = replicated_param(fc2["bias"], tp)
-        y = y + (local_probs.to(bias.dtype)[..., None] * bias[local_experts]).sum(dim=-2)
+    if dispatch is not None:
+        y = C.reduce_scatter_to(y, dispatch, SEQ_DIM)
     if "shared" in p:
         y = y + shared_expert(p, x_BSH, config, tp, activation)
     return y

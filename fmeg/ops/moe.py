@@ -184,9 +184,12 @@ def grouped_linear(rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: to
     ends = counts_E.cumsum(0)
     if _grouped_mm_supported(rows_NH, weight_EFH):
         offs = ends.to(torch.int32)
+        # the kernel leaves rows past the last expert's block undefined, in its output and in its input's
+        # gradient: select zeros for them on both sides
+        valid = (torch.arange(n, device=rows_NH.device) < ends[-1])[:, None]
+        rows_NH = torch.where(valid, rows_NH, rows_NH.new_zeros(()))
         out = torch._grouped_mm(rows_NH, weight_EFH.transpose(-1, -2), offs=offs)
-        # rows past the last expert's block are left undefined by the kernel: zero them
-        return torch.where((torch.arange(n, device=rows_NH.device) < ends[-1])[:, None], out, out.new_zeros(()))
+        return torch.where(valid, out, out.new_zeros(()))
     # the fallback: one matmul per expert (a host sync for the boundaries)
     bounds = [0, *ends.tolist()]
     parts = [rows_NH[bounds[i]:bounds[i + 1]] @ weight_EFH[i].transpose(-1, -2) for i in range(e)]

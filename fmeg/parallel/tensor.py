@@ -32,9 +32,24 @@ SEQ_DIM = 1
 
 
 @dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism seen from one rank: its index and the number of expert-parallel ranks (each holds
+    num_experts / size experts), and the group a mixture-of-experts layer exchanges its tokens over: the
+    expert-parallel ranks times, under sequence parallelism, the tensor-parallel ones (megatron-core's tp_ep
+    group), or None when tokens need no exchange."""
+    group: Any = None
+    rank: int = 0
+    size: int = 1
+
+
+NO_EP = ExpertParallel()
+
+
+@dataclass(frozen=True)
 class TensorParallel:
     group: Any = None  # a fmeg.parallel.comm Group, or None for one rank
     sequence_parallel: bool = False
+    experts: ExpertParallel = NO_EP  # where mixture-of-experts layers find their experts' ranks
 
     @property
     def size(self) -> int:
