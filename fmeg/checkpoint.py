@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fmeg import tree
-from fmeg.models import gpt
+from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.sharding import unshard
 from fmeg.parallel.zero import FlatBuffer
@@ -79,7 +79,8 @@ def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Te
 def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: dict[str, int]) -> dict[str, dict]:
     """For every saved tensor: its shape here, the global (unsharded) shape and this shard's offsets.
 
-    Tree tensors are tensor-parallel slices along their partition dimension (gpt.TP_RULES); flat
+    Tree tensors are tensor-parallel slices along their partition dimension (gpt.TP_RULES), the experts' also
+    expert-parallel slices along their first dimension (moe.EP_RULES); flat
     distributed-optimizer slices are pieces of this (tp, pp) rank's flattened parameters, offset by dp."""
     from fmeg.parallel.sharding import partition_of
 
@@ -91,11 +92,15 @@ def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: di
             shape = [t.shape[0] * sizes.get("dp", 1)]
             offset = [t.shape[0] * coords.get("dp", 0)]
         elif kind != "adam":
-            part = partition_of(rest.partition("/")[2], gpt.TP_RULES)
+            leaf = rest.partition("/")[2]
+            part = partition_of(leaf, gpt.TP_RULES)
             if part is not None and t.dim():
                 dim = part.dim % t.dim()
                 shape[dim] *= sizes.get("tp", 1)
                 offset[dim] = t.shape[dim] * coords.get("tp", 0)
+            if sizes.get("ep", 1) > 1 and partition_of(leaf, moe.EP_RULES) is not None:  # experts: split over ep
+                shape[0] *= sizes["ep"]
+                offset[0] = t.shape[0] * coords.get("ep", 0)
         out[name] = {"local_shape": list(t.shape), "global_shape": shape, "offset": offset,
                      "dtype": str(t.dtype).removeprefix("torch.")}
     return out
@@ -292,6 +297,9 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
     for tp_rank in range(old["tp"]):
         for pp_rank in range(old["pp"]):
             files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d}) for d in range(old["dp"])]
+            if old.get("ep", 1) > 1:  # dp ranks 0..ep-1 hold the experts' ep slices (ep varies fastest in dp)
+                files[0] = {n: torch.cat([files[d][n] for d in range(old["ep"])]) if ".mlp.experts." in n else t
+                            for n, t in files[0].items()}
             params = _stage_trees(files[0], "params")
             for name in ("params", "mu", "nu", "main"):
                 if name == "params":

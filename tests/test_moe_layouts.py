@@ -1,7 +1,9 @@
 """Layout invariance of a mixture of experts with default flags otherwise: the loss curve and the logged
-load-balancing and z losses at tp 2 with sp, pp 2 with virtual stages, and dp 2 with the distributed optimizer
-equal one rank's within 1e-5 over 20 iterations (the balance losses' gradients join at each layer, with the
-seed the pipeline's loss backward starts from)."""
+load-balancing and z losses at expert parallelism 2 and 4, ep 2 x tp 2 with sp, ep 2 x pp 2 with virtual
+stages, ep 2 x dp 2, tp 2 with sp, pp 2 with virtual stages and dp 2 with the distributed optimizer equal one
+rank's within 1e-5 over 20 iterations (the balance losses' gradients join at each layer, with the seed the
+pipeline's loss backward starts from; the experts' gradients are averaged over expert-data-parallel ranks).
+A checkpoint saved at ep 4 resumes at ep 1, ep 2 and tp 2 x ep 2 on the same curve."""
 
 import pytest
 
@@ -12,8 +14,16 @@ from runner_harness import run_recipe
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
        "--moe-layer-freq", "([0]+[1]*3)", "--swiglu", "--ffn-hidden-size", "16", "--moe-ffn-hidden-size", "8",
        "--moe-shared-expert-intermediate-size", "8"]
-LAYOUTS = [("pp2_virtual", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-           ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+EP2, TP2_SP = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2_VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+DEFAULT = ("ep2", "pp2_virtual")  # the rest are -m slow
+LAYOUTS = [("ep2", 2, EP2),
+           ("ep4", 4, ["--expert-model-parallel-size", "4"]),
+           ("ep2_tp2_sp", 4, [*EP2, *TP2_SP]),
+           ("ep2_pp2_virtual", 4, [*EP2, *PP2_VIRTUAL]),
+           ("ep2_dp2", 4, EP2),
+           ("pp2_virtual", 2, PP2_VIRTUAL),
+           ("tp2_sp", 2, TP2_SP),
            ("dp2_zero1", 2, ["--use-distributed-optimizer"])]
 NAMES = ("lm_loss", "load_balancing_loss", "z_loss")
 
@@ -23,20 +33,36 @@ def curves(tmp_path, name, nproc, flags):
     return {key: [r[key] for r in records if "lm_loss" in r] for key in NAMES}
 
 
+def assert_same(got, want, first=0):
+    for key in NAMES:
+        assert len(got[key]) == len(want[key]) - first
+        for a, b in zip(got[key], want[key][first:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
+
+
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
     return curves(tmp_path_factory.mktemp("moe"), "single", 1, [])
 
 
-@pytest.mark.parametrize("name, nproc, flags", [pytest.param(*row, marks=() if row[0] == "pp2_virtual" else
+@pytest.mark.parametrize("name, nproc, flags", [pytest.param(*row, marks=() if row[0] in DEFAULT else
                                                              pytest.mark.slow) for row in LAYOUTS],
                          ids=[row[0] for row in LAYOUTS])
 def test_moe_curves_and_balance_losses_are_layout_invariant(tmp_path, moe_reference, name, nproc, flags):
     got = curves(tmp_path, name, nproc, flags)
-    for key in NAMES:
-        assert len(got[key]) == len(moe_reference[key]) == 20
-        for a, b in zip(got[key], moe_reference[key]):
-            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], moe_reference[key])
+    assert len(got["lm_loss"]) == 20
+    assert_same(got, moe_reference)
+
+
+@pytest.mark.parametrize("nproc, flags", [(1, []), pytest.param(2, EP2, marks=pytest.mark.slow),
+                                          pytest.param(4, [*EP2, *TP2_SP], marks=pytest.mark.slow)],
+                         ids=["ep1", "ep2", "ep2_tp2_sp"])
+def test_a_checkpoint_saved_at_ep4_resumes_at_another_layout_on_the_same_curve(tmp_path, moe_reference, nproc, flags):
+    ckpt = str(tmp_path / "ckpt")
+    curves(tmp_path, "first", 4, ["--expert-model-parallel-size", "4", "--save", ckpt, "--train-iters", "10",
+                                  "--lr-decay-iters", "20"])
+    got = curves(tmp_path, "second", nproc, [*flags, "--load", ckpt])
+    assert_same(got, moe_reference, first=10)
 
 
 def test_the_balance_losses_change_the_training(tmp_path, moe_reference):

@@ -155,16 +155,25 @@ class FlatState:
         """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned slice, then
         the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
         mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
+        norm = self.norm_squared(mesh, ("dp", "mp") if self.zero else ("mp",)).sqrt()
+        self.update(clip_scale(norm, clip_grad), lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+        self.refresh(mesh.group("dp"))
+        return norm
+
+    def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:
+        """The squared norm of the owned gradient, each parameter counted once, summed over mesh's groups."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()
             total = (norms.square() * self._norm_weight).sum()
-        for name in (("dp", "mp") if self.zero else ("mp",)):
+        for name in groups:
             group = mesh.group(name)
             total = group.all_reduce(total) if group is not None else total
-        norm = total.sqrt()
-        # the clip is the fused kernel's grad_scale (it divides the gradient by it): no pass of its own
-        grad_scale = ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
+        return total
+
+    def update(self, grad_scale: torch.Tensor | None, *, lr: float, weight_decay: float,
+               decoupled_lr: float | None = None) -> None:
+        """AdamW on the owned slice, the gradient divided by grad_scale (the clip) inside the fused kernel."""
         b1, b2, eps = self.adam
         self.steps += 1
         self.count.fill_(self.steps)
@@ -175,9 +184,20 @@ class FlatState:
             torch._fused_adamw_(*views, [], self._adam_steps[(decoupled, decays)], lr=group_lr, beta1=b1, beta2=b2,
                                 weight_decay=weight_decay if decays else 0.0, eps=eps, amsgrad=False,
                                 maximize=False, grad_scale=grad_scale)
-        dp_group = mesh.group("dp") if self.zero else None
-        if dp_group is not None:
+
+    def refresh(self, dp_group: Any) -> None:
+        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group)."""
+        if self.zero and dp_group is not None:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
         elif self.main is not None:
             self.weights.copy_(self.main)
-        return norm
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""
+        return [self.main_grad()]
+
+
+def clip_scale(norm: torch.Tensor, clip_grad: float) -> torch.Tensor | None:
+    """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): no pass of its
+    own, no host sync."""
+    return ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None

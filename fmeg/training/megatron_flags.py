@@ -112,8 +112,6 @@ MULTI_VALUED = {"--profile-ranks", "--cp-comm-type"}
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--expert-model-parallel-size": ({"type": int, "default": 1}, (1,), "expert parallelism"),
-    "--expert-tensor-parallel-size": ({"type": int}, (None, 1), "expert parallelism"),
     "--context-parallel-size": ({"type": int, "default": 1}, (1,), "context parallelism"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
     "--use-megatron-fsdp": ({"action": "store_true"}, (False,), "FSDP"),

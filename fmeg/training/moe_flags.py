@@ -45,6 +45,10 @@ def layer_freq(text: str) -> int | tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense MLPs)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert parallelism: data-parallel ranks that split the experts between them")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="the experts' tensor parallelism (default and only value: --tensor-model-parallel-size)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
     g.add_argument("--moe-layer-freq", type=layer_freq, default=1, help="N, or a 0/1 pattern per layer")
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -93,10 +97,25 @@ def model_fields(a: argparse.Namespace) -> dict:
 def problems(a: argparse.Namespace) -> list[str]:
     """One line for each MoE flag that cannot run (Megatron's argument rules, and what fmeg lacks yet)."""
     out = []
+    ep, etp, tp = a.expert_model_parallel_size, a.expert_tensor_parallel_size, a.tensor_model_parallel_size
+    if ep < 1:
+        out.append(f"--expert-model-parallel-size must be positive, got {ep}")
+    if etp is not None and etp != tp:
+        out.append(f"--expert-tensor-parallel-size {etp}: experts split over a tensor-parallel size other than "
+                   f"--tensor-model-parallel-size {tp} is not supported by fmeg yet; drop the flag")
     if a.num_experts is None:
         given = [f for f in ("moe_router_enable_expert_bias", "moe_shared_expert_gate")
                  if getattr(a, f)]
-        return [f"--{f.replace('_', '-')} needs --num-experts" for f in given]
+        out += [f"--{f.replace('_', '-')} needs --num-experts" for f in given]
+        if ep > 1:
+            out.append(f"--expert-model-parallel-size {ep} needs --num-experts")
+        return out
+    if ep > 1:
+        if a.num_experts % ep:
+            out.append(f"--num-experts {a.num_experts} must be divisible by --expert-model-parallel-size {ep}")
+        if a.use_distributed_optimizer:
+            out.append("--use-distributed-optimizer with --expert-model-parallel-size > 1 is not supported by fmeg "
+                       "yet; drop one of them")
     if len(a.moe_router_load_balancing_type) > 1 or len(a.moe_aux_loss_coeff) > 1:
         out.append("--moe-router-load-balancing-type / --moe-aux-loss-coeff: fmeg takes one type and one coefficient "
                    "yet; give one of each")

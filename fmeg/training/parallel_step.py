@@ -23,7 +23,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
-from fmeg.parallel.tensor import TensorParallel
+from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 from fmeg.training.flat_state import FlatState
 
 
@@ -38,6 +38,7 @@ class Layout:
     recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
     zero: bool = False  # the distributed optimizer: Adam's state sharded over dp (ZeRO-1)
     micro_batch_size: int = 1
+    ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
 
     @property
     def num_stages(self) -> int:
@@ -48,20 +49,22 @@ class Layout:
         return global_batch // (self.micro_batch_size * self.dp)
 
     def sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **({"ep": self.ep} if self.ep > 1 else {})}
 
     def coords(self, mesh: Mesh) -> dict[str, int]:
-        return {axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}
+        """This rank's coordinates as checkpoints record them (ep, a part of dp, only when it is not 1)."""
+        return {axis: mesh.coord(axis) for axis in ("tp", "pp", "dp", *(("ep",) if self.ep > 1 else ()))}
 
     def checkpoint_meta(self, dtype: torch.dtype) -> dict:
         """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
         return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
-                "dtype": str(dtype).removeprefix("torch.")}
+                "dtype": str(dtype).removeprefix("torch."), **({"ep": self.ep} if self.ep > 1 else {})}
 
     def describe(self) -> str:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
+                + (f" (experts: ep {self.ep})" if self.ep > 1 else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", recompute {recompute}" if recompute else ""))
 
@@ -71,10 +74,17 @@ def local_stages(layout: Layout, pp_rank: int) -> list[int]:
 
 
 def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:
-    """{stage: tensor-parallel shard} for this rank's stages, cut from the full (single-rank) parameters."""
+    """{stage: tensor- (and expert-) parallel shard} for this rank's stages, cut from the full (single-rank)
+    parameters."""
     stages = gp.split(full, config, layout.pp, layout.chunks)
-    coords = {"tp": (mesh.coord("tp"), layout.tp)}
-    return {s: shard(stages[s], gpt.TP_RULES, coords) for s in local_stages(layout, mesh.coord("pp"))}
+    coords = {"tp": (mesh.coord("tp"), layout.tp), "ep": (mesh.coord("ep"), layout.ep)}
+    return {s: shard(stages[s], gpt.TP_RULES + moe.EP_RULES, coords) for s in local_stages(layout, mesh.coord("pp"))}
+
+
+def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
+    """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the experts' ranks."""
+    experts = ExpertParallel(mesh.group("tp_ep"), mesh.coord("ep"), layout.ep) if layout.ep > 1 else NO_EP
+    return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts)
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
@@ -91,7 +101,7 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
     """[sum of the token losses, number of tokens] over the microbatches and data parallelism, forward only;
     None off the last stage's ranks. Validation divides the sums over all its batches, as Megatron reports
     its validation loss: a mean over tokens, whatever the loss masks."""
-    tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
+    tp = model_parallel(layout, mesh)
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile, per_token=True,
                                 fused=compile is not None) for s in params}
     full = schedules.gpipe(layout.pp, len(microbatches)) if layout.chunks == 1 else \
@@ -125,12 +135,24 @@ def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
 def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> torch.Tensor:
     """The global L2 norm of this rank's {stage: tree} of gradients or parameters (the same on every
     data-parallel rank): tensor-parallel shards summed over tp, replicated leaves and the tied output copy
-    counted once, stages summed over pp (one all-reduce over the tp-pp group)."""
+    counted once, stages summed over pp (one all-reduce over the tp-pp group); under expert parallelism the
+    experts' squares are summed over tp x ep x pp instead."""
+    from fmeg.training.expert_state import is_expert
+
     keep = counted_once(config, layout, mesh)
-    total = sum((leaf.double().pow(2).sum() for path, leaf in tree.items(values) if keep(path, leaf)),
-                torch.zeros((), dtype=torch.float64))
+    dense = experts = torch.zeros((), dtype=torch.float64)
+    for path, leaf in tree.items(values):
+        if keep(path, leaf):
+            if layout.ep > 1 and is_expert(path):
+                experts = experts + leaf.double().pow(2).sum()
+            else:
+                dense = dense + leaf.double().pow(2).sum()
     group = mesh.group("mp")
-    return (group.all_reduce(total) if group is not None else total).sqrt()
+    total = group.all_reduce(dense) if group is not None else dense
+    if layout.ep > 1:
+        group = mesh.group("tp_ep_pp")
+        total = total + (group.all_reduce(experts) if group is not None else experts)
+    return total.sqrt()
 
 
 def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *, distributed: bool,
@@ -140,7 +162,14 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     """This rank's training state from its fp32 params ({stage: tree}): the model's weights in the compute
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
     parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
-    Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16)."""
+    Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16). Under expert
+    parallelism the experts' leaves have a state of their own (fmeg.training.expert_state)."""
+    if layout.ep > 1:
+        from fmeg.training.expert_state import ExpertSplitState
+
+        return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, ep=layout.ep, distributed=distributed,
+                                dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
+                                decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
     return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=layout.dp,
                      dp_rank=mesh.coord("dp"), compute_dtype=compute_dtype, adam=adam,
                      decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
@@ -158,12 +187,13 @@ def embedding_or_output(layout: Layout):
     return decoupled
 
 
-def _non_finite(grad: torch.Tensor, loss: torch.Tensor | None, mesh: Mesh) -> tuple[bool, bool]:
+def _non_finite(grads: list[torch.Tensor], loss: torch.Tensor | None, mesh: Mesh) -> tuple[bool, bool]:
     """(any rank's gradient holds inf/nan, the loss is inf/nan where it is held): one all-reduce of two flags,
     one host sync."""
-    bad_loss = (~torch.isfinite(loss)).any() if loss is not None else torch.zeros((), dtype=torch.bool,
-                                                                                  device=grad.device)
-    flags = torch.stack([(~torch.isfinite(grad)).any(), bad_loss.to(grad.device)]).float()
+    device = grads[0].device
+    bad_loss = (~torch.isfinite(loss)).any() if loss is not None else torch.zeros((), dtype=torch.bool, device=device)
+    bad_grad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+    flags = torch.stack([bad_grad, bad_loss.to(device)]).float()
     for name in ("dp", "mp"):
         group = mesh.group(name)
         flags = group.all_reduce(flags, "max") if group is not None else flags
@@ -250,7 +280,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     The metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
     t0 = time.perf_counter()
     params = state.params
-    tp = TensorParallel(mesh.group("tp"), layout.sequence_parallel)
+    tp = model_parallel(layout, mesh)
     # Compiled, each stage is one graph (fused), unless its layers' gradients must be handed over one by one
     # (data-parallel overlap) or whole layers are recomputed.
     fused = compile is not None and not (overlap_grad_reduce and layout.dp > 1) and \
@@ -270,15 +300,15 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     dp_group = mesh.group("dp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
-    grad = state.main_grad()  # this rank's owned slice, in fp32 (a copy where gradients are reduced in fp16/bf16)
+    grads = state.main_grads()  # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
-        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grad.device)
+        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grads[0].device)
         tokens = dp_group.all_reduce(tokens) if dp_group is not None else tokens
         factor = layout.dp / tokens.clamp_min(1.0)
-        grad.mul_(factor.to(grad.dtype))
+        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         loss = None if loss is None else loss * factor
     if loss_scale != 1.0:
-        grad.div_(loss_scale)
+        torch._foreach_div_(grads, loss_scale)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -286,7 +316,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
 
     # every element of the owned slices is some data-parallel rank's: the overflow check sees them all
     if check_overflow:
-        overflow, loss_non_finite = _non_finite(grad, loss, mesh)
+        overflow, loss_non_finite = _non_finite(grads, loss, mesh)
         if overflow:
             return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
                     "loss_non_finite": loss_non_finite, "timers_ms": timers(time.perf_counter())}

@@ -45,6 +45,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
          f"--pipeline-model-parallel-size = {tp} * {pp}")
     dp, gbs = batch_geometry(a, world_size)
+    ep = a.expert_model_parallel_size
+    need(ep < 1 or dp % ep == 0 or world_size % (tp * pp) != 0,
+         f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (expert-parallel ranks are "
+         "data-parallel ranks)")
     need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
          f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
          "(or give --kv-channels)")
@@ -204,8 +208,13 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
 def non_finite_problems(a: argparse.Namespace) -> list[str]:
     """One line for each float flag given as inf or nan (argparse and YAML both take them)."""
     floats = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.type is float}
-    return [f"{flag} must be a finite number, got {getattr(a, dest)}" for dest, flag in floats.items()
-            if isinstance(getattr(a, dest, None), float) and not math.isfinite(getattr(a, dest))]
+
+    def bad(value) -> list[float]:
+        values = value if isinstance(value, list) else [value]
+        return [v for v in values if isinstance(v, float) and not math.isfinite(v)]
+
+    return [f"{flag} must be a finite number, got {bad(getattr(a, dest, None))[0]}" for dest, flag in floats.items()
+            if bad(getattr(a, dest, None))]
 
 
 def unwritable_directory(path: str) -> str | None:

@@ -1,0 +1,173 @@
+"""The training state under expert parallelism: the dense leaves and the experts' leaves in two FlatStates.
+
+    state = ExpertSplitState(params, counted, mesh, ep=2, ...)    # {stage: tree} as FlatState takes it
+    state.params                   # one {stage: tree}, views into both
+    sync = state.grad_sync(...)    # dense gradients averaged over dp, experts' over expert_dp (and / ep)
+    norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
+
+Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients cannot
+join the dense leaves' data-parallel reduction: they are summed over the ranks holding the same experts
+(megatron-core's expert_dp group, dp / ep ranks) and divided by dp, which is the dense leaves' data-parallel
+mean over the same tokens. The global norm counts each expert once: its squares are summed over the
+tp x ep x pp group instead of tp x pp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fmeg import tree
+from fmeg.training.flat_state import FlatState, clip_scale
+
+
+def is_expert(path: str) -> bool:
+    return ".mlp.experts." in f".{path}"
+
+
+def split_experts(values: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """({stage: the tree without the experts' leaves}, {stage: the experts' leaves only}), both nested as the
+    model nests them (layers lists keep their length; a layer without experts is an empty dict)."""
+    dense, experts = {}, {}
+    for stage, t in values.items():
+        dense[stage] = _select(t, keep_experts=False)
+        experts[stage] = _select(t, keep_experts=True)
+    return dense, experts
+
+
+def _select(t: Any, keep_experts: bool, inside: bool = False) -> Any:
+    if isinstance(t, dict):
+        out = {}
+        for k, v in t.items():
+            now = inside or k == "experts"
+            if isinstance(v, (dict, list)):
+                out[k] = _select(v, keep_experts, now)
+            elif now == keep_experts:
+                out[k] = v
+        if keep_experts:
+            out = {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
+        return out
+    return [_select(v, keep_experts, inside) for v in t]
+
+
+def merge(dense: Any, experts: Any) -> Any:
+    """The inverse of split_experts for one tree."""
+    if isinstance(dense, dict):
+        out = dict(dense)
+        for k, v in experts.items():
+            out[k] = merge(dense[k], v) if k in dense else v
+        return out
+    if isinstance(dense, list):
+        return [merge(d, e) for d, e in zip(dense, experts)]
+    return dense
+
+
+class _SplitSync:
+    """The two data-parallel reductions of one backward: gradients go to the dense or the experts' sync by
+    path; after finish, the experts' mean over expert_dp is divided by ep (their data-parallel mean)."""
+
+    def __init__(self, dense, experts, ep: int):
+        self.dense, self.experts, self.ep = dense, experts, ep
+
+    def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
+        mine = {p: g for p, g in grads.items() if is_expert(p)}
+        if mine:
+            self.experts.add(stage, mine, final)
+        if len(mine) < len(grads):
+            self.dense.add(stage, {p: g for p, g in grads.items() if not is_expert(p)}, final)
+
+    def ready(self, stage: int, grads: dict[str, torch.Tensor]) -> None:
+        self.add(stage, grads, final=True)
+
+    def finish(self) -> "_SplitSync":
+        self.dense.finish()
+        self.experts.finish()
+        self.experts.buffer.div_(self.ep)
+        return self
+
+    def tree(self) -> dict[int, Any]:
+        return self.dense.tree()
+
+    def leaf(self, path: str) -> torch.Tensor:
+        return self.dense.leaf(path)
+
+
+class ExpertSplitState:
+    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, ep: int, distributed: bool, dp: int,
+                 **flat_state_options: Any):
+        """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's."""
+        if distributed:
+            raise ValueError("the distributed optimizer with expert parallelism is not supported by fmeg yet")
+        dense, experts = split_experts(params)
+        self.mesh, self.ep, self.zero = mesh, ep, False
+        self.dense = FlatState(dense, counted, distributed=False, dp=dp, dp_rank=mesh.coord("dp"),
+                               **flat_state_options)
+        # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
+        self.experts = FlatState(experts, counted, distributed=False, dp=dp // ep, dp_rank=mesh.coord("expert_dp"),
+                                 **flat_state_options) if tree.tree_leaves(experts) else None
+        self.params = {s: merge(self.dense.params[s], self.experts.params[s]) for s in params} \
+            if self.experts else self.dense.params
+
+    @property
+    def parts(self) -> tuple[FlatState, ...]:
+        return (self.dense, self.experts) if self.experts else (self.dense,)
+
+    @property
+    def opt_state(self) -> dict:
+        if not self.experts:
+            return self.dense.opt_state
+        d, e = self.dense.opt_state, self.experts.opt_state
+        adam = type(d["adam"])(d["adam"].count, self._merged(d["adam"].mu, e["adam"].mu),
+                               self._merged(d["adam"].nu, e["adam"].nu))
+        state = {"adam": adam}
+        if "main" in d:
+            state["main"] = self._merged(d["main"], e["main"])
+        return state
+
+    def _merged(self, dense: dict[int, Any], experts: dict[int, Any]) -> dict[int, Any]:
+        return {s: merge(dense[s], experts[s]) for s in dense}
+
+    def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
+                  overlap: bool = False) -> _SplitSync:
+        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's expert_dp group."""
+        dense = self.dense.grad_sync(group, replicated=replicated, bucket_numel=bucket_numel, overlap=overlap)
+        if not self.experts:
+            return dense
+        experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap)
+        return _SplitSync(dense, experts, self.ep)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        return [part.main_grad() for part in self.parts]
+
+    @torch.no_grad()
+    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
+             decoupled_lr: float | None = None) -> torch.Tensor:
+        experts = self.experts.norm_squared(mesh, ()) if self.experts else \
+            torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
+        group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
+        experts = group.all_reduce(experts) if group is not None else experts
+        norm = (self.dense.norm_squared(mesh, ("mp",)) + experts).sqrt()
+        scale = clip_scale(norm, clip_grad)
+        for part in self.parts:
+            part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+            part.refresh(None)
+        return norm
+
+    @torch.no_grad()
+    def load(self, params: dict[int, Any], opt_state: dict) -> None:
+        from fmeg.optim import AdamState
+
+        adam = opt_state["adam"]
+        split = {name: split_experts(value) for name, value in
+                 (("params", params), ("mu", adam.mu), ("nu", adam.nu), ("main", opt_state.get("main")))
+                 if value is not None}
+        for i, part in enumerate(self.parts):
+            state = {"adam": AdamState(adam.count, split["mu"][i], split["nu"][i])}
+            if "main" in split:
+                state["main"] = split["main"][i]
+            part.load(split["params"][i], state)
+
+    def bytes_per_parameter(self) -> float:
+        n = [tree.num_params(p.params) for p in self.parts]
+        return sum(p.bytes_per_parameter() * k for p, k in zip(self.parts, n)) / max(sum(n), 1)
