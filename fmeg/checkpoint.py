@@ -69,8 +69,8 @@ def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Te
     for name, value in (("mu", adam.mu), ("nu", adam.nu), ("main", opt_state.get("main"))):
         if value is None:
             continue
-        if isinstance(value, dict) and set(value) == {"shard"}:
-            out[f"{name}/shard"] = value["shard"]
+        if isinstance(value, dict) and "shard" in value:  # flat slices (the experts' own under expert parallelism)
+            out.update({f"{name}/{k}": v for k, v in value.items()})
         else:
             out.update(_named(name, value))
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
@@ -91,6 +91,10 @@ def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: di
         if rest == "shard":
             shape = [t.shape[0] * sizes.get("dp", 1)]
             offset = [t.shape[0] * coords.get("dp", 0)]
+        elif rest == "expert_shard":  # a slice over expert_dp of this ep rank's experts' flat state
+            ep = sizes.get("ep", 1)
+            shape = [t.shape[0] * sizes.get("dp", 1) // ep]
+            offset = [t.shape[0] * (coords.get("dp", 0) // ep)]
         elif kind != "adam":
             leaf = rest.partition("/")[2]
             part = partition_of(leaf, gpt.TP_RULES)
@@ -283,7 +287,7 @@ def _stage_trees(tensors: dict[str, torch.Tensor], prefix: str) -> dict[int, Any
     stages: dict[int, dict] = {}
     for name, t in tensors.items():
         head, _, rest = name.partition("/")
-        if head == prefix and rest != "shard":
+        if head == prefix and rest not in ("shard", "expert_shard"):
             stage, _, path = rest.partition("/")
             stages.setdefault(int(stage), {})[path] = t
     return {s: tree.unflatten(flat) for s, flat in stages.items()}
@@ -305,9 +309,7 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
                 if name == "params":
                     local = params
                 elif f"{name}/shard" in files[0]:  # distributed optimizer: join the dp slices
-                    flat = FlatBuffer.of(params, old["dp"])
-                    joined = torch.cat([f[f"{name}/shard"] for f in files])
-                    local = flat.unflatten(joined, tree.tree_map(lambda t: t.float(), params))
+                    local = _joined_slices(files, name, params, old["dp"], old.get("ep", 1))
                 else:
                     local = _stage_trees(files[0], name)
                     if not local:
@@ -320,6 +322,28 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
         full[name] = gpt.repad_vocab(gp.merge(joined, config), config, config.padded_vocab_size)
     full["count"] = _rank_file(path, meta, {"tp": 0, "pp": 0, "dp": 0})["adam/count"]
     return full
+
+
+def _joined_slices(files: list[dict], name: str, params: dict[int, Any], dp: int, ep: int) -> dict[int, Any]:
+    """One (tp, pp) rank's {stage: tree} of a distributed-optimizer state from its dp ranks' flat slices; under
+    expert parallelism the dense leaves' slices span dp and each ep rank's experts' slices its expert_dp ranks
+    (dp rank = ep rank + ep * expert_dp rank)."""
+    from fmeg.training.expert_state import merge, split_experts
+
+    as_float = lambda t: tree.tree_map(lambda x: x.float(), t)  # noqa: E731
+    if ep == 1:
+        return FlatBuffer.of(params, dp).unflatten(torch.cat([f[f"{name}/shard"] for f in files]), as_float(params))
+    dense, experts = split_experts(params)
+    out = FlatBuffer.of(dense, dp).unflatten(torch.cat([f[f"{name}/shard"] for f in files]), as_float(dense))
+    if not tree.tree_leaves(experts):
+        return out
+    per_ep = []
+    for j in range(ep):
+        mine = tree.tree_map(lambda t: t.chunk(ep)[j], experts)
+        slices = torch.cat([files[j + ep * k][f"{name}/expert_shard"] for k in range(dp // ep)])
+        per_ep.append(FlatBuffer.of(mine, dp // ep).unflatten(slices, as_float(mine)))
+    joined = tree.tree_map(lambda *parts: torch.cat(parts), *per_ep)
+    return {s: merge(out[s], joined[s]) for s in out}
 
 
 def same_layout(meta: dict, layout: dict, config: gpt.GPTConfig) -> bool:
@@ -336,7 +360,7 @@ def local_state(path: Path, meta: dict, coords: dict[str, int]) -> tuple[dict[in
 
     def part(name):
         if f"{name}/shard" in tensors:
-            return {"shard": tensors[f"{name}/shard"]}
+            return {k: tensors[f"{name}/{k}"] for k in ("shard", "expert_shard") if f"{name}/{k}" in tensors}
         trees = _stage_trees(tensors, name)
         return trees or None
 

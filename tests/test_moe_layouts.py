@@ -3,7 +3,9 @@ load-balancing and z losses at expert parallelism 2 and 4, ep 2 x tp 2 with sp, 
 stages, ep 2 x dp 2, tp 2 with sp, pp 2 with virtual stages and dp 2 with the distributed optimizer equal one
 rank's within 1e-5 over 20 iterations (the balance losses' gradients join at each layer, with the seed the
 pipeline's loss backward starts from; the experts' gradients are averaged over expert-data-parallel ranks).
-A checkpoint saved at ep 4 resumes at ep 1, ep 2 and tp 2 x ep 2 on the same curve."""
+A checkpoint saved at ep 4 resumes at ep 1, ep 2 and tp 2 x ep 2, and one saved at ep 2 with the distributed
+optimizer (the experts' Adam state sliced over expert_dp) at its own layout and at ep 2 without it, on the same
+curve."""
 
 import pytest
 
@@ -22,6 +24,7 @@ LAYOUTS = [("ep2", 2, EP2),
            ("ep2_tp2_sp", 4, [*EP2, *TP2_SP]),
            ("ep2_pp2_virtual", 4, [*EP2, *PP2_VIRTUAL]),
            ("ep2_dp2", 4, EP2),
+           ("ep2_dp2_zero1", 4, [*EP2, "--use-distributed-optimizer"]),
            ("pp2_virtual", 2, PP2_VIRTUAL),
            ("tp2_sp", 2, TP2_SP),
            ("dp2_zero1", 2, ["--use-distributed-optimizer"])]
@@ -54,13 +57,20 @@ def test_moe_curves_and_balance_losses_are_layout_invariant(tmp_path, moe_refere
     assert_same(got, moe_reference)
 
 
-@pytest.mark.parametrize("nproc, flags", [(1, []), pytest.param(2, EP2, marks=pytest.mark.slow),
-                                          pytest.param(4, [*EP2, *TP2_SP], marks=pytest.mark.slow)],
-                         ids=["ep1", "ep2", "ep2_tp2_sp"])
-def test_a_checkpoint_saved_at_ep4_resumes_at_another_layout_on_the_same_curve(tmp_path, moe_reference, nproc, flags):
+EP4 = ["--expert-model-parallel-size", "4"]
+ZERO = ["--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("save_flags, nproc, flags", [
+    (EP4, 1, []), pytest.param(EP4, 2, EP2, marks=pytest.mark.slow),
+    pytest.param(EP4, 4, [*EP2, *TP2_SP], marks=pytest.mark.slow),
+    pytest.param([*EP2, *ZERO], 4, [*EP2, *ZERO], marks=pytest.mark.slow),
+    pytest.param([*EP2, *ZERO], 2, EP2, marks=pytest.mark.slow),
+], ids=["ep4_to_ep1", "ep4_to_ep2", "ep4_to_ep2_tp2_sp", "ep2_zero1_same_layout", "ep2_zero1_to_ep2_dp1"])
+def test_a_checkpoint_resumes_at_its_own_or_another_expert_layout_on_the_same_curve(tmp_path, moe_reference,
+                                                                                      save_flags, nproc, flags):
     ckpt = str(tmp_path / "ckpt")
-    curves(tmp_path, "first", 4, ["--expert-model-parallel-size", "4", "--save", ckpt, "--train-iters", "10",
-                                  "--lr-decay-iters", "20"])
+    curves(tmp_path, "first", 4, [*save_flags, "--save", ckpt, "--train-iters", "10", "--lr-decay-iters", "20"])
     got = curves(tmp_path, "second", nproc, [*flags, "--load", ckpt])
     assert_same(got, moe_reference, first=10)
 

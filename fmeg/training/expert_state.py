@@ -96,16 +96,16 @@ class _SplitSync:
 class ExpertSplitState:
     def __init__(self, params: dict[int, Any], counted, mesh: Any, *, ep: int, distributed: bool, dp: int,
                  **flat_state_options: Any):
-        """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's."""
-        if distributed:
-            raise ValueError("the distributed optimizer with expert parallelism is not supported by fmeg yet")
+        """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
+        With the distributed optimizer the dense state is sharded over dp, the experts' over expert_dp."""
         dense, experts = split_experts(params)
-        self.mesh, self.ep, self.zero = mesh, ep, False
-        self.dense = FlatState(dense, counted, distributed=False, dp=dp, dp_rank=mesh.coord("dp"),
+        self.mesh, self.ep, self.zero = mesh, ep, distributed
+        self.dense = FlatState(dense, counted, distributed=distributed, dp=dp, dp_rank=mesh.coord("dp"),
                                **flat_state_options)
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
-        self.experts = FlatState(experts, counted, distributed=False, dp=dp // ep, dp_rank=mesh.coord("expert_dp"),
-                                 **flat_state_options) if tree.tree_leaves(experts) else None
+        self.experts = FlatState(experts, counted, distributed=distributed, dp=dp // ep,
+                                 dp_rank=mesh.coord("expert_dp"), **flat_state_options) \
+            if tree.tree_leaves(experts) else None
         self.params = {s: merge(self.dense.params[s], self.experts.params[s]) for s in params} \
             if self.experts else self.dense.params
 
@@ -125,8 +125,18 @@ class ExpertSplitState:
             state["main"] = self._merged(d["main"], e["main"])
         return state
 
-    def _merged(self, dense: dict[int, Any], experts: dict[int, Any]) -> dict[int, Any]:
+    def _merged(self, dense: dict, experts: dict) -> dict:
+        if self.zero:  # flat slices: the experts' under a name of their own
+            return {"shard": dense["shard"], "expert_shard": experts["shard"]}
         return {s: merge(dense[s], experts[s]) for s in dense}
+
+    def zero_slices(self, trees: dict[int, Any]) -> dict:
+        """This rank's distributed-optimizer slices of a whole {stage: tree} (resharding a checkpoint)."""
+        dense, experts = split_experts(trees)
+        out = self.dense.zero_slices(dense)
+        if self.experts:
+            out["expert_shard"] = self.experts.zero_slices(experts)["shard"]
+        return out
 
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
                   overlap: bool = False) -> _SplitSync:
@@ -143,15 +153,15 @@ class ExpertSplitState:
     @torch.no_grad()
     def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
              decoupled_lr: float | None = None) -> torch.Tensor:
-        experts = self.experts.norm_squared(mesh, ()) if self.experts else \
+        experts = self.experts.norm_squared(mesh, ("expert_dp",) if self.zero else ()) if self.experts else \
             torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
         group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
         experts = group.all_reduce(experts) if group is not None else experts
-        norm = (self.dense.norm_squared(mesh, ("mp",)) + experts).sqrt()
+        norm = (self.dense.norm_squared(mesh, ("dp", "mp") if self.zero else ("mp",)) + experts).sqrt()
         scale = clip_scale(norm, clip_grad)
-        for part in self.parts:
+        for part, group in zip(self.parts, ("dp", "expert_dp")):
             part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
-            part.refresh(None)
+            part.refresh(mesh.group(group))
         return norm
 
     @torch.no_grad()
@@ -159,7 +169,13 @@ class ExpertSplitState:
         from fmeg.optim import AdamState
 
         adam = opt_state["adam"]
-        split = {name: split_experts(value) for name, value in
+
+        def split(value):
+            if self.zero and value is not params:
+                return {"shard": value["shard"]}, {"shard": value.get("expert_shard")}
+            return split_experts(value)
+
+        split = {name: split(value) for name, value in
                  (("params", params), ("mu", adam.mu), ("nu", adam.nu), ("main", opt_state.get("main")))
                  if value is not None}
         for i, part in enumerate(self.parts):

@@ -50,6 +50,7 @@ class FlatState:
         self.flat, self.zero, self.adam = FlatBuffer.of(params, dp), distributed, adam
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
+        self.dp_rank = dp_rank
         device = tree.tree_leaves(params)[0].device
         fp32 = self.flat.flatten(params)
         self.weights = fp32.to(device=device, dtype=compute_dtype)
@@ -191,6 +192,10 @@ class FlatState:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
         elif self.main is not None:
             self.weights.copy_(self.main)
+
+    def zero_slices(self, trees: dict[int, Any]) -> dict:
+        """{"shard": this rank's distributed-optimizer slice} of a whole {stage: tree} like params."""
+        return {"shard": self.flat.shard(self.flat.flatten(trees), self.dp_rank)}
 
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""

@@ -113,9 +113,7 @@ def problems(a: argparse.Namespace) -> list[str]:
     if ep > 1:
         if a.num_experts % ep:
             out.append(f"--num-experts {a.num_experts} must be divisible by --expert-model-parallel-size {ep}")
-        if a.use_distributed_optimizer:
-            out.append("--use-distributed-optimizer with --expert-model-parallel-size > 1 is not supported by fmeg "
-                       "yet; drop one of them")
+
     if len(a.moe_router_load_balancing_type) > 1 or len(a.moe_aux_loss_coeff) > 1:
         out.append("--moe-router-load-balancing-type / --moe-aux-loss-coeff: fmeg takes one type and one coefficient "
                    "yet; give one of each")

@@ -42,7 +42,7 @@ def _resharded(path, meta, cfg, session, state: FlatState):
 
     def local(name):
         trees = session.to_device(shard_params(full[name], cfg.model, cfg.layout, session.mesh))
-        return {"shard": state.flat.shard(state.flat.flatten(trees), session.mesh.coord("dp"))} if state.zero else trees
+        return state.zero_slices(trees) if state.zero else trees
 
     weights = session.to_device(shard_params(full[master], cfg.model, cfg.layout, session.mesh))
     return weights, {"adam": optim.AdamState(full["count"], local("mu"), local("nu")), "main": local(master)}
