@@ -228,7 +228,8 @@ CHANGEABLE_ON_LOAD = ("hidden_dropout", "attention_dropout", "init_std", "rope_t
                       # how experts are trained, not what they are: a run may resume with other balance losses or
                       # capacity
                       "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                      "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")
+                      "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+                      "moe_router_bias_update_rate")
 
 
 def saved_model(meta: dict, where: str) -> dict:

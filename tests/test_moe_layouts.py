@@ -82,3 +82,52 @@ def test_the_balance_losses_change_the_training(tmp_path, moe_reference):
     assert plain[0] == pytest.approx(moe_reference["lm_loss"][0], rel=1e-6)  # same model, same first batch
     assert abs(plain[-1] - moe_reference["lm_loss"][-1]) > 1e-4
     assert "load_balancing_loss" not in records[0] and "z_loss" not in records[0]
+
+
+# DeepSeek-V3's routing without MLA and MTP: sigmoid scores, the aux-loss-free expert bias, group-limited top-4
+# of 8, a scaling factor, a shared expert, a sequence-level balance loss and a dense first layer.
+DEEPSEEK = ["--num-experts", "8", "--moe-router-topk", "4", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3", "--moe-router-num-groups", "4",
+            "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+            "--moe-shared-expert-intermediate-size", "16", "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size",
+            "8", "--swiglu", "--ffn-hidden-size", "32", "--moe-router-dtype", "fp32"]
+
+
+def test_a_deepseek_v3_style_model_trains_saves_at_ep2_and_resumes_at_ep1_on_one_ranks_curve(tmp_path):
+    """The expert bias moves by +-rate per step as Megatron's does (from the step's tokens per expert over
+    every rank), is saved with the weights, and the run resumed at another ep follows one rank's curve."""
+    from safetensors.torch import load_file
+
+    def run(name, nproc, flags):
+        records, _ = run_recipe(tmp_path, name, nproc, [*DEEPSEEK, *flags])
+        return [r["lm_loss"] for r in records], [r["load_balancing_loss"] for r in records]
+
+    single = run("single", 1, [])
+    ckpt = tmp_path / "ckpt"
+    run("first", 2, ["--expert-model-parallel-size", "2", "--save", str(ckpt), "--train-iters", "10",
+                     "--lr-decay-iters", "20"])
+    second = run("second", 1, ["--load", str(ckpt)])
+    for got, want in zip(second, single):
+        assert len(got) == 10 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want[10:])), (got, want)
+    bias = [t for f in (ckpt / "iter_0000010").glob("*.safetensors") for n, t in load_file(str(f)).items()
+            if n.startswith("params/") and n.endswith("expert_bias")]
+    assert bias and all(t.abs().max() > 0 for t in bias)
+    for t in bias:  # ten steps of +-1e-3 (or 0 at an exact tie): multiples of the rate, at most 1e-2
+        steps = t / 1e-3
+        assert (steps - steps.round()).abs().max() < 1e-3 and t.abs().max() <= 1e-2 + 1e-6
+
+
+def test_mla_and_mtp_are_refused_in_one_line():
+    import sys
+
+    from runner_harness import run_group
+
+    out = run_group([sys.executable, "-m", "recipes.gpt_pretrain", *DEEPSEEK, "--multi-latent-attention",
+                     "--mtp-num-layers", "1", "--train-iters", "1"])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines == [
+        "error: --multi-latent-attention: multi-latent attention (DeepSeek's MLA) is not supported by fmeg yet; "
+        "drop the flag",
+        "error: --mtp-num-layers 1: multi-token prediction (DeepSeek's MTP) is not supported by fmeg yet; drop the "
+        "flag"], out.stderr

@@ -98,6 +98,8 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing (sigmoid routers)
+    moe_router_bias_update_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         for name in ("rope_scaling", "moe_layer_freq"):

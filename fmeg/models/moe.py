@@ -47,9 +47,11 @@ METRICS = ("load_balancing_loss", "z_loss")  # Megatron's names, in the order of
 class AuxLosses:
     """Where a forward pass puts its auxiliary losses: seed, the gradient their sum gets (the main loss's
     backward seed); metrics, a [layers, len(METRICS)] buffer that each MoE layer writes its values into (a
-    recomputed layer writes the same values again), or None."""
+    recomputed layer writes the same values again), or None; counts, a [layers, num_experts] buffer for the
+    tokens each expert received here (the expert-bias update's input), or None."""
     seed: torch.Tensor | float = 1.0
     metrics: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
 
 NO_AUX = AuxLosses()
@@ -107,6 +109,8 @@ def validate(config, need) -> None:
          "moe_router_pre_softmax", "applies to the softmax score function only")
     need(config.moe_router_dtype in (None, "fp32", "fp64"), "moe_router_dtype",
          f"must be fp32 or fp64, got {config.moe_router_dtype!r}")
+    need(not config.moe_router_enable_expert_bias or config.moe_router_score_function == "sigmoid",
+         "moe_router_enable_expert_bias", "needs the sigmoid score function")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,6 +127,8 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
     p = {"router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
          "experts": {"fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),
                      "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2")}}
+    if c.moe_router_enable_expert_bias:  # steers the choice of experts only: no gradient reaches it
+        p["router"]["expert_bias"] = torch.zeros(e)
     if c.moe_shared_expert_intermediate_size:
         s = c.moe_shared_expert_intermediate_size
         shared_fc1 = (2, s, c.hidden_size) if gated else (s, c.hidden_size)
@@ -158,14 +164,17 @@ def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = N
     return ops.linear(x_BSH, weight)
 
 
-def route_tokens(logits_BSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs, experts) [b, s, k] for the tokens held here, with token dropping when a capacity is set (the
-    capacity counts these tokens: Megatron's router counts its own sequence chunk)."""
+    capacity counts these tokens: Megatron's router counts its own sequence chunk). expert_bias [E] steers the
+    choice (sigmoid routers)."""
     b, s, e = logits_BSE.shape
     probs, experts = moe_ops.route(
         logits_BSE.reshape(b * s, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
         pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
-        group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor)
+        group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
+        expert_bias=None if expert_bias is None else expert_bias.detach())
     if config.moe_expert_capacity_factor is not None:
         keep = moe_ops.capacity_keep(probs, experts, e, config.moe_expert_capacity_factor,
                                      config.moe_token_drop_policy)
@@ -258,7 +267,11 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     ep = tp.experts
     dispatch = ep.group if ep.size > 1 else (tp.group if tp.sp else None)
     logits = router_logits(p, x_BSH, config, tp)
-    probs, experts = route_tokens(logits, config)
+    probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
+    if aux.counts is not None:  # tokens per expert here, for the expert-bias update after the step
+        kept = (probs != 0).to(logits.dtype).detach()
+        aux.counts[index] = torch.zeros(logits.shape[-1], dtype=aux.counts.dtype, device=logits.device).index_add(
+            0, experts.reshape(-1), kept.reshape(-1).to(aux.counts.dtype))
     losses = balance_losses(logits, config, tp)
     coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff}
     if losses:

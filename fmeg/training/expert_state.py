@@ -147,6 +147,9 @@ class ExpertSplitState:
         experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap)
         return _SplitSync(dense, experts, self.ep)
 
+    def add_(self, path: str, delta: torch.Tensor) -> None:
+        (self.experts if is_expert(path) else self.dense).add_(path, delta)
+
     def main_grads(self) -> list[torch.Tensor]:
         return [part.main_grad() for part in self.parts]
 

@@ -51,6 +51,9 @@ class FlatState:
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
         self.dp_rank = dp_rank
+        sizes = [leaf.numel() for _, leaf in tree.items(params)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._where = {path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)}
         device = tree.tree_leaves(params)[0].device
         fp32 = self.flat.flatten(params)
         self.weights = fp32.to(device=device, dtype=compute_dtype)
@@ -192,6 +195,18 @@ class FlatState:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
         elif self.main is not None:
             self.weights.copy_(self.main)
+
+    @torch.no_grad()
+    def add_(self, path: str, delta: torch.Tensor) -> None:
+        """leaf `path` ("stage.path") += delta outside the optimizer (Megatron's expert-bias update), in the
+        compute weights and in the fp32 master where there is one (its owned part under ZeRO-1)."""
+        start, n = self._where[path]
+        delta = delta.reshape(-1).to(self.weights.device)
+        self.weights[start:start + n] += delta.to(self.weights.dtype)
+        if self.main is not None:
+            a, b = max(start, self.lo), min(start + n, self.hi)
+            if a < b:
+                self.main[a - self.lo:b - self.lo] += delta[a - start:b - start]
 
     def zero_slices(self, trees: dict[int, Any]) -> dict:
         """{"shard": this rank's distributed-optimizer slice} of a whole {stage: tree} like params."""

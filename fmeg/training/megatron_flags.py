@@ -113,6 +113,8 @@ MULTI_VALUED = {"--profile-ranks", "--cp-comm-type"}
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
     "--context-parallel-size": ({"type": int, "default": 1}, (1,), "context parallelism"),
+    "--multi-latent-attention": ({"action": "store_true"}, (False,), "multi-latent attention (DeepSeek's MLA)"),
+    "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
     "--use-megatron-fsdp": ({"action": "store_true"}, (False,), "FSDP"),
     "--use-torch-fsdp2": ({"action": "store_true"}, (False,), "FSDP"),

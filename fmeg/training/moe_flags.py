@@ -91,7 +91,9 @@ def model_fields(a: argparse.Namespace) -> dict:
         moe_expert_capacity_factor=a.moe_expert_capacity_factor, moe_token_drop_policy=a.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=a.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=a.moe_shared_expert_gate)
+        moe_shared_expert_gate=a.moe_shared_expert_gate,
+        moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=a.moe_router_bias_update_rate)
 
 
 def problems(a: argparse.Namespace) -> list[str]:
@@ -121,9 +123,6 @@ def problems(a: argparse.Namespace) -> list[str]:
     if kind in ("global_aux_loss", "sinkhorn"):
         out.append(f"--moe-router-load-balancing-type {kind}: not supported by fmeg yet; use aux_loss, seq_aux_loss "
                    "or none")
-    if a.moe_router_enable_expert_bias:
-        out.append("--moe-router-enable-expert-bias: the aux-loss-free expert bias is not supported by fmeg yet; "
-                   "drop the flag")
     if a.moe_input_jitter_eps:
         out.append("--moe-input-jitter-eps: router input jitter is not supported by fmeg yet; drop the flag")
     if a.moe_router_enable_expert_bias and a.moe_router_score_function != "sigmoid":

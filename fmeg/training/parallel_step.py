@@ -225,21 +225,37 @@ def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh
 
 
 def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale: float, per_token: bool
-                    ) -> tuple[list[dict], torch.Tensor | None]:
+                    ) -> tuple[list[dict], tuple[torch.Tensor, torch.Tensor | None]]:
     """For a mixture of experts, the microbatches (copies) with what their auxiliary losses need: loss_seed, the
     backward seed of the microbatch's loss (loss scale / microbatches; with per-token losses, loss scale times
     the microbatch's tokens, as Megatron scales them), and moe_metrics, this microbatch's row of a
-    [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into."""
-    if not config.num_experts:
-        return microbatches, None
+    [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into, and with
+    the expert bias moe_counts, its row of a [microbatches, layers, experts] buffer of tokens per expert."""
     device = microbatches[0]["tokens"].device
     metrics = torch.zeros(len(microbatches), config.num_layers, len(moe.METRICS), device=device)
+    counts = torch.zeros(len(microbatches), config.num_layers, config.num_experts, device=device) \
+        if config.moe_router_enable_expert_bias else None
     out = []
     for i, mb in enumerate(microbatches):
         seed = torch.tensor(loss_scale, device=device) * (gpt.loss_tokens(mb).to(device) if per_token
                                                           else 1.0 / len(microbatches))
-        out.append({**mb, "loss_seed": seed, "moe_metrics": metrics[i]})
-    return out, metrics
+        out.append({**mb, "loss_seed": seed, "moe_metrics": metrics[i],
+                    **({"moe_counts": counts[i]} if counts is not None else {})})
+    return out, (metrics, counts)
+
+
+def update_expert_bias(state: Any, counts: torch.Tensor, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> None:
+    """Megatron's aux-loss-free balancing after a step: each MoE layer's expert_bias += rate * sign(mean load -
+    load), the loads being the tokens each expert received over the step's microbatches and every rank."""
+    total = counts.sum(dim=0)
+    for name in ("tp_dp", "pp"):
+        group = mesh.group(name)
+        total = group.all_reduce(total) if group is not None else total
+    delta = config.moe_router_bias_update_rate * torch.sign(total.mean(dim=-1, keepdim=True) - total)
+    for stage in state.params:
+        for j, index in enumerate(gp.stage_layers(config, stage, layout.num_stages)):
+            if moe.moe_layers(config)[index]:
+                state.add_(f"{stage}.layers.{j}.mlp.router.expert_bias", delta[index])
 
 
 def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict:
@@ -288,7 +304,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused)
            for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
-    microbatches, moe_metrics = with_aux_losses(microbatches, config, loss_scale, per_token)
+    microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token) \
+        if config.num_experts else (microbatches, (None, None))
     sync = state.grad_sync(mesh.group("dp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
                            replicated=tied_paths(config, layout, params) if state.zero else frozenset())
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
@@ -321,5 +338,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
             return {"loss": loss, "grad_norm": torch.tensor(float("nan")), "skipped": True,
                     "loss_non_finite": loss_non_finite, "timers_ms": timers(time.perf_counter())}
     norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr)
+    if moe_counts is not None:
+        update_expert_bias(state, moe_counts, config, layout, mesh)
     return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter()),
             "moe": aux_loss_values(moe_metrics, config, layout, mesh)}
