@@ -261,10 +261,18 @@ def test_moe_under_tensor_and_sequence_parallelism_equals_one_device(backend, wo
                 torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
 
 
-def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
-    config = moe_config()
-    with pytest.raises(RuntimeError, match="needs sequence parallelism"):
-        run("threads", 2, P.gpt_loss_and_grads, gpt.init(config, 0), batch_for(config), config, None)
+def test_moe_under_tensor_parallelism_without_sp_equals_one_device():
+    """Generation's layout (tp without sequence parallelism): every rank routes all tokens, F-slices all-reduced;
+    loss and every gradient equal one device's."""
+    config = moe_config(moe_shared_expert_intermediate_size=8, num_kv_heads=4, bias=True, activation="gelu")
+    params, batch = gpt.init(config, 0), batch_for(config)
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config))(params)
+    results = run("threads", 2, P.gpt_loss_and_grads, params, batch, config, None)
+    got = unshard([g for _, g in results], gpt.TP_RULES, "tp")
+    for loss, _ in results:
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for path, g in tree.items(got):
+        torch.testing.assert_close(g, tree.flatten(want_grads)[path], rtol=1e-5, atol=1e-6, msg=path)
 
 
 @pytest.mark.parametrize("backend, world, tp", [("threads", 2, 1), ("threads", 4, 2), ("gloo", 2, 1),

@@ -8,8 +8,9 @@ Parameter paths (in place of the dense layer's mlp):
     layers.{i}.mlp.shared.fc1 / fc2           a dense MLP of moe_shared_expert_intermediate_size
     layers.{i}.mlp.shared_gate.weight         [1, H]             with moe_shared_expert_gate
 
-Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense MLP's, and
-requires sequence parallelism when tp > 1 (as Megatron-core does with experts). Expert parallelism (tp.experts)
+Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense MLP's. Megatron-core
+trains experts under tp > 1 with sequence parallelism only (the runner's rule too); without it (generation) every
+tp rank routes all the tokens and the F-slices' partial sums are all-reduced. Expert parallelism (tp.experts)
 gives each of its ep ranks E / ep experts (the leading dimension of every experts leaf); its ranks are
 data-parallel ranks, each with its own tokens. Each rank routes its own tokens (its sequence chunk under
 sequence parallelism), then the tokens, their experts and their weights are all-gathered over the dispatch
@@ -261,10 +262,11 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
             aux: AuxLosses = NO_AUX, index: int = 0) -> torch.Tensor:
     """The MoE MLP on x [b, s, h] ([b, s/t, h] under sequence parallelism) -> the same shape; the auxiliary
     losses' gradients join at the router's probabilities (see the module docstring)."""
-    if tp.size > 1 and not tp.sp:
-        raise ValueError("mixture of experts with tensor parallelism needs sequence parallelism "
-                         "(--sequence-parallel), as in Megatron-core")
     ep = tp.experts
+    replicated = tp.size > 1 and not tp.sp  # every tp rank holds (and routes) all the tokens
+    if replicated and ep.size > 1:
+        raise ValueError("expert parallelism with tensor parallelism needs sequence parallelism (--sequence-parallel), "
+                         "as in Megatron-core")
     dispatch = ep.group if ep.size > 1 else (tp.group if tp.sp else None)
     logits = router_logits(p, x_BSH, config, tp)
     probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
@@ -277,13 +279,15 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     if losses:
         total = sum(coeffs[name] * value for name, value in losses.items())
         probs = inject_gradient(probs, total, aux.seed)
-        if aux.metrics is not None:
+        if aux.metrics is not None:  # parts that sum over tp to the microbatch's value
             values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
-            aux.metrics[index] = values
+            aux.metrics[index] = values / tp.size if replicated else values
     if dispatch is not None:  # every rank's tokens, each rank computing its experts' slice of F
         x_all = C.gather_from_sp(x_BSH, dispatch, SEQ_DIM)
         probs = C.gather_from_sp(probs, dispatch, SEQ_DIM)
         experts = C.all_gather_constant(experts, dispatch, SEQ_DIM)
+    elif replicated:  # each rank's F-slice gives partial sums: their gradients are summed over tp
+        x_all, probs = C.copy_to(x_BSH, tp.group), C.copy_to(probs, tp.group)
     else:
         x_all = x_BSH
     b, s, h = x_all.shape
@@ -297,6 +301,8 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     y = y.reshape(b, s, h)
     if dispatch is not None:
         y = C.reduce_scatter_to(y, dispatch, SEQ_DIM)
+    elif replicated:
+        y = C.reduce_from(y, tp.group)
     if "shared" in p:
         y = y + shared_expert(p, x_BSH, config, tp, activation)
     return y
