@@ -303,3 +303,22 @@ def test_expert_parallelism_equals_one_device(backend, world, tp):
         want = tree.flatten(shard(tree.unflatten(want), rules, coords))
         for path, g in tree.items(grads):
             torch.testing.assert_close(g, want[path], rtol=1e-5, atol=1e-6, msg=path)
+
+
+def test_experts_compile_into_one_graph_with_the_eager_numbers():
+    """Under torch.compile (fullgraph) the experts run without a host sync (the grouped kernel where the dtype
+    allows it, else every expert on every row, masked) and give the eager values and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(12, 8, generator=gen), torch.randn(12, 4, generator=gen)
+    fc1, fc2 = torch.randn(4, 2, 6, 8, generator=gen), torch.randn(4, 8, 6, generator=gen)
+
+    def f(x, fc1, fc2, logits):
+        probs, experts = moe_ops.route(logits, topk=2)
+        return moe_ops.expert_mlp(x, probs, experts, fc1, fc2, gated).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    args = (x, fc1, fc2, logits)
+    want = torch.func.grad(f, argnums=(0, 1, 2, 3))(*args)
+    got = torch.autograd.grad(compiled(*[a.requires_grad_() for a in args]), args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -16,8 +16,10 @@ router (megatron/core/transformer/moe/moe_utils.py) so that its flags mean the s
 - scaling_factor multiplies the final probabilities.
 
 Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm where the
-device and dtype take it; a loop over experts otherwise): no loop over tokens, and no host sync on the
-grouped path.
+device and dtype take it: bf16 on CUDA 9.0+, fp32 on CPU when not compiled; a loop over experts otherwise): no
+loop over tokens, and no host sync on the grouped path. The loop reads the experts' boundaries on the host,
+except under torch.compile, where it runs every expert on every row, masked (no host sync in a graph, at E
+times the FLOPs: compiled runs want the grouped path).
 """
 
 from __future__ import annotations
@@ -190,6 +192,14 @@ def grouped_linear(rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: to
         rows_NH = torch.where(valid, rows_NH, rows_NH.new_zeros(()))
         out = torch._grouped_mm(rows_NH, weight_EFH.transpose(-1, -2), offs=offs)
         return torch.where(valid, out, out.new_zeros(()))
+    if torch.compiler.is_compiling():  # no host sync inside a graph: every expert on every row, masked
+        starts = ends - counts_E
+        position = torch.arange(n, device=rows_NH.device)
+        out = rows_NH.new_zeros(n, weight_EFH.shape[-2])
+        for i in range(e):
+            mine = ((position >= starts[i]) & (position < ends[i]))[:, None]
+            out = out + torch.where(mine, rows_NH @ weight_EFH[i].transpose(-1, -2), out.new_zeros(()))
+        return out
     # the fallback: one matmul per expert (a host sync for the boundaries)
     bounds = [0, *ends.tolist()]
     parts = [rows_NH[bounds[i]:bounds[i + 1]] @ weight_EFH[i].transpose(-1, -2) for i in range(e)]
@@ -205,7 +215,8 @@ def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if rows.device.type == "cuda":
         return rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (9, 0)
-    return rows.device.type == "cpu" and rows.dtype == torch.float32
+    # the CPU kernel takes fp32, but torch.compile's shape function only bf16
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def reference_moe(x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor, fc1: torch.Tensor,
