@@ -91,18 +91,19 @@ def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: di
         if rest == "shard":
             shape = [t.shape[0] * sizes.get("dp", 1)]
             offset = [t.shape[0] * coords.get("dp", 0)]
-        elif rest == "expert_shard":  # a slice over expert_dp of this ep rank's experts' flat state
-            ep = sizes.get("ep", 1)
-            shape = [t.shape[0] * sizes.get("dp", 1) // ep]
-            offset = [t.shape[0] * (coords.get("dp", 0) // ep)]
+        elif rest == "expert_shard":  # a slice over expert_dp of this rank's experts' flat state
+            shape = [t.shape[0] * sizes.get("edp", 1)]
+            offset = [t.shape[0] * coords.get("edp", 0)]
         elif kind != "adam":
             leaf = rest.partition("/")[2]
             part = partition_of(leaf, gpt.TP_RULES)
+            expert = partition_of(leaf, moe.EP_RULES) is not None
+            axis = "etp" if expert and "etp" in sizes else "tp"  # the experts' own tp when laid out apart
             if part is not None and t.dim():
                 dim = part.dim % t.dim()
-                shape[dim] *= sizes.get("tp", 1)
-                offset[dim] = t.shape[dim] * coords.get("tp", 0)
-            if sizes.get("ep", 1) > 1 and partition_of(leaf, moe.EP_RULES) is not None:  # experts: split over ep
+                shape[dim] *= sizes.get(axis, 1)
+                offset[dim] = t.shape[dim] * coords.get(axis, 0)
+            if expert and sizes.get("ep", 1) > 1:  # experts: split over ep along their first dimension
                 shape[0] *= sizes["ep"]
                 offset[0] = t.shape[0] * coords.get("ep", 0)
         out[name] = {"local_shape": list(t.shape), "global_shape": shape, "offset": offset,
@@ -296,55 +297,82 @@ def _stage_trees(tensors: dict[str, torch.Tensor], prefix: str) -> dict[int, Any
 
 def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
     """The checkpoint as single-rank trees: params, mu, nu (and main), plus the Adam step count; the
-    vocabulary tables padded as config pads them."""
+    vocabulary tables padded as config pads them. Experts laid out apart (expert parallelism, their own tp) are
+    joined from the ranks of the experts' grid."""
+    from fmeg.training.expert_state import merge, split_experts
+
     old = meta["layout"]
+    apart = "ep" in old
     out: dict[str, dict[int, Any]] = {}
     for tp_rank in range(old["tp"]):
         for pp_rank in range(old["pp"]):
             files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d}) for d in range(old["dp"])]
-            if old.get("ep", 1) > 1:  # dp ranks 0..ep-1 hold the experts' ep slices (ep varies fastest in dp)
-                files[0] = {n: torch.cat([files[d][n] for d in range(old["ep"])]) if ".mlp.experts." in n else t
-                            for n, t in files[0].items()}
             params = _stage_trees(files[0], "params")
+            if apart:
+                params = split_experts(params)[0]
             for name in ("params", "mu", "nu", "main"):
                 if name == "params":
                     local = params
                 elif f"{name}/shard" in files[0]:  # distributed optimizer: join the dp slices
-                    local = _joined_slices(files, name, params, old["dp"], old.get("ep", 1))
+                    local = _joined_slices([f[f"{name}/shard"] for f in files], params)
                 else:
                     local = _stage_trees(files[0], name)
                     if not local:
                         continue
+                    if apart:
+                        local = split_experts(local)[0]
                 for s, stage in local.items():
                     out.setdefault(name, {}).setdefault(s, {})[tp_rank] = stage
-    full = {}
-    for name, stages in out.items():
-        joined = {s: unshard([per_tp[t] for t in range(old["tp"])], gpt.TP_RULES, "tp") for s, per_tp in stages.items()}
-        full[name] = gpt.repad_vocab(gp.merge(joined, config), config, config.padded_vocab_size)
+    joined = {name: {s: unshard([per_tp[t] for t in range(old["tp"])], gpt.TP_RULES, "tp")
+                     for s, per_tp in stages.items()} for name, stages in out.items()}
+    if apart:
+        for name, experts in _full_experts(path, meta).items():
+            joined[name] = {s: merge(joined[name][s], experts[s]) for s in joined[name]}
+    full = {name: gpt.repad_vocab(gp.merge(stages, config), config, config.padded_vocab_size)
+            for name, stages in joined.items()}
     full["count"] = _rank_file(path, meta, {"tp": 0, "pp": 0, "dp": 0})["adam/count"]
     return full
 
 
-def _joined_slices(files: list[dict], name: str, params: dict[int, Any], dp: int, ep: int) -> dict[int, Any]:
-    """One (tp, pp) rank's {stage: tree} of a distributed-optimizer state from its dp ranks' flat slices; under
-    expert parallelism the dense leaves' slices span dp and each ep rank's experts' slices its expert_dp ranks
-    (dp rank = ep rank + ep * expert_dp rank)."""
-    from fmeg.training.expert_state import merge, split_experts
+def _full_experts(path: Path, meta: dict) -> dict[str, dict[int, Any]]:
+    """{name: {stage: the experts' leaves, whole}} from the experts' grid: expert-tp slices joined along F, then
+    the ep slices along the expert dimension (distributed-optimizer slices joined over expert_dp first)."""
+    from fmeg.training.expert_state import split_experts
 
-    as_float = lambda t: tree.tree_map(lambda x: x.float(), t)  # noqa: E731
-    if ep == 1:
-        return FlatBuffer.of(params, dp).unflatten(torch.cat([f[f"{name}/shard"] for f in files]), as_float(params))
-    dense, experts = split_experts(params)
-    out = FlatBuffer.of(dense, dp).unflatten(torch.cat([f[f"{name}/shard"] for f in files]), as_float(dense))
-    if not tree.tree_leaves(experts):
-        return out
-    per_ep = []
-    for j in range(ep):
-        mine = tree.tree_map(lambda t: t.chunk(ep)[j], experts)
-        slices = torch.cat([files[j + ep * k][f"{name}/expert_shard"] for k in range(dp // ep)])
-        per_ep.append(FlatBuffer.of(mine, dp // ep).unflatten(slices, as_float(mine)))
-    joined = tree.tree_map(lambda *parts: torch.cat(parts), *per_ep)
-    return {s: merge(out[s], joined[s]) for s in out}
+    old = meta["layout"]
+    ep, etp = old["ep"], old["etp"]
+    edp = old["dp"] * old["tp"] // (ep * etp)
+    out: dict[str, dict[int, list]] = {}
+    for pp_rank in range(old["pp"]):
+        per_ep: dict[str, list] = {}
+        for j in range(ep):
+            per_tp: dict[str, list] = {}
+            for t in range(etp):
+                files = [_rank_file(path, meta, {"pp": pp_rank, "ep": j, "etp": t, "edp": k}) for k in range(edp)]
+                params = split_experts(_stage_trees(files[0], "params"))[1]
+                for name in ("params", "mu", "nu", "main"):
+                    if name == "params":
+                        local = params
+                    elif f"{name}/expert_shard" in files[0]:
+                        local = _joined_slices([f[f"{name}/expert_shard"] for f in files], params)
+                    else:
+                        local = split_experts(_stage_trees(files[0], name))[1]
+                        if not tree.tree_leaves(local):
+                            continue
+                    per_tp.setdefault(name, []).append(local)
+            for name, trees in per_tp.items():
+                per_ep.setdefault(name, []).append({s: unshard([tr[s] for tr in trees], moe.TP_RULES, "etp")
+                                                    for s in trees[0]})
+        for name, trees in per_ep.items():
+            for s in trees[0]:
+                out.setdefault(name, {})[s] = tree.tree_map(lambda *parts: torch.cat(parts), *[tr[s] for tr in trees])
+    return out
+
+
+def _joined_slices(slices: list[torch.Tensor], params: dict[int, Any]) -> dict[int, Any]:
+    """A {stage: tree} like params from the distributed optimizer's flat slices of it, in rank order."""
+    flat = FlatBuffer.of(params, len(slices))
+    return flat.unflatten(torch.cat(slices), tree.tree_map(lambda t: t.float(), params))
 
 
 def same_layout(meta: dict, layout: dict, config: gpt.GPTConfig) -> bool:

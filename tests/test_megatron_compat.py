@@ -274,6 +274,7 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
     assert float(pair[1]) == float(sum(gpt.loss_tokens(mb) for mb in microbatches))
 
 
+@pytest.mark.slow
 def test_per_token_loss_is_layout_invariant_with_uneven_masks(tmp_path):
     flags = ["--calculate-per-token-loss", "--eod-mask-loss", "--train-iters", "6", "--lr-warmup-iters", "1",
              "--eval-interval", "3"]

@@ -1,6 +1,6 @@
 """Layout invariance of a mixture of experts with default flags otherwise: the loss curve and the logged
-load-balancing and z losses at expert parallelism 2 and 4, ep 2 x tp 2 with sp, ep 2 x pp 2 with virtual
-stages, ep 2 x dp 2, tp 2 with sp, pp 2 with virtual stages and dp 2 with the distributed optimizer equal one
+load-balancing and z losses at expert parallelism 2 and 4, ep 2 x tp 2 with sp (the experts' tensor
+parallelism 2 and 1), ep 2 x pp 2 with virtual stages, ep 2 x dp 2, tp 2 with sp, pp 2 with virtual stages and dp 2 with the distributed optimizer equal one
 rank's within 1e-5 over 20 iterations (the balance losses' gradients join at each layer, with the seed the
 pipeline's loss backward starts from; the experts' gradients are averaged over expert-data-parallel ranks).
 A checkpoint saved at ep 4 resumes at ep 1, ep 2 and tp 2 x ep 2, and one saved at ep 2 with the distributed
@@ -25,6 +25,9 @@ LAYOUTS = [("ep2", 2, EP2),
            ("ep2_pp2_virtual", 4, [*EP2, *PP2_VIRTUAL]),
            ("ep2_dp2", 4, EP2),
            ("ep2_dp2_zero1", 4, [*EP2, "--use-distributed-optimizer"]),
+           ("ep2_tp2_sp_etp1", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1"]),
+           ("tp2_sp_etp1", 2, [*TP2_SP, "--expert-tensor-parallel-size", "1"]),
+           ("ep2_tp2_sp_etp1_zero1", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]),
            ("ep2_tp2_sp_compiled", 4, [*EP2, *TP2_SP, "--compile"]),
            ("compiled", 1, ["--compile"]),
            ("recompute_full", 1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -67,11 +70,15 @@ ZERO = ["--use-distributed-optimizer"]
 
 
 @pytest.mark.parametrize("save_flags, nproc, flags", [
-    (EP4, 1, []), pytest.param(EP4, 2, EP2, marks=pytest.mark.slow),
+    pytest.param(EP4, 1, [], marks=pytest.mark.slow), pytest.param(EP4, 2, EP2, marks=pytest.mark.slow),
     pytest.param(EP4, 4, [*EP2, *TP2_SP], marks=pytest.mark.slow),
     pytest.param([*EP2, *ZERO], 4, [*EP2, *ZERO], marks=pytest.mark.slow),
     pytest.param([*EP2, *ZERO], 2, EP2, marks=pytest.mark.slow),
-], ids=["ep4_to_ep1", "ep4_to_ep2", "ep4_to_ep2_tp2_sp", "ep2_zero1_same_layout", "ep2_zero1_to_ep2_dp1"])
+    pytest.param([*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *ZERO], 2, TP2_SP, marks=pytest.mark.slow),
+    pytest.param([*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1"], 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size",
+                                                                             "1"], marks=pytest.mark.slow),
+], ids=["ep4_to_ep1", "ep4_to_ep2", "ep4_to_ep2_tp2_sp", "ep2_zero1_same_layout", "ep2_zero1_to_ep2_dp1",
+        "ep2_tp2_etp1_zero1_to_tp2", "ep2_tp2_etp1_same_layout"])
 def test_a_checkpoint_resumes_at_its_own_or_another_expert_layout_on_the_same_curve(tmp_path, moe_reference,
                                                                                       save_flags, nproc, flags):
     ckpt = str(tmp_path / "ckpt")

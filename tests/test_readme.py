@@ -59,6 +59,7 @@ def test_every_readme_command_is_run_by_a_test():
     assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 15
 
 
+@pytest.mark.slow  # the runner's MoE layouts run in tests/test_moe_layouts.py
 def test_readme_mixture_of_experts(tmp_path):
     (stdout,) = run_block(section("Mixtures of experts"), tmp_path)
     assert "| load_balancing_loss: " in stdout and "world 2 = tp 2" in stdout

@@ -145,8 +145,8 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
 EP_RULES = tuple((f"layers.*.mlp.experts.{leaf}", Partition(0, "ep"))
                  for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
 TP_RULES = (
-    ("layers.*.mlp.experts.fc1.weight", Partition(-2)), ("layers.*.mlp.experts.fc1.bias", Partition(-1)),
-    ("layers.*.mlp.experts.fc2.weight", Partition(-1)),
+    ("layers.*.mlp.experts.fc1.weight", Partition(-2, "etp")), ("layers.*.mlp.experts.fc1.bias", Partition(-1, "etp")),
+    ("layers.*.mlp.experts.fc2.weight", Partition(-1, "etp")),
     ("layers.*.mlp.shared.fc1.weight", Partition(-2)), ("layers.*.mlp.shared.fc1.bias", Partition(-1)),
     ("layers.*.mlp.shared.fc2.weight", Partition(-1)),
 )
@@ -267,7 +267,12 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     if replicated and ep.size > 1:
         raise ValueError("expert parallelism with tensor parallelism needs sequence parallelism (--sequence-parallel), "
                          "as in Megatron-core")
-    dispatch = ep.group if ep.size > 1 else (tp.group if tp.sp else None)
+    if replicated and ep.tp_size not in (None, tp.size):
+        raise ValueError("an expert tensor-parallel size other than tp needs sequence parallelism")
+    # tokens move over the experts' tp x ep group (by default, tp's under sequence parallelism)
+    dispatch = None if replicated else ep.group if ep.tp_size is not None or ep.size > 1 else \
+        (tp.group if tp.sp else None)
+    expert_tp = (tp.group, tp.rank, tp.size) if ep.tp_size is None else (ep.tp_group, ep.tp_rank, ep.tp_size)
     logits = router_logits(p, x_BSH, config, tp)
     probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
     if aux.counts is not None:  # tokens per expert here, for the expert-bias update after the step
@@ -293,8 +298,8 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     b, s, h = x_all.shape
     fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
     bias = fc2.get("bias")
-    if bias is not None and tp.size > 1:  # added by one tp rank (the reduction sums the F-slices' partials)
-        bias = C.copy_to(bias, tp.group) * (1.0 if tp.rank == 0 else 0.0)
+    if bias is not None and expert_tp[2] > 1:  # added by one rank (the reduction sums the F-slices' partials)
+        bias = C.copy_to(bias, expert_tp[0]) * (1.0 if expert_tp[1] == 0 else 0.0)
     y = moe_ops.expert_mlp(x_all.reshape(b * s, h), probs.reshape(b * s, -1).to(x_all.dtype),
                            experts.reshape(b * s, -1), fc1["weight"], fc2["weight"], activation,
                            fc1.get("bias"), bias, first_expert=ep.rank * fc1["weight"].shape[0])

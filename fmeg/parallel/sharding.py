@@ -5,7 +5,8 @@
     full = unshard([local_0, local_1, ...], rules, "tp")         # back, from every rank's shards
 
 Initialisation is "full, then slice": every layout holds slices of the same model, which is what makes a
-run's numbers independent of the layout. A leaf matching no rule is replicated on that axis.
+run's numbers independent of the layout. A leaf matching no rule is replicated on that axis. The experts'
+tensor-parallel axis "etp" is "tp" unless coords name it (Megatron's expert tensor parallelism defaults to tp).
 """
 
 from __future__ import annotations
@@ -29,19 +30,26 @@ Rules = Sequence[tuple[str, Partition]]
 
 
 def partition_of(path: str, rules: Rules, axis: str | None = None) -> Partition | None:
-    """The first rule matching path (restricted to `axis` if given), or None (replicated)."""
+    """The first rule matching path (restricted to `axis` if given; "tp" also takes "etp" rules, the experts'
+    default), or None (replicated)."""
     for pattern, part in rules:
-        if fnmatchcase(path, pattern) and (axis is None or part.axis == axis):
+        if fnmatchcase(path, pattern) and (axis is None or part.axis == axis or (axis, part.axis) == ("tp", "etp")):
             return part
     return None
 
 
 def shard(params: Any, rules: Rules, coords: dict[str, tuple[int, int]]) -> Any:
-    """This rank's slice of every partitioned leaf; coords maps axis -> (index, size)."""
+    """This rank's slice of every partitioned leaf; coords maps axis -> (index, size). Without an "etp" entry
+    the experts' "etp" leaves split over "tp"."""
+    experts_apart = "etp" in coords
+
+    def part_for(path: str, axis: str) -> Partition | None:
+        part = partition_of(path, rules, axis)
+        return None if part is not None and experts_apart and part.axis != axis else part
 
     def take(path: str, leaf: torch.Tensor) -> torch.Tensor:
         for axis, (index, size) in coords.items():
-            part = partition_of(path, rules, axis)
+            part = part_for(path, axis)
             if part is None or size == 1:
                 continue
             if leaf.shape[part.dim] % size:

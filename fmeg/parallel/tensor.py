@@ -35,11 +35,14 @@ SEQ_DIM = 1
 class ExpertParallel:
     """Expert parallelism seen from one rank: its index and the number of expert-parallel ranks (each holds
     num_experts / size experts), and the group a mixture-of-experts layer exchanges its tokens over: the
-    expert-parallel ranks times, under sequence parallelism, the tensor-parallel ones (megatron-core's tp_ep
-    group), or None when tokens need no exchange."""
+    expert-parallel ranks times the experts' tensor-parallel ones (megatron-core's tp_ep group of the expert
+    grid), or None when tokens need no exchange."""
     group: Any = None
     rank: int = 0
     size: int = 1
+    tp_group: Any = None  # the experts' tensor parallelism (each expert's F split), when tp_size is given
+    tp_rank: int = 0
+    tp_size: int | None = None  # None: the experts split their F over tp, and tokens move over tp x ep
 
 
 NO_EP = ExpertParallel()

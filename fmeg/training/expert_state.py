@@ -7,7 +7,7 @@
 
 Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients cannot
 join the dense leaves' data-parallel reduction: they are summed over the ranks holding the same experts
-(megatron-core's expert_dp group, dp / ep ranks) and divided by dp, which is the dense leaves' data-parallel
+(megatron-core's expert_dp group, tp x dp / (ep x expert tp) ranks) and divided by dp, which is the dense leaves' data-parallel
 mean over the same tokens. The global norm counts each expert once: its squares are summed over the
 tp x ep x pp group instead of tp x pp.
 """
@@ -65,10 +65,10 @@ def merge(dense: Any, experts: Any) -> Any:
 
 class _SplitSync:
     """The two data-parallel reductions of one backward: gradients go to the dense or the experts' sync by
-    path; after finish, the experts' mean over expert_dp is divided by ep (their data-parallel mean)."""
+    path; after finish, the experts' mean over expert_dp is scaled by edp / dp (their data-parallel mean)."""
 
-    def __init__(self, dense, experts, ep: int):
-        self.dense, self.experts, self.ep = dense, experts, ep
+    def __init__(self, dense, experts, scale: float):
+        self.dense, self.experts, self.scale = dense, experts, scale
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
         mine = {p: g for p, g in grads.items() if is_expert(p)}
@@ -83,7 +83,7 @@ class _SplitSync:
     def finish(self) -> "_SplitSync":
         self.dense.finish()
         self.experts.finish()
-        self.experts.buffer.div_(self.ep)
+        self.experts.buffer.mul_(self.scale)
         return self
 
     def tree(self) -> dict[int, Any]:
@@ -94,16 +94,18 @@ class _SplitSync:
 
 
 class ExpertSplitState:
-    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, ep: int, distributed: bool, dp: int,
+    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, distributed: bool, dp: int,
                  **flat_state_options: Any):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
         With the distributed optimizer the dense state is sharded over dp, the experts' over expert_dp."""
         dense, experts = split_experts(params)
-        self.mesh, self.ep, self.zero = mesh, ep, distributed
+        edp = mesh.size("expert_dp")
+        # the experts' mean over expert_dp, times edp / dp: the mean over dp of the dense leaves' tokens
+        self.mesh, self.scale, self.zero = mesh, edp / dp, distributed
         self.dense = FlatState(dense, counted, distributed=distributed, dp=dp, dp_rank=mesh.coord("dp"),
                                **flat_state_options)
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
-        self.experts = FlatState(experts, counted, distributed=distributed, dp=dp // ep,
+        self.experts = FlatState(experts, counted, distributed=distributed, dp=edp,
                                  dp_rank=mesh.coord("expert_dp"), **flat_state_options) \
             if tree.tree_leaves(experts) else None
         self.params = {s: merge(self.dense.params[s], self.experts.params[s]) for s in params} \
@@ -145,7 +147,7 @@ class ExpertSplitState:
         if not self.experts:
             return dense
         experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap)
-        return _SplitSync(dense, experts, self.ep)
+        return _SplitSync(dense, experts, self.scale)
 
     def add_(self, path: str, delta: torch.Tensor) -> None:
         (self.experts if is_expert(path) else self.dense).add_(path, delta)

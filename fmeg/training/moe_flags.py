@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert parallelism: data-parallel ranks that split the experts between them")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="the experts' tensor parallelism (default and only value: --tensor-model-parallel-size)")
+                   help="the experts' tensor parallelism: 1 or --tensor-model-parallel-size (the default)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
     g.add_argument("--moe-layer-freq", type=layer_freq, default=1, help="N, or a 0/1 pattern per layer")
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -102,9 +102,9 @@ def problems(a: argparse.Namespace) -> list[str]:
     ep, etp, tp = a.expert_model_parallel_size, a.expert_tensor_parallel_size, a.tensor_model_parallel_size
     if ep < 1:
         out.append(f"--expert-model-parallel-size must be positive, got {ep}")
-    if etp is not None and etp != tp:
-        out.append(f"--expert-tensor-parallel-size {etp}: experts split over a tensor-parallel size other than "
-                   f"--tensor-model-parallel-size {tp} is not supported by fmeg yet; drop the flag")
+    if etp is not None and etp not in (1, tp):
+        out.append(f"--expert-tensor-parallel-size {etp}: fmeg splits experts over 1 or --tensor-model-parallel-size "
+                   f"{tp} ranks yet; use one of them")
     if a.num_experts is None:
         given = [f for f in ("moe_router_enable_expert_bias", "moe_shared_expert_gate")
                  if getattr(a, f)]

@@ -39,6 +39,16 @@ class Layout:
     zero: bool = False  # the distributed optimizer: Adam's state sharded over dp (ZeRO-1)
     micro_batch_size: int = 1
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
+    etp: int | None = None  # the experts' tensor parallelism (None: tp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts are laid out apart from the dense leaves (expert parallelism, or their own tp)."""
+        return self.ep > 1 or self.expert_tp != self.tp
 
     @property
     def num_stages(self) -> int:
@@ -49,22 +59,28 @@ class Layout:
         return global_batch // (self.micro_batch_size * self.dp)
 
     def sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **({"ep": self.ep} if self.ep > 1 else {})}
+        experts = {"ep": self.ep, "etp": self.expert_tp, "edp": self.dp * self.tp // (self.ep * self.expert_tp)} \
+            if self.experts_apart else {}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts}
 
     def coords(self, mesh: Mesh) -> dict[str, int]:
-        """This rank's coordinates as checkpoints record them (ep, a part of dp, only when it is not 1)."""
-        return {axis: mesh.coord(axis) for axis in ("tp", "pp", "dp", *(("ep",) if self.ep > 1 else ()))}
+        """This rank's coordinates as checkpoints record them (its place in the experts' grid only when the
+        experts are laid out apart)."""
+        experts = {"ep": mesh.coord("ep"), "etp": mesh.coord("expert_tp"), "edp": mesh.coord("expert_dp")} \
+            if self.experts_apart else {}
+        return {**{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}, **experts}
 
     def checkpoint_meta(self, dtype: torch.dtype) -> dict:
         """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
         return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
-                "dtype": str(dtype).removeprefix("torch."), **({"ep": self.ep} if self.ep > 1 else {})}
+                "dtype": str(dtype).removeprefix("torch."),
+                **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {})}
 
     def describe(self) -> str:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
-                + (f" (experts: ep {self.ep})" if self.ep > 1 else "")
+                + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", recompute {recompute}" if recompute else ""))
 
@@ -78,12 +94,15 @@ def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -
     parameters."""
     stages = gp.split(full, config, layout.pp, layout.chunks)
     coords = {"tp": (mesh.coord("tp"), layout.tp), "ep": (mesh.coord("ep"), layout.ep)}
+    if layout.experts_apart:
+        coords["etp"] = (mesh.coord("expert_tp"), layout.expert_tp)
     return {s: shard(stages[s], gpt.TP_RULES + moe.EP_RULES, coords) for s in local_stages(layout, mesh.coord("pp"))}
 
 
 def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
     """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the experts' ranks."""
-    experts = ExpertParallel(mesh.group("tp_ep"), mesh.coord("ep"), layout.ep) if layout.ep > 1 else NO_EP
+    experts = ExpertParallel(mesh.group("tp_ep"), mesh.coord("ep"), layout.ep, mesh.group("expert_tp"),
+                             mesh.coord("expert_tp"), layout.expert_tp) if layout.experts_apart else NO_EP
     return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts)
 
 
@@ -121,13 +140,16 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
     """keep(path, leaf) for the norm: False for the tied output copy and, off tensor-parallel rank 0, for
     leaves replicated over tp, so that every parameter is counted exactly once."""
-    tp_rank, last = mesh.coord("tp"), str(layout.num_stages - 1)
+    from fmeg.training.expert_state import is_expert
+
+    tp_rank, expert_tp_rank, last = mesh.coord("tp"), mesh.coord("expert_tp"), str(layout.num_stages - 1)
 
     def keep(path: str, leaf: torch.Tensor) -> bool:
         stage, _, rest = path.partition(".")
         if stage == last and rest == "output.weight" and config.tie_embeddings:
             return False
-        return not (partition_of(rest, gpt.TP_RULES) is None and tp_rank != 0)
+        rank = expert_tp_rank if layout.experts_apart and is_expert(rest) else tp_rank
+        return not (partition_of(rest, gpt.TP_RULES) is None and rank != 0)
 
     return keep
 
@@ -143,13 +165,13 @@ def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, m
     dense = experts = torch.zeros((), dtype=torch.float64)
     for path, leaf in tree.items(values):
         if keep(path, leaf):
-            if layout.ep > 1 and is_expert(path):
+            if layout.experts_apart and is_expert(path):
                 experts = experts + leaf.double().pow(2).sum()
             else:
                 dense = dense + leaf.double().pow(2).sum()
     group = mesh.group("mp")
     total = group.all_reduce(dense) if group is not None else dense
-    if layout.ep > 1:
+    if layout.experts_apart:
         group = mesh.group("tp_ep_pp")
         total = total + (group.all_reduce(experts) if group is not None else experts)
     return total.sqrt()
@@ -164,10 +186,10 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
     Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16). Under expert
     parallelism the experts' leaves have a state of their own (fmeg.training.expert_state)."""
-    if layout.ep > 1:
+    if layout.experts_apart:
         from fmeg.training.expert_state import ExpertSplitState
 
-        return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, ep=layout.ep, distributed=distributed,
+        return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, distributed=distributed,
                                 dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
                                 decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
     return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=layout.dp,

@@ -57,7 +57,7 @@ def layout_from_args(a, world: int) -> Layout:
     dp, _ = batch_geometry(a, world)
     return Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute,
                   zero=a.use_distributed_optimizer, micro_batch_size=a.micro_batch_size,
-                  ep=a.expert_model_parallel_size)
+                  ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ class Session:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes),
                                     device_id=device if device.type == "cuda" else None)
-            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, ep=cfg.layout.ep, device=device)
+            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, ep=cfg.layout.ep,
+                                               etp=cfg.layout.expert_tp, device=device)
         else:
             mesh = Mesh.single()
         return cls(world, rank, device, mesh, "inductor" if compiled else None)

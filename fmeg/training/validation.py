@@ -45,10 +45,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
          f"--pipeline-model-parallel-size = {tp} * {pp}")
     dp, gbs = batch_geometry(a, world_size)
-    ep = a.expert_model_parallel_size
-    need(ep < 1 or dp % ep == 0 or world_size % (tp * pp) != 0,
-         f"--expert-model-parallel-size {ep} must divide the data-parallel size {dp} (expert-parallel ranks are "
-         "data-parallel ranks)")
+    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
+    need(ep < 1 or (tp * dp) % (ep * etp) == 0 or world_size % (tp * pp) != 0,
+         f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp = {tp} x {dp} (the "
+         "experts' ranks are the tensor- and data-parallel ones)")
     need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
          f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
          "(or give --kv-channels)")
