@@ -54,6 +54,27 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--keep-last", "0"], "--keep-last must be positive"),
         (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
         (["--eval-interval", "0"], "--eval-interval must be positive"),
+        # mixtures of experts: Megatron's rules, and what fmeg does not have yet
+        (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be in [1, --num-experts 4]"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 x expert tensor "
+                                                                        "parallelism 1 must divide tp x dp = 1 x 1"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
+        (["--num-experts", "4", "--moe-layer-freq", "([0]+[1]*2)"], "--moe-layer-freq: the pattern has 3 entries"),
+        (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "argument --moe-layer-freq"),
+        (["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+         "--moe-router-num-groups 3 must divide --num-experts 4"),
+        (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups and --moe-router-group-topk"),
+        (["--num-experts", "4", "--moe-router-enable-expert-bias"],
+         "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+        (["--num-experts", "4", "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"],
+         "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
+        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
+         "--moe-router-load-balancing-type global_aux_loss: not supported by fmeg yet"),
+        (["--num-experts", "4", "--expert-tensor-parallel-size", "3"], "--expert-tensor-parallel-size 3"),
+        (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention"),
+        (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --num-experts"),
     ]
 
 

@@ -109,6 +109,7 @@ def test_non_finite_steps_stop_the_run_by_default_or_are_counted_without_the_che
     assert proc.returncode == 0 and "number of nan iterations:" in out and "0 NaN" not in out.split("done:")[1]
 
 
+@pytest.mark.slow  # the default NaN check stays in the default suite
 def test_the_nan_check_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
     """Under --fp16 an overflow is the scaler's to skip, but a non-finite loss, or an overflow already at
     --min-loss-scale, stops the run with the default check (it used to skip 29 of 30 iterations and exit 0)."""

@@ -368,6 +368,7 @@ MEGATRON_SCRIPT = ["--use-flash-attn", "--attention-softmax-in-fp32", "--no-mask
                    "--lr-warmup-fraction", "0.1", "--log-interval", "5"]
 
 
+@pytest.mark.slow  # the scripts run in tests/test_megatron_scripts.py
 def test_megatron_script_flags_run_unchanged_and_the_params_norm_is_layout_invariant(tmp_path, reference):
     """Kernel and implementation flags from Megatron scripts are accepted, named once as ignored, and change
     nothing: with --lr-warmup-fraction 0.1 of 20 decay iterations (= the reference's 2 warmup iterations),

@@ -90,6 +90,7 @@ def test_runtime_flags_of_megatron_scripts_are_accepted_and_named():
     assert sorted(named) == sorted(f for f in RUNTIME if f.startswith("--") and f != "--distributed-timeout-minutes")
 
 
+@pytest.mark.slow
 def test_a_first_run_may_name_a_load_directory_that_does_not_exist_yet(tmp_path):
     """Megatron scripts pass --load and --save the same directory from the first run on."""
     ckpt = tmp_path / "ckpt"
@@ -138,6 +139,7 @@ def test_a_script_with_mock_data_and_the_older_rope_flag_trains(tmp_path):
     assert parse_args(["--use-rotary-position-embeddings"]).position_embedding_type == "rope"
 
 
+@pytest.mark.slow
 def test_layernorm_1p_centres_the_norm_weights_on_zero_and_computes_the_same_model(tmp_path):
     """--apply-layernorm-1p stores w = gamma - 1 (zeros at init) and scales by 1 + w: the same function and the
     same gradients (norm weights take no weight decay), so the same loss curve to rounding, with other

@@ -149,6 +149,7 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypat
                               warmup=8, decay=80, weight_decay=0.1, decoupled=(5e-4, 4.5e-5))
 
 
+@pytest.mark.slow  # the script with mock data stays in the default suite
 def test_llama3_8b_script_with_real_data_and_a_hugging_face_tokenizer_directory(tmp_path):
     """The script's real-data branch: --tokenizer-type HuggingFaceTokenizer with --tokenizer-model naming a
     tokenizer's directory (local: fmeg never downloads), data preprocessed with the same tokenizer."""
@@ -238,4 +239,4 @@ def test_the_mixtral_script_with_its_experts_trains_at_expert_parallelism_2(tmp_
     assert [r["iteration"] for r in records] == list(range(1, 8))
     assert all(0.5 < r["load_balancing_loss"] < 2.0 for r in records)  # 1 when perfectly balanced
     assert "| load_balancing_loss: " in stdout and "ignored --moe-grouped-gemm:" in stdout
-    assert "(experts: ep 2)" in stdout
+    assert "(experts: ep 2, tp 1)" in stdout

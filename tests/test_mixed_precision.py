@@ -116,6 +116,7 @@ def test_bf16_trains_along_the_fp32_curve(tmp_path, reference):
     assert got[-1] < got[0] - 1.0
 
 
+@pytest.mark.slow  # fp16 reduction stays in the default suite
 def test_grad_reduce_in_bf16_reduces_in_bf16_and_trains_along_the_fp32_curve(tmp_path, reference):
     """Megatron's --grad-reduce-in-bf16 with --bf16: gradients are accumulated over microbatches and reduced
     over data parallelism in bf16 (so the curve moves off the fp32-reduced one), and the step reads an fp32

@@ -46,7 +46,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"--pipeline-model-parallel-size = {tp} * {pp}")
     dp, gbs = batch_geometry(a, world_size)
     ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
-    need(ep < 1 or (tp * dp) % (ep * etp) == 0 or world_size % (tp * pp) != 0,
+    need(a.num_experts is None or ep < 1 or etp not in (1, tp) or (tp * dp) % (ep * etp) == 0
+         or world_size % (tp * pp) != 0,
          f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp = {tp} x {dp} (the "
          "experts' ranks are the tensor- and data-parallel ones)")
     need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
@@ -286,7 +287,7 @@ def moe_problems(a: argparse.Namespace, tp: int) -> list[str]:
         if groups and group_topk and e > 0:
             need(e % groups == 0, f"--moe-router-num-groups {groups} must divide --num-experts {e}")
             need(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
-            need(k % group_topk == 0 and k // group_topk <= max(e // groups, 1),
+            need(e % groups or (k % group_topk == 0 and k // group_topk <= max(e // groups, 1)),
                  f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk}, taking at most "
                  f"{e // groups} experts (one group's) from each group")
     need(not a.moe_router_pre_softmax or a.moe_router_score_function == "softmax",
