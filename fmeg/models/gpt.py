@@ -40,6 +40,7 @@ from einops import rearrange
 
 from fmeg import ops
 from fmeg.models import moe
+from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
 from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding,
@@ -252,27 +253,6 @@ def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, de
     return torch.utils._pytree.tree_map(lambda t: t.to(device=device, dtype=dtype), params)
 
 
-VOCAB_TABLES = ("embedding.word.weight", "output.weight")
-
-
-def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
-    """table [V', ...] cut or zero-padded to [rows, ...]."""
-    if table.shape[0] >= rows:
-        return table[:rows]
-    return torch.cat([table, table.new_zeros((rows - table.shape[0], *table.shape[1:]))])
-
-
-def repad_vocab(values: Params, config: GPTConfig, padded_vocab_size: int) -> Params:
-    """A whole-model tree (parameters, gradients or Adam moments) with its vocabulary tables' padding
-    replaced: the config.vocab_size real rows, then zero rows up to padded_vocab_size."""
-    from fmeg import tree
-
-    flat = tree.flatten(values)
-    for path in VOCAB_TABLES:
-        if path in flat:
-            flat[path] = pad_rows(flat[path][:config.vocab_size], padded_vocab_size)
-    return tree.unflatten(flat)
-
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Separate q [N*D, ...], k and v [G*D, ...] (weights or biases) -> the grouped qkv layout."""
     g = num_kv_heads
@@ -363,7 +343,7 @@ def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
 def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP,
         aux: moe.AuxLosses = moe.NO_AUX, index: int = 0) -> torch.Tensor:
     """The layer's MLP: dense, or a mixture of experts where p has a router (fmeg.models.moe)."""
-    activation = functools.partial(activate, activation=config.activation)
+    activation = functools.partial(ops.mlp_activation, activation=config.activation)
     if "router" in p:
         return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index)
     return dense_mlp(p, x_BSH, activation, tp)
@@ -373,18 +353,6 @@ def dense_mlp(p: Params, x_BSH: torch.Tensor, activation, tp: TensorParallel = N
     """fc2(activation(fc1(x))), column- then row-parallel."""
     h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp)
     return row_parallel_linear(activation(h), p["fc2"]["weight"], p["fc2"].get("bias"), tp)
-
-
-def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The MLP's activation on fc1's output [..., F] (swiglu: [..., 2F], gate then up, giving [..., F])."""
-    if activation == "swiglu":
-        gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
-        return ops.swiglu(gate, up)
-    if activation == "gelu_tanh":
-        return ops.gelu_tanh(h)
-    if activation == "squared_relu":  # Megatron's --squared-relu
-        return torch.relu(h).square()
-    return ops.gelu(h)
 
 
 def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *site: int) -> torch.Tensor:

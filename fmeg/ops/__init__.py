@@ -1,6 +1,6 @@
 """Single-device math: pure functions with no knowledge of ranks or process groups."""
 
-from fmeg.ops.activations import gelu, gelu_tanh, swiglu
+from fmeg.ops.activations import gelu, gelu_tanh, mlp_activation, swiglu
 from fmeg.ops.attention import causal_attention
 from fmeg.ops.cross_entropy import IGNORE_INDEX, cross_entropy, masked_mean, token_cross_entropy
 from fmeg.ops.embedding import embedding
@@ -13,6 +13,6 @@ from fmeg.ops.rope import apply_rope, rope_cos_sin
 
 __all__ = [
     "IGNORE_INDEX", "apply_rope", "causal_attention", "cross_entropy", "dropout", "embedding", "fold_in",
-    "gelu", "gelu_tanh", "layer_norm", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "rms_norm",
+    "gelu", "gelu_tanh", "layer_norm", "mlp_activation", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "rms_norm",
     "rope_cos_sin", "swiglu", "token_cross_entropy", "uniform",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 import torch.nn.functional as F
 
 
@@ -19,3 +20,15 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (Llama's gated MLP)."""
     return F.silu(gate) * up
+
+
+def mlp_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP's activation on fc1's output [..., F] (swiglu: [..., 2F], gate then up, giving [..., F])."""
+    if activation == "swiglu":
+        gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
+        return swiglu(gate, up)
+    if activation == "gelu_tanh":
+        return gelu_tanh(h)
+    if activation == "squared_relu":  # Megatron's --squared-relu
+        return torch.relu(h).square()
+    return gelu(h)
