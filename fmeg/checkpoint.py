@@ -230,7 +230,7 @@ CHANGEABLE_ON_LOAD = ("hidden_dropout", "attention_dropout", "init_std", "rope_t
                       # capacity
                       "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                       "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-                      "moe_router_bias_update_rate")
+                      "moe_router_bias_update_rate", "moe_token_dispatcher_type")
 
 
 def saved_model(meta: dict, where: str) -> dict:

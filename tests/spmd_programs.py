@@ -58,6 +58,17 @@ def all_to_all_reshard(mesh, x, split_dim, cat_dim, cot, tan, batch):
                   _chunk(batch, mesh, cat_dim + 1))
 
 
+def all_to_all_rows_exchange(mesh, x, counts, cot, tan, batch):
+    """Rank i's rows (its block of x) -> tanh -> counts[i][j] rows to rank j. Inputs are the full tensors in rank
+    order: x, tan and batch (rows along its dim 1) by what each rank sends, cot by what each receives."""
+    g, me = mesh.group("tp"), mesh.coord("tp")
+    send, recv = counts[me], [row[me] for row in counts]
+    sent, received = [sum(row) for row in counts], [sum(col) for col in zip(*counts)]
+    mine = lambda t, sizes, dim=0: t.split(sizes, dim=dim)[me]  # noqa: E731
+    fn = lambda x: C.all_to_all_rows(torch.tanh(x), g, send, recv)  # noqa: E731
+    return _rules(fn, mine(x, sent), mine(cot, received), mine(tan, sent), mine(batch, sent, 1))
+
+
 def parallel_mlp(mesh, x, params, sp):
     """column_parallel_linear -> gelu -> row_parallel_linear, loss and grads of x and every parameter."""
     tp = TensorParallel(mesh.group("tp"), sp)

@@ -73,6 +73,7 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
          "--moe-router-load-balancing-type global_aux_loss: not supported by fmeg yet"),
         (["--num-experts", "4", "--expert-tensor-parallel-size", "3"], "--expert-tensor-parallel-size 3"),
+        (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex"),
         (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention"),
         (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --num-experts"),
     ]

@@ -239,4 +239,4 @@ def test_the_mixtral_script_with_its_experts_trains_at_expert_parallelism_2(tmp_
     assert [r["iteration"] for r in records] == list(range(1, 8))
     assert all(0.5 < r["load_balancing_loss"] < 2.0 for r in records)  # 1 when perfectly balanced
     assert "| load_balancing_loss: " in stdout and "ignored --moe-grouped-gemm:" in stdout
-    assert "(experts: ep 2, tp 1)" in stdout
+    assert "(experts: ep 2, tp 1)" in stdout and "ignored --moe-token-dispatcher-type" not in stdout

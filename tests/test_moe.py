@@ -275,17 +275,20 @@ def test_moe_under_tensor_parallelism_without_sp_equals_one_device():
         torch.testing.assert_close(g, tree.flatten(want_grads)[path], rtol=1e-5, atol=1e-6, msg=path)
 
 
-@pytest.mark.parametrize("backend, world, tp", [("threads", 2, 1), ("threads", 4, 2), ("gloo", 2, 1),
-                                                ("threads", 4, 1)])
-def test_expert_parallelism_equals_one_device(backend, world, tp):
+@pytest.mark.parametrize("backend, world, tp, dispatcher", [
+    ("threads", 2, 1, "allgather"), ("threads", 4, 2, "allgather"), ("gloo", 2, 1, "allgather"),
+    ("threads", 4, 1, "allgather"), ("threads", 2, 1, "alltoall"), ("threads", 4, 1, "alltoall"),
+    ("gloo", 4, 1, "alltoall")])
+def test_expert_parallelism_equals_one_device(backend, world, tp, dispatcher):
     """Each ep rank holds E / ep experts and its own batch (ep ranks are data-parallel ranks): its loss is one
     device's loss of that batch; its dense gradients are that loss's, its experts' gradients those of the sum
-    of every ep rank's loss (what the expert-data-parallel reduction then averages), tp 2 + sp inside."""
+    of every ep rank's loss (what the expert-data-parallel reduction then averages), tp 2 + sp inside. Both
+    token dispatchers: all-gather / reduce-scatter, and the uneven all-to-all."""
     from fmeg.parallel.sharding import shard
 
     ep = world // tp
     config = moe_config(num_experts=4, moe_shared_expert_intermediate_size=8, num_kv_heads=4, bias=True,
-                        activation="gelu")
+                        activation="gelu", moe_token_dispatcher_type=dispatcher)
     params = gpt.init(config, 0)
     batches = [batch_for(config, s=8) for _ in range(ep)]
     for r, b in enumerate(batches):  # a different batch on each ep rank
@@ -322,3 +325,15 @@ def test_experts_compile_into_one_graph_with_the_eager_numbers():
     got = torch.autograd.grad(compiled(*[a.requires_grad_() for a in args]), args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_alltoall_dispatcher_refuses_experts_split_over_tp_in_one_line():
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.validation import validate
+
+    flags = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel"]
+    assert [p for p in validate(parse_args(flags, 2), 2) if "dispatcher" in p] == [
+        "--moe-token-dispatcher-type alltoall: fmeg's all-to-all moves tokens to experts that are not split over tp "
+        "(expert tp 2); add --expert-tensor-parallel-size 1 or use allgather"]
+    assert validate(parse_args([*flags, "--expert-tensor-parallel-size", "1"], 2), 2) == []

@@ -1,5 +1,5 @@
 """Layout invariance of a mixture of experts with default flags otherwise: the loss curve and the logged
-load-balancing and z losses at expert parallelism 2 and 4, ep 2 x tp 2 with sp (the experts' tensor
+load-balancing and z losses at expert parallelism 2 and 4 (with either token dispatcher), ep 2 x tp 2 with sp (the experts' tensor
 parallelism 2 and 1), ep 2 x pp 2 with virtual stages, ep 2 x dp 2, tp 2 with sp, pp 2 with virtual stages and dp 2 with the distributed optimizer equal one
 rank's within 1e-5 over 20 iterations (the balance losses' gradients join at each layer, with the seed the
 pipeline's loss backward starts from; the experts' gradients are averaged over expert-data-parallel ranks).
@@ -17,6 +17,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
        "--moe-layer-freq", "([0]+[1]*3)", "--swiglu", "--ffn-hidden-size", "16", "--moe-ffn-hidden-size", "8",
        "--moe-shared-expert-intermediate-size", "8"]
 EP2, TP2_SP = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]  # tokens travel by the uneven all-to-all
 PP2_VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 DEFAULT = ("ep2", "pp2_virtual")  # the rest are -m slow
 LAYOUTS = [("ep2", 2, EP2),
@@ -35,7 +36,13 @@ LAYOUTS = [("ep2", 2, EP2),
            ("recompute_selective", 2, [*EP2, "--recompute-granularity", "selective"]),
            ("pp2_virtual", 2, PP2_VIRTUAL),
            ("tp2_sp", 2, TP2_SP),
-           ("dp2_zero1", 2, ["--use-distributed-optimizer"])]
+           ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
+           ("ep2_alltoall", 2, [*EP2, *A2A]),
+           ("ep4_alltoall", 4, ["--expert-model-parallel-size", "4", *A2A]),
+           ("ep2_tp2_sp_etp1_alltoall", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *A2A]),
+           ("ep2_pp2_virtual_alltoall", 4, [*EP2, *PP2_VIRTUAL, *A2A]),
+           ("ep2_dp2_zero1_alltoall", 4, [*EP2, "--use-distributed-optimizer", *A2A]),
+           ("ep2_compiled_alltoall", 2, [*EP2, "--compile", *A2A])]
 NAMES = ("lm_loss", "load_balancing_loss", "z_loss")
 
 

@@ -101,6 +101,7 @@ class GPTConfig:
     moe_shared_expert_gate: bool = False
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing (sigmoid routers)
     moe_router_bias_update_rate: float = 1e-3
+    moe_token_dispatcher_type: str = "allgather"  # how tokens reach their experts' ranks (the same numbers)
 
     def __post_init__(self) -> None:
         for name in ("rope_scaling", "moe_layer_freq"):

@@ -41,6 +41,7 @@ from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_para
 
 Params = dict[str, Any]
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+DISPATCHERS = ("allgather", "alltoall")
 METRICS = ("load_balancing_loss", "z_loss")  # Megatron's names, in the order of aux.metrics' last axis
 
 
@@ -88,6 +89,8 @@ def validate(config, need) -> None:
          f"must be positive, got {config.moe_ffn_hidden_size}")
     need(config.moe_router_score_function in moe_ops.SCORE_FUNCTIONS, "moe_router_score_function",
          f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}")
+    need(config.moe_token_dispatcher_type in DISPATCHERS, "moe_token_dispatcher_type",
+         f"must be one of {DISPATCHERS}, got {config.moe_token_dispatcher_type!r}")
     need(config.moe_router_load_balancing_type in LOAD_BALANCING_TYPES, "moe_router_load_balancing_type",
          f"must be one of {LOAD_BALANCING_TYPES}, got {config.moe_router_load_balancing_type!r}")
     need(config.moe_token_drop_policy in moe_ops.DROP_POLICIES, "moe_token_drop_policy",
@@ -287,30 +290,80 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
         if aux.metrics is not None:  # parts that sum over tp to the microbatch's value
             values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
             aux.metrics[index] = values / tp.size if replicated else values
-    if dispatch is not None:  # every rank's tokens, each rank computing its experts' slice of F
+    # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
+    if config.moe_token_dispatcher_type == "alltoall" and not replicated and not torch.compiler.is_compiling():
+        if expert_tp[2] > 1:
+            raise ValueError("the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
+                             "(--expert-tensor-parallel-size 1)")
+        y = alltoall_experts(p["experts"], x_BSH, probs, experts, ep, activation)
+    else:
+        y = allgather_experts(p["experts"], x_BSH, probs, experts, dispatch, ep.rank, expert_tp, activation)
+    if "shared" in p:
+        y = y + shared_expert(p, x_BSH, config, tp, activation)
+    return y
+
+
+def allgather_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, dispatch, ep_rank: int,
+                      expert_tp: tuple, activation) -> torch.Tensor:
+    """Megatron's allgather dispatcher: every rank's tokens gathered over the dispatch group (None: the tokens
+    here, or all tokens replicated over tp without sequence parallelism), each rank's experts (its F-slice of
+    them) run on all of them, and a reduce-scatter returns each rank the sum for its own tokens."""
+    tp_group, tp_rank, tp_size = expert_tp
+    replicated = dispatch is None and tp_size > 1
+    if dispatch is not None:
         x_all = C.gather_from_sp(x_BSH, dispatch, SEQ_DIM)
         probs = C.gather_from_sp(probs, dispatch, SEQ_DIM)
         experts = C.all_gather_constant(experts, dispatch, SEQ_DIM)
     elif replicated:  # each rank's F-slice gives partial sums: their gradients are summed over tp
-        x_all, probs = C.copy_to(x_BSH, tp.group), C.copy_to(probs, tp.group)
+        x_all, probs = C.copy_to(x_BSH, tp_group), C.copy_to(probs, tp_group)
     else:
         x_all = x_BSH
     b, s, h = x_all.shape
-    fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
+    fc1, fc2 = p["fc1"], p["fc2"]
     bias = fc2.get("bias")
-    if bias is not None and expert_tp[2] > 1:  # added by one rank (the reduction sums the F-slices' partials)
-        bias = C.copy_to(bias, expert_tp[0]) * (1.0 if expert_tp[1] == 0 else 0.0)
+    if bias is not None and tp_size > 1:  # added by one rank (the reduction sums the F-slices' partials)
+        bias = C.copy_to(bias, tp_group) * (1.0 if tp_rank == 0 else 0.0)
     y = moe_ops.expert_mlp(x_all.reshape(b * s, h), probs.reshape(b * s, -1).to(x_all.dtype),
                            experts.reshape(b * s, -1), fc1["weight"], fc2["weight"], activation,
-                           fc1.get("bias"), bias, first_expert=ep.rank * fc1["weight"].shape[0])
+                           fc1.get("bias"), bias, first_expert=ep_rank * fc1["weight"].shape[0])
     y = y.reshape(b, s, h)
     if dispatch is not None:
-        y = C.reduce_scatter_to(y, dispatch, SEQ_DIM)
-    elif replicated:
-        y = C.reduce_from(y, tp.group)
-    if "shared" in p:
-        y = y + shared_expert(p, x_BSH, config, tp, activation)
-    return y
+        return C.reduce_scatter_to(y, dispatch, SEQ_DIM)
+    return C.reduce_from(y, tp_group) if replicated else y
+
+
+def alltoall_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, ep, activation
+                     ) -> torch.Tensor:
+    """Megatron's alltoall dispatcher (experts not split over tp): each (token, expert) assignment here travels
+    to the ep rank holding its expert, by one uneven all-to-all over ep.group, and its expert's output comes back
+    by the reverse one; each rank weighs and sums its own tokens' outputs. The counts every pair of ranks
+    exchanges are all-gathered and read on the host first (one sync, as Megatron's dispatcher makes)."""
+    b, s, h = x_BSH.shape
+    fc1, fc2 = p["fc1"], p["fc2"]
+    held, k = fc1["weight"].shape[0], experts.shape[-1]
+    chosen = experts.reshape(-1)
+    if ep.group is None:
+        return moe_ops.expert_mlp(x_BSH.reshape(b * s, h), probs.reshape(b * s, k).to(x_BSH.dtype),
+                                  experts.reshape(b * s, k), fc1["weight"], fc2["weight"], activation,
+                                  fc1.get("bias"), fc2.get("bias")).reshape(b, s, h)
+    me, size = ep.rank, ep.size
+    order = torch.argsort(chosen, stable=True)  # by expert, so by the rank that holds it
+    token = order // k
+    counts = torch.bincount(chosen, minlength=held * size)
+    table = C.all_gather_constant(counts[None], ep.group, 0).tolist()  # [rank][expert]: assignments made there
+    send = [sum(table[me][j * held:(j + 1) * held]) for j in range(size)]
+    recv = [sum(table[i][me * held:(me + 1) * held]) for i in range(size)]
+    rows = C.all_to_all_rows(x_BSH.reshape(b * s, h)[token], ep.group, send, recv)
+    # arrived: from each rank, its rows for each of our experts in turn; regroup them by expert
+    arrived = torch.tensor([table[i][me * held + e] for i in range(size) for e in range(held)], device=rows.device)
+    expert_of = torch.arange(held, device=rows.device).repeat(size).repeat_interleave(arrived)
+    regroup = torch.argsort(expert_of, stable=True)
+    y = moe_ops.expert_rows(rows[regroup], expert_of[regroup], torch.bincount(expert_of, minlength=held),
+                            fc1["weight"], fc2["weight"], activation, fc1.get("bias"), fc2.get("bias"))
+    y = C.all_to_all_rows(y[torch.argsort(regroup)], ep.group, recv, send)
+    weight = probs.reshape(-1)[order].to(y.dtype)
+    out = torch.zeros(b * s, h, dtype=y.dtype, device=y.device).index_add(0, token, y * weight[:, None])
+    return out.to(x_BSH.dtype).reshape(b, s, h)
 
 
 def shared_expert(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel, activation) -> torch.Tensor:

@@ -158,17 +158,26 @@ def expert_mlp(x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Ten
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=held + 1)[:held]
     token = order // experts_TK.shape[1]
-    rows = x_TH[token]
-    w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1  # gated: [E', 2F, H], gate rows then up rows
-    h = grouped_linear(rows, w1, counts)
-    if fc1_bias is not None:
-        h = h + _per_row(fc1_bias.flatten(1), key[order], held)
-    h = activation(h)
-    y = grouped_linear(h, fc2, counts)
-    if fc2_bias is not None:
-        y = y + _per_row(fc2_bias, key[order], held)
+    y = expert_rows(x_TH[token], key[order], counts, fc1, fc2, activation, fc1_bias, fc2_bias)
     weight = (probs_TK * mine).flatten()[order].to(y.dtype)
     return torch.zeros_like(x_TH, dtype=y.dtype).index_add(0, token, y * weight[:, None]).to(x_TH.dtype)
+
+
+def expert_rows(rows_NH: torch.Tensor, expert_of_row: torch.Tensor, counts_E: torch.Tensor, fc1: torch.Tensor,
+                fc2: torch.Tensor, activation, fc1_bias: torch.Tensor | None = None,
+                fc2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fc2(act(fc1(row))) of each row's expert -> [N, H], for rows sorted by expert (expert_of_row; rows after the
+    counts' blocks belong to none of the E' experts held and give zeros, their expert_of_row E')."""
+    held = fc1.shape[0]
+    w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1  # gated: [E', 2F, H], gate rows then up rows
+    h = grouped_linear(rows_NH, w1, counts_E)
+    if fc1_bias is not None:
+        h = h + _per_row(fc1_bias.flatten(1), expert_of_row, held)
+    h = activation(h)
+    y = grouped_linear(h, fc2, counts_E)
+    if fc2_bias is not None:
+        y = y + _per_row(fc2_bias, expert_of_row, held)
+    return y
 
 
 def _per_row(bias_EF: torch.Tensor, expert_of_row: torch.Tensor, held: int) -> torch.Tensor:

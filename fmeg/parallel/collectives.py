@@ -9,6 +9,7 @@
 | gather_from_sp(x, g, dim)    | all-gather             | reduce-scatter         |
 | reduce_scatter_to(x, g, dim) | reduce-scatter         | all-gather             |
 | all_to_all(x, g, s, c)       | all-to-all (s -> c)    | all-to-all (c -> s)    |
+| all_to_all_rows(x, g, s, r)  | uneven all-to-all      | the same, s and r swapped |
 
 Each forward is linear, so its jvp applies the same forward to the tangent; each has a vmap rule that
 moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad, vjp, jvp
@@ -130,6 +131,44 @@ def reduce_scatter_to(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, group: Group, split_dim: int, cat_dim: int) -> torch.Tensor:
     """Chunk j of x (along split_dim) goes to rank j; received chunks are concatenated along cat_dim."""
     return x if group is None else _apply(_AllToAll, x, group, (split_dim, cat_dim))
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows of x go to the ranks by the counts `send` and arrive by `recv` (host lists every pair agrees on):
+    linear, so its jvp moves the tangent the same way and its backward moves the gradient back. Eager only:
+    the counts are host values, which a compiled graph cannot take."""
+
+    @staticmethod
+    def forward(x, group, send, recv):
+        return group.all_to_all_rows(x, send, recv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.send, ctx.recv = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_to_all_rows(grad, ctx.recv, ctx.send), None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _group_t, _send_t, _recv_t):
+        return ctx.group.all_to_all_rows(x_t, ctx.send, ctx.recv)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, send, recv):
+        if in_dims[0] is None:
+            return _AllToAllRows.apply(x, group, send, recv), None
+        return _AllToAllRows.apply(x.movedim(in_dims[0], 1), group, send, recv), 1  # rows stay first
+
+
+def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Uneven all-to-all along the rows (dim 0): the next send[j] rows go to rank j; the result holds the recv[j]
+    rows from each rank j, in rank order. The backward sends gradients back the same way."""
+    if group is None:
+        return x
+    if torch.compiler.is_compiling():
+        raise RuntimeError("all_to_all_rows takes host counts, which a compiled graph cannot: run it eagerly")
+    return _AllToAllRows.apply(x, group, list(send), list(recv))
 
 
 class _Constant(torch.autograd.Function):

@@ -6,6 +6,8 @@ A Group has `size`, `rank` (index inside the group) and returns new tensors, nev
     all_gather(x, dim)                concatenation of every rank's x along dim, in rank order
     reduce_scatter(x, dim)            this rank's chunk (along dim) of the sum over the group
     all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along cat_dim
+    all_to_all_rows(x, send, recv)    uneven: rank i's next send[j] rows go to rank j; recv[j] rows arrive
+                                      from rank j (the counts every pair agrees on), in rank order
     send(x, dst, tag) / recv(src, tag) point to point (pipelines): sends are buffered (the sender goes on
                                       at once, finish() waits for them), receives block; messages with one
                                       (source, destination, tag) arrive in the order they were sent
@@ -87,6 +89,11 @@ class TorchGroup:
         outputs = [torch.empty_like(c) for c in inputs]
         dist.all_to_all(outputs, inputs, group=self.pg)
         return torch.cat(outputs, dim=cat_dim)
+
+    def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=self.pg)
+        return out
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Buffered: a header (dtype, shape) then the data, both isend; finish() waits for them."""
@@ -191,6 +198,14 @@ class ThreadGroup:
         parts = self._exchange(x)
         return torch.cat([p.chunk(self.size, dim=split_dim)[self.rank] for p in parts], dim=cat_dim)
 
+    def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        parts = self._exchange(x)
+        splits = self._exchange(torch.tensor(send))
+        out = torch.cat([p.split(c.tolist())[self.rank] for p, c in zip(parts, splits)])
+        if out.shape[0] != sum(recv):
+            raise ValueError(f"rank {self.rank}: expected {sum(recv)} rows, peers sent {out.shape[0]}")
+        return out
+
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
         self._rv.mailbox(self.rank, dst, tag).put(_shareable(x).clone())
 
@@ -264,3 +279,7 @@ class RecordingGroup:
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         self.log.append(("all_to_all", x.numel() * x.element_size()))
         return self.inner.all_to_all(x, split_dim, cat_dim)
+
+    def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        self.log.append(("all_to_all", x.numel() * x.element_size()))
+        return self.inner.all_to_all_rows(x, send, recv)

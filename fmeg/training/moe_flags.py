@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import ast
 
+import torch
+
 # Flags that choose a kernel or an overlap, not a number: accepted with --num-experts and named as ignored.
 IGNORED = {
     "--moe-grouped-gemm": "experts always run as grouped matmuls (torch._grouped_mm where the device takes it)",
     "--moe-permute-fusion": "fmeg fuses no kernels by hand", "--moe-router-fusion": "fmeg fuses no kernels by hand",
     "--moe-shared-expert-overlap": "an overlap policy", "--moe-use-legacy-grouped-gemm": "one grouped-matmul path",
 }
-IGNORED_SETTINGS = {
-    "--moe-token-dispatcher-type": "tokens reach their experts by one all-gather / reduce-scatter dispatcher",
-}
+IGNORED_SETTINGS: dict[str, str] = {}
 
 
 def layer_freq(text: str) -> int | tuple[int, ...]:
@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-gate", action="store_true")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
+                   help="how tokens reach their experts' ranks: all-gather / reduce-scatter, or uneven all-to-all")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     for flag in IGNORED:
         g.add_argument(flag, action="store_true", help=f"accepted, ignored: {IGNORED[flag]}")
@@ -93,7 +95,8 @@ def model_fields(a: argparse.Namespace) -> dict:
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=a.moe_shared_expert_gate,
         moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=a.moe_router_bias_update_rate)
+        moe_router_bias_update_rate=a.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=a.moe_token_dispatcher_type)
 
 
 def problems(a: argparse.Namespace) -> list[str]:
@@ -123,6 +126,13 @@ def problems(a: argparse.Namespace) -> list[str]:
     if kind in ("global_aux_loss", "sinkhorn"):
         out.append(f"--moe-router-load-balancing-type {kind}: not supported by fmeg yet; use aux_loss, seq_aux_loss "
                    "or none")
+    if a.moe_token_dispatcher_type == "flex":
+        out.append("--moe-token-dispatcher-type flex: DeepEP's dispatcher is not in fmeg; use alltoall or allgather")
+    elif a.moe_token_dispatcher_type == "alltoall":
+        expert_tp = tp if etp is None else etp
+        if expert_tp > 1:
+            out.append(f"--moe-token-dispatcher-type alltoall: fmeg's all-to-all moves tokens to experts that are not "
+                       f"split over tp (expert tp {expert_tp}); add --expert-tensor-parallel-size 1 or use allgather")
     if a.moe_input_jitter_eps:
         out.append("--moe-input-jitter-eps: router input jitter is not supported by fmeg yet; drop the flag")
     if a.moe_router_enable_expert_bias and a.moe_router_score_function != "sigmoid":
@@ -137,6 +147,10 @@ def ignored(a: argparse.Namespace) -> list[str]:
     given a value other than its default, as Megatron ignores them then)."""
     given = [(f, why) for f, why in {**IGNORED, **IGNORED_SETTINGS}.items()
              if getattr(a, f.lstrip("-").replace("-", "_")) not in (None, False)]
+    compiled = a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
+    if a.num_experts is not None and a.moe_token_dispatcher_type == "alltoall" and compiled:
+        given.append(("--moe-token-dispatcher-type alltoall", "compiled stages (--compile, on by default with CUDA) "
+                      "move tokens by allgather, the same numbers: the all-to-all's split sizes are host values"))
     if a.num_experts is None:
         defaults = vars(_defaults())
         given = [(f"--{k.replace('_', '-')}", "has no effect without --num-experts") for k, v in vars(a).items()
