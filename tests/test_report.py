@@ -51,3 +51,19 @@ def test_megatrons_moe_terms_count_every_expert_matmul(shared):
         torch.func.grad(gpt.loss)(params, batch, c)
     router = 3 * 2 * (2 * 8) * c.hidden_size * c.num_experts * 2  # forward + backward, 2 MoE layers
     assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8) + router, rel=1e-12)
+
+
+def test_the_activation_estimate_is_korthikantis_for_gpt2_and_grows_with_the_experts_a_token_visits():
+    import dataclasses
+
+    from fmeg.training.report import activation_units, memory_estimate
+
+    gpt2 = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=32, num_layers=2, hidden_size=32, num_heads=4)
+    assert activation_units(gpt2) == 34
+    est = memory_estimate(0, 0, gpt2, micro_batch=2, seq_len=32, tp=2, pp=1, in_flight=1, activation_bytes=2)
+    assert est["activations"] == 2 * (32 * 2 * 32 * (34 + 5 * 4 * 32 / 32) / 2)
+    moe = lambda **kw: dataclasses.replace(gpt2, num_experts=8, moe_ffn_hidden_size=32, **kw)  # noqa: E731
+    top1, top2 = activation_units(moe(moe_router_topk=1)), activation_units(moe(moe_router_topk=2))
+    assert top1 == 15 + 3 + (2 + 4) and top2 == 15 + 3 + 2 * (2 + 4)
+    half = activation_units(moe(moe_router_topk=2, moe_layer_freq=(0, 1)))
+    assert half == (34 + top2) / 2

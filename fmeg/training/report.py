@@ -27,12 +27,30 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     return 12.0 * global_batch * s * L * h * h * (attention + mlp + logits)
 
 
+def activation_units(config: GPTConfig) -> float:
+    """Activation bytes per token per layer in 16-bit, in units of h, averaged over the layers (before the 5 a s / h
+    of the attention scores): Korthikanti et al. 2022's 34 for GPT-2's MLP of 4h, with the MLP's 19 taken apart as
+    3 (its input, output dropout mask) + 4 F / h (the inputs of its activation and of fc2; x 1.5 with SwiGLU). An MoE
+    layer keeps each of a token's topk copies (their rows, 2) through an expert of width F_e, and the shared expert
+    as a dense MLP; the router's [E] scores are left out."""
+    from fmeg.models.moe import expert_ffn, moe_layers
+
+    c, h = config, config.hidden_size
+    gated = 1.5 if c.activation == "swiglu" else 1.0
+    dense = 3 + 4 * c.ffn_hidden_size / h * gated
+    experts = 3 + c.moe_router_topk * (2 + 4 * expert_ffn(c) / h * gated) + \
+        4 * (c.moe_shared_expert_intermediate_size or 0) / h * gated if c.num_experts else dense
+    moe = sum(moe_layers(c))
+    return 15 + (dense * (c.num_layers - moe) + experts * moe) / c.num_layers
+
+
 def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
                     tp: int, pp: int, in_flight: int, activation_bytes: int = 4) -> dict[str, float]:
     """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
-    rank holds at once (Korthikanti et al. 2022: s b h (34 + 5 a s / h) per layer in 16-bit, / tp)."""
+    rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer in 16-bit, / tp; units as
+    activation_units says, 34 for GPT-2 shapes)."""
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
-    per_layer_16bit = s * b * h * (34 + 5 * a * s / h) / tp
+    per_layer_16bit = s * b * h * (activation_units(config) + 5 * a * s / h) / tp
     activations = per_layer_16bit * (activation_bytes / 2) * (config.num_layers / pp) * in_flight
     weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
     return {"weights_and_grads": weights, "optimizer": float(state_bytes), "activations": activations,
