@@ -323,3 +323,15 @@ def expert_parallel_loss_and_grads(mesh, params, batches, config, ep):
     batch = batches[ep_rank]
     grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, tp=tp))(local)
     return loss, grads, {"tp": (mesh.coord("tp"), mesh.size("tp")), "ep": (ep_rank, ep)}
+
+
+def context_attention(mesh, q, k, v, dout, comm_type, dropout):
+    """Context parallelism over every rank (tp 1): this rank's tokens of q, k, v and dout (the 2 x cp chunk order)
+    -> its rows of the attention and its gradients of q, k and v."""
+    from fmeg.parallel.context import AttentionDropout, ContextParallel, attention, shard_sequence
+
+    cp = ContextParallel(mesh.group("cp"), comm_type)
+    mine = [shard_sequence(t, cp, dim=2) for t in (q, k, v, dout)]
+    drop = None if dropout == 0 else AttentionDropout(dropout, 7, 0, q.shape[1])
+    out, vjp = torch.func.vjp(lambda q, k, v: attention(q, k, v, cp, drop), *mine[:3])
+    return {"out": out, "grads": vjp(mine[3])}

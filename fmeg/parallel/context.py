@@ -1,0 +1,266 @@
+"""Context parallelism: causal attention over a sequence split between the ranks of a context-parallel group.
+
+The sequence is cut into 2 x cp chunks of c = s / (2 cp) tokens; rank r holds chunks r and 2cp - 1 - r
+(Megatron's get_batch_on_this_cp_rank), so every rank does the same share of the causal work. Everything
+outside attention is per token and runs on the rank's 2c tokens unchanged (RoPE and dropout take the tokens'
+global positions, `positions`). Attention needs the other ranks' keys and values, by one of Megatron's
+--cp-comm-type values:
+
+    p2p         ring attention: key/value blocks pass around the ring (send to r + 1, receive from r - 1) while
+                each rank attends to the block it holds; results merge by their log-sum-exp; in backward the
+                key/value gradients travel around the ring with their blocks
+    all_gather  keys and values all-gathered once, queries local; the backward reduce-scatters their gradients
+    a2a         (Ulysses) an all-to-all swaps the sequence split for a head split (heads and key/value heads
+                divisible by cp), one device's attention on the whole sequence, and an all-to-all back
+
+Contract: q [b, N, 2c, d], k, v [b, G, 2c, d] hold this rank's chunks (in the order above); the result is this
+rank's rows of the one-device causal attention of the whole sequence, and the gradients of q, k and v are this
+rank's rows of one device's. p2p and all_gather are autograd Functions (grad and vjp, under torch.func too;
+no jvp or vmap rule); a2a is built from the differentiable all-to-all, so it has every torch.func rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmeg import ops
+from fmeg.ops import attention_blocks as blocks
+from fmeg.parallel import collectives as C
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+SEQ = 2  # the sequence dimension of [b, heads, s, d]
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    group: Any = None  # a fmeg.parallel.comm Group over the cp ranks, or None for one rank
+    comm_type: str = "p2p"
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank
+
+
+NO_CP = ContextParallel()
+
+
+@dataclass(frozen=True)
+class AttentionDropout:
+    """Attention dropout keyed as one device's (fmeg.ops.attention): each probability by its global (batch row,
+    head, query, key) position; these heads are heads head_offset ... of total_heads."""
+    p: float
+    key: Any
+    head_offset: int = 0
+    total_heads: int = 1
+
+    def __call__(self, probs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq: int) -> torch.Tensor:
+        b, n = probs.shape[:2]
+        rows = torch.arange(b, device=probs.device)[:, None] * self.total_heads + self.head_offset + \
+            torch.arange(n, device=probs.device)
+        index = (rows[:, :, None, None] * seq + q_pos[:, None]) * seq + k_pos
+        return ops.dropout(probs, self.p, self.key, index=index)
+
+
+def chunks_of(rank: int, size: int) -> tuple[int, int]:
+    return rank, 2 * size - 1 - rank
+
+
+def positions(seq: int, size: int, rank: int, device: Any = None) -> torch.Tensor:
+    """The global positions of the tokens context-parallel rank `rank` of `size` holds, in its order."""
+    if size == 1:
+        return torch.arange(seq, device=device)
+    if seq % (2 * size):
+        raise ValueError(f"sequence length {seq} must be divisible by 2 x context-parallel size = {2 * size}")
+    c = seq // (2 * size)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks_of(rank, size)])
+
+
+def shard_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of a whole-sequence tensor (a batch's tokens, labels, masks: dim 1)."""
+    if cp.size == 1:
+        return x
+    return x.index_select(dim, positions(x.shape[dim], cp.size, cp.rank, x.device))
+
+
+def load_balanced_order(size: int) -> list[int]:
+    """The chunks in rank order: what concatenating every rank's tokens gives."""
+    return [i for r in range(size) for i in chunks_of(r, size)]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+              dropout: AttentionDropout | None = None) -> torch.Tensor:
+    """This rank's rows of causal attention over the whole sequence (see the module docstring), with attention
+    dropout keyed by global positions when given."""
+    if cp.size == 1 or cp.comm_type == "a2a":
+        return ulysses(q, k, v, cp, dropout)
+    seq = q.shape[SEQ] * cp.size
+    drop = None if dropout is None else (lambda p, qp, kp: dropout(p, qp, kp, seq))  # noqa: E731
+    fn = {"p2p": _Ring, "all_gather": _Gathered}[cp.comm_type]
+    return fn.apply(q, k, v, cp.group, drop)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the blocks each comm type computes
+
+
+def _ring_blocks(rank: int, src: int, c: int):
+    """(query rows, key rows, causal) of the block this rank computes with rank src's keys (p2p): its own chunks
+    causally; an earlier rank's first chunk (its second comes after all of ours) fully; a later rank's both chunks
+    fully, from our second chunk (our first comes before both)."""
+    if src == rank:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+def _gathered_blocks(rank: int, size: int, c: int):
+    """For each of our two chunks, its (query rows, key rows of the gathered natural-order sequence, causal)
+    blocks (all_gather): every earlier chunk fully, itself causally."""
+    out = []
+    for half, chunk in enumerate(chunks_of(rank, size)):
+        rows = slice(half * c, (half + 1) * c)
+        out.append(([(rows, slice(0, chunk * c), False)] if chunk else []) +
+                   [(rows, slice(chunk * c, (chunk + 1) * c), True)])
+    return out
+
+
+def _shift(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Send x to the next rank of the ring, receive the previous rank's."""
+    group.send(x, (group.rank + 1) % group.size)
+    return group.recv((group.rank - 1) % group.size)
+
+
+class _Ring(torch.autograd.Function):
+
+    @staticmethod
+    def forward(q, k, v, group, drop):
+        rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+        q_pos = positions(2 * c * size, size, rank, q.device)
+        out = lse = None
+        kv = torch.stack([k, v])
+        for step in range(size):
+            src = (rank - step) % size
+            if step:
+                kv = _shift(kv, group)
+            rows, cols, causal = _ring_blocks(rank, src, c)
+            k_pos = positions(2 * c * size, size, src, q.device)[cols]
+            o, l = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, drop,
+                                        q_pos[rows], k_pos)
+            if rows == slice(None):
+                out, lse = blocks.merge(out, lse, o, l)
+            else:
+                merged = blocks.merge(out[:, :, rows], lse[:, :, rows], o, l)
+                out, lse = torch.cat([out[:, :, :c], merged[0]], SEQ), torch.cat([lse[:, :, :c], merged[1]], SEQ)
+        group.finish()
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.group, ctx.drop = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, drop = ctx.group, ctx.drop
+        rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+        q_pos = positions(2 * c * size, size, rank, q.device)
+        dq = torch.zeros_like(q, dtype=blocks._accumulate(q))
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=blocks._accumulate(k), device=k.device)
+        for step in range(size):
+            src = (rank - step) % size  # we hold src's keys and the gradient they have gathered so far
+            if step:
+                kv = _shift(kv, group)
+            rows, cols, causal = _ring_blocks(rank, src, c)
+            k_pos = positions(2 * c * size, size, src, q.device)[cols]
+            dq_b, dk_b, dv_b = blocks.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                     kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
+                                                     drop, q_pos[rows], k_pos)
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
+            dkv = _shift(dkv, group)  # on to the next rank; after the last step our own block's comes home
+        group.finish()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+class _Gathered(torch.autograd.Function):
+
+    @staticmethod
+    def forward(q, k, v, group, drop):
+        rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+        kv = _natural(group.all_gather(torch.stack([k, v]), SEQ + 1), size, c)
+        q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
+        halves = []
+        for half_blocks in _gathered_blocks(rank, size, c):
+            o = l = None
+            for rows, cols, causal in half_blocks:
+                ob, lb = blocks.block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, drop,
+                                              q_pos[rows], k_pos[cols])
+                o, l = blocks.merge(o, l, ob, lb)
+            halves.append((o, l))
+        out, lse = (torch.cat(parts, SEQ) for parts in zip(*halves))
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.group, ctx.drop = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, drop = ctx.group, ctx.drop
+        rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+        kv = _natural(group.all_gather(torch.stack([k, v]), SEQ + 1), size, c)
+        q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
+        dq, dkv = torch.zeros_like(q, dtype=blocks._accumulate(q)), torch.zeros_like(kv, dtype=blocks._accumulate(kv))
+        for rows, cols, causal in (b for half in _gathered_blocks(rank, size, c) for b in half):
+            dq_b, dk_b, dv_b = blocks.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                     kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
+                                                     drop, q_pos[rows], k_pos[cols])
+            dq[:, :, rows] += dq_b
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
+        mine = group.reduce_scatter(_natural(dkv, size, c, inverse=True), SEQ + 1)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+
+
+def _natural(kv: torch.Tensor, size: int, c: int, inverse: bool = False) -> torch.Tensor:
+    """Every rank's chunks (rank order, dim SEQ + 1 of [2, b, G, s, d]) -> the sequence's order, or back."""
+    order = load_balanced_order(size)
+    index = torch.tensor(order).argsort() if not inverse else torch.tensor(order)
+    rows = (index[:, None] * c + torch.arange(c)).flatten().to(kv.device)
+    return kv.index_select(SEQ + 1, rows)
+
+
+def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+            dropout: AttentionDropout | None) -> torch.Tensor:
+    """a2a: heads split over cp instead of the sequence for the attention itself (DeepSpeed-Ulysses), one device's
+    attention (fmeg.ops.causal_attention) on the whole sequence in between."""
+    size, n, g = cp.size, q.shape[1], k.shape[1]
+    if n % size or g % size:
+        raise ValueError(f"the a2a context parallelism splits heads: {n} query and {g} key/value heads must be "
+                         f"divisible by cp={size}")
+    c = q.shape[SEQ] // 2
+    order = torch.tensor(load_balanced_order(size))
+    to_natural = (order.argsort()[:, None] * c + torch.arange(c)).flatten().to(q.device)
+    back = (order[:, None] * c + torch.arange(c)).flatten().to(q.device)
+    if size > 1:  # [b, heads / cp, s (chunks in rank order), d], then the sequence's order
+        q, k, v = (C.all_to_all(t, cp.group, 1, SEQ).index_select(SEQ, to_natural) for t in (q, k, v))
+    if dropout is None:
+        out = ops.causal_attention(q, k, v)
+    else:
+        out = ops.causal_attention(q, k, v, dropout_p=dropout.p, key=dropout.key, total_heads=dropout.total_heads,
+                                   head_offset=dropout.head_offset + cp.rank * q.shape[1])
+    return out if size == 1 else C.all_to_all(out.index_select(SEQ, back), cp.group, SEQ, 1)
