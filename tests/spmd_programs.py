@@ -335,3 +335,18 @@ def context_attention(mesh, q, k, v, dout, comm_type, dropout):
     drop = None if dropout == 0 else AttentionDropout(dropout, 7, 0, q.shape[1])
     out, vjp = torch.func.vjp(lambda q, k, v: attention(q, k, v, cp, drop), *mine[:3])
     return {"out": out, "grads": vjp(mine[3])}
+
+
+def context_parallel_gpt(mesh, params, batch, config, key, comm_type):
+    """The GPT loss and gradients of this rank's tokens (its cp chunks), tensor (and sequence) parallel inside each
+    cp rank: the cp ranks' losses and gradients sum to the microbatch's."""
+    from fmeg.models import gpt
+    from fmeg.parallel.context import ContextParallel, shard_sequence
+    from fmeg.parallel.sharding import shard
+
+    cp = ContextParallel(mesh.group("cp"), comm_type)
+    tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, context=cp)
+    local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
+    mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
+    grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, mine, config, key=key, tp=tp))(local)
+    return loss, grads, (mesh.coord("tp"), mesh.coord("cp"))

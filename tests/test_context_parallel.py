@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd_programs as P
-from fmeg import ops
+from fmeg import ops, tree
+from fmeg.models import gpt
 from fmeg.parallel import context
+from fmeg.parallel.sharding import shard
 from parallel_harness import run
 
 f64 = torch.float64
@@ -57,3 +59,36 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
         torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
         for g, w in zip(got["grads"], want_grads):
             torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)
+
+
+def small(style, **overrides):
+    base = dict(vocab_size=40, max_seq_len=16, num_layers=2, hidden_size=16, num_heads=4, ffn_hidden_size=24,
+                hidden_dropout=0.2, attention_dropout=0.2)
+    if style == "llama":
+        return gpt.GPTConfig.llama(**{**base, "num_kv_heads": 2, **overrides})
+    return gpt.GPTConfig.gpt2(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("style, comm_type, world, tp", [
+    ("llama", "p2p", 2, 1), ("gpt2", "all_gather", 2, 1), ("llama", "a2a", 2, 1), ("llama", "p2p", 4, 1),
+    ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2)])
+def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, world, tp):
+    """Loss and every gradient with dropout on (hidden and attention masks keyed by global positions), RoPE or
+    learned positions, a loss mask: the cp ranks' losses and gradients sum to one device's, tp 2 + sp inside."""
+    config = small(style)
+    params = gpt.init(config, 0, dtype=f64)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+             "loss_mask": (torch.rand(2, 16, generator=gen) > 0.3).to(f64)}
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=5))(params)
+    cp = world // tp
+    results = run("threads", world, P.context_parallel_gpt, params, batch, config, 5, comm_type, tp=tp, cp=cp,
+                  sequence_parallel=tp > 1)
+    for t in range(tp):
+        ranks = [r for r in results if r[2][0] == t]
+        torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
+        summed = {path: sum(tree.flatten(r[1])[path] for r in ranks) for path in tree.flatten(ranks[0][1])}
+        want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
+        for path, g in summed.items():
+            torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)

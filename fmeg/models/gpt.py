@@ -42,8 +42,9 @@ from fmeg import ops
 from fmeg.models import moe
 from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
 from fmeg.parallel import collectives as C
+from fmeg.parallel import context
 from fmeg.parallel.sharding import Partition
-from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding,
+from fmeg.parallel.tensor import (NO_TP, TensorParallel, column_parallel_linear, hidden_dropout, mask_vocab_padding,
                                   replicated_param, row_parallel_linear, vocab_parallel_cross_entropy,
                                   vocab_parallel_embedding)
 
@@ -290,6 +291,8 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     q, k, v = project_qkv(p, x_BSH, config, rope, tp)
     core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
                              head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
+    if tp.context.size > 1:  # the sequence split over cp ranks
+        core = context.core(tp.context, config.attention_dropout, key, tp.rank * q.shape[1], config.num_heads)
     out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
     return project_out(p, out, tp)
 
@@ -357,16 +360,8 @@ def dense_mlp(p: Params, x_BSH: torch.Tensor, activation, tp: TensorParallel = N
 
 
 def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *site: int) -> torch.Tensor:
-    """Hidden dropout keyed by (key, site) and each element's position in the full [b, s, h] tensor, so
-    the mask is the same whatever the sequence sharding."""
-    if key is None or config.hidden_dropout == 0.0:
-        return x
-    index = None
-    if tp.sp:
-        b, s, h = x.shape
-        rows = torch.arange(b, device=x.device)[:, None] * (s * tp.size) + tp.rank * s + torch.arange(s, device=x.device)
-        index = rows[:, :, None] * h + torch.arange(h, device=x.device)
-    return ops.dropout(x, config.hidden_dropout, ops.fold_in(key, *site), index=index)
+    """Hidden dropout keyed by (key, site), each element by its place in the whole [b, s, h] (hidden_dropout)."""
+    return x if key is None else hidden_dropout(x, config.hidden_dropout, ops.fold_in(key, *site), tp)
 
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
@@ -409,7 +404,7 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
     numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
     one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores."""
-    seq = tokens.shape[-1]
+    seq = tokens.shape[-1] * tp.context.size  # the whole sequence; this rank holds its context-parallel chunks
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
     if tp.size > 1:
@@ -417,7 +412,7 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     if tp.sp and seq % tp.size:
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
-        positions = torch.arange(seq, device=tokens.device)
+        positions = context.positions(seq, tp.context.size, tp.context.rank, tokens.device)
     rope = rope_tables(positions, config) if config.position == "rope" else None
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
@@ -457,6 +452,9 @@ def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, vocab_size: 
     """Mean cross entropy of the output layer over the first vocab_size ids (padding rows of weight take no
     part and get no gradient): fused on one rank, vocabulary-parallel under TP. reduction "sum": the sum over
     counted tokens (loss_tokens gives their number)."""
+    if tp.context.size > 1 and reduction == "mean":  # over every cp rank's tokens: the ranks' losses sum to it
+        total = output_loss(x, weight, batch, vocab_size, tp=tp, label_smoothing=label_smoothing, reduction="sum")
+        return total / C.all_reduce_constant(loss_tokens(batch).to(total.device), tp.context.group).clamp_min(1.0)
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if tp.group is None:
         return ops.linear_cross_entropy(x, weight, labels, loss_mask=loss_mask, vocab_size=vocab_size,
@@ -467,6 +465,7 @@ def output_loss(x: torch.Tensor, weight: torch.Tensor, batch: dict, vocab_size: 
     mask = (labels != ops.IGNORE_INDEX).to(losses.dtype)
     mask = mask if loss_mask is None else mask * loss_mask.to(losses.dtype)
     return (losses * mask).sum() if reduction == "sum" else ops.masked_mean(losses, mask)
+
 
 
 def loss_tokens(batch: dict) -> torch.Tensor:

@@ -106,6 +106,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     return fn.apply(q, k, v, cp.group, drop)[0]
 
 
+def core(cp: ContextParallel, dropout_p: float, key: Any, head_offset: int, total_heads: int):
+    """attention(q, k, v) over cp, with the model's attention dropout (keyed as one device's) when key is given."""
+    drop = None if key is None or dropout_p == 0.0 else AttentionDropout(dropout_p, key, head_offset, total_heads)
+    return lambda q, k, v: attention(q, k, v, cp, drop)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the blocks each comm type computes
 
@@ -130,6 +136,12 @@ def _gathered_blocks(rank: int, size: int, c: int):
         out.append(([(rows, slice(0, chunk * c), False)] if chunk else []) +
                    [(rows, slice(chunk * c, (chunk + 1) * c), True)])
     return out
+
+
+def _add_rows(t: torch.Tensor, rows: slice, value: torch.Tensor) -> torch.Tensor:
+    """t with value added to its sequence rows `rows`, out of place (backward may run under torch.func)."""
+    index = torch.arange(t.shape[SEQ], device=t.device)[rows]
+    return t.index_add(SEQ, index, value.to(t.dtype))
 
 
 def _shift(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -185,9 +197,8 @@ class _Ring(torch.autograd.Function):
             dq_b, dk_b, dv_b = blocks.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                                      kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
                                                      drop, q_pos[rows], k_pos)
-            dq[:, :, rows] += dq_b
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+            dq = _add_rows(dq, rows, dq_b)
+            dkv = torch.stack([_add_rows(dkv[0], cols, dk_b), _add_rows(dkv[1], cols, dv_b)])
             dkv = _shift(dkv, group)  # on to the next rank; after the last step our own block's comes home
         group.finish()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
@@ -229,9 +240,8 @@ class _Gathered(torch.autograd.Function):
             dq_b, dk_b, dv_b = blocks.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                                      kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
                                                      drop, q_pos[rows], k_pos[cols])
-            dq[:, :, rows] += dq_b
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+            dq = _add_rows(dq, rows, dq_b)
+            dkv = torch.stack([_add_rows(dkv[0], cols, dk_b), _add_rows(dkv[1], cols, dv_b)])
         mine = group.reduce_scatter(_natural(dkv, size, c, inverse=True), SEQ + 1)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 

@@ -27,6 +27,8 @@ import torch
 from fmeg import ops
 from fmeg.ops.precision import upcast
 from fmeg.parallel import collectives as C
+from fmeg.parallel.context import NO_CP, ContextParallel
+from fmeg.parallel.context import positions as context_positions
 
 SEQ_DIM = 1
 
@@ -53,6 +55,7 @@ class TensorParallel:
     group: Any = None  # a fmeg.parallel.comm Group, or None for one rank
     sequence_parallel: bool = False
     experts: ExpertParallel = NO_EP  # where mixture-of-experts layers find their experts' ranks
+    context: ContextParallel = NO_CP  # the sequence split over context-parallel ranks (fmeg.parallel.context)
 
     @property
     def size(self) -> int:
@@ -68,6 +71,29 @@ class TensorParallel:
 
 
 NO_TP = TensorParallel()
+
+
+def token_positions(s_held: int, tp: TensorParallel, device: Any) -> tuple[torch.Tensor, int]:
+    """(the global positions of the s_held sequence rows this rank holds, the whole sequence's length), under
+    context parallelism (its chunks) and sequence parallelism (tp's piece of them)."""
+    cp = tp.context
+    local = s_held * (tp.size if tp.sp else 1)
+    held = context_positions(local * cp.size, cp.size, cp.rank, device)
+    return (held.chunk(tp.size)[tp.rank] if tp.sp else held), local * cp.size
+
+
+def hidden_dropout(x_BSH: torch.Tensor, p: float, key: Any, tp: TensorParallel) -> torch.Tensor:
+    """Dropout of activations keyed by each element's position in the whole [b, s, h] tensor, so the mask is one
+    device's whatever the sequence sharding (sequence and context parallelism)."""
+    if p == 0.0:
+        return x_BSH
+    index = None
+    if tp.sp or tp.context.size > 1:
+        b, s, h = x_BSH.shape
+        held, whole = token_positions(s, tp, x_BSH.device)
+        rows = torch.arange(b, device=x_BSH.device)[:, None] * whole + held
+        index = rows[:, :, None] * h + torch.arange(h, device=x_BSH.device)
+    return ops.dropout(x_BSH, p, key, index=index)
 
 
 def replicated_param(p: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor | None:
