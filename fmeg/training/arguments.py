@@ -17,15 +17,16 @@ from typing import Any
 from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
-from fmeg.training import moe_flags
+from fmeg.training import context_flags, moe_flags
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
                                          megatron_leniencies)
 
 
 def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
-    """(data-parallel size, final global batch): dp = world / (tp * pp) (at least 1), and the global batch
+    """(data-parallel size, final global batch): dp = world / (tp * pp * cp) (at least 1), and the global batch
     defaults to one micro batch per data-parallel rank."""
-    dp = max(1, world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size))
+    cp = max(1, getattr(a, "context_parallel_size", 1))
+    dp = max(1, world_size // (a.tensor_model_parallel_size * a.pipeline_model_parallel_size * cp))
     if getattr(a, "step_batch_size_schedule", None):  # its last batch is the final one, as in Megatron
         try:
             return dp, parse_step_schedule(a.step_batch_size_schedule, max(a.seq_length, 1))[-1][1]
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--wandb-entity", default="", help="the W&B team or user")
     lg.add_argument("--logging-level", type=int, default=None, help="Python logging's level (e.g. 20 for INFO)")
     moe_flags.add_arguments(p)
+    context_flags.add_arguments(p)
     later = p.add_argument_group("Megatron features fmeg does not have yet (their 'off' value only)")
     for flag, (keywords, off, feature) in LATER_WORK.items():
         later.add_argument(flag, **keywords, help=f"{feature}: not in fmeg yet; "

@@ -99,20 +99,17 @@ IGNORED_SETTINGS.update({
     "--rerun-mode": "fmeg has no rerun state machine",
     "--result-rejected-tracker-filename": "fmeg has no rerun state machine",
 })
-# Megatron flags that only act with a feature fmeg does not have yet (FP8, context parallelism):
+# Megatron flags that only act with a feature fmeg does not have yet (FP8):
 # accepted and named as ignored, since the feature's own flag (LATER_WORK) stops the run when switched on.
 _FP8 = "has no effect without --fp8-format (fmeg has no FP8 yet)"
-_CP = "has no effect at --context-parallel-size 1 (fmeg has no context parallelism yet)"
 IGNORED_SETTINGS.update({flag: _FP8 for flag in (
     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-recipe", "--fp8-margin")})
 IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
-IGNORED_SETTINGS["--cp-comm-type"] = _CP
-MULTI_VALUED = {"--profile-ranks", "--cp-comm-type"}
+MULTI_VALUED = {"--profile-ranks"}
 
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--context-parallel-size": ({"type": int, "default": 1}, (1,), "context parallelism"),
     "--multi-latent-attention": ({"action": "store_true"}, (False,), "multi-latent attention (DeepSeek's MLA)"),
     "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),

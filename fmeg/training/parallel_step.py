@@ -23,6 +23,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
+from fmeg.parallel.context import ContextParallel
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 from fmeg.training.flat_state import FlatState
 
@@ -40,6 +41,8 @@ class Layout:
     micro_batch_size: int = 1
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
     etp: int | None = None  # the experts' tensor parallelism (None: tp)
+    cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
+    cp_comm_type: str = "p2p"
 
     @property
     def expert_tp(self) -> int:
@@ -61,25 +64,28 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         experts = {"ep": self.ep, "etp": self.expert_tp, "edp": self.dp * self.tp // (self.ep * self.expert_tp)} \
             if self.experts_apart else {}
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts, **({"cp": self.cp} if self.cp > 1 else {})}
 
     def coords(self, mesh: Mesh) -> dict[str, int]:
         """This rank's coordinates as checkpoints record them (its place in the experts' grid only when the
         experts are laid out apart)."""
         experts = {"ep": mesh.coord("ep"), "etp": mesh.coord("expert_tp"), "edp": mesh.coord("expert_dp")} \
             if self.experts_apart else {}
-        return {**{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}, **experts}
+        return {**{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}, **experts,
+                **({"cp": mesh.coord("cp")} if self.cp > 1 else {})}
 
     def checkpoint_meta(self, dtype: torch.dtype) -> dict:
         """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
         return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
                 "dtype": str(dtype).removeprefix("torch."),
-                **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {})}
+                **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
+                **({"cp": self.cp} if self.cp > 1 else {})}
 
     def describe(self) -> str:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
+                + (f" x cp {self.cp} ({self.cp_comm_type})" if self.cp > 1 else "")
                 + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", recompute {recompute}" if recompute else ""))
@@ -103,7 +109,8 @@ def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
     """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the experts' ranks."""
     experts = ExpertParallel(mesh.group("tp_ep"), mesh.coord("ep"), layout.ep, mesh.group("expert_tp"),
                              mesh.coord("expert_tp"), layout.expert_tp) if layout.experts_apart else NO_EP
-    return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts)
+    return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts,
+                          ContextParallel(mesh.group("cp"), layout.cp_comm_type))
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
@@ -133,8 +140,8 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
         return None
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
     pair = torch.stack([loss.double(), tokens.double()])
-    dp_group = mesh.group("dp")
-    return dp_group.all_reduce(pair) if dp_group is not None else pair
+    group = mesh.group("dp_cp")  # every rank's tokens: data and context parallel
+    return group.all_reduce(pair) if group is not None else pair
 
 
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
@@ -336,13 +343,18 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     t1 = time.perf_counter()
     sync.finish()  # the data-parallel mean, in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
-    dp_group = mesh.group("dp")
+    dp_group, cp_group = mesh.group("dp"), mesh.group("cp")
     if dp_group is not None and loss is not None:
         loss = dp_group.all_reduce(loss) / layout.dp
     grads = state.main_grads()  # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
+    if cp_group is not None:  # each context-parallel rank's loss and gradients are its tokens' share: summed
+        for g in grads:
+            g.copy_(cp_group.all_reduce(g))
+        loss = None if loss is None else cp_group.all_reduce(loss)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
         tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grads[0].device)
-        tokens = dp_group.all_reduce(tokens) if dp_group is not None else tokens
+        tokens_group = mesh.group("dp_cp")
+        tokens = tokens_group.all_reduce(tokens) if tokens_group is not None else tokens
         factor = layout.dp / tokens.clamp_min(1.0)
         torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         loss = None if loss is None else loss * factor

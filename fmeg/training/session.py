@@ -37,14 +37,15 @@ class Session:
     def start(cls, cfg) -> Session:
         world, rank = cfg.world, int(os.environ.get("RANK", "0"))
         device = choose_device(cfg.runtime.device, int(os.environ.get("LOCAL_RANK", "0")))
-        compiled = device.type == "cuda" if cfg.runtime.compile is None else cfg.runtime.compile
+        # compiled by default on CUDA, except context-parallel attention (eager: its ring passes blocks point to point)
+        compiled = device.type == "cuda" and cfg.layout.cp == 1 if cfg.runtime.compile is None else cfg.runtime.compile
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes),
                                     device_id=device if device.type == "cuda" else None)
-            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, ep=cfg.layout.ep,
+            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp, ep=cfg.layout.ep,
                                                etp=cfg.layout.expert_tp, device=device)
         else:
             mesh = Mesh.single()

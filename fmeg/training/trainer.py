@@ -20,7 +20,8 @@ from fmeg.log_line import megatron_log_line
 from fmeg.ops import fold_in
 from fmeg.training import policies
 from fmeg.training.metrics import ProgressDisplay, open_sinks
-from fmeg.training.parallel_step import evaluate, global_norm, train_iteration
+from fmeg.parallel.context import shard_sequence
+from fmeg.training.parallel_step import evaluate, global_norm, model_parallel, train_iteration
 from fmeg.training.report import draw_loss_curve, model_flops
 
 
@@ -34,6 +35,7 @@ class Trainer:
         self.cfg, self.session, self.state, self.progress = cfg, session, state, progress
         self.train_data, self.valid_data, self.checkpointer = train_data, valid_data, checkpointer
         self.started_at, self.records, self.losses, self.signalled = started_at, [], [], False
+        self.context = model_parallel(cfg.layout, session.mesh).context
         logs = session.last_rank
         self.sinks = open_sinks(cfg.logging, dict(cfg.arguments)) if logs else []
         self.display = ProgressDisplay(cfg.training.train_iters, progress.iteration + 1) if logs else None
@@ -47,6 +49,7 @@ class Trainer:
         for j in range(layout.microbatches(global_batch)):
             first = first_sample + (j * layout.dp + dp_rank) * layout.micro_batch_size
             mb = self.session.to_device(collate([dataset[i] for i in range(first, first + layout.micro_batch_size)]))
+            mb = {k: shard_sequence(t, self.context) for k, t in mb.items()}  # this context-parallel rank's tokens
             if train and self.cfg.training.dropout:
                 mb["dropout_key"] = fold_in(self.cfg.training.seed, iteration, j * layout.dp + dp_rank)
             out.append(mb)
