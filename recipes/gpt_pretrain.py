@@ -91,7 +91,7 @@ def announce(cfg: RunConfig, session: Session, state) -> None:
         f" (gradients reduced in {str(precision.grad_dtype).removeprefix('torch.')})"
     in_flight = min(layout.pp, layout.microbatches(cfg.global_batch)) * layout.chunks
     estimate = memory_estimate(local, state_bytes, model, layout.micro_batch_size, cfg.data.seq_length, layout.tp,
-                               layout.pp, in_flight, torch.finfo(precision.compute_dtype).bits // 8)
+                               layout.pp, in_flight, torch.finfo(precision.compute_dtype).bits // 8, cp=layout.cp)
     print(f"fmeg gpt_pretrain on {session.device}: world {session.world} = {layout.describe()}; "
           f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size} (padded to "
           f"{model.padded_vocab_size}), {precision.name}{reduced_in}, "

@@ -67,3 +67,11 @@ def test_the_activation_estimate_is_korthikantis_for_gpt2_and_grows_with_the_exp
     assert top1 == 15 + 3 + (2 + 4) and top2 == 15 + 3 + 2 * (2 + 4)
     half = activation_units(moe(moe_router_topk=2, moe_layer_freq=(0, 1)))
     assert half == (34 + top2) / 2
+
+
+def test_context_parallelism_divides_the_activation_estimate():
+    from fmeg.training.report import memory_estimate
+
+    c = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=64, num_layers=2, hidden_size=32, num_heads=4)
+    one, four = (memory_estimate(10, 0, c, 1, 64, 1, 1, 1, cp=cp) for cp in (1, 4))
+    assert four["activations"] == one["activations"] / 4 and four["weights_and_grads"] == one["weights_and_grads"]

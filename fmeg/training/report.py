@@ -45,12 +45,13 @@ def activation_units(config: GPTConfig) -> float:
 
 
 def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
-                    tp: int, pp: int, in_flight: int, activation_bytes: int = 4) -> dict[str, float]:
+                    tp: int, pp: int, in_flight: int, activation_bytes: int = 4, cp: int = 1) -> dict[str, float]:
     """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
     rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer in 16-bit, / tp; units as
-    activation_units says, 34 for GPT-2 shapes)."""
+    activation_units says, 34 for GPT-2 shapes); context parallelism holds s / cp of the tokens, their scores
+    against the whole sequence."""
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
-    per_layer_16bit = s * b * h * (activation_units(config) + 5 * a * s / h) / tp
+    per_layer_16bit = s * b * h * (activation_units(config) + 5 * a * s / h) / (tp * cp)
     activations = per_layer_16bit * (activation_bytes / 2) * (config.num_layers / pp) * in_flight
     weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
     return {"weights_and_grads": weights, "optimizer": float(state_bytes), "activations": activations,
