@@ -67,3 +67,20 @@ def test_a_checkpoint_saved_at_cp4_resumes_at_another_layout_on_the_same_curve(t
     got, stdout = curve(tmp_path, "second", nproc, [*flags, "--load", ckpt])
     assert "resumed from" in stdout
     assert_same(got, reference, first=10)
+
+
+@pytest.mark.slow
+def test_a_16k_token_run_at_cp4_on_the_embedded_data_saves_and_resumes_at_cp2_on_its_curve(tmp_path):
+    """The issue's long-context run with the runner's default model: 16384 tokens per sequence over 4 CPU ranks
+    (4096 each), attention dropout off (the keyed per-probability mask is what makes long sequences slow on CPU).
+    Saved after 2 iterations at cp 4, resumed at cp 2, the curve is the uninterrupted cp 4 run's."""
+    long = ["--seq-length", "16384", "--max-position-embeddings", "16384", "--attention-dropout", "0",
+            "--global-batch-size", "1", "--micro-batch-size", "1", "--log-interval", "1", "--lr-decay-iters", "4"]
+    cp4 = ["--context-parallel-size", "4"]
+    whole, stdout = run_recipe(tmp_path, "whole", 4, [*long, *cp4, "--train-iters", "4"], common=[])
+    assert "x cp 4 (p2p)" in stdout
+    ckpt = str(tmp_path / "ckpt")
+    run_recipe(tmp_path, "first", 4, [*long, *cp4, "--train-iters", "2", "--save", ckpt], common=[])
+    resumed, stdout = run_recipe(tmp_path, "second", 2, [*long, *CP2, "--train-iters", "4", "--load", ckpt], common=[])
+    assert "resumed from" in stdout
+    assert_same([r["lm_loss"] for r in resumed], [r["lm_loss"] for r in whole], first=2)

@@ -87,7 +87,8 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dprobs = dout.to(compute) @ v.to(compute).transpose(-1, -2)
     kept = probs
     if drop is not None:  # the mask (and its 1 / (1 - p)) scales both the probabilities and their gradients
-        dprobs, kept = drop(dprobs, q_pos, k_pos), drop(probs, q_pos, k_pos)
+        scale = drop(torch.ones_like(probs), q_pos, k_pos)
+        dprobs, kept = dprobs * scale, probs * scale
     delta = (dout.to(compute) * out.to(compute)).sum(dim=-1, keepdim=True)
     dscores = probs * (dprobs - delta) * q.shape[-1] ** -0.5
     dq = dscores @ k.to(compute)
