@@ -46,7 +46,7 @@ def rank_program(mesh, seq: int, comm_type: str, mode: str):
             seen[storage.data_ptr()] = storage.nbytes()
             return t
 
-        leaves = {p.untyped_storage().data_ptr() for p in torch.utils._pytree.tree_leaves(params)}
+        leaves = {p.requires_grad_().untyped_storage().data_ptr() for p in torch.utils._pytree.tree_leaves(params)}
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             gpt.loss(params, mine, config, tp=tp)
         return sum(n for ptr, n in seen.items() if ptr not in leaves)  # activations, not the weights

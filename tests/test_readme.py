@@ -55,8 +55,16 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 def test_every_readme_command_is_run_by_a_test():
     tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data") + \
-        section("Mixtures of experts")
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 15
+        section("Mixtures of experts") + section("Long sequences: context parallelism")
+    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 16
+
+
+@pytest.mark.slow  # the runner's context-parallel layouts run in tests/test_cp_layouts.py
+def test_readme_context_parallelism(tmp_path):
+    (stdout,) = run_block(section("Long sequences: context parallelism"), tmp_path)
+    assert "world 4 = tp 1 x pp 1 (x1 virtual) x dp 1 x cp 4 (p2p)" in stdout
+    first, last = loss_fall(stdout)
+    assert last < first
 
 
 @pytest.mark.slow  # the runner's MoE layouts run in tests/test_moe_layouts.py
