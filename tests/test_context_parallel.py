@@ -71,7 +71,7 @@ def small(style, **overrides):
 
 @pytest.mark.parametrize("style, comm_type, world, tp", [
     ("llama", "p2p", 2, 1), ("gpt2", "all_gather", 2, 1), ("llama", "a2a", 2, 1), ("llama", "p2p", 4, 1),
-    ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2)])
+    ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2), ("llama", ("a2a", "all_gather"), 2, 1)])
 def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, world, tp):
     """Loss and every gradient with dropout on (hidden and attention masks keyed by global positions), RoPE or
     learned positions, a loss mask: the cp ranks' losses and gradients sum to one device's, tp 2 + sp inside."""

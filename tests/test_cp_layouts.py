@@ -21,7 +21,8 @@ LAYOUTS = [("cp2_p2p", 2, CP2),
                                    "--num-layers-per-virtual-pipeline-stage", "1"]),
            ("cp2_dp2_zero1", 4, [*CP2, "--use-distributed-optimizer"]),
            ("cp2_recompute_selective", 2, [*CP2, "--recompute-granularity", "selective"]),
-           ("cp2_per_token", 2, [*CP2, "--calculate-per-token-loss"])]
+           ("cp2_per_token", 2, [*CP2, "--calculate-per-token-loss"]),
+           ("cp2_per_layer_types", 2, [*CP2, "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"])]
 
 
 def curve(tmp_path, name, nproc, flags):

@@ -370,7 +370,8 @@ def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | No
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
     attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
-    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp, attn_key, recompute_core)
+    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp.for_layer(index), attn_key,
+                     recompute_core)
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
     out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp, aux, index)
     return x_BSH + _dropout(out, config, key, tp, index, 1)

@@ -37,7 +37,7 @@ SEQ = 2  # the sequence dimension of [b, heads, s, d]
 @dataclass(frozen=True)
 class ContextParallel:
     group: Any = None  # a fmeg.parallel.comm Group over the cp ranks, or None for one rank
-    comm_type: str = "p2p"
+    comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer (Megatron's list form)
 
     @property
     def size(self) -> int:
@@ -46,6 +46,13 @@ class ContextParallel:
     @property
     def rank(self) -> int:
         return 0 if self.group is None else self.group.rank
+
+
+    def for_layer(self, index: int) -> ContextParallel:
+        """The comm type of layer `index` (a list gives each layer its own)."""
+        if isinstance(self.comm_type, str):
+            return self
+        return ContextParallel(self.group, self.comm_type[index])
 
 
 NO_CP = ContextParallel()

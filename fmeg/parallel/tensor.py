@@ -19,6 +19,7 @@ over the group, the all-reduce Megatron performs for sequence-parallel parameter
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,11 @@ class TensorParallel:
     @property
     def rank(self) -> int:
         return 0 if self.group is None else self.group.rank
+
+    def for_layer(self, index: int) -> TensorParallel:
+        """What layer `index` runs with: context parallelism's comm type of that layer."""
+        context = self.context.for_layer(index)
+        return self if context is self.context else dataclasses.replace(self, context=context)
 
     @property
     def sp(self) -> bool:

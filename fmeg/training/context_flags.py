@@ -19,9 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the a2a and p2p group sizes of a2a+p2p")
 
 
-def comm_type(a: argparse.Namespace) -> str:
-    """The one comm type every layer uses (problems() has refused a list that differs)."""
-    return a.cp_comm_type[0]
+def comm_type(a: argparse.Namespace) -> str | tuple[str, ...]:
+    """The comm type of every layer: one value, or a tuple with one per layer (Megatron's list form)."""
+    types = a.cp_comm_type
+    return types[0] if len(set(types)) == 1 else tuple(types)
 
 
 def problems(a: argparse.Namespace, world_size: int) -> list[str]:
@@ -33,8 +34,6 @@ def problems(a: argparse.Namespace, world_size: int) -> list[str]:
     types = a.cp_comm_type
     if len(types) not in (1, a.num_layers):
         out.append(f"--cp-comm-type: {len(types)} values for --num-layers {a.num_layers}; give one, or one per layer")
-    elif len(set(types)) > 1:
-        out.append("--cp-comm-type: fmeg takes one comm type for every layer yet; give one value")
     if "a2a+p2p" in types or a.hierarchical_context_parallel_sizes:
         out.append("--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes: hierarchical context parallelism "
                    "is not in fmeg yet; use p2p, all_gather or a2a")
@@ -48,7 +47,7 @@ def problems(a: argparse.Namespace, world_size: int) -> list[str]:
         out.append(f"--seq-length {a.seq_length} must be divisible by 2 x --context-parallel-size"
                    + (" x --tensor-model-parallel-size (sequence parallel)" if a.sequence_parallel else "")
                    + f" = {chunk}")
-    if comm_type(a) == "a2a":
+    if "a2a" in types:
         heads = a.num_attention_heads
         groups = a.num_query_groups if a.group_query_attention and a.num_query_groups else heads
         if (heads // tp) % cp or (groups // tp) % cp:

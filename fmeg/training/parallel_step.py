@@ -42,7 +42,7 @@ class Layout:
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
     etp: int | None = None  # the experts' tensor parallelism (None: tp)
     cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
 
     @property
     def expert_tp(self) -> int:
@@ -52,6 +52,10 @@ class Layout:
     def experts_apart(self) -> bool:
         """Whether the experts are laid out apart from the dense leaves (expert parallelism, or their own tp)."""
         return self.ep > 1 or self.expert_tp != self.tp
+
+    @property
+    def cp_comm_types(self) -> tuple[str, ...]:
+        return (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else self.cp_comm_type
 
     @property
     def num_stages(self) -> int:
@@ -85,7 +89,7 @@ class Layout:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
-                + (f" x cp {self.cp} ({self.cp_comm_type})" if self.cp > 1 else "")
+                + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)})" if self.cp > 1 else "")
                 + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", recompute {recompute}" if recompute else ""))
