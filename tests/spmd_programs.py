@@ -333,8 +333,12 @@ def context_attention(mesh, q, k, v, dout, comm_type, dropout):
     cp = ContextParallel(mesh.group("cp"), comm_type)
     mine = [shard_sequence(t, cp, dim=2) for t in (q, k, v, dout)]
     drop = None if dropout == 0 else AttentionDropout(dropout, 7, 0, q.shape[1])
-    out, vjp = torch.func.vjp(lambda q, k, v: attention(q, k, v, cp, drop), *mine[:3])
-    return {"out": out, "grads": vjp(mine[3])}
+    fn = lambda q, k, v: attention(q, k, v, cp, drop)  # noqa: E731
+    out, vjp = torch.func.vjp(fn, *mine[:3])
+    # vmap over a leading dimension (q batched, k and v shared): without dropout, whose mask is keyed by batch row
+    vmapped = torch.func.vmap(fn, in_dims=(0, None, None))(torch.stack([mine[0], 2 * mine[0]]), *mine[1:3]) \
+        if dropout == 0 else None
+    return {"out": out, "grads": vjp(mine[3]), "vmap": vmapped}
 
 
 def context_parallel_gpt(mesh, params, batch, config, key, comm_type):

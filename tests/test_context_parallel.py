@@ -1,6 +1,7 @@
 """Context parallelism: each comm type (ring p2p, all_gather, a2a) gives this rank's rows of one device's causal
 attention and of its gradients of q, k and v, with grouped-query attention, RoPE'd inputs and keyed attention
-dropout, at cp 2 and 4, on ranks that are threads and on gloo processes."""
+dropout, at cp 2 and 4, on ranks that are threads and on gloo processes; and vmap over a batch of queries (without
+dropout)."""
 
 import pytest
 import torch
@@ -54,11 +55,13 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
     want_grads = vjp(dout)
     results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, tp=1, cp=world)
     for r, got in enumerate(results):
-        mine = lambda t: context.shard_sequence(t, context.ContextParallel(None), dim=2).index_select(  # noqa: E731
-            2, context.positions(seq, world, r))
+        mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
         torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
         for g, w in zip(got["grads"], want_grads):
             torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)
+        if dropout == 0:
+            torch.testing.assert_close(got["vmap"], mine(torch.stack([want, one_device(2 * q, k, v, 0)]), ),
+                                       rtol=1e-10, atol=1e-10)
 
 
 def small(style, **overrides):

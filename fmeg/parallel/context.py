@@ -15,8 +15,9 @@ global positions, `positions`). Attention needs the other ranks' keys and values
 
 Contract: q [b, N, 2c, d], k, v [b, G, 2c, d] hold this rank's chunks (in the order above); the result is this
 rank's rows of the one-device causal attention of the whole sequence, and the gradients of q, k and v are this
-rank's rows of one device's. p2p and all_gather are autograd Functions (grad and vjp, under torch.func too;
-no jvp or vmap rule); a2a is built from the differentiable all-to-all, so it has every torch.func rule.
+rank's rows of one device's. p2p and all_gather are autograd Functions with grad, vjp and (without dropout)
+vmap rules, under torch.func too, and no jvp rule; a2a is built from the differentiable all-to-all and one
+device's attention, so it has every torch.func rule.
 """
 
 from __future__ import annotations
@@ -157,6 +158,22 @@ def _shift(x: torch.Tensor, group: Any) -> torch.Tensor:
     return group.recv((group.rank - 1) % group.size)
 
 
+def _vmap_rule(fn):
+    """A vmap rule for a Function over [b, heads, s, d] that treats batch rows independently: the vmapped
+    dimension joins the batch (not with dropout, whose mask is keyed by the batch row)."""
+
+    def vmap(info, in_dims, q, k, v, group, drop):
+        if drop is not None:
+            raise NotImplementedError("context-parallel attention dropout under vmap")
+        size = info.batch_size
+        q, k, v = (t.unsqueeze(0).expand(size, *t.shape) if d is None else t.movedim(d, 0)
+                   for t, d in zip((q, k, v), in_dims[:3]))
+        out, lse = fn.apply(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), group, drop)
+        return (out.reshape(size, -1, *out.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])), (0, 0)
+
+    return staticmethod(vmap)
+
+
 class _Ring(torch.autograd.Function):
 
     @staticmethod
@@ -211,6 +228,9 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+_Ring.vmap = _vmap_rule(_Ring)
+
+
 class _Gathered(torch.autograd.Function):
 
     @staticmethod
@@ -251,6 +271,9 @@ class _Gathered(torch.autograd.Function):
             dkv = torch.stack([_add_rows(dkv[0], cols, dk_b), _add_rows(dkv[1], cols, dv_b)])
         mine = group.reduce_scatter(_natural(dkv, size, c, inverse=True), SEQ + 1)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+
+
+_Gathered.vmap = _vmap_rule(_Gathered)
 
 
 def _natural(kv: torch.Tensor, size: int, c: int, inverse: bool = False) -> torch.Tensor:
