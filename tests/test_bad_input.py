@@ -75,6 +75,11 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--num-experts", "4", "--expert-tensor-parallel-size", "3"], "--expert-tensor-parallel-size 3"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex"),
         (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention"),
+        (["--context-parallel-size", "0"], "--context-parallel-size must be positive, got 0"),
+        (["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p / --hierarchical-context-parallel-sizes"),
+        (["--hierarchical-context-parallel-sizes", "2", "2"], "hierarchical context parallelism is not in fmeg yet"),
+        (["--cp-comm-type", "p2p", "a2a"], "--cp-comm-type: 2 values for --num-layers 4"),
+        (["--cp-comm-type", "ring"], "argument --cp-comm-type: invalid choice"),
         (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --num-experts"),
     ]
 

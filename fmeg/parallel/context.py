@@ -174,7 +174,18 @@ def _vmap_rule(fn):
     return staticmethod(vmap)
 
 
-class _Ring(torch.autograd.Function):
+class _BlockAttention(torch.autograd.Function):
+    """What the ring and the gathered attention share: both save q, k, v and the rows' merged out and lse, which
+    every block's backward takes (fmeg.ops.attention_blocks)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.group, ctx.drop = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+
+class _Ring(_BlockAttention):
 
     @staticmethod
     def forward(q, k, v, group, drop):
@@ -197,12 +208,6 @@ class _Ring(torch.autograd.Function):
                 out, lse = torch.cat([out[:, :, :c], merged[0]], SEQ), torch.cat([lse[:, :, :c], merged[1]], SEQ)
         group.finish()
         return out.to(q.dtype), lse
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, ctx.group, ctx.drop = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.mark_non_differentiable(output[1])
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -231,12 +236,12 @@ class _Ring(torch.autograd.Function):
 _Ring.vmap = _vmap_rule(_Ring)
 
 
-class _Gathered(torch.autograd.Function):
+class _Gathered(_BlockAttention):
 
     @staticmethod
     def forward(q, k, v, group, drop):
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
-        kv = _natural(group.all_gather(torch.stack([k, v]), SEQ + 1), size, c)
+        kv = _reorder(group.all_gather(torch.stack([k, v]), SEQ + 1), SEQ + 1, size)
         q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
         halves = []
         for half_blocks in _gathered_blocks(rank, size, c):
@@ -250,17 +255,11 @@ class _Gathered(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, ctx.group, ctx.drop = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         group, drop = ctx.group, ctx.drop
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
-        kv = _natural(group.all_gather(torch.stack([k, v]), SEQ + 1), size, c)
+        kv = _reorder(group.all_gather(torch.stack([k, v]), SEQ + 1), SEQ + 1, size)
         q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
         dq, dkv = torch.zeros_like(q, dtype=blocks._accumulate(q)), torch.zeros_like(kv, dtype=blocks._accumulate(kv))
         for rows, cols, causal in (b for half in _gathered_blocks(rank, size, c) for b in half):
@@ -269,19 +268,19 @@ class _Gathered(torch.autograd.Function):
                                                      drop, q_pos[rows], k_pos[cols])
             dq = _add_rows(dq, rows, dq_b)
             dkv = torch.stack([_add_rows(dkv[0], cols, dk_b), _add_rows(dkv[1], cols, dv_b)])
-        mine = group.reduce_scatter(_natural(dkv, size, c, inverse=True), SEQ + 1)
+        mine = group.reduce_scatter(_reorder(dkv, SEQ + 1, size, to_natural=False), SEQ + 1)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
 
 _Gathered.vmap = _vmap_rule(_Gathered)
 
 
-def _natural(kv: torch.Tensor, size: int, c: int, inverse: bool = False) -> torch.Tensor:
-    """Every rank's chunks (rank order, dim SEQ + 1 of [2, b, G, s, d]) -> the sequence's order, or back."""
-    order = load_balanced_order(size)
-    index = torch.tensor(order).argsort() if not inverse else torch.tensor(order)
-    rows = (index[:, None] * c + torch.arange(c)).flatten().to(kv.device)
-    return kv.index_select(SEQ + 1, rows)
+def _reorder(x: torch.Tensor, dim: int, size: int, to_natural: bool = True) -> torch.Tensor:
+    """Every rank's chunks concatenated in rank order along dim -> the sequence's order (or back)."""
+    order = torch.tensor(load_balanced_order(size))
+    chunk = x.shape[dim] // (2 * size)
+    index = order.argsort() if to_natural else order
+    return x.index_select(dim, (index[:, None] * chunk + torch.arange(chunk)).flatten().to(x.device))
 
 
 def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
@@ -292,15 +291,11 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParall
     if n % size or g % size:
         raise ValueError(f"the a2a context parallelism splits heads: {n} query and {g} key/value heads must be "
                          f"divisible by cp={size}")
-    c = q.shape[SEQ] // 2
-    order = torch.tensor(load_balanced_order(size))
-    to_natural = (order.argsort()[:, None] * c + torch.arange(c)).flatten().to(q.device)
-    back = (order[:, None] * c + torch.arange(c)).flatten().to(q.device)
     if size > 1:  # [b, heads / cp, s (chunks in rank order), d], then the sequence's order
-        q, k, v = (C.all_to_all(t, cp.group, 1, SEQ).index_select(SEQ, to_natural) for t in (q, k, v))
+        q, k, v = (_reorder(C.all_to_all(t, cp.group, 1, SEQ), SEQ, size) for t in (q, k, v))
     if dropout is None:
         out = ops.causal_attention(q, k, v)
     else:
         out = ops.causal_attention(q, k, v, dropout_p=dropout.p, key=dropout.key, total_heads=dropout.total_heads,
                                    head_offset=dropout.head_offset + cp.rank * q.shape[1])
-    return out if size == 1 else C.all_to_all(out.index_select(SEQ, back), cp.group, SEQ, 1)
+    return out if size == 1 else C.all_to_all(_reorder(out, SEQ, size, to_natural=False), cp.group, SEQ, 1)
