@@ -341,7 +341,7 @@ def _full_experts(path: Path, meta: dict) -> dict[str, dict[int, Any]]:
 
     old = meta["layout"]
     ep, etp = old["ep"], old["etp"]
-    edp = old["dp"] * old["tp"] // (ep * etp)
+    edp = old["dp"] * old["tp"] * old.get("cp", 1) // (ep * etp)
     out: dict[str, dict[int, list]] = {}
     for pp_rank in range(old["pp"]):
         per_ep: dict[str, list] = {}

@@ -67,6 +67,11 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
 def small(style, **overrides):
     base = dict(vocab_size=40, max_seq_len=16, num_layers=2, hidden_size=16, num_heads=4, ffn_hidden_size=24,
                 hidden_dropout=0.2, attention_dropout=0.2)
+    if style in ("moe", "moe_seq"):  # experts (every layer), with the balance losses split over cp as over sp
+        moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.1,
+                   moe_z_loss_coeff=0.01, moe_shared_expert_intermediate_size=8,
+                   moe_router_load_balancing_type="aux_loss" if style == "moe" else "seq_aux_loss")
+        return gpt.GPTConfig.llama(**{**base, "num_kv_heads": 2, **moe, **overrides})
     if style == "llama":
         return gpt.GPTConfig.llama(**{**base, "num_kv_heads": 2, **overrides})
     return gpt.GPTConfig.gpt2(**{**base, **overrides})
@@ -74,7 +79,8 @@ def small(style, **overrides):
 
 @pytest.mark.parametrize("style, comm_type, world, tp", [
     ("llama", "p2p", 2, 1), ("gpt2", "all_gather", 2, 1), ("llama", "a2a", 2, 1), ("llama", "p2p", 4, 1),
-    ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2), ("llama", ("a2a", "all_gather"), 2, 1)])
+    ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2), ("llama", ("a2a", "all_gather"), 2, 1), ("moe", "p2p", 2, 1),
+    ("moe_seq", "p2p", 4, 2), ("moe", "all_gather", 4, 1)])
 def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, world, tp):
     """Loss and every gradient with dropout on (hidden and attention masks keyed by global positions), RoPE or
     learned positions, a loss mask: the cp ranks' losses and gradients sum to one device's, tp 2 + sp inside."""

@@ -17,7 +17,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
        "--moe-layer-freq", "([0]+[1]*3)", "--swiglu", "--ffn-hidden-size", "16", "--moe-ffn-hidden-size", "8",
        "--moe-shared-expert-intermediate-size", "8"]
 EP2, TP2_SP = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-A2A = ["--moe-token-dispatcher-type", "alltoall"]  # tokens travel by the uneven all-to-all
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+CP2 = ["--context-parallel-size", "2"]  # the balance losses' parts over the sequence's cp chunks  # tokens travel by the uneven all-to-all
 PP2_VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 DEFAULT = ("ep2", "pp2_virtual")  # the rest are -m slow
 LAYOUTS = [("ep2", 2, EP2),
@@ -42,7 +43,11 @@ LAYOUTS = [("ep2", 2, EP2),
            ("ep2_tp2_sp_etp1_alltoall", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *A2A]),
            ("ep2_pp2_virtual_alltoall", 4, [*EP2, *PP2_VIRTUAL, *A2A]),
            ("ep2_dp2_zero1_alltoall", 4, [*EP2, "--use-distributed-optimizer", *A2A]),
-           ("ep2_compiled_alltoall", 2, [*EP2, "--compile", *A2A])]
+           ("ep2_compiled_alltoall", 2, [*EP2, "--compile", *A2A]),
+           ("cp2", 2, CP2),
+           ("cp2_ep2", 4, [*CP2, *EP2]),
+           ("cp2_ep2_zero1_alltoall", 4, [*CP2, *EP2, "--use-distributed-optimizer", *A2A]),
+           ("cp2_tp2_sp_ep2_etp1", 4, [*CP2, *TP2_SP, *EP2, "--expert-tensor-parallel-size", "1"])]
 NAMES = ("lm_loss", "load_balancing_loss", "z_loss")
 
 
@@ -84,8 +89,9 @@ ZERO = ["--use-distributed-optimizer"]
     pytest.param([*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *ZERO], 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param([*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1"], 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size",
                                                                              "1"], marks=pytest.mark.slow),
+    pytest.param([*CP2, *EP2, *ZERO], 2, EP2, marks=pytest.mark.slow),
 ], ids=["ep4_to_ep1", "ep4_to_ep2", "ep4_to_ep2_tp2_sp", "ep2_zero1_same_layout", "ep2_zero1_to_ep2_dp1",
-        "ep2_tp2_etp1_zero1_to_tp2", "ep2_tp2_etp1_same_layout"])
+        "ep2_tp2_etp1_zero1_to_tp2", "ep2_tp2_etp1_same_layout", "cp2_ep2_zero1_to_ep2"])
 def test_a_checkpoint_resumes_at_its_own_or_another_expert_layout_on_the_same_curve(tmp_path, moe_reference,
                                                                                       save_flags, nproc, flags):
     ckpt = str(tmp_path / "ckpt")

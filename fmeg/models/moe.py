@@ -187,27 +187,29 @@ def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | N
 
 
 def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP) -> dict[str, torch.Tensor]:
-    """This rank's part of each auxiliary loss (coefficient not applied): under sequence parallelism the parts
-    over tp sum to the loss of the whole microbatch, as on one rank."""
+    """This rank's part of each auxiliary loss (coefficient not applied): under sequence and context parallelism
+    (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole microbatch, as on one rank."""
     out = {}
     b, s, e = logits_BSE.shape
     k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
+    partition = [g for g in (tp.group if tp.sp else None, tp.context.group) if g is not None]
+    parts = (tp.size if tp.sp else 1) * tp.context.size
     if kind != "none" and config.moe_aux_loss_coeff > 0:
         scores, chosen = moe_ops.aux_scores(logits_BSE.reshape(b * s, e), k, config.moe_router_score_function)
         if kind == "aux_loss":
-            counts = C.all_reduce_constant(chosen.sum(dim=0), tp.group if tp.sp else None)
-            out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * (tp.size if tp.sp else 1), k)
-        else:  # seq_aux_loss: per sequence, over its whole length (gathered under sequence parallelism)
+            counts = chosen.sum(dim=0)
+            for group in partition:
+                counts = C.all_reduce_constant(counts, group)
+            out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * parts, k)
+        else:  # seq_aux_loss: per sequence, over its whole length (its pieces gathered: the order does not matter)
             scores = scores.reshape(b, s, e)
             chosen = chosen.reshape(b, s, e)
-            if tp.sp:
-                scores = C.gather_from_sp(scores, tp.group, SEQ_DIM)
-                chosen = C.all_gather_constant(chosen, tp.group, SEQ_DIM)
-            loss = moe_ops.sequence_aux_loss(scores, chosen, k)
-            out["load_balancing_loss"] = loss / tp.size if tp.sp else loss  # every rank holds all of it
+            for group in partition:
+                scores = C.gather_from_sp(scores, group, SEQ_DIM)
+                chosen = C.all_gather_constant(chosen, group, SEQ_DIM)
+            out["load_balancing_loss"] = moe_ops.sequence_aux_loss(scores, chosen, k) / parts  # each holds all of it
     if config.moe_z_loss_coeff:
-        z = moe_ops.z_loss(logits_BSE.reshape(b * s, e))
-        out["z_loss"] = z / tp.size if tp.sp else z
+        out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e)) / parts
     return out
 
 

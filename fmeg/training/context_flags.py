@@ -54,9 +54,6 @@ def problems(a: argparse.Namespace, world_size: int) -> list[str]:
             out.append(f"--cp-comm-type a2a splits heads over cp: {heads} attention heads and {groups} query groups "
                        f"per tensor-parallel rank ({heads // tp}, {groups // tp}) must be divisible by "
                        f"--context-parallel-size {cp}")
-    if a.num_experts is not None:
-        out.append("--context-parallel-size with --num-experts: experts under context parallelism are not in fmeg "
-                   "yet; drop one of them")
     if a.compile:
         out.append("--context-parallel-size with --compile: context-parallel attention runs eagerly (its ring passes "
                    "blocks point to point); drop --compile")

@@ -66,7 +66,8 @@ class Layout:
         return global_batch // (self.micro_batch_size * self.dp)
 
     def sizes(self) -> dict[str, int]:
-        experts = {"ep": self.ep, "etp": self.expert_tp, "edp": self.dp * self.tp // (self.ep * self.expert_tp)} \
+        experts = {"ep": self.ep, "etp": self.expert_tp,
+                   "edp": self.dp * self.tp * self.cp // (self.ep * self.expert_tp)} \
             if self.experts_apart else {}
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts, **({"cp": self.cp} if self.cp > 1 else {})}
 
@@ -281,7 +282,7 @@ def update_expert_bias(state: Any, counts: torch.Tensor, config: gpt.GPTConfig, 
     """Megatron's aux-loss-free balancing after a step: each MoE layer's expert_bias += rate * sign(mean load -
     load), the loads being the tokens each expert received over the step's microbatches and every rank."""
     total = counts.sum(dim=0)
-    for name in ("tp_dp", "pp"):
+    for name in ("tp_dp_cp", "pp"):
         group = mesh.group(name)
         total = group.all_reduce(total) if group is not None else total
     delta = config.moe_router_bias_update_rate * torch.sign(total.mean(dim=-1, keepdim=True) - total)
@@ -298,7 +299,7 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
     if metrics is None:
         return {}
     per_layer = metrics.mean(dim=0)
-    for name in ("mp", "dp"):
+    for name in ("mp", "dp", "cp"):  # parts over tp (sp) and cp sum to a microbatch's value
         group = mesh.group(name)
         if group is not None:
             per_layer = group.all_reduce(per_layer)
@@ -352,7 +353,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
         loss = dp_group.all_reduce(loss) / layout.dp
     grads = state.main_grads()  # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
     if cp_group is not None:  # each context-parallel rank's loss and gradients are its tokens' share: summed
-        for g in grads:
+        for g in grads[:1]:  # the dense leaves' (experts laid out apart have summed theirs over expert_dp, cp in it)
             g.copy_(cp_group.all_reduce(g))
         loss = None if loss is None else cp_group.all_reduce(loss)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens

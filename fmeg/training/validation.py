@@ -46,10 +46,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          f"--pipeline-model-parallel-size = {tp} * {pp}")
     dp, gbs = batch_geometry(a, world_size)
     ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
-    need(a.num_experts is None or ep < 1 or etp not in (1, tp) or (tp * dp) % (ep * etp) == 0
+    cp = max(a.context_parallel_size, 1)
+    need(a.num_experts is None or ep < 1 or etp not in (1, tp) or (tp * dp * cp) % (ep * etp) == 0
          or world_size % (tp * pp) != 0,
-         f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp = {tp} x {dp} (the "
-         "experts' ranks are the tensor- and data-parallel ones)")
+         f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp x cp = {tp} x {dp} x "
+         f"{cp} (the experts' ranks are the tensor-, data- and context-parallel ones)")
     need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
          f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
          "(or give --kv-channels)")
