@@ -15,9 +15,12 @@ gives each of its ep ranks E / ep experts (the leading dimension of every expert
 data-parallel ranks, each with its own tokens. Each rank routes its own tokens (its sequence chunk under
 sequence parallelism), then the tokens, their experts and their weights are all-gathered over the dispatch
 group (tp under sequence parallelism, times ep: Megatron's allgather token dispatcher), every rank runs its
-F-slice of its experts on all of them, and a reduce-scatter returns each rank the sum for its own tokens. The
+F-slice of its experts on all of them, and a reduce-scatter returns each rank the sum for its own tokens; or, with
+the alltoall dispatcher, each assignment travels to its expert's rank and back by an uneven all-to-all. The
 router's weight is replicated: its gradient is summed over tp. An expert's gradient covers the tokens of every
-ep rank; data-parallel reduction of expert gradients runs over the expert-data-parallel ranks only.
+ep rank; data-parallel reduction of expert gradients runs over the expert-data-parallel ranks only. Under
+context parallelism (tp.context) each rank routes its sequence chunks, the balance losses count the whole
+sequence (parts over tp x cp, Megatron's sequence partition), and the expert-data-parallel ranks include cp's.
 
 The auxiliary losses (load balancing, z-loss) join the training objective the way Megatron's
 MoEAuxLossAutoScaler makes them: their gradient is injected at the layer, with the seed the main loss's
