@@ -354,3 +354,21 @@ def context_parallel_gpt(mesh, params, batch, config, key, comm_type):
     mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
     grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, mine, config, key=key, tp=tp))(local)
     return loss, grads, (mesh.coord("tp"), mesh.coord("cp"))
+
+
+def global_balance_loss_parts(mesh, logits_per_rank, config):
+    """Each data rank's part of global_aux_loss over a step of microbatches (logits_per_rank[rank][j]: its
+    microbatch j's [b, s, E] router logits), counting every rank's tokens (the balance group: dp here)."""
+    from fmeg.models import moe
+    from fmeg.parallel.tensor import ExpertParallel
+
+    tp = TensorParallel(experts=ExpertParallel(balance_group=mesh.group("dp")))
+    mine = logits_per_rank[mesh.coord("dp")]
+    m = len(mine)
+    buffer = torch.zeros(m, 1, config.num_experts)
+    order = torch.arange(m)
+    parts = []
+    for j, logits in enumerate(mine):
+        aux = moe.AuxLosses(global_counts=buffer, one_hot=(order == j).float(), seen=(order <= j).float())
+        parts.append(moe.balance_losses(logits, config, tp, aux, 0)["global_load_balancing_loss"])
+    return torch.stack(parts)

@@ -57,7 +57,7 @@ def runner_cases() -> list[tuple[list[str], str]]:
         # mixtures of experts: Megatron's rules, and what fmeg does not have yet
         (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be in [1, --num-experts 4]"),
         (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 x expert tensor "
-                                                                        "parallelism 1 must divide tp x dp = 1 x 1"),
+                                                                        "parallelism 1 must divide tp x dp x cp = 1 x 1 x 1"),
         (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
         (["--num-experts", "4", "--moe-layer-freq", "([0]+[1]*2)"], "--moe-layer-freq: the pattern has 3 entries"),
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "argument --moe-layer-freq"),
@@ -70,8 +70,8 @@ def runner_cases() -> list[tuple[list[str], str]]:
          "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
-        (["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
-         "--moe-router-load-balancing-type global_aux_loss: not supported by fmeg yet"),
+        (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],
+         "--moe-router-load-balancing-type sinkhorn: not supported by fmeg yet"),
         (["--num-experts", "4", "--expert-tensor-parallel-size", "3"], "--expert-tensor-parallel-size 3"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex"),
         (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention"),

@@ -337,3 +337,26 @@ def test_the_alltoall_dispatcher_refuses_experts_split_over_tp_in_one_line():
         "--moe-token-dispatcher-type alltoall: fmeg's all-to-all moves tokens to experts that are not split over tp "
         "(expert tp 2); add --expert-tensor-parallel-size 1 or use allgather"]
     assert validate(parse_args([*flags, "--expert-tensor-parallel-size", "1"], 2), 2) == []
+
+
+@pytest.mark.parametrize("backend, world", [("threads", 1), ("threads", 2), ("gloo", 2)])
+def test_global_aux_loss_counts_every_data_rank_averaged_over_the_steps_microbatches(backend, world):
+    """Megatron's global_aux_loss: at microbatch j each rank's part is the switch loss of its scores against the
+    tokens per expert of every data rank, averaged over microbatches 0..j, over (its tokens x ranks); the parts
+    over the ranks sum to that loss of the ranks' tokens together. On one rank and one microbatch it is aux_loss."""
+    config = moe_config(moe_router_load_balancing_type="global_aux_loss", num_experts=4, moe_router_topk=2)
+    gen = torch.Generator().manual_seed(5)
+    m, b, s, e, k = 3, 2, 4, 4, 2
+    logits = [[torch.randn(b, s, e, generator=gen, dtype=f64) for _ in range(m)] for _ in range(world)]
+    parts = torch.stack(run(backend, world, P.global_balance_loss_parts, logits, config, tp=1)) \
+        if world > 1 else P.global_balance_loss_parts(type("M", (), {"group": lambda self, n: None,
+                                                                       "coord": lambda self, n: 0})(), logits, config)[None]
+    chosen = [[moe_ops.aux_scores(x.reshape(-1, e), k, "softmax")[1].sum(0) for x in rank] for rank in logits]
+    for j in range(m):
+        counts = sum(chosen[r][i] for r in range(world) for i in range(j + 1)) / (j + 1)
+        scores = torch.cat([moe_ops.aux_scores(logits[r][j].reshape(-1, e), k, "softmax")[0] for r in range(world)])
+        want = moe_ops.switch_aux_loss(scores, counts, b * s * world, k)
+        torch.testing.assert_close(parts[:, j].sum(), want, rtol=1e-12, atol=1e-12)
+    first = moe.balance_losses(logits[0][0], moe_config(num_experts=4, moe_router_topk=2))["load_balancing_loss"]
+    if world == 1:
+        torch.testing.assert_close(parts[0, 0], first)

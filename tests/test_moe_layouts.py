@@ -156,3 +156,27 @@ def test_mla_and_mtp_are_refused_in_one_line():
         "drop the flag",
         "error: --mtp-num-layers 1: multi-token prediction (DeepSeek's MTP) is not supported by fmeg yet; drop the "
         "flag"], out.stderr
+
+
+GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
+
+
+@pytest.mark.parametrize("nproc, flags", [
+    (2, EP2), pytest.param(4, TP2_SP, marks=pytest.mark.slow), pytest.param(4, PP2_VIRTUAL, marks=pytest.mark.slow),
+    pytest.param(4, CP2, marks=pytest.mark.slow), pytest.param(4, [*EP2, *TP2_SP, *ZERO], marks=pytest.mark.slow)],
+    ids=["ep2", "tp2_sp", "pp2_virtual", "cp2", "ep2_tp2_sp_zero1"])
+def test_global_aux_loss_curves_equal_data_parallel_2s_at_any_other_layout(tmp_path, nproc, flags):
+    """global_aux_loss counts every data rank's tokens, averaged over the step's microbatches so far: by its
+    definition it depends on dp and the microbatches, so the reference is dp 2 (2 ranks); tp, sp, pp, cp and ep
+    over the same two data ranks give its curve and its global_load_balancing_loss."""
+    def run(name, n, more):
+        records, stdout = run_recipe(tmp_path, name, n, [*MOE, *GLOBAL, *more])
+        return {key: [r[key] for r in records if "lm_loss" in r] for key in ("lm_loss", "global_load_balancing_loss",
+                                                                              "z_loss")}, stdout
+    want, stdout = run("dp2", 2, [])
+    assert "global_load_balancing_loss" in stdout and 0.5 < want["global_load_balancing_loss"][0] < 2.0
+    got, _ = run("other", nproc, flags)
+    for key in want:
+        assert len(got[key]) == 20
+        for a, b in zip(got[key], want[key]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])

@@ -106,7 +106,8 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
     head(sub, x, batch) -> the microbatch's loss."""
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:
-        aux = moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"))
+        aux = moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
+                            batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"))
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
                                 key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core, aux=aux)
 

@@ -43,9 +43,9 @@ from fmeg.parallel.sharding import Partition
 from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_param
 
 Params = dict[str, Any]
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DISPATCHERS = ("allgather", "alltoall")
-METRICS = ("load_balancing_loss", "z_loss")  # Megatron's names, in the order of aux.metrics' last axis
+METRICS = ("load_balancing_loss", "z_loss", "global_load_balancing_loss")  # Megatron's names: aux.metrics' last axis
 
 
 @dataclass
@@ -53,10 +53,16 @@ class AuxLosses:
     """Where a forward pass puts its auxiliary losses: seed, the gradient their sum gets (the main loss's
     backward seed); metrics, a [layers, len(METRICS)] buffer that each MoE layer writes its values into (a
     recomputed layer writes the same values again), or None; counts, a [layers, num_experts] buffer for the
-    tokens each expert received here (the expert-bias update's input), or None."""
+    tokens each expert received here (the expert-bias update's input), or None. For global_aux_loss: global_counts,
+    the step's [microbatches, layers, num_experts] tokens per expert over every data rank, which this microbatch
+    writes its row of (one_hot [microbatches] marks it), and seen [microbatches], 1 for the step's microbatches so
+    far, which the counts are averaged over (Megatron's global_tokens_per_expert / ga_steps)."""
     seed: torch.Tensor | float = 1.0
     metrics: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    global_counts: torch.Tensor | None = None
+    one_hot: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
 
 NO_AUX = AuxLosses()
@@ -189,9 +195,13 @@ def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | N
     return probs.reshape(b, s, -1), experts.reshape(b, s, -1)
 
 
-def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP) -> dict[str, torch.Tensor]:
+def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP, aux: AuxLosses = NO_AUX,
+                   index: int = 0) -> dict[str, torch.Tensor]:
     """This rank's part of each auxiliary loss (coefficient not applied): under sequence and context parallelism
-    (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole microbatch, as on one rank."""
+    (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole microbatch, as on one rank.
+    global_aux_loss counts the tokens of every data rank (tp.experts.balance_group, megatron-core's tp-dp-cp group),
+    averaged over the step's microbatches so far: the parts over every rank sum to the loss of the data-parallel
+    batch, so it depends on dp and the microbatches by its definition."""
     out = {}
     b, s, e = logits_BSE.shape
     k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
@@ -204,6 +214,16 @@ def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP)
             for group in partition:
                 counts = C.all_reduce_constant(counts, group)
             out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * parts, k)
+        elif kind == "global_aux_loss":
+            group = tp.experts.balance_group
+            counts = C.all_reduce_constant(chosen.sum(dim=0), group)
+            if aux.global_counts is not None:  # this microbatch's row, then the running average over the step's
+                rows = aux.global_counts[:, index]
+                rows.copy_(torch.where(aux.one_hot[:, None] > 0, counts.to(rows.dtype), rows))
+                seen = aux.seen.to(counts.dtype)
+                counts = (seen[:, None] * rows.to(counts.dtype)).sum(dim=0) / seen.sum()
+            ranks = 1 if group is None else group.size
+            out["global_load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * ranks, k)
         else:  # seq_aux_loss: per sequence, over its whole length (its pieces gathered: the order does not matter)
             scores = scores.reshape(b, s, e)
             chosen = chosen.reshape(b, s, e)
@@ -287,8 +307,9 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
         kept = (probs != 0).to(logits.dtype).detach()
         aux.counts[index] = torch.zeros(logits.shape[-1], dtype=aux.counts.dtype, device=logits.device).index_add(
             0, experts.reshape(-1), kept.reshape(-1).to(aux.counts.dtype))
-    losses = balance_losses(logits, config, tp)
-    coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff}
+    losses = balance_losses(logits, config, tp, aux, index)
+    coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff,
+              "global_load_balancing_loss": config.moe_aux_loss_coeff}
     if losses:
         total = sum(coeffs[name] * value for name, value in losses.items())
         probs = inject_gradient(probs, total, aux.seed)

@@ -46,6 +46,7 @@ class ExpertParallel:
     tp_group: Any = None  # the experts' tensor parallelism (each expert's F split), when tp_size is given
     tp_rank: int = 0
     tp_size: int | None = None  # None: the experts split their F over tp, and tokens move over tp x ep
+    balance_group: Any = None  # the ranks whose tokens global_aux_loss counts (megatron-core's tp-dp-cp group)
 
 
 NO_EP = ExpertParallel()

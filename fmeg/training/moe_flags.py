@@ -123,9 +123,9 @@ def problems(a: argparse.Namespace) -> list[str]:
         out.append("--moe-router-load-balancing-type / --moe-aux-loss-coeff: fmeg takes one type and one coefficient "
                    "yet; give one of each")
     kind = a.moe_router_load_balancing_type[0]
-    if kind in ("global_aux_loss", "sinkhorn"):
-        out.append(f"--moe-router-load-balancing-type {kind}: not supported by fmeg yet; use aux_loss, seq_aux_loss "
-                   "or none")
+    if kind == "sinkhorn":
+        out.append("--moe-router-load-balancing-type sinkhorn: not supported by fmeg yet; use aux_loss, seq_aux_loss, "
+                   "global_aux_loss or none")
     if a.moe_token_dispatcher_type == "flex":
         out.append("--moe-token-dispatcher-type flex: DeepEP's dispatcher is not in fmeg; use alltoall or allgather")
     elif a.moe_token_dispatcher_type == "alltoall":

@@ -9,6 +9,7 @@ FlatState. Every rank's shards then hold exactly the slices of what a single ran
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,7 @@ def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
     """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the experts' ranks."""
     experts = ExpertParallel(mesh.group("tp_ep"), mesh.coord("ep"), layout.ep, mesh.group("expert_tp"),
                              mesh.coord("expert_tp"), layout.expert_tp) if layout.experts_apart else NO_EP
+    experts = dataclasses.replace(experts, balance_group=mesh.group("tp_dp_cp"))
     return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts,
                           ContextParallel(mesh.group("cp"), layout.cp_comm_type))
 
@@ -269,12 +271,20 @@ def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale:
     metrics = torch.zeros(len(microbatches), config.num_layers, len(moe.METRICS), device=device)
     counts = torch.zeros(len(microbatches), config.num_layers, config.num_experts, device=device) \
         if config.moe_router_enable_expert_bias else None
+    m = len(microbatches)
+    global_counts = torch.zeros(m, config.num_layers, config.num_experts, device=device) \
+        if config.moe_router_load_balancing_type == "global_aux_loss" else None
     out = []
     for i, mb in enumerate(microbatches):
         seed = torch.tensor(loss_scale, device=device) * (gpt.loss_tokens(mb).to(device) if per_token
                                                           else 1.0 / len(microbatches))
+        step = {}
+        if global_counts is not None:  # microbatch i writes row i and averages rows 0..i
+            order = torch.arange(m, device=device)
+            step = {"moe_global_counts": global_counts, "moe_one_hot": (order == i).float(),
+                    "moe_seen": (order <= i).float()}
         out.append({**mb, "loss_seed": seed, "moe_metrics": metrics[i],
-                    **({"moe_counts": counts[i]} if counts is not None else {})})
+                    **({"moe_counts": counts[i]} if counts is not None else {}), **step})
     return out, (metrics, counts)
 
 
@@ -306,8 +316,12 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
     per_layer = per_layer / layout.dp
     layers = torch.tensor(moe.moe_layers(config), device=per_layer.device)
     mean = per_layer[layers].mean(dim=0)
-    used = {"load_balancing_loss": config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none",
-            "z_loss": bool(config.moe_z_loss_coeff)}
+    kind = config.moe_router_load_balancing_type
+    used = {"load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind in ("aux_loss", "seq_aux_loss"),
+            "z_loss": bool(config.moe_z_loss_coeff),
+            "global_load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind == "global_aux_loss"}
+    if used["global_load_balancing_loss"]:  # its parts sum over every data rank to the batch's loss
+        mean = mean * torch.tensor([1.0, 1.0, float(layout.dp)], device=mean.device)
     return {name: mean[i] for i, name in enumerate(moe.METRICS) if used[name]}
 
 
