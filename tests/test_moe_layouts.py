@@ -162,7 +162,8 @@ GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 
 
 @pytest.mark.parametrize("nproc, flags", [
-    (2, EP2), pytest.param(4, TP2_SP, marks=pytest.mark.slow), pytest.param(4, PP2_VIRTUAL, marks=pytest.mark.slow),
+    pytest.param(2, EP2, marks=pytest.mark.slow), pytest.param(4, TP2_SP, marks=pytest.mark.slow),
+    pytest.param(4, PP2_VIRTUAL, marks=pytest.mark.slow),
     pytest.param(4, CP2, marks=pytest.mark.slow), pytest.param(4, [*EP2, *TP2_SP, *ZERO], marks=pytest.mark.slow)],
     ids=["ep2", "tp2_sp", "pp2_virtual", "cp2", "ep2_tp2_sp_zero1"])
 def test_global_aux_loss_curves_equal_data_parallel_2s_at_any_other_layout(tmp_path, nproc, flags):
