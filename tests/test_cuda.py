@@ -42,3 +42,24 @@ def test_one_gpu_bf16_and_zero_overlap_run(tmp_path, reference):
                                     "--ddp-bucket-size", "3000"]])
 def test_two_gpus_over_nccl_follow_the_cpu_curve(tmp_path, reference, flags):
     close(run_layout(tmp_path, "nccl", 2, ["--device", "cuda", *flags]), reference["plain"], 1e-4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
+def test_context_parallel_attention_on_cuda_equals_one_device(comm_type):
+    """The attention blocks on CUDA (ranks as threads): this rank's rows and gradients of one device's attention."""
+    import spmd_programs as P
+    from fmeg import ops
+    from fmeg.parallel import context
+    from fmeg.parallel.spmd import run_threads
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(2, 4, 64, 16, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 64, 16, device="cuda", generator=gen) for _ in range(2))
+    want, vjp = torch.func.vjp(ops.causal_attention, q, k, v)
+    grads = vjp(dout)
+    for r, got in enumerate(run_threads(2, P.context_attention, q, k, v, dout, comm_type, 0.0, tp=1, cp=2)):
+        mine = lambda t: t.index_select(-2, context.positions(64, 2, r, "cuda"))  # noqa: E731
+        torch.testing.assert_close(got["out"], mine(want), rtol=1e-4, atol=1e-4)
+        for g, w in zip(got["grads"], grads):
+            torch.testing.assert_close(g, mine(w), rtol=1e-4, atol=1e-4)
