@@ -48,7 +48,6 @@ class ContextParallel:
     def rank(self) -> int:
         return 0 if self.group is None else self.group.rank
 
-
     def for_layer(self, index: int) -> ContextParallel:
         """The comm type of layer `index` (a list gives each layer its own)."""
         if isinstance(self.comm_type, str):
@@ -211,8 +210,7 @@ class _Ring(_BlockAttention):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, drop = ctx.group, ctx.drop
+        (q, k, v, out, lse), group, drop = ctx.saved_tensors, ctx.group, ctx.drop
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         q_pos = positions(2 * c * size, size, rank, q.device)
         dq = torch.zeros_like(q, dtype=blocks._accumulate(q))
@@ -256,8 +254,7 @@ class _Gathered(_BlockAttention):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, drop = ctx.group, ctx.drop
+        (q, k, v, out, lse), group, drop = ctx.saved_tensors, ctx.group, ctx.drop
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         kv = _reorder(group.all_gather(torch.stack([k, v]), SEQ + 1), SEQ + 1, size)
         q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
