@@ -101,3 +101,38 @@ def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, w
         want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
         for path, g in summed.items():
             torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
+
+
+CP_BAD = [
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--seq-length", "18"],
+     "--seq-length 18 must be divisible by 2 x --context-parallel-size = 4"),
+    ({"WORLD_SIZE": "4"}, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
+                           "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--cp-comm-type a2a splits heads over cp"),
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p", "p2p",
+                           "--num-attention-heads", "3", "--hidden-size", "48"], "--cp-comm-type a2a splits heads"),
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"],
+     "--cp-comm-type: 2 values for --num-layers 4"),
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
+     "hierarchical context parallelism is not in fmeg yet"),
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4"],
+     "--expert-model-parallel-size 4 x expert tensor parallelism 1 must divide tp x dp x cp = 1 x 1 x 2"),
+    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--compile"], "--context-parallel-size with --compile"),
+    ({"WORLD_SIZE": "3"}, ["--context-parallel-size", "2"], "world size 3 must be divisible by"),
+    ({"WORLD_SIZE": "1"}, ["--context-parallel-size", "0"], "--context-parallel-size must be positive"),
+]
+
+
+@pytest.mark.parametrize("env, flags, needle", CP_BAD, ids=[b[2][:40] for b in CP_BAD])
+def test_bad_context_parallel_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, env, flags, needle):
+    import torch.distributed as dist
+
+    from recipes import gpt_pretrain
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RANK", "0")
+    assert gpt_pretrain.main(flags) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not dist.is_initialized()
