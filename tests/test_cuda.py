@@ -39,27 +39,33 @@ def test_one_gpu_bf16_and_zero_overlap_run(tmp_path, reference):
 @pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                    ["--pipeline-model-parallel-size", "2"],
                                    ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                    "--ddp-bucket-size", "3000"]])
+                                    "--ddp-bucket-size", "3000"],
+                                   ["--context-parallel-size", "2"],  # the ring over NCCL, compiled (the default)
+                                   ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]])
 def test_two_gpus_over_nccl_follow_the_cpu_curve(tmp_path, reference, flags):
     close(run_layout(tmp_path, "nccl", 2, ["--device", "cuda", *flags]), reference["plain"], 1e-4)
 
 
 @needs_gpu
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
-def test_context_parallel_attention_on_cuda_equals_one_device(comm_type):
-    """The attention blocks on CUDA (ranks as threads): this rank's rows and gradients of one device's attention."""
+@pytest.mark.parametrize("dtype, seq, tol", [(torch.float32, 64, 1e-4), (torch.float32, 80, 1e-4),
+                                             (torch.bfloat16, 80, 3e-2)])
+def test_context_parallel_attention_on_cuda_equals_one_device(comm_type, dtype, seq, tol):
+    """The attention blocks on CUDA (the memory-efficient kernel, ranks as threads): this rank's rows and gradients
+    of one device's attention; at seq 80 the blocks have 20 and 40 rows, not the multiple of 32 the kernel's lse
+    is padded to."""
     import spmd_programs as P
     from fmeg import ops
     from fmeg.parallel import context
     from fmeg.parallel.spmd import run_threads
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, dout = (torch.randn(2, 4, 64, 16, device="cuda", generator=gen) for _ in range(2))
-    k, v = (torch.randn(2, 2, 64, 16, device="cuda", generator=gen) for _ in range(2))
-    want, vjp = torch.func.vjp(ops.causal_attention, q, k, v)
-    grads = vjp(dout)
+    q, dout = (torch.randn(2, 4, seq, 16, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, seq, 16, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    want, vjp = torch.func.vjp(ops.causal_attention, *(t.float() for t in (q, k, v)))
+    grads = vjp(dout.float())
     for r, got in enumerate(run_threads(2, P.context_attention, q, k, v, dout, comm_type, 0.0, tp=1, cp=2)):
-        mine = lambda t: t.index_select(-2, context.positions(64, 2, r, "cuda"))  # noqa: E731
-        torch.testing.assert_close(got["out"], mine(want), rtol=1e-4, atol=1e-4)
+        mine = lambda t: t.index_select(-2, context.positions(seq, 2, r, "cuda"))  # noqa: E731
+        torch.testing.assert_close(got["out"].float(), mine(want), rtol=tol, atol=tol)
         for g, w in zip(got["grads"], grads):
-            torch.testing.assert_close(g, mine(w), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g.float(), mine(w), rtol=tol, atol=tol)

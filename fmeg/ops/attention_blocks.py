@@ -13,8 +13,11 @@ needed). Shapes: q [b, N, sq, d]; k, v [b, G, sk, d] (G divides N, grouped-query
 lse [b, N, sq] in fp32 (fp64 for fp64 inputs). causal: the block lies on the diagonal (sq == sk, query i sees keys 0..i); otherwise
 every query sees every key.
 
-On CPU a block runs through the flash kernel behind scaled_dot_product_attention (it returns the log-sum-exp,
-and its backward takes one). Elsewhere, and with attention dropout, a block is computed explicitly; dropout
+A block runs through a fused kernel behind scaled_dot_product_attention that returns the log-sum-exp and whose
+backward takes one: the flash kernel on CPU, the memory-efficient one on CUDA (fp32, fp16 and bf16, head dims a
+multiple of 8; its lse comes padded to a multiple of 32 rows, and goes back to its backward padded). With
+attention dropout, for other dtypes or head dims on CUDA, and when torch.compile traces it (context parallelism
+hands compile an opaque op instead: fmeg.parallel.ring_attention), a block is computed explicitly; dropout
 masks each probability by its global (batch row, head, query, key) position through `drop`, as the one-device
 attention does (fmeg.ops.attention), so context parallelism keeps one device's mask.
 """
@@ -28,8 +31,41 @@ import torch
 Drop = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (probs, q_pos, k_pos) -> dropped
 
 
-def _fused(q: torch.Tensor, drop: Drop | None) -> bool:
-    return drop is None and q.device.type == "cpu" and not torch.compiler.is_compiling()
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def kernel(q: torch.Tensor, drop: Drop | None) -> str | None:
+    """The fused kernel a block of q runs on: "cpu" (flash), "cuda" (memory-efficient), or None (explicit)."""
+    if drop is not None or torch.compiler.is_compiling():
+        return None
+    if q.device.type == "cpu":
+        return "cpu"
+    aligned = q.shape[-1] % 8 == 0  # the kernel's alignment for every dtype it takes
+    return "cuda" if q.device.type == "cuda" and q.dtype in _CUDA_DTYPES and aligned else None
+
+
+def _lse_rows(n: int) -> int:
+    """The rows of the memory-efficient kernel's lse: a multiple of 32."""
+    return -(-n // 32) * 32
+
+
+def cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The memory-efficient kernel's (out, lse), lse cut to the block's rows (k, v with q's heads)."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., :q.shape[2]]
+
+
+def cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The memory-efficient kernel's (dq, dk, dv) from the rows' merged out and fp32 lse (padded back to the rows
+    its forward returns; no dropout, so its random-number state is never read)."""
+    rows = q.shape[2]
+    lse = torch.nn.functional.pad(lse.float(), (0, _lse_rows(rows) - rows)).contiguous()
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), None, out.contiguous(), lse, unused,
+        unused, 0.0, [True, True, True, False], causal)
+    return dq, dk, dv
 
 
 def _accumulate(t: torch.Tensor) -> torch.dtype:
@@ -53,8 +89,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     positions of the block's queries and keys (used by drop only)."""
     n = q.shape[1]
     k, v = _groups(k, n), _groups(v, n)
-    if _fused(q, drop):
+    fused = kernel(q, drop)
+    if fused == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse.to(_accumulate(q))
+    if fused == "cuda":
+        out, lse = cuda_forward(q, k, v, causal)
         return out, lse.to(_accumulate(q))
     probs, lse = _probs(q, k, causal)
     if drop is not None:
@@ -78,9 +118,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """This block's share of (dq, dk, dv), given the rows' merged out and lse (see the module docstring)."""
     n, g = q.shape[1], k.shape[1]
     k, v = _groups(k, n), _groups(v, n)
-    if _fused(q, drop):
+    fused = kernel(q, drop)
+    if fused == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.to(_accumulate(q)).contiguous(), 0.0, causal)
+        return dq, _fold_groups(dk, g), _fold_groups(dv, g)
+    if fused == "cuda":
+        dq, dk, dv = cuda_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal)
         return dq, _fold_groups(dk, g), _fold_groups(dv, g)
     probs, _ = _probs(q, k, causal, lse)
     compute = probs.dtype
