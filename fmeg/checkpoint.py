@@ -81,16 +81,16 @@ def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: di
 
     Tree tensors are tensor-parallel slices along their partition dimension (gpt.TP_RULES), the experts' also
     expert-parallel slices along their first dimension (moe.EP_RULES); flat
-    distributed-optimizer slices are pieces of this (tp, pp) rank's flattened parameters, offset by dp."""
+    distributed-optimizer slices are pieces of this (tp, pp) rank's flattened parameters, offset by dp x cp."""
     from fmeg.parallel.sharding import partition_of
 
     out = {}
     for name, t in tensors.items():
         shape, offset = list(t.shape), [0] * t.dim()
         kind, _, rest = name.partition("/")
-        if rest == "shard":
-            shape = [t.shape[0] * sizes.get("dp", 1)]
-            offset = [t.shape[0] * coords.get("dp", 0)]
+        if rest == "shard":  # a slice over dp x cp (cp inside dp, megatron-core's order)
+            shape = [t.shape[0] * sizes.get("dp", 1) * sizes.get("cp", 1)]
+            offset = [t.shape[0] * (coords.get("dp", 0) * sizes.get("cp", 1) + coords.get("cp", 0))]
         elif rest == "expert_shard":  # a slice over expert_dp of this rank's experts' flat state
             shape = [t.shape[0] * sizes.get("edp", 1)]
             offset = [t.shape[0] * coords.get("edp", 0)]
@@ -306,7 +306,8 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
     out: dict[str, dict[int, Any]] = {}
     for tp_rank in range(old["tp"]):
         for pp_rank in range(old["pp"]):
-            files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d}) for d in range(old["dp"])]
+            files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d, **cp})
+                     for d in range(old["dp"]) for cp in _cp_coords(meta)]  # the dp x cp slices, in order
             params = _stage_trees(files[0], "params")
             if apart:
                 params = split_experts(params)[0]
@@ -332,6 +333,19 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
             for name, stages in joined.items()}
     full["count"] = _rank_file(path, meta, {"tp": 0, "pp": 0, "dp": 0})["adam/count"]
     return full
+
+
+def _cp_coords(meta: dict) -> list[dict[str, int]]:
+    """The cp coordinates of the files whose distributed-optimizer slices make the whole state: none when it was
+    saved without context parallelism; cp 0 alone when its slices span dp only (fmeg before 2026-11-24, where the
+    cp ranks held copies)."""
+    layout = meta["layout"]
+    if "cp" not in layout:
+        return [{}]
+    info = next(iter(meta["files"].values()))["tensors"].get("mu/shard")
+    if info and info["global_shape"][0] == info["local_shape"][0] * layout["dp"]:
+        return [{"cp": 0}]
+    return [{"cp": c} for c in range(layout["cp"])]
 
 
 def _full_experts(path: Path, meta: dict) -> dict[str, dict[int, Any]]:

@@ -254,3 +254,17 @@ def test_consolidate_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --output {out / 'full.safetensors'}: cannot write it"), err
     assert "No space left on device" in err[0] and list(out.iterdir()) == []
+
+
+def test_distributed_optimizer_slices_span_dp_x_cp_and_older_cp_checkpoints_still_read():
+    """A slice's offset counts dp x cp ranks, cp inside dp (megatron-core's order); a cp checkpoint written before
+    the slices spanned cp (every cp rank held the dp slice) is read from its cp 0 files."""
+    t = {"mu/shard": torch.zeros(5)}
+    info = checkpoint.describe(t, {"dp": 1, "cp": 1}, {"dp": 2, "cp": 2})["mu/shard"]
+    assert info["global_shape"] == [20] and info["offset"] == [15]
+    meta = {"layout": {"dp": 2, "cp": 2}, "files": {"rank_00000.safetensors": {"tensors": {"mu/shard": info}}}}
+    assert checkpoint._cp_coords(meta) == [{"cp": 0}, {"cp": 1}]
+    older = {**info, "global_shape": [10], "offset": [5]}
+    meta["files"]["rank_00000.safetensors"]["tensors"]["mu/shard"] = older
+    assert checkpoint._cp_coords(meta) == [{"cp": 0}]
+    assert checkpoint._cp_coords({"layout": {"dp": 2}, "files": {}}) == [{}]

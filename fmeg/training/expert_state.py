@@ -97,12 +97,14 @@ class ExpertSplitState:
     def __init__(self, params: dict[int, Any], counted, mesh: Any, *, distributed: bool, dp: int,
                  **flat_state_options: Any):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
-        With the distributed optimizer the dense state is sharded over dp, the experts' over expert_dp."""
+        With the distributed optimizer the dense state is sharded over dp x cp (the ranks holding the same dense
+        weights), the experts' over expert_dp; dp: the data-parallel size, which the experts' scale needs."""
         dense, experts = split_experts(params)
         edp = mesh.size("expert_dp")
         # the experts' mean over expert_dp, times edp / dp: the mean over dp of the dense leaves' tokens
         self.mesh, self.scale, self.zero = mesh, edp / dp, distributed
-        self.dense = FlatState(dense, counted, distributed=distributed, dp=dp, dp_rank=mesh.coord("dp"),
+        self.dense = FlatState(dense, counted, distributed=distributed, dp=mesh.size("dp_cp"),
+                               dp_rank=mesh.coord("dp_cp"),
                                **flat_state_options)
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
         self.experts = FlatState(experts, counted, distributed=distributed, dp=edp,
@@ -162,9 +164,9 @@ class ExpertSplitState:
             torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
         group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
         experts = group.all_reduce(experts) if group is not None else experts
-        norm = (self.dense.norm_squared(mesh, ("dp", "mp") if self.zero else ("mp",)) + experts).sqrt()
+        norm = (self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts).sqrt()
         scale = clip_scale(norm, clip_grad)
-        for part, group in zip(self.parts, ("dp", "expert_dp")):
+        for part, group in zip(self.parts, ("dp_cp", "expert_dp")):
             part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
             part.refresh(mesh.group(group))
         return norm

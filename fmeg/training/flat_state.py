@@ -6,8 +6,9 @@
     g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
     norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
 
-Every buffer is laid out as zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded
-to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the slice [lo, hi) of it:
+dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel group with
+context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as zero.FlatBuffer lays
+out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the slice [lo, hi) of it:
 
     weights  [padded] compute dtype   what the model reads; state.params are views of it
     grad     [padded] grad_dtype      the data-parallel mean gradient: fp32, or as Megatron's fp16 default and
@@ -159,9 +160,9 @@ class FlatState:
         """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned slice, then
         the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
         mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
-        norm = self.norm_squared(mesh, ("dp", "mp") if self.zero else ("mp",)).sqrt()
+        norm = self.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)).sqrt()
         self.update(clip_scale(norm, clip_grad), lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
-        self.refresh(mesh.group("dp"))
+        self.refresh(mesh.group("dp_cp"))
         return norm
 
     def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:

@@ -206,8 +206,8 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
         return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, distributed=distributed,
                                 dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
                                 decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
-    return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=layout.dp,
-                     dp_rank=mesh.coord("dp"), compute_dtype=compute_dtype, adam=adam,
+    return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=mesh.size("dp_cp"),
+                     dp_rank=mesh.coord("dp_cp"), compute_dtype=compute_dtype, adam=adam,
                      decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
 
 
@@ -230,7 +230,7 @@ def _non_finite(grads: list[torch.Tensor], loss: torch.Tensor | None, mesh: Mesh
     bad_loss = (~torch.isfinite(loss)).any() if loss is not None else torch.zeros((), dtype=torch.bool, device=device)
     bad_grad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
     flags = torch.stack([bad_grad, bad_loss.to(device)]).float()
-    for name in ("dp", "mp"):
+    for name in ("dp_cp", "mp"):
         group = mesh.group(name)
         flags = group.all_reduce(flags, "max") if group is not None else flags
     overflow, loss_bad = flags.tolist()
@@ -354,22 +354,20 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token) \
         if config.num_experts else (microbatches, (None, None))
-    sync = state.grad_sync(mesh.group("dp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
+    sync = state.grad_sync(mesh.group("dp_cp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
                            replicated=tied_paths(config, layout, params) if state.zero else frozenset())
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
                               loss_scale=loss_scale, grads_into=sync,  # accumulated straight into state.grad
                               microbatch_mean=not per_token)
     t1 = time.perf_counter()
-    sync.finish()  # the data-parallel mean, in the buffer (without overlap, every bucket starts now)
+    sync.finish()  # the mean over dp x cp, in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
-    dp_group, cp_group = mesh.group("dp"), mesh.group("cp")
-    if dp_group is not None and loss is not None:
-        loss = dp_group.all_reduce(loss) / layout.dp
+    data_group = mesh.group("dp_cp")
+    if data_group is not None and loss is not None:  # each cp rank's loss is its tokens' share: summed over cp
+        loss = data_group.all_reduce(loss) / layout.dp
     grads = state.main_grads()  # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
-    if cp_group is not None:  # each context-parallel rank's loss and gradients are its tokens' share: summed
-        for g in grads[:1]:  # the dense leaves' (experts laid out apart have summed theirs over expert_dp, cp in it)
-            g.copy_(cp_group.all_reduce(g))
-        loss = None if loss is None else cp_group.all_reduce(loss)
+    if layout.cp > 1:  # so are its gradients: the mean over dp x cp, times cp, is the sum over cp of the dp mean
+        grads[0].mul_(layout.cp)  # the dense leaves' (experts laid out apart are scaled by their own sync)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
         tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grads[0].device)
         tokens_group = mesh.group("dp_cp")
