@@ -330,7 +330,7 @@ def context_attention(mesh, q, k, v, dout, comm_type, dropout):
     -> its rows of the attention and its gradients of q, k and v."""
     from fmeg.parallel.context import AttentionDropout, ContextParallel, attention, shard_sequence
 
-    cp = ContextParallel(mesh.group("cp"), comm_type)
+    cp = ContextParallel(mesh.group("cp"), comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p"))
     mine = [shard_sequence(t, cp, dim=2) for t in (q, k, v, dout)]
     drop = None if dropout == 0 else AttentionDropout(dropout, 7, 0, q.shape[1])
     fn = lambda q, k, v: attention(q, k, v, cp, drop)  # noqa: E731
@@ -348,12 +348,37 @@ def context_parallel_gpt(mesh, params, batch, config, key, comm_type):
     from fmeg.parallel.context import ContextParallel, shard_sequence
     from fmeg.parallel.sharding import shard
 
-    cp = ContextParallel(mesh.group("cp"), comm_type)
+    cp = ContextParallel(mesh.group("cp"), comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p"))
     tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, context=cp)
     local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
     mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
     grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, mine, config, key=key, tp=tp))(local)
     return loss, grads, (mesh.coord("tp"), mesh.coord("cp"))
+
+
+def compiled_context_parallel_gpt(mesh, params, batch, config, key, comm_type, backend):
+    """context_parallel_gpt with the loss torch.compile'd as one graph (fullgraph, by `backend`): the loss, its
+    gradients by autograd, and dynamo's graph count and graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fmeg import tree
+    from fmeg.models import gpt
+    from fmeg.parallel.context import ContextParallel, shard_sequence
+    from fmeg.parallel.sharding import shard
+
+    torch._dynamo.reset()
+    counters.clear()
+    cp = ContextParallel(mesh.group("cp"), comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p"))
+    tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, context=cp)
+    flat = {path: t.detach().requires_grad_() for path, t in
+            tree.flatten(shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})).items()}
+    mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
+    compiled = torch.compile(lambda p, b, k: gpt.loss(p, b, config, key=k, tp=tp), backend=backend, fullgraph=True)
+    loss = compiled(tree.unflatten(flat), mine, torch.tensor(key))
+    grads = tree.unflatten(dict(zip(flat, torch.autograd.grad(loss, list(flat.values())))))
+    return loss.detach(), grads, (mesh.coord("tp"), mesh.coord("cp")), counters["stats"]["unique_graphs"], \
+        dict(counters["graph_break"])
 
 
 def global_balance_loss_parts(mesh, logits_per_rank, config):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import spmd_programs as P
 from fmeg import ops, tree
 from fmeg.models import gpt
+from fmeg.ops import attention_blocks as blocks
 from fmeg.parallel import context
 from fmeg.parallel.sharding import shard
 from parallel_harness import run
@@ -37,7 +38,11 @@ def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
 @settings(max_examples=4, deadline=None)
 @given(data=st.data())
 def test_context_parallel_attention_equals_one_device(backend, world, comm_type, data):
-    groups = data.draw(st.sampled_from([1, 2, 4] if comm_type != "a2a" else [world, 2 * world]), label="kv heads")
+    """a2a+p2p draws its a2a level's size a (a x p = cp, p the ring's): heads divide by a."""
+    a = data.draw(st.sampled_from([s for s in (1, 2, 4) if world % s == 0]), label="a2a level") \
+        if comm_type == "a2a+p2p" else 1
+    split = {"a2a": world, "a2a+p2p": a}.get(comm_type)  # what heads are split by
+    groups = data.draw(st.sampled_from([1, 2, 4] if split is None else [split, 2 * split]), label="kv heads")
     heads = groups * data.draw(st.sampled_from([1, 2]), label="heads per group")
     d = data.draw(st.sampled_from([4, 8]), label="head dim")
     c = data.draw(st.integers(1, 3), label="chunk")
@@ -53,7 +58,7 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
         q, k = ops.apply_rope(q, cos.to(f64), sin.to(f64)), ops.apply_rope(k, cos.to(f64), sin.to(f64))
     want, vjp = torch.func.vjp(lambda q, k, v: one_device(q, k, v, dropout), q, k, v)
     want_grads = vjp(dout)
-    results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, tp=1, cp=world)
+    results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, tp=1, cp=world, cp_a2a=a)
     for r, got in enumerate(results):
         mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
         torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
@@ -62,6 +67,20 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
         if dropout == 0:
             torch.testing.assert_close(got["vmap"], mine(torch.stack([want, one_device(2 * q, k, v, 0)]), ),
                                        rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_blocks_call_the_memory_efficient_kernel_as_its_schema_and_shapes_say(dtype):
+    """What CI can check of the CUDA blocks without a GPU (tests/test_cuda.py checks their numbers): on meta
+    tensors the memory-efficient kernel's forward and backward take the arguments the blocks pass, and give back
+    what the blocks expect: the lse cut to the block's 40 rows (the kernel pads it to 64) and fp32, the gradients
+    in the inputs' shapes and dtype."""
+    q, k, v = (torch.empty(2, 4, 40, 8, device="meta", dtype=dtype) for _ in range(3))
+    out, lse = blocks.cuda_forward(q, k, v, causal=True)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = blocks.cuda_backward(out, q, k, v, out, lse, causal=False)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype)] * 3
+    assert blocks.kernel(torch.zeros(1), None) == "cpu" and blocks.kernel(q, None) is None
 
 
 def small(style, **overrides):
@@ -79,6 +98,7 @@ def small(style, **overrides):
 
 @pytest.mark.parametrize("style, comm_type, world, tp", [
     ("llama", "p2p", 2, 1), ("gpt2", "all_gather", 2, 1), ("llama", "a2a", 2, 1), ("llama", "p2p", 4, 1),
+    ("llama", "a2a+p2p", 4, 1), ("gpt2", ("a2a+p2p", "p2p"), 8, 2),
     ("llama", "p2p", 4, 2), ("gpt2", "a2a", 4, 2), ("llama", ("a2a", "all_gather"), 2, 1), ("moe", "p2p", 2, 1),
     ("moe_seq", "p2p", 4, 2), ("moe", "all_gather", 4, 1)])
 def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, world, tp):
@@ -93,7 +113,33 @@ def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, w
     want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=5))(params)
     cp = world // tp
     results = run("threads", world, P.context_parallel_gpt, params, batch, config, 5, comm_type, tp=tp, cp=cp,
-                  sequence_parallel=tp > 1)
+                  sequence_parallel=tp > 1, cp_a2a=2 if "a2a+p2p" in comm_type else 1)
+    for t in range(tp):
+        ranks = [r for r in results if r[2][0] == t]
+        torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
+        summed = {path: sum(tree.flatten(r[1])[path] for r in ranks) for path in tree.flatten(ranks[0][1])}
+        want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
+        for path, g in summed.items():
+            torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
+
+
+@pytest.mark.parametrize("comm_type, world, tp", [pytest.param("p2p", 2, 1, marks=pytest.mark.slow),
+                                                  pytest.param("all_gather", 2, 1, marks=pytest.mark.slow),
+                                                  pytest.param("a2a+p2p", 4, 1, marks=pytest.mark.slow),
+                                                  ("a2a", 2, 1), ("p2p", 4, 2)])  # 10 s each, 25 s at 4 ranks
+def test_the_gpt_under_context_parallelism_compiles_as_one_graph_with_one_devices_numbers(comm_type, world, tp):
+    """torch.compile(fullgraph=True) of the loss under cp (aot_eager: dynamo and AOTAutograd, no code generation):
+    one graph, no graph break, and the cp ranks' losses and gradients sum to one device's. p2p and all_gather enter
+    the graph as one opaque op each way, a2a as its all-to-alls and one device's attention."""
+    config = small("llama")
+    params = gpt.init(config, 0, dtype=f64)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16, dtype=f64)}
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=5))(params)
+    results = run("gloo", world, P.compiled_context_parallel_gpt, params, batch, config, 5, comm_type, "aot_eager",
+                  tp=tp, cp=world // tp, sequence_parallel=tp > 1, cp_a2a=2 if comm_type == "a2a+p2p" else 1)
+    assert all(graphs == 1 and breaks == {} for *_, graphs, breaks in results)
     for t in range(tp):
         ranks = [r for r in results if r[2][0] == t]
         torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
@@ -108,16 +154,23 @@ CP_BAD = [
      "--seq-length 18 must be divisible by 2 x --context-parallel-size = 4"),
     ({"WORLD_SIZE": "4"}, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
                            "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "--cp-comm-type a2a splits heads over cp"),
+     "--cp-comm-type a2a splits heads over --context-parallel-size 2"),
     ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p", "p2p",
                            "--num-attention-heads", "3", "--hidden-size", "48"], "--cp-comm-type a2a splits heads"),
     ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"],
      "--cp-comm-type: 2 values for --num-layers 4"),
     ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
-     "hierarchical context parallelism is not in fmeg yet"),
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"),
+    ({"WORLD_SIZE": "4"}, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                           "--hierarchical-context-parallel-sizes", "2", "3"],
+     "--hierarchical-context-parallel-sizes 2 3: give two positive sizes"),
+    ({"WORLD_SIZE": "4"}, ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "4"],
+     "whose product is --context-parallel-size 4"),
+    ({"WORLD_SIZE": "4"}, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--num-attention-heads", "2",
+                           "--hierarchical-context-parallel-sizes", "4", "1"],
+     "--cp-comm-type a2a+p2p splits heads over its a2a level"),
     ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4"],
      "--expert-model-parallel-size 4 x expert tensor parallelism 1 must divide tp x dp x cp = 1 x 1 x 2"),
-    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--compile"], "--context-parallel-size with --compile"),
     ({"WORLD_SIZE": "3"}, ["--context-parallel-size", "2"], "world size 3 must be divisible by"),
     ({"WORLD_SIZE": "1"}, ["--context-parallel-size", "0"], "--context-parallel-size must be positive"),
 ]

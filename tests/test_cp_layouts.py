@@ -4,6 +4,8 @@ cp 4, cp 2 x tp 2 with sp, cp 2 x pp 2 (with virtual stages), cp 2 x dp 2 with t
 cp 2 with selective recomputation equals one rank's within 1e-5 over 20 iterations; a GPT-2-style one (learned
 positions) too. A checkpoint saved at cp 4 resumes at cp 2 and at one rank on the same curve."""
 
+import re
+
 import pytest
 
 from runner_harness import DROPOUT, run_recipe
@@ -16,13 +18,21 @@ LAYOUTS = [("cp2_p2p", 2, CP2),
            ("cp2_all_gather", 2, [*CP2, "--cp-comm-type", "all_gather"]),
            ("cp2_a2a", 2, [*CP2, "--cp-comm-type", "a2a"]),
            ("cp4", 4, ["--context-parallel-size", "4"]),
+           ("cp4_a2a_p2p", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                               "--hierarchical-context-parallel-sizes", "2", "2"]),
            ("cp2_tp2_sp", 4, [*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
            ("cp2_pp2_virtual", 4, [*CP2, "--pipeline-model-parallel-size", "2",
                                    "--num-layers-per-virtual-pipeline-stage", "1"]),
            ("cp2_dp2_zero1", 4, [*CP2, "--use-distributed-optimizer"]),
            ("cp2_recompute_selective", 2, [*CP2, "--recompute-granularity", "selective"]),
            ("cp2_per_token", 2, [*CP2, "--calculate-per-token-loss"]),
-           ("cp2_per_layer_types", 2, [*CP2, "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"])]
+           ("cp2_per_layer_types", 2, [*CP2, "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"]),
+           # inductor on CPU: 3.5 and 6.5 minutes (the second compiles each layer apart, one graph per comm type)
+           ("cp2_compiled", 2, [*CP2, "--compile"]),
+           ("cp2_per_layer_types_compiled_recomputed", 2, [*CP2, "--compile", "--cp-comm-type", "p2p", "a2a",
+                                                            "all_gather", "p2p", "--recompute-granularity", "full",
+                                                            "--recompute-method", "uniform", "--recompute-num-layers",
+                                                            "1"])]
 
 
 def curve(tmp_path, name, nproc, flags):
@@ -38,7 +48,11 @@ def assert_same(got, want, first=0):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return curve(tmp_path_factory.mktemp("cp"), "single", 1, [])[0]
+    return curve(tmp_path_factory.mktemp("cp"), "single", 1, [])
+
+
+def optimizer_bytes(stdout):
+    return int(re.search(r"optimizer state ([\d,]+) bytes on this rank", stdout).group(1).replace(",", ""))
 
 
 @pytest.mark.parametrize("name, nproc, flags", [pytest.param(*row, marks=() if row[0] in DEFAULT else
@@ -47,9 +61,14 @@ def reference(tmp_path_factory):
 def test_context_parallel_curves_are_layout_invariant(tmp_path, reference, name, nproc, flags):
     got, stdout = curve(tmp_path, name, nproc, flags)
     assert len(got) == 20 and " x cp " in stdout
+    want, single_stdout = reference
     if name == "cp2_per_token":  # its own reference: the per-token loss on one rank
-        reference = curve(tmp_path, "single_per_token", 1, ["--calculate-per-token-loss"])[0]
-    assert_same(got, reference)
+        want = curve(tmp_path, "single_per_token", 1, ["--calculate-per-token-loss"])[0]
+    assert_same(got, want)
+    if "compiled" in name:
+        assert "layers compiled" in stdout
+    if name == "cp2_dp2_zero1":  # the distributed optimizer's state is sharded over dp x cp = 4 ranks, as Megatron's
+        assert optimizer_bytes(stdout) * 4 == pytest.approx(optimizer_bytes(single_stdout), rel=0.01)
 
 
 @pytest.mark.slow
@@ -60,14 +79,17 @@ def test_a_gpt2_style_model_with_learned_positions_is_layout_invariant_under_cp(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, flags", [(2, CP2), (1, [])], ids=["cp2", "one_rank"])
+@pytest.mark.parametrize("nproc, flags", [(2, [*CP2, "--use-distributed-optimizer"]), (1, [])],
+                         ids=["cp2_zero1", "one_rank"])
 def test_a_checkpoint_saved_at_cp4_resumes_at_another_layout_on_the_same_curve(tmp_path, reference, nproc, flags):
+    """Saved with the distributed optimizer at cp 4 (its state in four slices, one per cp rank), resumed at cp 2
+    with it (two slices) and at one rank without it."""
     ckpt = str(tmp_path / "ckpt")
-    curve(tmp_path, "first", 4, ["--context-parallel-size", "4", "--save", ckpt, "--train-iters", "10",
-                                 "--lr-decay-iters", "20"])
+    curve(tmp_path, "first", 4, ["--context-parallel-size", "4", "--use-distributed-optimizer", "--save", ckpt,
+                                 "--train-iters", "10", "--lr-decay-iters", "20"])
     got, stdout = curve(tmp_path, "second", nproc, [*flags, "--load", ckpt])
     assert "resumed from" in stdout
-    assert_same(got, reference, first=10)
+    assert_same(got, reference[0], first=10)
 
 
 @pytest.mark.slow

@@ -99,3 +99,14 @@ def test_single_rank_mesh_has_no_communicators():
 def test_thread_mesh_coordinates_follow_the_groups():
     out = run_threads(8, lambda m: (m.coord("tp"), m.coord("pp"), m.coord("dp"), m.group("tp").size), tp=2, pp=2)
     assert out == [(r % 2, r // 4, (r // 2) % 2, 2) for r in range(8)]
+
+
+def test_hierarchical_context_parallel_levels_are_megatrons():
+    """--hierarchical-context-parallel-sizes 2 2 on a cp group g0 ... g3 (megatron-core's
+    create_hierarchical_parallel_groups): the a2a level [g0, g1], [g2, g3], the p2p level [g0, g2], [g1, g3]."""
+    g = rank_groups(8, tp=2, cp=4, cp_a2a=2)
+    assert g["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["cp_a2a"] == [[0, 2], [4, 6], [1, 3], [5, 7]] and g["cp_p2p"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert rank_groups(4, cp=4)["cp_p2p"] == [[0, 1, 2, 3]]  # one level: the ring is the whole cp group
+    with pytest.raises(ValueError, match="must divide cp = 4"):
+        rank_groups(4, cp=4, cp_a2a=3)

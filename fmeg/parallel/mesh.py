@@ -57,11 +57,13 @@ def _order_axes(order: str, sizes: dict[str, int]) -> list[str]:
 
 
 def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
-                order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+                order: str = DEFAULT_ORDER, cp_a2a: int = 1) -> dict[str, list[list[int]]]:
     """Every group Megatron's initialize_model_parallel builds, as lists of global ranks.
 
     Keys: tp, pp, dp, cp, dp_cp, mp (tp-pp), tp_cp, tp_dp, tp_dp_cp, embedding, position_embedding,
-    ep, expert_tp, expert_dp, tp_ep, tp_ep_pp.
+    ep, expert_tp, expert_dp, tp_ep, tp_ep_pp, and hierarchical context parallelism's two levels (Megatron's
+    --hierarchical-context-parallel-sizes cp_a2a, cp / cp_a2a): cp_a2a, every cp_a2a consecutive ranks of a cp
+    group, and cp_p2p, the ranks of a cp group cp_a2a apart.
     """
     etp = tp if etp is None else etp
     for name, size in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).items():
@@ -86,6 +88,10 @@ def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
               "tp_ep_pp": exp("tp", "ep", "pp")}
     if exp("pp") != groups["pp"]:
         raise ValueError("the decoder and expert grids give different pipeline groups; change the order")
+    if cp % cp_a2a:
+        raise ValueError(f"the a2a level of hierarchical context parallelism ({cp_a2a}) must divide cp = {cp}")
+    groups["cp_a2a"] = [g[i:i + cp_a2a] for g in groups["cp"] for i in range(0, cp, cp_a2a)]
+    groups["cp_p2p"] = [g[i::cp_a2a] for g in groups["cp"] for i in range(cp_a2a)]
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups

@@ -44,6 +44,7 @@ class Layout:
     etp: int | None = None  # the experts' tensor parallelism (None: tp)
     cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
     cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
+    cp_a2a: int = 1  # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
 
     @property
     def expert_tp(self) -> int:
@@ -91,7 +92,9 @@ class Layout:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
-                + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)})" if self.cp > 1 else "")
+                + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
+                   + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "") + ")"
+                   if self.cp > 1 else "")
                 + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", recompute {recompute}" if recompute else ""))
@@ -117,7 +120,8 @@ def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
                              mesh.coord("expert_tp"), layout.expert_tp) if layout.experts_apart else NO_EP
     experts = dataclasses.replace(experts, balance_group=mesh.group("tp_dp_cp"))
     return TensorParallel(mesh.group("tp"), layout.sequence_parallel, experts,
-                          ContextParallel(mesh.group("cp"), layout.cp_comm_type))
+                          ContextParallel(mesh.group("cp"), layout.cp_comm_type, mesh.group("cp_a2a"),
+                                          mesh.group("cp_p2p")))
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):

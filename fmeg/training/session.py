@@ -37,8 +37,7 @@ class Session:
     def start(cls, cfg) -> Session:
         world, rank = cfg.world, int(os.environ.get("RANK", "0"))
         device = choose_device(cfg.runtime.device, int(os.environ.get("LOCAL_RANK", "0")))
-        # compiled by default on CUDA, except context-parallel attention (eager: its ring passes blocks point to point)
-        compiled = device.type == "cuda" and cfg.layout.cp == 1 if cfg.runtime.compile is None else cfg.runtime.compile
+        compiled = device.type == "cuda" if cfg.runtime.compile is None else cfg.runtime.compile
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
@@ -46,7 +45,7 @@ class Session:
                                     timeout=datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes),
                                     device_id=device if device.type == "cuda" else None)
             mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp, ep=cfg.layout.ep,
-                                               etp=cfg.layout.expert_tp, device=device)
+                                               etp=cfg.layout.expert_tp, cp_a2a=cfg.layout.cp_a2a, device=device)
         else:
             mesh = Mesh.single()
         return cls(world, rank, device, mesh, "inductor" if compiled else None)
