@@ -96,6 +96,18 @@ def small(style, **overrides):
     return gpt.GPTConfig.gpt2(**{**base, **overrides})
 
 
+def assert_cp_ranks_sum_to_one_device(results, want_loss, want_grads, tp):
+    """For each tp rank: its cp ranks' losses and gradients (results: (loss, grads, (tp, cp) coordinates, ...) per
+    rank) sum to one device's loss and to the tp shard of its gradients."""
+    for t in range(tp):
+        ranks = [r for r in results if r[2][0] == t]
+        torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
+        summed = {path: sum(tree.flatten(r[1])[path] for r in ranks) for path in tree.flatten(ranks[0][1])}
+        want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
+        for path, g in summed.items():
+            torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
+
+
 @pytest.mark.parametrize("style, comm_type, world, tp", [
     ("llama", "p2p", 2, 1), ("gpt2", "all_gather", 2, 1), ("llama", "a2a", 2, 1), ("llama", "p2p", 4, 1),
     ("llama", "a2a+p2p", 4, 1), ("gpt2", ("a2a+p2p", "p2p"), 8, 2),
@@ -114,13 +126,7 @@ def test_the_gpt_under_context_parallelism_equals_one_device(style, comm_type, w
     cp = world // tp
     results = run("threads", world, P.context_parallel_gpt, params, batch, config, 5, comm_type, tp=tp, cp=cp,
                   sequence_parallel=tp > 1, cp_a2a=2 if "a2a+p2p" in comm_type else 1)
-    for t in range(tp):
-        ranks = [r for r in results if r[2][0] == t]
-        torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
-        summed = {path: sum(tree.flatten(r[1])[path] for r in ranks) for path in tree.flatten(ranks[0][1])}
-        want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
-        for path, g in summed.items():
-            torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
+    assert_cp_ranks_sum_to_one_device(results, want_loss, want_grads, tp)
 
 
 @pytest.mark.parametrize("comm_type, world, tp", [pytest.param("p2p", 2, 1, marks=pytest.mark.slow),
@@ -140,13 +146,7 @@ def test_the_gpt_under_context_parallelism_compiles_as_one_graph_with_one_device
     results = run("gloo", world, P.compiled_context_parallel_gpt, params, batch, config, 5, comm_type, "aot_eager",
                   tp=tp, cp=world // tp, sequence_parallel=tp > 1, cp_a2a=2 if comm_type == "a2a+p2p" else 1)
     assert all(graphs == 1 and breaks == {} for *_, graphs, breaks in results)
-    for t in range(tp):
-        ranks = [r for r in results if r[2][0] == t]
-        torch.testing.assert_close(sum(r[0] for r in ranks), want_loss, rtol=1e-10, atol=1e-12)
-        summed = {path: sum(tree.flatten(r[1])[path] for r in ranks) for path in tree.flatten(ranks[0][1])}
-        want = tree.flatten(shard(want_grads, gpt.TP_RULES, {"tp": (t, tp)}))
-        for path, g in summed.items():
-            torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
+    assert_cp_ranks_sum_to_one_device(results, want_loss, want_grads, tp)
 
 
 CP_BAD = [

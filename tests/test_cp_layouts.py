@@ -107,3 +107,18 @@ def test_a_16k_token_run_at_cp4_on_the_embedded_data_saves_and_resumes_at_cp2_on
     resumed, stdout = run_recipe(tmp_path, "second", 2, [*long, *CP2, "--train-iters", "4", "--load", ckpt], common=[])
     assert "resumed from" in stdout
     assert_same([r["lm_loss"] for r in resumed], [r["lm_loss"] for r in whole], first=2)
+
+
+@pytest.mark.slow
+def test_bf16_with_the_distributed_optimizer_at_cp2_x_dp2_saves_resumes_bitwise_and_at_dp4(tmp_path):
+    """What users run for long contexts: bf16, ZeRO-1 (its slices over dp x cp), save at iteration 10; resume in the
+    same layout bitwise, and at dp 4 without cp on the curve to bf16 rounding."""
+    flags = ["--bf16", "--use-distributed-optimizer"]
+    full, _ = curve(tmp_path, "full", 4, [*CP2, *flags])
+    ckpt = str(tmp_path / "ckpt")
+    curve(tmp_path, "first", 4, [*CP2, *flags, "--save", ckpt, "--train-iters", "10", "--lr-decay-iters", "20"])
+    same, _ = curve(tmp_path, "same", 4, [*CP2, *flags, "--load", ckpt])
+    assert same == full[10:]
+    other, stdout = curve(tmp_path, "dp4", 4, [*flags, "--load", ckpt])
+    assert "resumed from" in stdout and len(other) == 10
+    assert all(abs(a - b) <= 1e-2 * b for a, b in zip(other, full[10:]))
