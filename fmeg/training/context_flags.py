@@ -34,7 +34,7 @@ def a2a_level(a: argparse.Namespace) -> int:
 
 
 def problems(a: argparse.Namespace, world_size: int) -> list[str]:
-    """One line for each context-parallel flag that cannot run (Megatron's rules, and what fmeg lacks yet)."""
+    """One line for each context-parallel flag that cannot run (Megatron's rules)."""
     cp, tp, pp = a.context_parallel_size, a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     out = []
     if cp < 1:
