@@ -2,9 +2,11 @@
 
     DIR/iter_0000010/rank_00003.safetensors   this rank's parameter and optimizer shards, readable names:
                                               params/<stage>/<path>, mu/<stage>/<path>, nu/..., main/...,
-                                              or mu/shard, nu/shard, main/shard with the distributed optimizer
-    DIR/iter_0000010/rank_00003.json          this rank's coordinates, its file's sha256, and for every tensor
-                                              its local shape, global shape and offset in the global tensor
+                                              or mu/shard, nu/shard, main/shard with the distributed optimizer;
+                                              one copy of each replicated tensor (written_here)
+    DIR/iter_0000010/rank_00003.json          this rank's coordinates, its file's sha256, the names of its
+                                              whole state in pytree order, and for every tensor it wrote its
+                                              local shape, global shape and offset in the global tensor
     DIR/iter_0000010/metadata.json            layout, model config, iteration, consumed samples (the data
                                               sampler's and the LR/WD schedules' position), loss scale,
                                               arguments, and every rank file's entry (written last). There is
@@ -76,6 +78,25 @@ def state_tensors(params: dict[int, Any], opt_state: dict) -> dict[str, torch.Te
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
+def written_here(names: list[str], coords: dict[str, int], experts_apart: bool) -> list[str]:
+    """The names a rank writes: its slices of the distributed optimizer's state and the step count always; a tensor
+    that other ranks hold too only on the first of them (as Megatron's data-parallel rank 0 writes the model): the
+    dense leaves on data- and context-parallel coordinate 0, the experts' leaves laid out apart on expert-dp
+    coordinate 0. So a checkpoint holds one copy of each tensor, whatever dp and cp are."""
+    dense = coords.get("dp", 0) == 0 and coords.get("cp", 0) == 0
+    experts = coords.get("edp", 0) == 0 if experts_apart else dense
+    return [n for n in names if _always_written(n) or (experts if experts_apart and _is_expert(n) else dense)]
+
+
+def _always_written(name: str) -> bool:
+    head, _, rest = name.partition("/")
+    return head == "adam" or rest in ("shard", "expert_shard")
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in "." + name.split("/", 2)[-1]
+
+
 def describe(tensors: dict[str, torch.Tensor], coords: dict[str, int], sizes: dict[str, int]) -> dict[str, dict]:
     """For every saved tensor: its shape here, the global (unsharded) shape and this shard's offsets.
 
@@ -136,16 +157,17 @@ def remove_stale(root: str | os.PathLike) -> list[str]:
 
 
 def save_rank(root: str | os.PathLike, iteration: int, rank: int, coords: dict[str, int], tensors: dict,
-              sizes: dict[str, int] | None = None, attempt: str = "0") -> Path:
+              sizes: dict[str, int] | None = None, attempt: str = "0", order: list[str] | None = None) -> Path:
     """Write this rank's shard into the temporary directory of `iteration` for this run's `attempt` token
-    (the same on every rank); returns that directory."""
+    (the same on every rank); returns that directory. order: the names of the rank's whole state in pytree order,
+    those it leaves to another rank included (written_here); default: the names of tensors."""
     tmp = temporary_dir(root, iteration, attempt)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"rank_{rank:05d}.safetensors"
     save_file(tensors, str(path))
     # safetensors stores names sorted; the order of the pytree (which flat buffers rely on) is kept here.
     (tmp / f"rank_{rank:05d}.json").write_text(json.dumps({"rank": rank, "coords": coords, "sha256": _sha256(path),
-                                                           "names": list(tensors),
+                                                           "names": order or list(tensors),
                                                            "tensors": describe(tensors, coords, sizes or {})}))
     return tmp
 
@@ -277,12 +299,35 @@ def read_metadata(path: Path, config: gpt.GPTConfig) -> dict:
     return meta
 
 
-def _rank_file(path: Path, meta: dict, coords: dict[str, int]) -> dict[str, torch.Tensor]:
+def _rank_entry(path: Path, meta: dict, coords: dict[str, int]) -> tuple[str, dict]:
     for name, info in meta["files"].items():
         if all(info["coords"].get(k) == v for k, v in coords.items()):
-            tensors = load_file(str(path / name))
-            return {n: tensors[n] for n in info["names"]}  # the saved pytree order
+            return name, info
     raise CheckpointError(f"{path}: no shard for coordinates {coords}")
+
+
+def _rank_file(path: Path, meta: dict, coords: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The tensors the rank at coords wrote, in the saved pytree order."""
+    name, info = _rank_entry(path, meta, coords)
+    tensors = load_file(str(path / name))
+    return {n: tensors[n] for n in info["names"] if n in tensors}
+
+
+def _with_replicas(path: Path, meta: dict, coords: dict[str, int]) -> dict[str, torch.Tensor]:
+    """The whole state of the rank at coords, in its pytree order: what it wrote, and the replicated tensors it
+    left to the first rank holding them (written_here)."""
+    tensors, (_, info) = _rank_file(path, meta, coords), _rank_entry(path, meta, coords)
+    names, coords = info["names"], info["coords"]
+    sources: dict[bool, dict[str, torch.Tensor]] = {}
+    for n in names:
+        if n not in tensors:
+            expert = "ep" in meta["layout"] and _is_expert(n)
+            if expert not in sources:
+                owner = {"pp": coords["pp"], "ep": coords["ep"], "etp": coords["etp"], "edp": 0} if expert else \
+                    {"tp": coords["tp"], "pp": coords["pp"], "dp": 0, **({"cp": 0} if "cp" in coords else {})}
+                sources[expert] = _rank_file(path, meta, owner)
+            tensors[n] = sources[expert][n]
+    return {n: tensors[n] for n in names}
 
 
 def _stage_trees(tensors: dict[str, torch.Tensor], prefix: str) -> dict[int, Any]:
@@ -306,7 +351,8 @@ def full_state(path: Path, meta: dict, config: gpt.GPTConfig) -> dict[str, Any]:
     out: dict[str, dict[int, Any]] = {}
     for tp_rank in range(old["tp"]):
         for pp_rank in range(old["pp"]):
-            files = [_rank_file(path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d, **cp})
+            files = [(_with_replicas if d == 0 and cp in ({}, {"cp": 0}) else _rank_file)(
+                         path, meta, {"tp": tp_rank, "pp": pp_rank, "dp": d, **cp})
                      for d in range(old["dp"]) for cp in _cp_coords(meta)]  # the dp x cp slices, in order
             params = _stage_trees(files[0], "params")
             if apart:
@@ -362,7 +408,8 @@ def _full_experts(path: Path, meta: dict) -> dict[str, dict[int, Any]]:
         for j in range(ep):
             per_tp: dict[str, list] = {}
             for t in range(etp):
-                files = [_rank_file(path, meta, {"pp": pp_rank, "ep": j, "etp": t, "edp": k}) for k in range(edp)]
+                files = [(_with_replicas if k == 0 else _rank_file)(
+                             path, meta, {"pp": pp_rank, "ep": j, "etp": t, "edp": k}) for k in range(edp)]
                 params = split_experts(_stage_trees(files[0], "params"))[1]
                 for name in ("params", "mu", "nu", "main"):
                     if name == "params":
@@ -398,7 +445,7 @@ def local_state(path: Path, meta: dict, coords: dict[str, int]) -> tuple[dict[in
     """This rank's params and optimizer state, exactly as saved (same layout)."""
     from fmeg.optim import AdamState
 
-    tensors = _rank_file(path, meta, coords)
+    tensors = _with_replicas(path, meta, coords)
     params = _stage_trees(tensors, "params")
 
     def part(name):

@@ -268,3 +268,24 @@ def test_distributed_optimizer_slices_span_dp_x_cp_and_older_cp_checkpoints_stil
     meta["files"]["rank_00000.safetensors"]["tensors"]["mu/shard"] = older
     assert checkpoint._cp_coords(meta) == [{"cp": 0}]
     assert checkpoint._cp_coords({"layout": {"dp": 2}, "files": {}}) == [{}]
+
+
+def test_a_checkpoint_holds_one_copy_of_each_replicated_tensor_and_resumes_on_the_curve(tmp_path, uninterrupted):
+    """At dp 2 the second rank's file holds only its step count (the first rank wrote the weights and moments both
+    hold, as Megatron's data-parallel rank 0 does); resuming in the same layout reads them from there, and at
+    another layout too. With the distributed optimizer each rank writes its own slices."""
+    ckpt = tmp_path / "ck"
+    run_layout(tmp_path, "dp2", 2, ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"])
+    directory = checkpoint.latest(ckpt)
+    meta = json.loads((directory / "metadata.json").read_text())
+    second = meta["files"]["rank_00001.safetensors"]
+    assert list(second["tensors"]) == ["adam/count"] and len(second["names"]) > 1
+    assert (directory / "rank_00001.safetensors").stat().st_size < 1000
+    same = run_layout(tmp_path, "dp2_resumed", 2, ["--load", str(ckpt)])
+    other = run_layout(tmp_path, "tp2_resumed", 2, ["--tensor-model-parallel-size", "2", "--load", str(ckpt)])
+    for got in (same, other):
+        assert len(got) == 10 and all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:]))
+    zero = tmp_path / "zero"
+    run_layout(tmp_path, "zero", 2, ["--use-distributed-optimizer", "--save", str(zero), "--train-iters", "3"])
+    written = json.loads((checkpoint.latest(zero) / "metadata.json").read_text())["files"]["rank_00001.safetensors"]
+    assert sorted(written["tensors"]) == ["adam/count", "mu/shard", "nu/shard"]

@@ -113,12 +113,15 @@ class Checkpointer:
         """Write a checkpoint of this iteration; False (one line printed, the partial directory removed, the
         previous checkpoint untouched) when some rank could not write its part, e.g. on a full disk."""
         cfg, session, iteration = self.cfg, self.session, progress.iteration
-        tensors = checkpoint.state_tensors(state.params, state.opt_state)
+        everything = checkpoint.state_tensors(state.params, state.opt_state)
+        coords = cfg.layout.coords(session.mesh)
+        mine = checkpoint.written_here(list(everything), coords, cfg.layout.experts_apart)
+        tensors = {n: everything[n] for n in mine}
         self._make_room()
         problem = ""
         try:
-            checkpoint.save_rank(self.root, iteration, session.rank, cfg.layout.coords(session.mesh), tensors,
-                                 sizes=cfg.layout.sizes(), attempt=self.attempt)
+            checkpoint.save_rank(self.root, iteration, session.rank, coords, tensors, sizes=cfg.layout.sizes(),
+                                 attempt=self.attempt, order=list(everything))
         except (OSError, SafetensorError) as e:
             problem = " ".join(str(e).split())[:300]
         failed, size = session.first_failure(bool(problem), sum(t.numel() * t.element_size() for t in tensors.values()))
