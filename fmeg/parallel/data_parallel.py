@@ -41,10 +41,13 @@ class GradSync:
 
     def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
                  replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                 buffer: torch.Tensor | None = None, overlap: bool = True):
+                 buffer: torch.Tensor | None = None, overlap: bool = True, divisor: int | None = None):
         """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh one;
-        overlap: start each bucket once its leaves are final, else all of them at finish()."""
+        overlap: start each bucket once its leaves are final, else all of them at finish(); divisor: what the
+        group's sum is divided by (default its size: the mean; context-parallel ranks, whose gradients are their
+        tokens' shares, divide by the data-parallel size alone)."""
         self.group, self.dp = group, 1 if group is None else group.size
+        self.divisor = self.dp if divisor is None else divisor
         self.rank = 0 if group is None else group.rank
         self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
         self.owner_slices, self.spec, self.shapes = owner_slices, self.layout.spec, self.layout.shapes
@@ -140,8 +143,8 @@ class GradSync:
         for handle in self._handles:
             handle.wait()
         self._handles = []
-        if self.dp > 1:
-            self.buffer.div_(self.dp)
+        if self.divisor != 1:
+            self.buffer.div_(self.divisor)
         return self
 
     def tree(self) -> dict[int, Any]:

@@ -2,7 +2,7 @@
 
     state = ExpertSplitState(params, counted, mesh, ep=2, ...)    # {stage: tree} as FlatState takes it
     state.params                   # one {stage: tree}, views into both
-    sync = state.grad_sync(...)    # dense gradients averaged over dp, experts' over expert_dp (and / ep)
+    sync = state.grad_sync(...)    # gradients summed over dp x cp (dense) or expert_dp (experts), / dp
     norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
 
 Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients cannot
@@ -65,10 +65,11 @@ def merge(dense: Any, experts: Any) -> Any:
 
 class _SplitSync:
     """The two data-parallel reductions of one backward: gradients go to the dense or the experts' sync by
-    path; after finish, the experts' mean over expert_dp is scaled by edp / dp (their data-parallel mean)."""
+    path; both divide their sum by the data-parallel size (for the experts, summed over expert_dp, that is their
+    data-parallel mean)."""
 
-    def __init__(self, dense, experts, scale: float):
-        self.dense, self.experts, self.scale = dense, experts, scale
+    def __init__(self, dense, experts):
+        self.dense, self.experts = dense, experts
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
         mine = {p: g for p, g in grads.items() if is_expert(p)}
@@ -83,7 +84,6 @@ class _SplitSync:
     def finish(self) -> "_SplitSync":
         self.dense.finish()
         self.experts.finish()
-        self.experts.buffer.mul_(self.scale)
         return self
 
     def tree(self) -> dict[int, Any]:
@@ -98,11 +98,11 @@ class ExpertSplitState:
                  **flat_state_options: Any):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
         With the distributed optimizer the dense state is sharded over dp x cp (the ranks holding the same dense
-        weights), the experts' over expert_dp; dp: the data-parallel size, which the experts' scale needs."""
+        weights), the experts' over expert_dp; dp: the data-parallel size, which both parts' summed gradients are
+        divided by."""
         dense, experts = split_experts(params)
         edp = mesh.size("expert_dp")
-        # the experts' mean over expert_dp, times edp / dp: the mean over dp of the dense leaves' tokens
-        self.mesh, self.scale, self.zero = mesh, edp / dp, distributed
+        self.mesh, self.dp, self.zero = mesh, dp, distributed
         self.dense = FlatState(dense, counted, distributed=distributed, dp=mesh.size("dp_cp"),
                                dp_rank=mesh.coord("dp_cp"),
                                **flat_state_options)
@@ -143,13 +143,17 @@ class ExpertSplitState:
         return out
 
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                  overlap: bool = False) -> _SplitSync:
-        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's expert_dp group."""
-        dense = self.dense.grad_sync(group, replicated=replicated, bucket_numel=bucket_numel, overlap=overlap)
+                  overlap: bool = False, divisor: int | None = None) -> _SplitSync:
+        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's expert_dp group; both
+        sums are divided by divisor (default: the data-parallel size), the mean over dp of each leaf's tokens."""
+        divisor = self.dp if divisor is None else divisor
+        dense = self.dense.grad_sync(group, replicated=replicated, bucket_numel=bucket_numel, overlap=overlap,
+                                     divisor=divisor)
         if not self.experts:
             return dense
-        experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap)
-        return _SplitSync(dense, experts, self.scale)
+        experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap,
+                                         divisor=divisor)
+        return _SplitSync(dense, experts)
 
     def add_(self, path: str, delta: torch.Tensor) -> None:
         (self.experts if is_expert(path) else self.dense).add_(path, delta)

@@ -80,15 +80,16 @@ class FlatState:
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
 
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                  overlap: bool = False) -> GradSync:
-        """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), ready for an
-        iteration: built on first use and reset on every later call with the same arguments."""
-        key = (group, replicated, bucket_numel, overlap)
+                  overlap: bool = False, divisor: int | None = None) -> GradSync:
+        """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), the sum over group
+        divided by divisor (default: the group's size), ready for an iteration: built on first use and reset on
+        every later call with the same arguments."""
+        key = (group, replicated, bucket_numel, overlap, divisor)
         cached = getattr(self, "_grad_sync", None)
         if cached is not None and cached[0] == key:
             return cached[1].reset()
         sync = GradSync(self.params, group, owner_slices=self.zero, bucket_numel=bucket_numel,
-                        replicated=replicated, buffer=self.grad, overlap=overlap)
+                        replicated=replicated, buffer=self.grad, overlap=overlap, divisor=divisor)
         self._grad_sync = (key, sync)
         return sync
 

@@ -358,20 +358,21 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token) \
         if config.num_experts else (microbatches, (None, None))
+    # summed over dp x cp, divided by dp: each cp rank's gradient is its tokens' share, so the sum over cp of the
+    # data-parallel mean
     sync = state.grad_sync(mesh.group("dp_cp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
-                           replicated=tied_paths(config, layout, params) if state.zero else frozenset())
+                           replicated=tied_paths(config, layout, params) if state.zero else frozenset(),
+                           divisor=layout.dp)
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
                               loss_scale=loss_scale, grads_into=sync,  # accumulated straight into state.grad
                               microbatch_mean=not per_token)
     t1 = time.perf_counter()
-    sync.finish()  # the mean over dp x cp, in the buffer (without overlap, every bucket starts now)
+    sync.finish()  # in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
     data_group = mesh.group("dp_cp")
     if data_group is not None and loss is not None:  # each cp rank's loss is its tokens' share: summed over cp
         loss = data_group.all_reduce(loss) / layout.dp
     grads = state.main_grads()  # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
-    if layout.cp > 1:  # so are its gradients: the mean over dp x cp, times cp, is the sum over cp of the dp mean
-        grads[0].mul_(layout.cp)  # the dense leaves' (experts laid out apart are scaled by their own sync)
     if per_token:  # grad and loss hold data-parallel means of sums: times dp / the global batch's tokens
         tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grads[0].device)
         tokens_group = mesh.group("dp_cp")
