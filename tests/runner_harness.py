@@ -86,3 +86,19 @@ def small_checkpoint(directory) -> str:
     out = run_group([sys.executable, "-m", "recipes.gpt_pretrain", *flags])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return str(directory)
+
+
+def assert_refused_in_one_line(monkeypatch, capsys, env: dict, flags: list[str], needle: str) -> None:
+    """gpt_pretrain.main(flags) on rank 0 of env's world exits 2 with one 'error: ' line holding needle, before any
+    process group starts."""
+    import torch.distributed as dist
+
+    from recipes import gpt_pretrain
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RANK", "0")
+    assert gpt_pretrain.main(flags) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not dist.is_initialized()

@@ -15,6 +15,7 @@ from fmeg.ops import attention_blocks as blocks
 from fmeg.parallel import context
 from fmeg.parallel.sharding import shard
 from parallel_harness import run
+from runner_harness import assert_refused_in_one_line
 
 f64 = torch.float64
 
@@ -178,14 +179,4 @@ CP_BAD = [
 
 @pytest.mark.parametrize("env, flags, needle", CP_BAD, ids=[b[2][:40] for b in CP_BAD])
 def test_bad_context_parallel_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, env, flags, needle):
-    import torch.distributed as dist
-
-    from recipes import gpt_pretrain
-
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("RANK", "0")
-    assert gpt_pretrain.main(flags) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
-    assert not dist.is_initialized()
+    assert_refused_in_one_line(monkeypatch, capsys, env, flags, needle)

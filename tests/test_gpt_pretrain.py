@@ -11,7 +11,7 @@ import torch.distributed as dist
 from fmeg.training.arguments import parse_args
 from fmeg.training.validation import validate
 from recipes import gpt_pretrain
-from runner_harness import COMMON, DROPOUT, assert_same_curve, run_layout, run_recipe
+from runner_harness import COMMON, DROPOUT, assert_refused_in_one_line, assert_same_curve, run_layout, run_recipe
 
 BAD = [
     ({"WORLD_SIZE": "4"}, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6", "--hidden-size", "96"],
@@ -75,14 +75,7 @@ BAD = [
 
 @pytest.mark.parametrize("env, flags, needle", BAD, ids=[b[2][:40] for b in BAD])
 def test_bad_arguments_fail_before_any_work_with_one_line(monkeypatch, capsys, env, flags, needle):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("RANK", "0")
-    assert gpt_pretrain.main(flags) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
-    assert not dist.is_initialized()
+    assert_refused_in_one_line(monkeypatch, capsys, env, flags, needle)
 
 
 def _dataset(prefix, documents, *, extra_bin_bytes=0):
