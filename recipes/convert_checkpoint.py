@@ -25,6 +25,10 @@ from safetensors.torch import save_file
 from fmeg import checkpoint, tree
 from fmeg.cli import OneLineParser
 from fmeg.models import gpt
+from fmeg.models.saved_config import saved_model
+from fmeg.parallel.mesh import Mesh
+from fmeg.training.checkpoint_state import read_params, save_single_rank
+from fmeg.training.parallel_step import Layout
 
 
 def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
@@ -32,13 +36,11 @@ def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
-    meta = json.loads((path / "metadata.json").read_text())
-    checkpoint.saved_model(meta, str(path))  # refuses what a newer fmeg wrote
-    config = gpt.GPTConfig(**meta["model"])
-    checkpoint.read_metadata(path, config)
-    full = checkpoint.full_state(path, meta, config)
-    params = full.get("main", full["params"])
-    return config, tree.tree_map(lambda t: t.float(), params)
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        saved_model(ckpt.meta.get("model", {}), str(path))  # refuses what a newer fmeg wrote
+        config = gpt.GPTConfig(**ckpt.meta["model"])
+        params = read_params(ckpt, config, Layout(), Mesh.single())[0]
+    return config, params
 
 
 def check_paths(args) -> None:
@@ -89,18 +91,13 @@ def import_hf(args) -> None:
     import transformers
 
     from fmeg.interop.hf import from_hf
-    from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params
+    from fmeg.training.parallel_step import init_state, shard_params
 
     model = transformers.AutoModelForCausalLM.from_pretrained(args.input, local_files_only=True)
     config, params = from_hf(model)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
-    checkpoint.save_rank(args.save, 0, 0, {"tp": 0, "pp": 0, "dp": 0},
-                         checkpoint.state_tensors(state.params, state.opt_state))
-    layout_meta = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
-    checkpoint.finalize(args.save, 0, {"world_size": 1, "layout": layout_meta, "model": dataclasses.asdict(config),
-                                       "consumed_samples": 0, "imported_from": str(args.input)})
+    save_single_rank(args.save, 0, state, config, {"imported_from": str(args.input)})
     print(f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: {config}")
 
 

@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 4 -m recipes.generate --load checkpoints/gpt --tensor-model-parallel-size 2 \\
         --pipeline-model-parallel-size 2 --prompt "import os" --temperature 0.8 --top-k 40 --seed 7
 
-The checkpoint may have been saved at any layout: every rank rebuilds the full parameters and takes its
-shard, as --load does when resharding (so each rank briefly holds the whole model). The tokenizer is the one
+The checkpoint may have been saved at any layout: each rank reads only its own blocks of the weights, as
+--load does. The tokenizer is the one
 the run was trained with (from the checkpoint's arguments) unless --tokenizer-type and its files are given.
 One prompt streams to the terminal as it is generated; several are generated as one batch. --json prints one
 JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i samples with seed --seed + i,
@@ -35,7 +35,10 @@ from fmeg.inference.generate import check_prompts, stream
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel
-from fmeg.training.parallel_step import Layout, shard_params
+from fmeg.models.saved_config import saved_model
+from fmeg.training.checkpoint_state import read_params
+from fmeg.training.parallel_step import Layout
+from fmeg.training.session import first_problem
 
 
 
@@ -136,37 +139,40 @@ def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
 
 
 def load_model(a: argparse.Namespace) -> LoadedModel:
-    """Join the process group (under torchrun), read the checkpoint, and keep this rank's shard. Raises
-    ValueError (or CheckpointError) with a one-line reason, the same on every rank."""
+    """Join the process group (under torchrun), then read this rank's blocks of the checkpoint (nothing else).
+    Raises ValueError (or CheckpointError) with a one-line reason, the same on every rank."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     path = checkpoint.latest(a.load)
     if path is None:
         raise checkpoint.CheckpointError(f"--load {a.load}: no {checkpoint.LATEST}; not a checkpoint directory")
-    meta = json.loads((path / "metadata.json").read_text())
-    checkpoint.saved_model(meta, f"--load {a.load}: {path.name}")  # refuses what a newer fmeg wrote
-    saved_config = gpt.GPTConfig(**meta["model"])
-    tokenizer = _tokenizer(a, meta.get("arguments", {}), saved_config.vocab_size)
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
-    gpt.check_tensor_parallel(config, tp)
-    if config.num_layers % pp:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} must divide the model's {config.num_layers} layers")
-    checkpoint.read_metadata(path, config)
-    full = checkpoint.full_state(path, meta, config)
-    params = full.get("main", full["params"])
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10),
-                                device_id=device if cuda else None)
-        mesh = Mesh.from_torch_distributed(tp=tp, pp=pp, device=device)
-    else:
-        mesh = Mesh.single()
-    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
-    local = shard_params(params, config, Layout(tp=tp, pp=pp), mesh)[mesh.coord("pp")]
-    local = tree.tree_map(lambda t: t.to(device=device, dtype=dtype), local)
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        saved_model(ckpt.meta.get("model", {}), f"--load {a.load}: {path.name}")  # refuses what a newer fmeg wrote
+        saved_config = gpt.GPTConfig(**ckpt.meta["model"])
+        tokenizer = _tokenizer(a, ckpt.meta.get("arguments", {}), saved_config.vocab_size)
+        tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+        config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
+        gpt.check_tensor_parallel(config, tp)
+        if config.num_layers % pp:
+            raise ValueError(f"--pipeline-model-parallel-size {pp} must divide the model's {config.num_layers} layers")
+        if world > 1:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10),
+                                    device_id=device if cuda else None)
+            mesh = Mesh.from_torch_distributed(tp=tp, pp=pp, device=device)
+        else:
+            mesh = Mesh.single()
+        dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+        problem, local = "", None
+        try:
+            local = read_params(ckpt, config, Layout(tp=tp, pp=pp), mesh, device, dtype)[mesh.coord("pp")]
+        except checkpoint.CheckpointError as e:
+            problem = str(e)
+        problem = first_problem(problem, device)
+        if problem:
+            raise checkpoint.CheckpointError(problem)
     return LoadedModel(local, config, tokenizer, TensorParallel(mesh.group("tp")), mesh.group("pp"), rank, device)
 
 

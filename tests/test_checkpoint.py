@@ -1,7 +1,6 @@
-"""Checkpoints: safetensors shards + JSON; bitwise resume in the same layout, resharding to others, and
-corrupt, partial or mismatched checkpoints refused with one line naming the file."""
+"""Checkpoints: boxes of global tensors in safetensors files + JSON; bitwise resume in the same layout, resharding
+to others, and corrupt, partial or mismatched checkpoints refused with one line naming the file."""
 
-import dataclasses
 import json
 import time
 
@@ -11,56 +10,100 @@ import torch
 from fmeg import checkpoint, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
+from fmeg.training.checkpoint_state import placements, read_params, regions, save_single_rank
 from fmeg.training.parallel_step import Layout, init_state, shard_params
+from fmeg.training.run_state import check_model, read_state
 from runner_harness import run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
-LAYOUT = {"tp": 1, "pp": 1, "chunks": 1, "dp": 1, "zero": False, "dtype": "float32"}
+
+
+def one_rank_state(config=CONFIG, seed=0):
+    mesh, layout = Mesh.single(), Layout()
+    return init_state(shard_params(gpt.init(config, seed), config, layout, mesh), config, layout, mesh,
+                      distributed=False)
 
 
 def save_one(root, iteration, config=CONFIG):
-    mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                       distributed=False)
-    checkpoint.save_rank(root, iteration, 0, {"tp": 0, "pp": 0, "dp": 0},
-                         checkpoint.state_tensors(state.params, state.opt_state))
-    return checkpoint.finalize(root, iteration, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
-                                                 "model": dataclasses.asdict(config)}), state.params, state.opt_state
+    state = one_rank_state(config)
+    state.set_count(iteration)
+    return save_single_rank(root, iteration, state, config, {}), state.params, state
 
 
-def test_round_trip_keeps_every_tensor_and_its_order(tmp_path):
-    path, params, state = save_one(tmp_path, 10)
-    assert (tmp_path / checkpoint.LATEST).read_text() == "10" and not list(tmp_path.glob("*.tmp"))
-    meta = checkpoint.read_metadata(path, CONFIG)
-    loaded, loaded_state = checkpoint.local_state(path, meta, {"tp": 0, "pp": 0, "dp": 0})
-    assert [p for p, _ in tree.items(loaded)] == [p for p, _ in tree.items(params)]
-    for a, b in zip(tree.tree_leaves((loaded, loaded_state["adam"])), tree.tree_leaves((params, state["adam"]))):
-        assert torch.equal(a, b)
-    names = json.loads((path / "metadata.json").read_text())["files"]["rank_00000.safetensors"]["names"]
-    assert "params/0/layers/0/attn/qkv/weight" not in names and "params/0/layers.0.attn.qkv.weight" in names
+class _Cfg:  # what read_state reads of a RunConfig
+    def __init__(self, config):
+        self.model, self.layout = config, Layout()
+        self.checkpoint = type("C", (), {"fully_parallel_load": False})()
 
 
-def test_a_flipped_byte_is_refused_naming_the_file(tmp_path):
+def test_round_trip_keeps_every_buffer_bitwise(tmp_path):
+    path, _, saved = save_one(tmp_path, 10)
+    assert (tmp_path / checkpoint.LATEST).read_text() == "10" and not list(tmp_path.glob("*.tmp*"))
+    loaded = one_rank_state(seed=1)
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        check_model(ckpt, CONFIG)
+        read_state(ckpt, loaded, _Cfg(CONFIG), Mesh.single(), optimizer=True)
+    for a, b in zip(loaded.buffers().values(), saved.buffers().values()):
+        assert torch.equal(a[0], b[0])
+    assert int(loaded.count) == 10 and loaded.steps == 10
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        names = set(ckpt.entries)
+    assert "params/layers.0.attn.qkv.weight" in names and "mu/embedding.word.weight" in names
+
+
+def test_files_are_plain_safetensors_whose_tensors_name_their_place(tmp_path):
+    """Any safetensors reader opens a rank's file; each tensor's name says which box of which global tensor it
+    holds."""
+    from safetensors import safe_open
+
+    path, params, _ = save_one(tmp_path, 1)
+    with safe_open(str(path / "rank_00000.safetensors"), "pt") as f:
+        qkv = f.get_tensor("params/layers.1.attn.qkv.weight[0:96,0:32]")
+    assert torch.equal(qkv, params[0]["layers"][1]["attn"]["qkv"]["weight"])
+
+
+def _corrupt(path, key):
+    """Flip a byte inside the data of one tensor of a rank's file."""
+    from fmeg.checkpoint.safetensors_file import SafetensorsFile
+
+    with SafetensorsFile(path) as f:
+        at = f.data_start + f.header[key]["data_offsets"][0] + 3
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_refused_naming_the_file_and_the_tensor(tmp_path):
     path, _, _ = save_one(tmp_path, 1)
-    shard_file = path / "rank_00000.safetensors"
-    data = bytearray(shard_file.read_bytes())
-    data[-5] ^= 0xFF
-    shard_file.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000\.safetensors: checksum mismatch"):
-        checkpoint.read_metadata(path, CONFIG)
+    _corrupt(path / "rank_00000.safetensors", "mu/layers.0.mlp.fc2.weight[0:32,0:128]")
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        read_params(ckpt, CONFIG, Layout(), Mesh.single())  # the weights are intact: only mu was hit
+        with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000\.safetensors: tensor "
+                           r"mu/layers\.0\.mlp\.fc2\.weight\[0:32,0:128\]: checksum mismatch"):
+            read_state(ckpt, one_rank_state(), _Cfg(CONFIG), Mesh.single(), optimizer=True)
 
 
-def test_a_missing_shard_is_refused(tmp_path):
+@pytest.mark.parametrize("damage", ["missing", "truncated", "header"])
+def test_a_missing_truncated_or_garbled_file_is_refused_naming_it(tmp_path, damage):
     path, _, _ = save_one(tmp_path, 1)
-    (path / "rank_00000.safetensors").unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=r"rank_00000\.safetensors: missing"):
-        checkpoint.read_metadata(path, CONFIG)
+    shard = path / "rank_00000.safetensors"
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + shard.read_bytes()[24:])
+    words = {"missing": "missing", "truncated": "truncated", "header": "header is not a JSON object"}[damage]
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        with pytest.raises(checkpoint.CheckpointError, match=rf"rank_00000\.safetensors: .*{words}"):
+            read_state(ckpt, one_rank_state(), _Cfg(CONFIG), Mesh.single(), optimizer=True)
 
 
 def test_another_models_checkpoint_is_refused_naming_what_differs(tmp_path):
     path, _, _ = save_one(tmp_path, 1)
-    with pytest.raises(checkpoint.CheckpointError, match=r"metadata\.json: .*differs from the flags in hidden_size"):
-        checkpoint.read_metadata(path, CONFIG.replace(hidden_size=64))
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        with pytest.raises(checkpoint.CheckpointError, match=r"metadata\.json: .*differs from the flags in hidden_"):
+            check_model(ckpt, CONFIG.replace(hidden_size=64))
 
 
 def test_a_partial_checkpoint_is_ignored_with_a_warning(tmp_path):
@@ -74,13 +117,10 @@ def test_a_partial_checkpoint_is_ignored_with_a_warning(tmp_path):
 def test_keep_last(tmp_path):
     for i in (1, 2, 3):
         save_one(tmp_path, i)
-    mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh,
-                       distributed=False)
-    checkpoint.save_rank(tmp_path, 4, 0, {"tp": 0, "pp": 0, "dp": 0},
-                         checkpoint.state_tensors(state.params, state.opt_state))
-    checkpoint.finalize(tmp_path, 4, {"world_size": 1, "layout": LAYOUT, "consumed_samples": 0,
-                                      "model": dataclasses.asdict(CONFIG)}, keep_last=2)
+    tmp = checkpoint.temporary_dir(tmp_path, 4, "0")
+    tmp.mkdir()
+    checkpoint.write_rank(tmp, 0, {}, [])
+    checkpoint.finalize(tmp_path, 4, {"world_size": 1}, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
 
 
@@ -219,19 +259,18 @@ def test_conversions_never_overwrite_or_download_and_say_so_in_one_line(tmp_path
     assert (tmp_path / "taken.safetensors").read_bytes() == b"keep me" and time.perf_counter() - start < 5
 
 
-def test_metadata_describes_global_shapes_and_offsets(tmp_path):
+def test_metadata_describes_each_piece_as_a_box_of_its_global_tensor(tmp_path):
     run_layout(tmp_path, "tp2", 2, ["--tensor-model-parallel-size", "2", "--train-iters", "3", "--save",
                                     str(tmp_path / "ck"), "--use-distributed-optimizer"])
     meta = json.loads((checkpoint.latest(tmp_path / "ck") / "metadata.json").read_text())
-    ranks = sorted(meta["files"].values(), key=lambda r: r["coords"]["tp"])
-    qkv = [r["tensors"]["params/0/layers.0.attn.qkv.weight"] for r in ranks]
-    assert qkv[0]["global_shape"] == [96, 32] and [q["offset"] for q in qkv] == [[0, 0], [48, 0]]
-    proj = ranks[1]["tensors"]["params/0/layers.0.attn.proj.weight"]
-    assert proj["local_shape"] == [32, 16] and proj["offset"] == [0, 16]
-    norm = ranks[1]["tensors"]["params/0/layers.0.attn_norm.weight"]
-    assert norm["global_shape"] == norm["local_shape"] == [32] and norm["offset"] == [0]
-    shard = ranks[0]["tensors"]["mu/shard"]
-    assert shard["global_shape"] == shard["local_shape"] and shard["offset"] == [0]  # dp = 1 here
+    pieces = {(f, p["name"], tuple(p["offset"])): p for f, r in meta["files"].items() for p in r["pieces"]}
+    qkv = [pieces[(f"rank_0000{r}.safetensors", "params/layers.0.attn.qkv.weight", (48 * r, 0))] for r in (0, 1)]
+    assert all(q["global_shape"] == [96, 32] and q["shape"] == [48, 32] for q in qkv)
+    proj = pieces[("rank_00001.safetensors", "params/layers.0.attn.proj.weight", (0, 16))]
+    assert proj["shape"] == [32, 16] and proj["global_shape"] == [32, 32]
+    norms = [k for k in pieces if k[1] == "params/layers.0.attn_norm.weight"]
+    assert len(norms) == 1 and pieces[norms[0]]["shape"] == [32]  # replicated over tp: written once
+    assert len(meta["files"]["rank_00000.safetensors"]["pieces"][0]["crc32"]) >= 1
 
 
 def test_consolidate_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
@@ -256,36 +295,24 @@ def test_consolidate_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path
     assert "No space left on device" in err[0] and list(out.iterdir()) == []
 
 
-def test_distributed_optimizer_slices_span_dp_x_cp_and_older_cp_checkpoints_still_read():
-    """A slice's offset counts dp x cp ranks, cp inside dp (megatron-core's order); a cp checkpoint written before
-    the slices spanned cp (every cp rank held the dp slice) is read from its cp 0 files."""
-    t = {"mu/shard": torch.zeros(5)}
-    info = checkpoint.describe(t, {"dp": 1, "cp": 1}, {"dp": 2, "cp": 2})["mu/shard"]
-    assert info["global_shape"] == [20] and info["offset"] == [15]
-    meta = {"layout": {"dp": 2, "cp": 2}, "files": {"rank_00000.safetensors": {"tensors": {"mu/shard": info}}}}
-    assert checkpoint._cp_coords(meta) == [{"cp": 0}, {"cp": 1}]
-    older = {**info, "global_shape": [10], "offset": [5]}
-    meta["files"]["rank_00000.safetensors"]["tensors"]["mu/shard"] = older
-    assert checkpoint._cp_coords(meta) == [{"cp": 0}]
-    assert checkpoint._cp_coords({"layout": {"dp": 2}, "files": {}}) == [{}]
-
-
 def test_a_checkpoint_holds_one_copy_of_each_replicated_tensor_and_resumes_on_the_curve(tmp_path, uninterrupted):
-    """At dp 2 the second rank's file holds only its step count (the first rank wrote the weights and moments both
-    hold, as Megatron's data-parallel rank 0 does); resuming in the same layout reads them from there, and at
-    another layout too. With the distributed optimizer each rank writes its own slices."""
-    ckpt = tmp_path / "ck"
-    run_layout(tmp_path, "dp2", 2, ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"])
-    directory = checkpoint.latest(ckpt)
-    meta = json.loads((directory / "metadata.json").read_text())
-    second = meta["files"]["rank_00001.safetensors"]
-    assert list(second["tensors"]) == ["adam/count"] and len(second["names"]) > 1
-    assert (directory / "rank_00001.safetensors").stat().st_size < 1000
-    same = run_layout(tmp_path, "dp2_resumed", 2, ["--load", str(ckpt)])
-    other = run_layout(tmp_path, "tp2_resumed", 2, ["--tensor-model-parallel-size", "2", "--load", str(ckpt)])
+    """At dp 2 the two ranks hold the same weights and moments, and the checkpoint holds one copy: each rank writes
+    half of their cells (Megatron's fully parallel save, the default), or the first all of them with
+    --no-ckpt-fully-parallel-save. Resuming in the same layout and at tp 2 reads them wherever they are."""
+    sizes = {}
+    for name, flags in (("parallel", []), ("first", ["--no-ckpt-fully-parallel-save"])):
+        ckpt = tmp_path / name
+        run_layout(tmp_path, f"dp2_{name}", 2, [*flags, "--save", str(ckpt), "--train-iters", "10",
+                                                "--lr-decay-iters", "20"])
+        directory = checkpoint.latest(ckpt)
+        sizes[name] = [(directory / f"rank_0000{r}.safetensors").stat().st_size for r in (0, 1)]
+    single = tmp_path / "single"
+    run_layout(tmp_path, "one", 1, ["--save", str(single), "--train-iters", "10", "--lr-decay-iters", "20"])
+    one_copy = (checkpoint.latest(single) / "rank_00000.safetensors").stat().st_size
+    assert sizes["first"][1] < 1000 and abs(sum(sizes["first"]) - one_copy) < 0.01 * one_copy, (sizes, one_copy)
+    assert all(abs(s - one_copy / 2) < 0.2 * one_copy for s in sizes["parallel"]), (sizes, one_copy)
+    same = run_layout(tmp_path, "dp2_resumed", 2, ["--load", str(tmp_path / "parallel")])
+    other = run_layout(tmp_path, "tp2_resumed", 2, ["--tensor-model-parallel-size", "2", "--load",
+                                                   str(tmp_path / "first")])
     for got in (same, other):
         assert len(got) == 10 and all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:]))
-    zero = tmp_path / "zero"
-    run_layout(tmp_path, "zero", 2, ["--use-distributed-optimizer", "--save", str(zero), "--train-iters", "3"])
-    written = json.loads((checkpoint.latest(zero) / "metadata.json").read_text())["files"]["rank_00001.safetensors"]
-    assert sorted(written["tensors"]) == ["adam/count", "mu/shard", "nu/shard"]

@@ -15,8 +15,19 @@ import pytest
 import torch
 
 from fmeg import checkpoint
-from test_checkpoint import CONFIG, save_one
+from fmeg.checkpoint import safetensors_file
+from fmeg.parallel.mesh import Mesh
+from fmeg.training.run_state import check_model, read_state
+from test_checkpoint import CONFIG, _Cfg, one_rank_state, save_one
 from runner_harness import COMMON
+
+
+def assert_loads_whole(found):
+    """Every tensor of the checkpoint reads back and matches its crc32, and the model is the one saved."""
+    with checkpoint.Checkpoint.open(found) as ckpt:
+        check_model(ckpt, CONFIG)
+        read_state(ckpt, one_rank_state(), _Cfg(CONFIG), Mesh.single(), optimizer=True)
+        assert ckpt.meta["iteration"] == int(found.name.split("_")[1])
 
 
 def keep_saving(root):
@@ -39,8 +50,7 @@ def test_sigkill_at_random_moments_of_saving_never_leaves_a_bad_checkpoint(tmp_p
             warnings.simplefilter("ignore")  # partial directories are reported with a warning
             found = checkpoint.latest(root) if root.exists() else None
         if found is not None:
-            meta = checkpoint.read_metadata(found, CONFIG)  # checksums and model verified
-            assert meta["iteration"] == int(found.name.split("_")[1])
+            assert_loads_whole(found)
 
 
 def run(tmp_path, flags, **kwargs):
@@ -138,21 +148,21 @@ def test_a_full_disk_fails_in_one_line_and_the_next_run_resumes(tmp_path, monkey
 
     from recipes import gpt_pretrain
 
-    real_save_file = checkpoint.save_file
+    real_write = safetensors_file.write
 
-    def full_disk_at_4(tensors, path):
-        if "iter_0000004" in path:
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real_save_file(tensors, path)
+    def full_disk_at_4(path, tensors, metadata=None):
+        if "iter_0000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors, metadata)
 
-    monkeypatch.setattr(checkpoint, "save_file", full_disk_at_4)
+    monkeypatch.setattr(safetensors_file, "write", full_disk_at_4)
     root = tmp_path / "ck"
     assert gpt_pretrain.main([*SAVES, "--save", str(root)]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and f"--save {root}: writing iteration 4 failed ([Errno 28] No space left" in errors[0]
     assert "MiB are free" in errors[0] and "iter_0000002 is intact" in errors[0], errors
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-    monkeypatch.setattr(checkpoint, "save_file", real_save_file)
+    monkeypatch.setattr(safetensors_file, "write", real_write)
     assert gpt_pretrain.main([*SAVES, "--save", str(root), "--load", str(root)]) == 0
     assert checkpoint.latest(root).name == "iter_0000006"
 

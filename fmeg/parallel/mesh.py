@@ -151,9 +151,11 @@ class Mesh:
         return cls.build(0, 1, lambda ranks: None)
 
     @classmethod
-    def from_torch_distributed(cls, *, sequence_parallel: bool = False, device: Any = "cpu", **sizes: Any) -> "Mesh":
+    def from_torch_distributed(cls, *, sequence_parallel: bool = False, device: Any = "cpu", timeout: Any = None,
+                               **sizes: Any) -> "Mesh":
         """A mesh over the initialised default process group (torchrun), with one new_group per group;
-        device is where the groups' own buffers live (cuda:LOCAL_RANK under NCCL)."""
+        device is where the groups' own buffers live (cuda:LOCAL_RANK under NCCL); timeout (a timedelta): how
+        long a collective waits for a missing rank (torch's default for new groups is not the default group's)."""
         import torch.distributed as dist
 
         from fmeg.parallel.comm import TorchGroup
@@ -164,7 +166,7 @@ class Mesh:
         def make(ranks: list[int]) -> Any:
             key = tuple(ranks)
             if key not in cache:
-                pg = dist.new_group(ranks)
+                pg = dist.new_group(ranks, timeout=timeout)
                 cache[key] = TorchGroup(pg, ranks.index(rank), device) if rank in ranks else None
             return cache[key]
 

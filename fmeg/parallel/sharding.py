@@ -38,27 +38,43 @@ def partition_of(path: str, rules: Rules, axis: str | None = None) -> Partition 
     return None
 
 
-def shard(params: Any, rules: Rules, coords: dict[str, tuple[int, int]]) -> Any:
-    """This rank's slice of every partitioned leaf; coords maps axis -> (index, size). Without an "etp" entry
-    the experts' "etp" leaves split over "tp"."""
+def splits(path: str, rules: Rules, coords: dict[str, tuple[int, int]]) -> list[tuple[str, int, int, int]]:
+    """(axis, dim, index, size) for each axis of coords (axis -> (index, size)) that splits the leaf at path, in
+    the order shard cuts them. Without an "etp" entry the experts' "etp" leaves split over "tp"."""
     experts_apart = "etp" in coords
-
-    def part_for(path: str, axis: str) -> Partition | None:
+    out = []
+    for axis, (index, size) in coords.items():
         part = partition_of(path, rules, axis)
-        return None if part is not None and experts_apart and part.axis != axis else part
+        if part is None or size == 1 or (experts_apart and part.axis != axis):
+            continue
+        out.append((axis, part.dim, index, size))
+    return out
+
+
+def shard(params: Any, rules: Rules, coords: dict[str, tuple[int, int]]) -> Any:
+    """This rank's slice of every partitioned leaf; coords maps axis -> (index, size)."""
 
     def take(path: str, leaf: torch.Tensor) -> torch.Tensor:
-        for axis, (index, size) in coords.items():
-            part = part_for(path, axis)
-            if part is None or size == 1:
-                continue
-            if leaf.shape[part.dim] % size:
-                raise ValueError(f"{path}: dimension {part.dim} of size {leaf.shape[part.dim]} does not split "
+        for axis, dim, index, size in splits(path, rules, coords):
+            if leaf.shape[dim] % size:
+                raise ValueError(f"{path}: dimension {dim} of size {leaf.shape[dim]} does not split "
                                  f"over {axis}={size}")
-            leaf = leaf.chunk(size, dim=part.dim)[index]
+            leaf = leaf.chunk(size, dim=dim)[index]
         return leaf.contiguous()
 
     return tree.map_with_path(take, params)
+
+
+def block_of(path: str, local_shape: Sequence[int], rules: Rules, coords: dict[str, tuple[int, int]]
+             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, global shape): where a rank's slice of the leaf at path (of local_shape, cut by shard with these
+    coords) sits in the full tensor."""
+    offset, shape = [0] * len(local_shape), list(local_shape)
+    for _, dim, index, size in reversed(splits(path, rules, coords)):  # the last cut is the innermost
+        dim %= len(local_shape)
+        offset[dim] += index * shape[dim]
+        shape[dim] *= size
+    return tuple(offset), tuple(shape)
 
 
 def unshard(shards: Sequence[Any], rules: Rules, axis: str) -> Any:

@@ -203,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--finetune", action="store_true",
                    help="with --load: take the weights only; iteration, samples and optimizer start afresh")
     c.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    c.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on (copied to host memory first)")
+    c.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_true", default=True,
+                   help="spread the writing of replicated tensors over their data-parallel replicas (the default, "
+                        "as Megatron's)")
+    c.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   help="write each replicated tensor from its first replica only")
+    c.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="read replicated tensors once over their data-parallel replicas, which exchange them")
     c.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (SIGTERM): save (with --save) and exit 0")
     c.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],

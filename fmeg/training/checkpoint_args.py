@@ -10,6 +10,7 @@ import argparse
 import json
 
 from fmeg import checkpoint
+from fmeg.models.saved_config import saved_model
 
 
 def model_flags(model: dict) -> dict:
@@ -48,7 +49,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
         return f"--use-checkpoint-args: --load {args.load} holds no checkpoint to read the model from"
     try:
         model = json.loads((found / "metadata.json").read_text())["model"]
-        checkpoint.saved_model({"model": model}, str(found))
+        saved_model(model, str(found))
         for dest, value in model_flags(model).items():
             setattr(args, dest, value)
     except (OSError, ValueError, KeyError) as e:

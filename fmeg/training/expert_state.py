@@ -134,14 +134,6 @@ class ExpertSplitState:
             return {"shard": dense["shard"], "expert_shard": experts["shard"]}
         return {s: merge(dense[s], experts[s]) for s in dense}
 
-    def zero_slices(self, trees: dict[int, Any]) -> dict:
-        """This rank's distributed-optimizer slices of a whole {stage: tree} (resharding a checkpoint)."""
-        dense, experts = split_experts(trees)
-        out = self.dense.zero_slices(dense)
-        if self.experts:
-            out["expert_shard"] = self.experts.zero_slices(experts)["shard"]
-        return out
-
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
                   overlap: bool = False, divisor: int | None = None) -> _SplitSync:
         """group: the dense leaves' data-parallel group; the experts reduce over the mesh's expert_dp group; both
@@ -175,25 +167,13 @@ class ExpertSplitState:
             part.refresh(mesh.group(group))
         return norm
 
-    @torch.no_grad()
-    def load(self, params: dict[int, Any], opt_state: dict) -> None:
-        from fmeg.optim import AdamState
+    def set_count(self, count: int) -> None:
+        for part in self.parts:
+            part.set_count(count)
 
-        adam = opt_state["adam"]
-
-        def split(value):
-            if self.zero and value is not params:
-                return {"shard": value["shard"]}, {"shard": value.get("expert_shard")}
-            return split_experts(value)
-
-        split = {name: split(value) for name, value in
-                 (("params", params), ("mu", adam.mu), ("nu", adam.nu), ("main", opt_state.get("main")))
-                 if value is not None}
-        for i, part in enumerate(self.parts):
-            state = {"adam": AdamState(adam.count, split["mu"][i], split["nu"][i])}
-            if "main" in split:
-                state["main"] = split["main"][i]
-            part.load(split["params"][i], state)
+    def fresh_optimizer(self) -> None:
+        for part in self.parts:
+            part.fresh_optimizer()
 
     def bytes_per_parameter(self) -> float:
         n = [tree.num_params(p.params) for p in self.parts]

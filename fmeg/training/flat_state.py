@@ -1,14 +1,16 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
     state = FlatState(params, counted, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
-    state.params, state.opt_state        # {stage: tree} views, the shapes checkpoints save and load
+    state.params, state.opt_state        # {stage: tree} views of the buffers
+    state.buffers(), state.leaves()      # what checkpoints save and load (fmeg.training.checkpoint_state)
     sync = state.grad_sync(dp_group, ...)   # backward accumulates into it: the dp mean gradient in state.grad
     g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
     norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
 
 dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel group with
 context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as zero.FlatBuffer lays
-out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With the distributed optimizer (ZeRO-1) this rank owns the slice [lo, hi) of it:
+out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With the distributed optimizer
+(ZeRO-1) this rank owns the slice [lo, hi) of it:
 
     weights  [padded] compute dtype   what the model reads; state.params are views of it
     grad     [padded] grad_dtype      the data-parallel mean gradient: fp32, or as Megatron's fp16 default and
@@ -144,16 +146,37 @@ class FlatState:
         buffers = [self.weights, self.grad, self.mu, self.nu] + [b for b in (self.main, self.grad32) if b is not None]
         return sum(b.numel() * b.element_size() for b in buffers) / self.flat.numel
 
+    @property
+    def parts(self) -> tuple["FlatState", ...]:
+        return (self,)
+
+    def leaves(self) -> list[tuple[str, torch.Size, int]]:
+        """(stage.path, local shape, flat start) of every leaf, in the buffers' order."""
+        return [(path, shape, self._where[path][0]) for path, shape in zip(self._where, self.flat.shapes)]
+
+    def buffers(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """What checkpoints save and load, by kind, each with the flat index of its first element: params (the
+        compute weights, whole), main (fp32 master weights; absent in fp32, where the weights are the master), mu
+        and nu (Adam's moments); the last three are the slice [lo, hi) with ZeRO-1."""
+        out = {"params": (self.weights, 0), "mu": (self.mu, self.lo), "nu": (self.nu, self.lo)}
+        if self.main is not None:
+            out["main"] = (self.main, self.lo)
+        return out
+
+    def set_count(self, count: int) -> None:
+        """The optimizer's step count (a checkpoint's)."""
+        self.count.fill_(count)
+        self.steps = count
+
     @torch.no_grad()
-    def load(self, params: dict[int, Any], opt_state: dict) -> None:
-        """Take values saved from (or resharded into) this layout: trees, or {"shard": slice} with ZeRO-1."""
-        self.weights.copy_(self.flat.flatten(params, self.weights.dtype))
-        adam = opt_state["adam"]
-        for buffer, value in ((self.mu, adam.mu), (self.nu, adam.nu), (self.main, opt_state.get("main"))):
-            if buffer is not None:
-                buffer.copy_(value["shard"] if self.zero else self.flat.flatten(value)[self.lo:self.hi])
-        self.count.copy_(adam.count)
-        self.steps = int(adam.count)
+    def fresh_optimizer(self) -> None:
+        """The optimizer state a new run starts with, for the weights held now: the master from the weights, zero
+        moments, step count 0 (--finetune, --no-load-optim)."""
+        if self.main is not None:
+            self.main.copy_(self.weights[self.lo:self.hi])
+        self.mu.zero_()
+        self.nu.zero_()
+        self.set_count(0)
 
     @torch.no_grad()
     def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
@@ -209,10 +232,6 @@ class FlatState:
             a, b = max(start, self.lo), min(start + n, self.hi)
             if a < b:
                 self.main[a - self.lo:b - self.lo] += delta[a - start:b - start]
-
-    def zero_slices(self, trees: dict[int, Any]) -> dict:
-        """{"shard": this rank's distributed-optimizer slice} of a whole {stage: tree} like params."""
-        return {"shard": self.flat.shard(self.flat.flatten(trees), self.dp_rank)}
 
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""

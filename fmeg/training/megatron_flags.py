@@ -46,7 +46,7 @@ IGNORED_SETTINGS = {
 # Logging, checkpoint-policy and kernel switches that Megatron's functional-test configurations pass: accepted
 # and named as ignored, each with the reason (none of them changes a number fmeg computes).
 _TB = "fmeg writes its fixed set of scalars (loss, grad norm, lr, loss scale, throughput) to every sink"
-_CKPT = "fmeg's checkpoints are one synchronous format that any layout loads"
+_CKPT = "fmeg writes one sharded format that any layout loads, the optimizer state included"
 IGNORED_SWITCHES.update({
     "--log-num-zeros-in-grad": "fmeg does not count zero gradients",
     "--log-timers-to-tensorboard": _TB, "--log-validation-ppl-to-tensorboard": _TB,
@@ -59,9 +59,9 @@ IGNORED_SWITCHES.update({
     "--no-one-logger": "fmeg has no one_logger", "--one-logger-async": "fmeg has no one_logger",
     "--enable-ft-package": "fmeg has no fault-tolerance package",
     "--calc-ft-timeouts": "fmeg has no fault-tolerance package",
-    "--async-save": _CKPT, "--ckpt-fully-parallel-load": _CKPT, "--ckpt-fully-parallel-save": _CKPT,
-    "--no-ckpt-fully-parallel-save": _CKPT, "--ckpt-assume-constant-structure": _CKPT,
-    "--use-persistent-ckpt-worker": _CKPT, "--auto-detect-ckpt-format": _CKPT, "--use-dist-ckpt": _CKPT,
+    "--ckpt-assume-constant-structure": "fmeg lists each rank's placements once per run",
+    "--use-persistent-ckpt-worker": "--async-save writes on a thread each rank starts once",
+    "--auto-detect-ckpt-format": _CKPT, "--use-dist-ckpt": _CKPT,
     "--dist-ckpt-save-pre-mcore-014": _CKPT, "--dist-ckpt-optim-fully-reshardable": _CKPT,
     "--distrib-optim-fully-reshardable-mem-efficient": _CKPT,
     "--use-checkpoint-opt_param-scheduler": "the schedules' position always comes from the checkpoint, their shape "

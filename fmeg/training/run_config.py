@@ -129,6 +129,9 @@ class CheckpointConfig:
     no_load_optim: bool
     keep_last: int | None
     exit_on_missing_checkpoint: bool
+    async_save: bool = False  # write in the background (--async-save)
+    fully_parallel_save: bool = True  # replicas share the writing of what they hold alike
+    fully_parallel_load: bool = False  # replicas share the reading of what they hold alike, then exchange it
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ class RunConfig:
                    data=DataConfig(tuple(a.data_path) if a.data_path else None, a.mock_data, a.split, a.seq_length,
                                    a.eod_mask_loss, a.data_cache_path),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
-                                               a.keep_last, a.exit_on_missing_checkpoint),
+                                               a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
+                                               a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),
                    logging=LoggingConfig(a.log_interval, a.log_params_norm, a.log_dir, a.tensorboard_dir,
                                          a.wandb_project or None, a.wandb_exp_name or None,
                                          a.wandb_save_dir or None, a.wandb_entity or None, a.logging_level),

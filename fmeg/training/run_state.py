@@ -1,9 +1,12 @@
 """The runner's training state and its checkpoints: build it as on one device then shard it, restore it from
---load at any layout, and save it with --save.
+--load at any layout (each rank reading only the boxes it holds), and save it with --save (in the background
+with --async-save).
 
     state, progress, said = build_or_restore(cfg, session)
     saver = Checkpointer(cfg, session)            # removes what dead runs left, agrees on this run's token
     ok = saver.save(state, progress)              # False (one line printed) when some rank could not write
+    ok = saver.poll()                             # after every iteration: completes a background save once written
+    ok = saver.finish()                           # at the end: waits for a background save and completes it
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from safetensors import SafetensorError
+import torch
 
-from fmeg import __version__, checkpoint, optim, tree
-from fmeg.models import gpt
+from fmeg import __version__, checkpoint
+from fmeg.checkpoint.load import FORMAT
+from fmeg.models import gpt, saved_config
 from fmeg.training import policies
+from fmeg.training.checkpoint_state import (KINDS, REPLICA_GROUPS, count_piece, held_zeros, load_requests,
+                                            placements, regions, replicas, save_pieces, saved_count)
 from fmeg.training.flat_state import FlatState
 from fmeg.training.parallel_step import init_state, shard_params
 
@@ -33,64 +39,110 @@ def new_state(cfg, session, fp32_params) -> FlatState:
                       grad_dtype=cfg.precision.grad_dtype)
 
 
-def _resharded(path, meta, cfg, session, state: FlatState):
-    """A checkpoint of another layout, for this rank, as state.load takes it: full tensors rebuilt from every
-    shard, then cut the way this layout cuts them (tensor-parallel shards of this rank's stages and, with
-    the distributed optimizer, its slice of the flat layout)."""
-    full = checkpoint.full_state(path, meta, cfg.model)
-    master = "main" if "main" in full else "params"  # the fp32 weights, when the checkpoint has them
+def check_model(ckpt: checkpoint.Checkpoint, config: gpt.GPTConfig) -> dict:
+    """The checkpoint's model fields, or a CheckpointError naming the fields that differ from the flags."""
+    where = str(ckpt.path / checkpoint.METADATA)
+    try:
+        saved = saved_config.saved_model(ckpt.meta.get("model", {}), where)
+    except ValueError as e:
+        raise checkpoint.CheckpointError(str(e)) from None
+    diff = saved_config.differing(saved, config)
+    if diff:
+        raise checkpoint.CheckpointError(f"{where}: the checkpoint's model differs from the flags in {', '.join(diff)}")
+    return saved
 
-    def local(name):
-        trees = session.to_device(shard_params(full[name], cfg.model, cfg.layout, session.mesh))
-        return state.zero_slices(trees) if state.zero else trees
 
-    weights = session.to_device(shard_params(full[master], cfg.model, cfg.layout, session.mesh))
-    return weights, {"adam": optim.AdamState(full["count"], local("mu"), local("nu")), "main": local(master)}
+def read_state(ckpt: checkpoint.Checkpoint, state, cfg, mesh, optimizer: bool, agree=lambda problem: problem) -> None:
+    """Fill this rank's state from ckpt: the weights, and with optimizer the master weights, Adam's moments and
+    step count. With --ckpt-fully-parallel-load the ranks holding a buffer alike (a part's replica group) each
+    read a 1/n slice of it and all-gather the rest. agree(problem) makes the ranks agree on a problem one of them
+    met reading (before any collective), which every rank then raises."""
+    kinds = KINDS if optimizer else ("params",)
+    ranges, gathers = {}, []
+    for p, part in enumerate(state.parts) if cfg.checkpoint.fully_parallel_load else ():
+        group = REPLICA_GROUPS[p]
+        n, r = mesh.size(group), mesh.coord(group)
+        for kind, (buffer, first) in part.buffers().items():
+            if n > 1 and kind in kinds and (kind == "params" or not part.zero):
+                size = buffer.numel() // n
+                ranges[(p, kind)] = (first + r * size, first + (r + 1) * size)
+                gathers.append((buffer, r, size, mesh.group(group)))
+    problem = ""
+    try:
+        boxes = regions(state, placements(state, cfg.model, cfg.layout, mesh), kinds, ranges=ranges)
+        ckpt.read(load_requests(ckpt, boxes))
+        count = saved_count(ckpt) if optimizer else 0
+    except checkpoint.CheckpointError as e:
+        problem = str(e)
+    problem = agree(problem)
+    if problem:
+        raise checkpoint.CheckpointError(problem)
+    for buffer, index, size, group in gathers:
+        _all_gather_into(buffer, index, size, group)
+    if optimizer:
+        state.set_count(count)
+
+
+def _all_gather_into(buffer: torch.Tensor, index: int, size: int, group, chunk: int = 1 << 22) -> None:
+    """buffer holds this rank's slice [index * size, (index + 1) * size); fill in the other ranks' slices from
+    them, a chunk at a time (no copy of the whole buffer)."""
+    whole = buffer.view(-1, size)
+    for a in range(0, size, chunk):
+        gathered = group.all_gather(whole[index, a:a + chunk].contiguous(), 0)
+        whole[:, a:a + chunk].copy_(gathered.view(whole.shape[0], -1))
 
 
 def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[str]]:
-    """This rank's state and the run's progress: initialised as on one device and sharded, then, with
-    --load, overwritten by the newest checkpoint there (resharded when its layout differs) as
-    policies.resume says. The third value is what the last rank prints about it. CheckpointError and
-    MissingCheckpoint are bad input (one line)."""
-    fresh = session.to_device(shard_params(gpt.init(cfg.model, cfg.training.seed), cfg.model, cfg.layout,
-                                           session.mesh))
-    state, progress = new_state(cfg, session, fresh), policies.Progress(scaler=cfg.precision.scaler)
+    """This rank's state and the run's progress: initialised as on one device and sharded; or, with --load (and
+    after torchrun restarted the job, from --save), read from the newest checkpoint there at this layout, as
+    policies.resume says, without building the whole model. The third value is what the last rank prints about
+    it. CheckpointError and MissingCheckpoint are bad input (one line)."""
     ck = cfg.checkpoint
-    if not ck.load:
-        return state, progress, []
-    found = checkpoint.latest(ck.load)
-    meta = checkpoint.read_metadata(found, cfg.model) if found else None
-    if meta is None:
-        if ck.exit_on_missing_checkpoint:
-            raise MissingCheckpoint(f"--load {ck.load}: no checkpoint there ({checkpoint.LATEST} missing) and "
+    load = ck.load or (ck.save if session.restarts else None)
+    progress = policies.Progress(scaler=cfg.precision.scaler)
+    found = checkpoint.latest(load) if load else None
+    if found is None:
+        fresh = session.to_device(shard_params(gpt.init(cfg.model, cfg.training.seed), cfg.model, cfg.layout,
+                                               session.mesh))
+        state = new_state(cfg, session, fresh)
+        if load and ck.exit_on_missing_checkpoint:
+            raise MissingCheckpoint(f"--load {load}: no checkpoint there ({checkpoint.LATEST} missing) and "
                                     "--exit-on-missing-checkpoint is set; fix the path or drop the flag")
-        return state, progress, [f"--load {ck.load}: no checkpoint there yet ({checkpoint.LATEST} missing); "
-                                 "starting from scratch"]
-    layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
-    same = checkpoint.same_layout(meta, layout_meta, cfg.model)
-    if same:
-        state.load(*session.to_device(checkpoint.local_state(found, meta, cfg.layout.coords(session.mesh))))
-    else:
-        state.load(*_resharded(found, meta, cfg, session, state))
-    plan = policies.resume(meta, finetune=ck.finetune, no_load_optim=ck.no_load_optim,
-                           in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
-                           layout_note="layout unchanged" if same else f"resharded from {meta['layout']}",
-                           path=str(found))
+        said = [f"--load {load}: no checkpoint there yet ({checkpoint.LATEST} missing); starting from scratch"] \
+            if ck.load else []
+        return state, progress, said
+    with checkpoint.Checkpoint.open(found) as ckpt:
+        saved = check_model(ckpt, cfg.model)
+        layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
+        same = ckpt.meta.get("layout") == layout_meta and \
+            ckpt.meta["model"].get("padded_vocab_size") == cfg.model.padded_vocab_size
+        plan = policies.resume(ckpt.meta, finetune=ck.finetune, no_load_optim=ck.no_load_optim,
+                               in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
+                               layout_note="layout unchanged" if same else f"resharded from {ckpt.meta['layout']}",
+                               path=str(found))
+        state = new_state(cfg, session, held_zeros(cfg.model, cfg.layout, session.mesh, session.device))
+        read_state(ckpt, state, cfg, session.mesh, optimizer=not plan.fresh_optimizer, agree=session.first_problem)
     if plan.fresh_optimizer:  # the weights only: fp32 main weights from the loaded ones
-        state = new_state(cfg, session, tree.tree_map(lambda x: x.float(), state.params))
-    changed = [f"warning: --load {ck.load}: {change} (a setting outside the parameters' shapes, which may "
-               "change on load as in Megatron)" for change in checkpoint.changed_on_load(meta, cfg.model)]
-    return state, plan.progress, [plan.description, *changed]
+        state.fresh_optimizer()
+    changed = [f"warning: --load {load}: {change} (a setting outside the parameters' shapes, which may "
+               "change on load as in Megatron)" for change in saved_config.changed_on_load(saved, cfg.model)]
+    restarted = [f"restart {session.restarts}: resuming from --save {ck.save}"] if load != ck.load else []
+    return state, plan.progress, [*restarted, plan.description, *changed]
 
 
 class Checkpointer:
-    """Saves under --save: each rank writes its shard into a temporary directory named with this run's token
-    (a restart never writes into a dead run's), rank 0 renames it into place once every rank has written."""
+    """Saves under --save: each rank writes its pieces into a temporary directory named with this run's token
+    (a restart never writes into a dead run's), rank 0 renames it into place once every rank has written. With
+    --async-save the state is copied to host memory (allocated once, pinned on CUDA) and written by a
+    background thread; the next save, the end of the run and every exit wait for it, and poll() completes it
+    between iterations once every rank's write is done."""
 
     def __init__(self, cfg, session):
         self.cfg, self.session, self.root = cfg, session, cfg.checkpoint.save
         self.attempt = f"{session.shared_token(secrets.randbits(48)):012x}"
+        self.writer = checkpoint.BackgroundWriter() if cfg.checkpoint.async_save else None
+        self.pending: tuple[int, dict, int] | None = None  # (iteration, metadata, bytes) of a background save
+        self.places, self.host, self.max_cell = None, {}, None
         if session.rank == 0:
             for name in checkpoint.remove_stale(self.root):
                 print(f"removed {Path(self.root) / name}: an interrupted save's leftovers", flush=True)
@@ -109,22 +161,73 @@ class Checkpointer:
                           f"--keep-last {keep}", flush=True)
         session.barrier()
 
-    def save(self, state: FlatState, progress: policies.Progress) -> bool:
-        """Write a checkpoint of this iteration; False (one line printed, the partial directory removed, the
-        previous checkpoint untouched) when some rank could not write its part, e.g. on a full disk."""
+    def pieces(self, state) -> list[checkpoint.Piece]:
+        """What this rank writes, as views of host memory: the state's buffers themselves (a synchronous save on
+        the CPU) or copies made now (allocated once), which training no longer touches."""
+        cfg, session = self.cfg, self.session
+        if self.places is None:
+            self.places = placements(state, cfg.model, cfg.layout, session.mesh)
+            held = sum(b.numel() * b.element_size() for part in state.parts for b, _ in part.buffers().values())
+            self.max_cell = checkpoint.cell_bytes_for(session.first_failure(False, held)[1] // session.world)
+        fully = cfg.checkpoint.fully_parallel_save
+        boxes = regions(state, self.places)
+        if self.writer or session.device.type != "cpu":
+            if not self.host:
+                for p, kind in {(r.part, r.kind) for r in boxes if replicas(r) and (fully or not replicas(r).index)}:
+                    buffer = state.parts[p].buffers()[kind][0]
+                    self.host[(p, kind)] = torch.empty(buffer.shape, dtype=buffer.dtype,
+                                                       pin_memory=session.device.type == "cuda")
+            for (p, kind), host in self.host.items():
+                host.copy_(state.parts[p].buffers()[kind][0], non_blocking=True)
+            if session.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            boxes = regions(state, self.places, buffers=self.host)
+        count = [count_piece(state.parts[0].count)] if session.rank == 0 else []
+        return save_pieces(boxes, fully, self.max_cell) + count
+
+    def save(self, state, progress: policies.Progress) -> bool:
+        """Write a checkpoint of this iteration (or start writing it, with --async-save); False (one line
+        printed, the partial directory removed, the previous checkpoint untouched) when some rank could not
+        write its part, e.g. on a full disk."""
+        if not self.finish():
+            return False
         cfg, session, iteration = self.cfg, self.session, progress.iteration
-        everything = checkpoint.state_tensors(state.params, state.opt_state)
-        coords = cfg.layout.coords(session.mesh)
-        mine = checkpoint.written_here(list(everything), coords, cfg.layout.experts_apart)
-        tensors = {n: everything[n] for n in mine}
         self._make_room()
-        problem = ""
+        pieces = self.pieces(state)
+        size = sum(p.values.numel() * p.values.element_size() for p in pieces)
+        tmp = checkpoint.temporary_dir(self.root, iteration, self.attempt)
+        job = (tmp, session.rank, cfg.layout.coords(session.mesh), pieces)
+        if self.writer:
+            self.writer.start(_write, *job)
+            self.pending = (iteration, self.metadata(progress), size)
+            return True
         try:
-            checkpoint.save_rank(self.root, iteration, session.rank, coords, tensors, sizes=cfg.layout.sizes(),
-                                 attempt=self.attempt, order=list(everything))
-        except (OSError, SafetensorError) as e:
-            problem = " ".join(str(e).split())[:300]
-        failed, size = session.first_failure(bool(problem), sum(t.numel() * t.element_size() for t in tensors.values()))
+            _write(*job)
+            problem = ""
+        except OSError as e:
+            problem = _one_line(e)
+        return self._complete(iteration, self.metadata(progress), problem, size)
+
+    def poll(self) -> bool:
+        """Between iterations: complete a background save once every rank has written its part (one all-reduce
+        while one is pending); False as save() when some rank could not."""
+        if self.pending is None or self.session.any_rank(not self.writer.done):
+            return True
+        return self.finish()
+
+    def finish(self) -> bool:
+        """Wait for a background save and complete it (every rank; True when none is pending)."""
+        if self.pending is None:
+            return True
+        (iteration, metadata, size), self.pending = self.pending, None
+        error = self.writer.wait()
+        if error is not None and not isinstance(error, OSError):
+            raise error
+        return self._complete(iteration, metadata, _one_line(error) if error else "", size)
+
+    def _complete(self, iteration: int, metadata: dict, problem: str, size: int) -> bool:
+        session, cfg = self.session, self.cfg
+        failed, size = session.first_failure(bool(problem), size)
         if failed < session.world:
             if session.rank == 0:
                 shutil.rmtree(checkpoint.temporary_dir(self.root, iteration, self.attempt), ignore_errors=True)
@@ -137,17 +240,28 @@ class Checkpointer:
                       f"{kept.name if kept else 'no earlier checkpoint'} is intact", file=sys.stderr, flush=True)
             return False
         if session.rank == 0:
-            checkpoint.finalize(self.root, iteration, self.metadata(progress), keep_last=cfg.checkpoint.keep_last,
+            checkpoint.finalize(self.root, iteration, metadata, keep_last=cfg.checkpoint.keep_last,
                                 attempt=self.attempt)
         session.barrier()
         if session.last_rank:
-            print(f"saved checkpoint {checkpoint.iteration_dir(self.root, iteration)}", flush=True)
+            print(f"saved checkpoint {checkpoint.iteration_dir(self.root, iteration)}"
+                  f"{' (written in the background)' if self.writer else ''}", flush=True)
         return True
 
     def metadata(self, progress: policies.Progress) -> dict:
         cfg = self.cfg
-        return {"world_size": self.session.world, "layout": cfg.layout.checkpoint_meta(cfg.precision.compute_dtype),
+        return {"format": FORMAT, "world_size": self.session.world,
+                "layout": cfg.layout.checkpoint_meta(cfg.precision.compute_dtype),
                 "model": dataclasses.asdict(cfg.model), "consumed_samples": progress.consumed,
                 "valid_consumed_samples": progress.valid_consumed, "scheduler_steps": progress.scheduled,
                 "loss_scale": dataclasses.asdict(progress.scaler) if progress.scaler else None,
                 "arguments": dict(cfg.arguments), "fmeg_version": __version__}
+
+
+def _write(tmp: Path, rank: int, coords: dict, pieces: list) -> None:
+    tmp.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_rank(tmp, rank, coords, pieces)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300]

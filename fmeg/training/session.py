@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,44 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def first_problem(problem: str, device: torch.device) -> str:
+    """The lowest-numbered rank's problem ('' when no rank has one), the same on every rank: a problem one rank
+    alone found (a damaged part of a checkpoint that only it reads) ends every rank with the same line."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = torch.tensor([rank if problem else world], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    source = int(first.item())
+    if source == world:
+        return ""
+    data = torch.zeros(2048, dtype=torch.uint8, device=device)
+    if rank == source:
+        encoded = problem.encode()[:2048]
+        data[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(data, src=source)
+    return bytes(data.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def silent_ranks(wait: float = 5.0) -> list[int]:
+    """After a collective timed out on this rank: the ranks that do not answer a roll call through the
+    rendezvous store within `wait` seconds (stopped or hung; torchrun's agent holds the store, so it outlives
+    any rank). Every rank that timed out calls it; [] when the store cannot be reached."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"fmeg/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        store.set(f"{prefix}{rank}", "here")
+        deadline = time.monotonic() + wait
+        while True:
+            here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+            if len(here) == world or time.monotonic() > deadline:
+                return [r for r in range(world) if r not in here]
+            time.sleep(0.2)
+    except (RuntimeError, ValueError):
+        return []
+
+
 @dataclass
 class Session:
     world: int
@@ -32,6 +71,7 @@ class Session:
     device: torch.device
     mesh: Mesh
     compile: str | None  # the torch.compile backend of the step's stages, None for eager
+    restarts: int = 0  # how many times torchrun restarted this job's workers (--max-restarts)
 
     @classmethod
     def start(cls, cfg) -> Session:
@@ -41,14 +81,16 @@ class Session:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes),
+            timeout = datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
             mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp, ep=cfg.layout.ep,
-                                               etp=cfg.layout.expert_tp, cp_a2a=cfg.layout.cp_a2a, device=device)
+                                               etp=cfg.layout.expert_tp, cp_a2a=cfg.layout.cp_a2a, device=device,
+                                               timeout=timeout)
         else:
             mesh = Mesh.single()
-        return cls(world, rank, device, mesh, "inductor" if compiled else None)
+        return cls(world, rank, device, mesh, "inductor" if compiled else None,
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     @property
     def last_rank(self) -> bool:
@@ -73,6 +115,9 @@ class Session:
             dist.all_reduce(status[1:], op=dist.ReduceOp.SUM)
             status[0] = first[0]
         return int(status[0]), int(status[1])
+
+    def first_problem(self, problem: str) -> str:
+        return first_problem(problem, self.device)
 
     def shared_token(self, value: int) -> int:
         """Rank 0's value on every rank."""

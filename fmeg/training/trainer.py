@@ -61,6 +61,9 @@ class Trainer:
         start = time.perf_counter()
         for iteration in range(self.progress.iteration + 1, t.train_iters + 1):
             stop = self.iterate(iteration)
+            if self.checkpointer and not self.checkpointer.poll():  # a background save that could not be written
+                failed = 1
+                break
             if stop is None and policies.should_evaluate(iteration, eval_interval=t.eval_interval,
                                                          train_iters=t.train_iters):
                 self.validate(iteration)
@@ -80,6 +83,8 @@ class Trainer:
                     print(f"exiting at iteration {iteration}: {reason}" if exiting else reason,
                           file=sys.stdout if exiting else sys.stderr, flush=True)
                 break
+        if self.checkpointer and not self.checkpointer.finish():  # every exit waits for a background save
+            failed = 1
         self.finish(time.perf_counter() - start)
         return failed
 
