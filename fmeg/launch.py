@@ -11,6 +11,11 @@ runs torchrun's own code (same flags, same rendezvous, same worker environment) 
 - a worker killed by a signal is named in one line, and the exit code is 128 + the signal's number;
 - SIGTERM is forwarded to the workers, and the launcher exits as they do: 0 once they have saved a
   checkpoint and exited under --exit-signal-handler (on Linux; elsewhere torchrun handles SIGTERM).
+
+With torchrun's --max-restarts N, a job that loses a rank (killed, or stopped and found silent by the others
+after --distributed-timeout-minutes) is restarted whole, up to N times, and the runner resumes from the newest
+complete checkpoint under --save (fmeg.training.run_state). Each restart is one line on stdout. Workers that
+are stopped (SIGSTOP) when the group is taken down are killed at once rather than after torchrun's 30 s grace.
 """
 
 from __future__ import annotations
@@ -72,6 +77,52 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (state T: SIGSTOP, or t: a tracer), which ignores SIGTERM until continued."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def _watch_restarts() -> None:
+    """torchrun's agent, with one line for each restart and stopped workers killed when the group stops."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    monitor, restart, close = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers, PContext.close
+
+    def monitored(self, group):
+        self._fmeg_result = monitor(self, group)
+        return self._fmeg_result
+
+    def restarting(self, group):
+        failures = getattr(getattr(self, "_fmeg_result", None), "failures", None) or {}
+        spec = group.spec
+        why = "a worker failed"
+        if failures:  # the cause: a rank killed by a signal the agent did not send, else the first to fail
+            rank, failure = min(failures.items(), key=lambda item: (
+                not (item[1].exitcode < 0 and item[1].exitcode != -signal.SIGTERM), item[1].timestamp, item[0]))
+            why = f"rank {rank} " + (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
+                                     f"exited with code {failure.exitcode}")
+        print(f"restarting the workers ({spec.max_restarts - self._remaining_restarts} of {spec.max_restarts}): "
+              f"{why}; they resume from the newest complete checkpoint under --save", flush=True)
+        return restart(self, group)
+
+    def closing(self, *args, **kwargs):
+        for pid in self.pids().values():
+            if _stopped(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return close(self, *args, **kwargs)
+
+    LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitored, restarting
+    PContext.close = closing
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -91,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isdir("/proc"):  # Linux: SIGTERM is forwarded here, so that the workers' exit decides ours
         args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",") if s.strip() != "SIGTERM")
         signal.signal(signal.SIGTERM, _forward)
+    if os.path.isdir("/proc"):
+        _watch_restarts()
     try:
         torchrun.run(args)
     except ChildFailedError as e:

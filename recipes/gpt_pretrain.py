@@ -147,13 +147,44 @@ def _gone_peer(e: BaseException) -> bool:
                                              "remote process exited"))
 
 
+def _timed_out(e: BaseException) -> bool:
+    """Whether a collective gave up waiting for another rank (--distributed-timeout-minutes), by gloo's and
+    NCCL's words."""
+    return any(words in str(e) for words in ("Timed out waiting", "collective operation timeout", "Socket Timeout"))
+
+
+def _report_silent_ranks(e: BaseException) -> None:
+    """One line, printed by the lowest rank that timed out, naming the ranks that did not answer a roll call
+    (stopped, say by SIGSTOP, or hung); every rank that timed out then ends."""
+    import re
+
+    import torch.distributed as dist
+
+    from fmeg.training.session import silent_ranks
+
+    silent = silent_ranks()
+    here = [r for r in range(dist.get_world_size()) if r not in silent]
+    waited = re.search(r"(\d+)\s*ms", str(e))
+    limit = f" (it waited {int(waited.group(1)) / 1000:g} s: --distributed-timeout-minutes)" if waited else ""
+    if here and int(os.environ.get("RANK", "0")) == min(here):
+        who = f"rank {', '.join(map(str, silent))}" if silent else "another rank"
+        print(f"error: {who} stopped answering: rank {min(here)} timed out waiting for it{limit}; it is stopped or "
+              "hung, and the job ends here (fmeg.launch --max-restarts N restarts it from the newest checkpoint)",
+              file=sys.stderr, flush=True)
+
+
 if __name__ == "__main__":
     try:
         sys.exit(main())
     except RuntimeError as e:
+        if _timed_out(e):
+            _report_silent_ranks(e)
+            sys.stdout.flush()
+            os._exit(1)  # the process group cannot be taken down cleanly with a rank missing
         if not _gone_peer(e):
             raise
         said = next(line for line in str(e).splitlines() + [""] if line.strip())[:160]
         print(f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank, which stopped or was "
-              f"killed; its output says why ({said})", file=sys.stderr)
-        sys.exit(1)
+              f"killed; its output says why ({said})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # tearing down a process group with a rank gone can abort (SIGABRT) under load

@@ -69,6 +69,7 @@ class Checkpoint:
         self.path, self.meta, self.entries, self.tensors = path, meta, entries, tensors
         self._files: dict[str, safetensors_file.SafetensorsFile] = {}
         self._metadata_bytes, self._sha256 = metadata_bytes, whole_file_sha256 or {}
+        self.cell_bytes_read = 0  # the tensors' bytes alone (bytes_read adds the metadata and file headers)
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
@@ -158,6 +159,7 @@ class Checkpoint:
             raw, dtype, _ = self._files[cell.file].read(cell.key, cell.crc, cell.start, cell.box.numel)
         except safetensors_file.FileProblem as e:
             raise CheckpointError(str(e)) from None
+        self.cell_bytes_read += raw.numel()
         return raw.view(dtype).view(cell.box.shape)
 
     def close(self) -> None:

@@ -52,7 +52,7 @@ def silent_ranks(wait: float = 5.0) -> list[int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"fmeg/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        prefix = "fmeg/roll_call/"  # the default store is this restart's own (_restart_safe_store)
         store.set(f"{prefix}{rank}", "here")
         deadline = time.monotonic() + wait
         while True:
@@ -62,6 +62,19 @@ def silent_ranks(wait: float = 5.0) -> list[int]:
             time.sleep(0.2)
     except (RuntimeError, ValueError):
         return []
+
+
+def _restart_safe_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store under torchrun's agent: the agent's own (it outlives any rank, which silent_ranks
+    needs) under a prefix of its own for every restart of the workers. torch joins it unprefixed, so a
+    restarted group would read the dead group's addresses and fail to connect (pytorch/pytorch#135712).
+    Elsewhere (no agent store): {}, torch's env:// as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"/fmeg/restart_{restart}/", agent), "rank": rank, "world_size": world}
 
 
 @dataclass
@@ -83,7 +96,8 @@ class Session:
         if world > 1:
             timeout = datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if device.type == "cuda" else None,
+                                    **_restart_safe_store(rank, world, timeout))
             mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp, ep=cfg.layout.ep,
                                                etp=cfg.layout.expert_tp, cp_a2a=cfg.layout.cp_a2a, device=device,
                                                timeout=timeout)
