@@ -110,3 +110,27 @@ def test_fully_parallel_load_resumes_bitwise(tmp_path):
     full = run_layout(tmp_path, "full", 2, [])
     run_layout(tmp_path, "first", 2, ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"])
     assert run_layout(tmp_path, "second", 2, ["--load", str(ckpt), "--ckpt-fully-parallel-load"]) == full[10:]
+
+
+def test_the_exit_interval_and_sigterm_wait_for_the_background_save(tmp_path):
+    """Saving every iteration in the background: --exit-interval 3 exits 0 with iteration 3's checkpoint complete,
+    and so does SIGTERM under --exit-signal-handler, at the iteration it stops after."""
+    from recipes import gpt_pretrain
+
+    root = tmp_path / "interval"
+    flags = [*COMMON, "--async-save", "--save-interval", "1"]
+    assert gpt_pretrain.main([*flags, "--exit-interval", "3", "--save", str(root)]) == 0
+    assert checkpoint.latest(root).name == "iter_0000003"
+    assert_loads_whole(checkpoint.latest(root))
+    root = tmp_path / "sigterm"
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.gpt_pretrain", *flags, "--train-iters", "100000",
+                             "--exit-signal-handler", "--log-interval", "1", "--save", str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "iteration        3/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    stopped = int(out.split("exiting at iteration ")[1].split(":")[0])
+    assert proc.returncode == 0 and checkpoint.latest(root).name == f"iter_{stopped:07d}", out[-2000:]
+    assert_loads_whole(checkpoint.latest(root))

@@ -59,12 +59,13 @@ def test_swiglu_ffn_size_is_megatrons_rounded_down(hidden):
     (["--eval-interval", "5", "--eval-iters", "0"], "--eval-iters 0: no validation", lambda a: a.eval_iters == 0),
     (["--no-load-optim"], "--no-load-optim has no effect without --load DIR", lambda a: a.load is None),
     (["--finetune"], "--finetune has no effect without --load DIR", lambda a: a.load is None),
+    (["--async-save"], "--async-save has no effect without --save DIR", lambda a: a.save is None),
     (["--split", "'99,1,0'"], None, lambda a: a.split == "99,1,0"),
     (["--split", '"99,1,0"'], None, lambda a: a.split == "99,1,0"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 has no effect without --bf16", lambda a: not a.grad_reduce_in_bf16),
     (["--grad-reduce-in-bf16", "--bf16"], None, lambda a: a.grad_reduce_in_bf16),
 ], ids=["sp_at_tp1", "save_interval_without_save", "eval_iters_0", "no_load_optim_without_load",
-        "finetune_without_load", "single_quoted_split", "double_quoted_split", "grad_reduce_in_bf16_without_bf16",
+        "finetune_without_load", "async_save_without_save", "single_quoted_split", "double_quoted_split", "grad_reduce_in_bf16_without_bf16",
         "grad_reduce_in_bf16"])
 def test_where_megatron_adjusts_and_goes_on_fmeg_warns_once_and_goes_on(flags, notice, check):
     a = parse_args(flags, world_size=1)

@@ -85,22 +85,21 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[Box,
     return out
 
 
-def cell_steps(shape: tuple[int, ...], itemsize: int, split_dim: int | None = None,
+def cell_steps(shape: tuple[int, ...], itemsize: int, split_dims: tuple[int, ...] = (),
                max_cell: int = MAX_CELL_BYTES) -> tuple[tuple[int, ...], ...]:
     """Where the cells of a stored block of `shape` (one rank's whole block of a leaf: every rank's pieces of the
     leaf are cut alike) are cut, per dimension, as steps whose multiples (in global coordinates) are cut points:
-    along split_dim (the dimension tensor or expert parallelism splits) into up to SPLIT_PARTS parts, so that
-    a layout splitting it more finely reads whole cells; then the outer dimensions in blocks of at most max_cell
-    bytes."""
+    along each of split_dims (the dimensions expert and tensor parallelism split) into up to SPLIT_PARTS parts,
+    so that a layout splitting it more finely reads whole cells; then the outer dimensions in blocks of at most
+    max_cell bytes."""
     steps: list[list[int]] = [[] for _ in shape]
     cell = list(shape)
-    if split_dim is not None and shape:
-        d = split_dim % len(shape)
+    for d in (d % len(shape) for d in split_dims if shape):
         parts = next(k for k in (SPLIT_PARTS, 4, 2, 1)
-                     if shape[d] % k == 0 and math.prod(shape) * itemsize // k >= MIN_SPLIT_BYTES or k == 1)
+                     if cell[d] % k == 0 and math.prod(cell) * itemsize // k >= MIN_SPLIT_BYTES or k == 1)
         if parts > 1:
-            steps[d].append(shape[d] // parts)
-            cell[d] = shape[d] // parts
+            steps[d].append(cell[d] // parts)
+            cell[d] //= parts
     for d in range(len(shape)):
         if math.prod(cell[d:]) * itemsize <= max_cell:
             break

@@ -83,7 +83,7 @@ def finalize(root: str | os.PathLike, iteration: int, metadata: dict, keep_last:
     if len(ranks) != metadata["world_size"]:
         raise CheckpointError(f"{tmp}: {len(ranks)} rank files for a world of {metadata['world_size']}")
     metadata = {**metadata, "iteration": iteration, "files": {f"rank_{r['rank']:05d}.safetensors": r for r in ranks}}
-    write_text(tmp / METADATA, json.dumps(metadata, indent=1, sort_keys=True))
+    write_text(tmp / METADATA, json.dumps(metadata, sort_keys=True, separators=(",", ":")))  # every rank reads it
     fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)

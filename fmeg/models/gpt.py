@@ -198,6 +198,8 @@ def leaf_seed(seed: int, path: str) -> int:
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.Tensor:
+    if torch.get_default_device().type == "meta":  # init's shapes only: nothing drawn
+        return torch.empty(shape)
     gen = torch.Generator().manual_seed(leaf_seed(seed, path))
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
@@ -242,7 +244,8 @@ def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
 
 def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Params:
     """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine, and the
-    same real vocabulary rows whatever the padding."""
+    same real vocabulary rows whatever the padding. Under torch.device("meta") with device="meta": the shapes
+    alone, nothing drawn or stored."""
     c = config
     params: Params = {"embedding": {"word": {"weight": _vocab_table(c, seed, "embedding.word.weight")}}}
     if c.position == "learned":

@@ -11,6 +11,8 @@ VOCAB_TABLES = ("embedding.word.weight", "output.weight")
 
 def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
     """table [V', ...] cut or zero-padded to [rows, ...]."""
+    if table.is_meta:  # shapes only (gpt.init on the meta device)
+        return table.new_empty((rows, *table.shape[1:]))
     if table.shape[0] >= rows:
         return table[:rows]
     return torch.cat([table, table.new_zeros((rows - table.shape[0], *table.shape[1:]))])

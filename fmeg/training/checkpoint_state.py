@@ -54,7 +54,7 @@ class Placement:
     name: str  # the global path: "layers.3.attn.qkv.weight"
     block: Box  # this rank's block of the global tensor
     global_shape: tuple[int, ...]
-    split_dim: int | None  # the dimension tensor parallelism splits (cells are cut along it)
+    split_dims: tuple[int, ...]  # the dimensions expert and tensor parallelism split (cells are cut along them)
     whole: "Replicas"  # the ranks holding the block alike in a whole buffer
     sliced: "Replicas"  # the same in a distributed-optimizer slice
     copy: bool = False  # the tied copy of the word embedding on the last stage: written from stage 0's
@@ -94,14 +94,14 @@ def placement(stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConf
     rules = gpt.TP_RULES + moe.EP_RULES
     offset, global_shape = block_of(path, shape, rules, coords)
     split = {axis for axis, *_ in splits(path, rules, {k: (0, 2) for k in coords})}  # what would split it
-    part = partition_of(path, gpt.TP_RULES)
+    parts = [partition_of(path, rules_) for rules_ in (moe.EP_RULES, gpt.TP_RULES)]
     if layout.experts_apart and is_expert(path):
         free = [axis for axis, name_ in (("expert_tp", "etp"), ("ep", "ep")) if name_ not in split]
         whole, sliced = free + ["expert_dp"], free
     else:
         free = [] if "tp" in split else ["tp"]
         whole, sliced = free + ["cp", "dp"], free
-    return Placement(name, Box(offset, tuple(shape)), global_shape, part.dim if part else None,
+    return Placement(name, Box(offset, tuple(shape)), global_shape, tuple(p.dim for p in parts if p),
                      _replicas(mesh, whole), _replicas(mesh, sliced), copy, name in VOCAB_TABLES)
 
 
@@ -157,7 +157,7 @@ def save_pieces(boxes: list[Region], fully_parallel: bool, max_cell: int = MAX_C
         who = replicas(r)
         if who is None or (who.index and not fully_parallel):
             continue
-        steps = cell_steps(r.placement.block.shape, r.view.element_size(), r.placement.split_dim, max_cell)
+        steps = cell_steps(r.placement.block.shape, r.view.element_size(), r.placement.split_dims, max_cell)
         piece = Piece(f"{r.kind}/{r.placement.name}", r.box, r.placement.global_shape, r.view, steps)
         classes.setdefault((who.axes, who.index, who.count), []).append(piece)
     return [p for (_, index, count), pieces in classes.items()
@@ -193,12 +193,10 @@ def held_zeros(config: gpt.GPTConfig, layout: Any, mesh: Any, device: Any = "cpu
                dtype: torch.dtype = torch.float32) -> dict[int, Any]:
     """This rank's {stage: tree} of zeros, shaped as shard_params cuts the model, without building the model
     (a state a checkpoint then fills)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from fmeg.training.parallel_step import shard_params
 
-    with FakeTensorMode():
-        shapes = shard_params(gpt.init(config, 0), config, layout, mesh)
+    with torch.device("meta"):
+        shapes = shard_params(gpt.init(config, 0, device="meta"), config, layout, mesh)
     return tree.tree_map(lambda t: torch.zeros(t.shape, dtype=dtype, device=device), shapes)
 
 

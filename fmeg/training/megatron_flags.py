@@ -168,6 +168,10 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         a.sequence_parallel = False
     if a.save_interval is not None and a.save is None:
         notices.append(f"--save-interval {a.save_interval} has no effect without --save DIR: no checkpoints")
+    if a.async_save and a.save is None:
+        notices.append("--async-save has no effect without --save DIR")
+    if a.ckpt_fully_parallel_load and a.load is None and a.save is None:  # a restarted job loads from --save
+        notices.append("--ckpt-fully-parallel-load has no effect without --load DIR")
     for flag in ("no_load_optim", "finetune", "use_checkpoint_args"):
         if getattr(a, flag) and a.load is None:
             notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
