@@ -3,7 +3,6 @@ The curve and the files are those of synchronous saving; a process killed (SIGKI
 write never leaves a checkpoint that --load would choose and cannot read; a background write that fails ends the
 run in one line, the previous checkpoint intact; --ckpt-fully-parallel-load resumes bitwise too."""
 
-import errno
 import random
 import signal
 import subprocess
@@ -14,7 +13,6 @@ import warnings
 import pytest
 
 from fmeg import checkpoint
-from fmeg.checkpoint import safetensors_file
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.run_state import check_model, read_state
@@ -85,15 +83,9 @@ def test_twenty_sigkills_during_background_writes(tmp_path):
 
 def test_a_background_write_that_fails_ends_the_run_in_one_line_and_keeps_the_previous(tmp_path, monkeypatch, capsys):
     from recipes import gpt_pretrain
+    from test_checkpoint_faults import full_disk_at
 
-    real_write = safetensors_file.write
-
-    def full_disk_at_4(path, tensors, metadata=None):
-        if "iter_0000004" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_write(path, tensors, metadata)
-
-    monkeypatch.setattr(safetensors_file, "write", full_disk_at_4)
+    full_disk_at(monkeypatch, 4)
     root = tmp_path / "ck"
     flags = [*COMMON, "--train-iters", "8", "--save-interval", "2", "--async-save", "--save", str(root)]
     assert gpt_pretrain.main(flags) == 1

@@ -140,22 +140,28 @@ def test_the_nan_check_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path
 SAVES = [*COMMON, "--train-iters", "6", "--save-interval", "2", "--log-interval", "100"]
 
 
+def full_disk_at(monkeypatch, iteration: int):
+    """Make the checkpoint writer report ENOSPC for iteration's files; returns the real writer."""
+    import errno
+
+    real_write = safetensors_file.write
+
+    def full_disk(path, tensors, metadata=None):
+        if f"iter_{iteration:07d}" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors, metadata)
+
+    monkeypatch.setattr(safetensors_file, "write", full_disk)
+    return real_write
+
+
 def test_a_full_disk_fails_in_one_line_and_the_next_run_resumes(tmp_path, monkeypatch, capsys):
     """A save that cannot be written (here the writer reports ENOSPC at iteration 4) ends the run with one
     line naming --save, the size and the free space; the partial directory is gone, iteration 2 is intact, and
     the next run, with space again, resumes from it."""
-    import errno
-
     from recipes import gpt_pretrain
 
-    real_write = safetensors_file.write
-
-    def full_disk_at_4(path, tensors, metadata=None):
-        if "iter_0000004" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_write(path, tensors, metadata)
-
-    monkeypatch.setattr(safetensors_file, "write", full_disk_at_4)
+    real_write = full_disk_at(monkeypatch, 4)
     root = tmp_path / "ck"
     assert gpt_pretrain.main([*SAVES, "--save", str(root)]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]

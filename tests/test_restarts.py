@@ -15,6 +15,7 @@ import time
 import pytest
 
 from runner_harness import COMMON
+from test_launch import wait_for
 
 LAUNCH = [sys.executable, "-m", "fmeg.launch", "--standalone", "--nproc-per-node=2"]
 RUN = [*COMMON, "--train-iters", "24", "--save-interval", "4", "--log-interval", "1"]
@@ -34,15 +35,6 @@ def final_loss(log_dir) -> tuple[int, float]:
     return last["iteration"], last["lm_loss"]
 
 
-def read_until(proc, words, timeout=400) -> list[str]:
-    seen, end = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if words in line or time.monotonic() > end:
-            break
-    return seen
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -55,7 +47,7 @@ def uninterrupted(tmp_path_factory):
 def killed_and_restarted(tmp_path, kill_at: int, extra=()) -> tuple[tuple[int, float], str]:
     """SIGKILL one worker (at random) once iteration kill_at is logged; the job must finish by itself."""
     proc = launch([*RUN, *extra, "--save", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "log")], restarts=2)
-    read_until(proc, f"iteration {kill_at:8d}/")
+    wait_for(proc, f"iteration {kill_at:8d}/")
     os.kill(random.Random(kill_at).choice(workers(proc)), signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, (out[-2000:], err[-2000:])
@@ -83,7 +75,7 @@ def test_a_stopped_rank_is_named_in_one_line_once_the_others_time_out(tmp_path):
     finds the silent rank, one line names it, and the stopped process is killed at once (not after torchrun's
     30 s grace): the job ends within the timeout and the 5 s roll call."""
     proc = launch([*COMMON, "--train-iters", "100000", "--log-interval", "1", "--distributed-timeout-minutes", "0.2"])
-    read_until(proc, "iteration        3/")
+    wait_for(proc, "iteration        3/")
     pids = workers(proc)
     stopped = max(pids)
     os.kill(stopped, signal.SIGSTOP)
