@@ -88,3 +88,21 @@ def test_a_stopped_rank_is_named_in_one_line_once_the_others_time_out(tmp_path):
     assert took < 12 + 5 + 8, took
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
     print(f"a stopped rank ended the job {took:.1f} s after SIGSTOP: {lines[0]}")
+
+
+@pytest.mark.slow
+def test_a_restarted_fine_tuning_job_resumes_its_own_checkpoint_not_the_one_it_started_from(tmp_path):
+    """--load A --finetune --save B: the first start takes A's weights at iteration 0; after a kill, the restart
+    resumes B's newest checkpoint as it is (iteration, optimizer), not A again."""
+    base = tmp_path / "pretrained"
+    subprocess.run([sys.executable, "-m", "recipes.gpt_pretrain", *COMMON, "--train-iters", "4", "--save", str(base)],
+                   check=True, capture_output=True)
+    flags = [*RUN, "--load", str(base), "--finetune", "--save", str(tmp_path / "ck"), "--log-dir", str(tmp_path / "log")]
+    proc = launch(flags, restarts=1)
+    first = "".join(wait_for(proc, f"iteration {10:8d}/"))
+    os.kill(random.Random(0).choice(workers(proc)), signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    out = first + out
+    assert proc.returncode == 0, (out[-2000:], err[-2000:])
+    assert "fine-tuning from" in out and f"resumed from {tmp_path / 'ck' / 'iter_0000008'}" in out, out[-3000:]
+    assert final_loss(tmp_path / "log")[0] == 24

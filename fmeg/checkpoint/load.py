@@ -112,10 +112,11 @@ class Checkpoint:
         for r in requests:
             for cell, part in self._cover(r):
                 plan.setdefault(cell, []).append((r, part))
-        for cell in sorted(plan, key=lambda c: (c.file, c.key, c.start)):
-            values = self._cell(cell)
-            for r, part in plan[cell]:
-                r.out[part.within(r.box)].copy_(values[part.within(cell.box)])
+        for file in sorted({c.file for c in plan}):
+            for cell in sorted((c for c in plan if c.file == file), key=self._offset):  # in the file's order
+                values = self._cell(cell)
+                for r, part in plan[cell]:
+                    r.out[part.within(r.box)].copy_(values[part.within(cell.box)])
 
     def _cover(self, r: Request) -> list[tuple[Cell, Box]]:
         if r.name not in self.entries:
@@ -149,14 +150,24 @@ class Checkpoint:
                                   f"(shape {list(inside.shape)}); a rank's file is missing from {METADATA}")
         return out
 
+    def _file(self, name: str) -> safetensors_file.SafetensorsFile:
+        if name not in self._files:
+            self._files[name] = safetensors_file.SafetensorsFile(self.path / name)
+            if name in self._sha256:
+                self._files[name].check_sha256(self._sha256[name])
+        return self._files[name]
+
+    def _offset(self, cell: Cell) -> tuple[int, int]:
+        try:
+            info = self._file(cell.file).header.get(cell.key)
+        except safetensors_file.FileProblem as e:
+            raise CheckpointError(str(e)) from None
+        return (info["data_offsets"][0] if isinstance(info, dict) else 0), cell.start
+
     def _cell(self, cell: Cell) -> torch.Tensor:
         """A cell's values, shaped as its box (read and checked)."""
         try:
-            if cell.file not in self._files:
-                self._files[cell.file] = safetensors_file.SafetensorsFile(self.path / cell.file)
-                if cell.file in self._sha256:
-                    self._files[cell.file].check_sha256(self._sha256[cell.file])
-            raw, dtype, _ = self._files[cell.file].read(cell.key, cell.crc, cell.start, cell.box.numel)
+            raw, dtype, _ = self._file(cell.file).read(cell.key, cell.crc, cell.start, cell.box.numel)
         except safetensors_file.FileProblem as e:
             raise CheckpointError(str(e)) from None
         self.cell_bytes_read += raw.numel()

@@ -93,12 +93,14 @@ def _all_gather_into(buffer: torch.Tensor, index: int, size: int, group, chunk: 
 
 
 def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[str]]:
-    """This rank's state and the run's progress: initialised as on one device and sharded; or, with --load (and
-    after torchrun restarted the job, from --save), read from the newest checkpoint there at this layout, as
-    policies.resume says, without building the whole model. The third value is what the last rank prints about
-    it. CheckpointError and MissingCheckpoint are bad input (one line)."""
+    """This rank's state and the run's progress: initialised as on one device and sharded; or, with --load, read
+    from the newest checkpoint there at this layout, as policies.resume says, without building the whole model.
+    After torchrun restarted the job, its own newest checkpoint under --save is resumed as it is (--finetune and
+    --no-load-optim were for the first start), else --load as given. The third value is what the last rank
+    prints about it. CheckpointError and MissingCheckpoint are bad input (one line)."""
     ck = cfg.checkpoint
-    load = ck.load or (ck.save if session.restarts else None)
+    own = bool(session.restarts and ck.save and checkpoint.latest(ck.save))  # restarted: this job's own newest
+    load = ck.save if own else ck.load
     progress = policies.Progress(scaler=cfg.precision.scaler)
     found = checkpoint.latest(load) if load else None
     if found is None:
@@ -116,7 +118,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
         layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
         same = ckpt.meta.get("layout") == layout_meta and \
             ckpt.meta["model"].get("padded_vocab_size") == cfg.model.padded_vocab_size
-        plan = policies.resume(ckpt.meta, finetune=ck.finetune, no_load_optim=ck.no_load_optim,
+        plan = policies.resume(ckpt.meta, finetune=ck.finetune and not own, no_load_optim=ck.no_load_optim and not own,
                                in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
                                layout_note="layout unchanged" if same else f"resharded from {ckpt.meta['layout']}",
                                path=str(found))
@@ -126,7 +128,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
         state.fresh_optimizer()
     changed = [f"warning: --load {load}: {change} (a setting outside the parameters' shapes, which may "
                "change on load as in Megatron)" for change in saved_config.changed_on_load(saved, cfg.model)]
-    restarted = [f"restart {session.restarts}: resuming from --save {ck.save}"] if load != ck.load else []
+    restarted = [f"restart {session.restarts}: resuming from --save {ck.save}"] if own else []
     return state, plan.progress, [*restarted, plan.description, *changed]
 
 
