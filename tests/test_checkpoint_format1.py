@@ -37,7 +37,10 @@ def test_a_format1_checkpoint_resumes_as_the_fmeg_that_wrote_it_resumed_it(tmp_p
     records, stdout = run_recipe(tmp_path, name, 1, [*flags, "--load", str(tmp_path / directory)], common=SMALL)
     assert "resumed from" in stdout and "iteration 3" in stdout
     got = [r for r in records if "lm_loss" in r]
-    assert [(r["iteration"], r["lm_loss"]) for r in got] == [(r["iteration"], r["lm_loss"]) for r in RECORDED[name]]
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in RECORDED[name]]
+    # bitwise where the fixtures were written; CI's CPU took another float32 summation order at one step of
+    # the bf16 run (4.0916500 against 4.0916505), so the curve is compared within rounding, not bitwise
+    assert [r["lm_loss"] for r in got] == pytest.approx([r["lm_loss"] for r in RECORDED[name]], rel=1e-6)
     # the norm's float32 reduction order follows the thread count (OMP_NUM_THREADS), so not bitwise
     assert [r["params_norm"] for r in got] == pytest.approx([r["params_norm"] for r in RECORDED[name]], rel=1e-7)
 
