@@ -198,12 +198,18 @@ def test_resharding_from_tp2_pp2(tmp_path, uninterrupted, target):
 
 
 def test_no_pickle_anywhere():
+    """Nothing is unpickled but Megatron's own checkpoint metadata, through an unpickler that resolves only the
+    classes it needs (fmeg/interop/megatron/safe_pickle.py; tests/test_megatron_checkpoint.py refuses others)."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).parents[1]
+    restricted = root / "fmeg" / "interop" / "megatron" / "safe_pickle.py"
     for path in list(root.glob("fmeg/**/*.py")) + list(root.glob("recipes/*.py")):
         text = path.read_text()
+        if path == restricted:
+            assert "def find_class" in text and not re.search(r"pickle\.loads?\(|pickle\.Unpickler\(", text)
+            continue
         assert not re.search(r"^\s*import pickle|pickle\.load", text, re.M), path
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, path

@@ -121,10 +121,14 @@ def latest(root: str | os.PathLike) -> Path | None:
     if not pointer.is_file():
         return None
     text = pointer.read_text(errors="replace").strip()
-    if not text.isdigit():
+    if not text.isdigit() and text != "release":
         raise CheckpointError(f"{pointer}: holds {text[:40]!r}, not an iteration number; write the number of a "
                               f"complete iteration directory there, or delete the file to start from scratch")
-    path = iteration_dir(root, int(text))
+    path = root / "release" if text == "release" else iteration_dir(root, int(text))  # release: Megatron's converters'
     if not (path / METADATA).is_file():
+        if any(path.glob("mp_rank_*")):
+            raise CheckpointError(f"{path}: a Megatron --ckpt-format torch checkpoint (mp_rank_* files), which fmeg "
+                                  "does not read; convert it to torch_dist with Megatron (--ckpt-convert-format "
+                                  "torch_dist --ckpt-convert-save DIR) and load that")
         raise CheckpointError(f"{pointer}: names {path.name}, which has no {METADATA}")
     return path

@@ -21,6 +21,7 @@ import torch
 
 from fmeg import __version__, checkpoint
 from fmeg.checkpoint.load import FORMAT
+from fmeg.interop import megatron
 from fmeg.models import gpt, saved_config
 from fmeg.training import policies
 from fmeg.training.checkpoint_state import (KINDS, REPLICA_GROUPS, count_piece, held_zeros, load_requests,
@@ -113,6 +114,8 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
         said = [f"--load {load}: no checkpoint there yet ({checkpoint.LATEST} missing); starting from scratch"] \
             if ck.load else []
         return state, progress, said
+    if megatron.is_torch_dist(found):
+        return _restore_megatron(cfg, session, found, load)
     with checkpoint.Checkpoint.open(found) as ckpt:
         saved = check_model(ckpt, cfg.model)
         layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
@@ -130,6 +133,25 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
                "change on load as in Megatron)" for change in saved_config.changed_on_load(saved, cfg.model)]
     restarted = [f"restart {session.restarts}: resuming from --save {ck.save}"] if own else []
     return state, plan.progress, [*restarted, plan.description, *changed]
+
+
+def _restore_megatron(cfg, session, found: Path, load: str) -> tuple[FlatState, policies.Progress, list[str]]:
+    """The weights of a Megatron-LM torch_dist checkpoint at this layout, with its iteration and consumed
+    samples; its optimizer state is not read (the optimizer and schedules start fresh, as --no-load-optim)."""
+    ck = cfg.checkpoint
+    with megatron.MegatronCheckpoint.open(found, cfg.model) as ckpt:
+        ckpt.check(cfg.model)
+        plan = policies.resume(ckpt.meta, finetune=ck.finetune, no_load_optim=True,
+                               in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
+                               path=f"{found}, {ckpt.describe()}")
+        state = new_state(cfg, session, held_zeros(cfg.model, cfg.layout, session.mesh, session.device))
+        read_state(ckpt, state, cfg, session.mesh, optimizer=False, agree=session.first_problem)
+    state.fresh_optimizer()
+    said = [plan.description]
+    if not (ck.finetune or ck.no_load_optim):
+        said.append(f"warning: --load {load}: fmeg does not read a Megatron checkpoint's optimizer state; the "
+                    "optimizer and the LR schedule start fresh, as with --no-load-optim")
+    return state, plan.progress, said
 
 
 class Checkpointer:

@@ -1,0 +1,184 @@
+"""A Megatron-LM torch_dist checkpoint opened as fmeg opens its own: the weights read by box at any layout.
+
+    if is_torch_dist(path):                          # ck/iter_0000100 holding .metadata, *.distcp, common.pt
+        with MegatronCheckpoint.open(path, config) as ckpt:
+            ckpt.check(config)                       # Megatron's args against the flags' model: one line each
+            ckpt.read(requests)                      # fmeg.checkpoint.Request("params/<fmeg path>", box, out)
+
+It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, meta, has, dtype, read,
+bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the iteration and the
+consumed samples come from common.pt. Megatron's optimizer state is not read (has() says so): the optimizer
+starts fresh, as with --no-load-optim. A vocabulary table's rows past the vocabulary are padding, zeros as fmeg
+keeps them, whatever rows Megatron padded it to (it pads for its tp) and whatever they held.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fmeg import tree
+from fmeg.checkpoint import CheckpointError, Request
+from fmeg.checkpoint.boxes import Box
+from fmeg.interop.megatron import gpt_keys
+from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
+from fmeg.interop.megatron.torch_dist import TorchDistDir
+
+
+def is_torch_dist(path: Path) -> bool:
+    """Whether an iteration directory is Megatron's torch_dist (its metadata.json names a sharded backend)."""
+    try:
+        meta = json.loads((Path(path) / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return (Path(path) / ".metadata").is_file()
+    return isinstance(meta, dict) and "sharded_backend" in meta
+
+
+class MegatronCheckpoint:
+    def __init__(self, path: Path, dist: TorchDistDir, common: dict, config: Any):
+        self.path, self.dist, self.common, self.config = path, dist, common, config
+        self.args = common.get("args")
+        self.shapes = {p: tuple(t.shape) for p, t in tree.items(_meta_init(config))}
+        arg = lambda name, default=0: getattr(self.args, name, default) or default  # noqa: E731
+        self.meta = {"iteration": int(common.get("iteration", 0) or 0),
+                     "consumed_samples": int(arg("consumed_train_samples")),
+                     "valid_consumed_samples": int(arg("consumed_valid_samples")),
+                     "layout": {"tp": arg("tensor_model_parallel_size", 1),
+                                "pp": arg("pipeline_model_parallel_size", 1),
+                                "ep": arg("expert_model_parallel_size", 1)}}
+
+    @classmethod
+    def open(cls, path: str | Path, config: Any) -> "MegatronCheckpoint":
+        path = Path(path)
+        try:
+            return cls(path, TorchDistDir(path), read_common(path / "common.pt"), config)
+        except MegatronCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+
+    def describe(self) -> str:
+        lay = self.meta["layout"]
+        return f"a Megatron torch_dist checkpoint (tp {lay['tp']}, pp {lay['pp']}, ep {lay['ep']})"
+
+    def check(self, config: Any) -> None:
+        """Megatron's args (when common.pt holds them) against the flags' model: a CheckpointError naming the
+        flags that differ, with both values. Shapes are checked again tensor by tensor as they are read."""
+        if self.args is None:
+            return
+        diff = [f"{flag} {theirs} there, {ours} in the flags" for flag, theirs, ours in _compared(self.args, config)
+                if theirs is not None and theirs != ours]
+        if diff:
+            raise CheckpointError(f"{self.path / 'common.pt'}: the Megatron checkpoint's model differs from the "
+                                  f"flags: {'; '.join(diff)}")
+
+    def has(self, name: str) -> bool:
+        kind, _, path = name.partition("/")
+        src = gpt_keys.source(path, self.config.activation == "swiglu")
+        return kind == "params" and src is not None and any(self.dist.has(k) for k in src.keys)
+
+    def dtype(self, name: str) -> torch.dtype:
+        src = gpt_keys.source(name.partition("/")[2], self.config.activation == "swiglu")
+        return next(self.dist.dtype(k) for k in src.keys if self.dist.has(k))
+
+    @property
+    def bytes_read(self) -> int:
+        return self.dist.bytes_read
+
+    def read(self, requests: list[Request]) -> None:
+        wanted = []
+        for r in requests:
+            kind, _, path = r.name.partition("/")
+            src = gpt_keys.source(path, self.config.activation == "swiglu")
+            if kind != "params" or src is None or path not in self.shapes:
+                raise CheckpointError(f"{self.path}: a Megatron checkpoint holds no {r.name} (only the model's "
+                                      "weights are read from it)")
+            for key, box, out in self._parts(path, src, r):
+                wanted.append((key, box, out))
+        try:
+            self.dist.read(wanted)
+        except MegatronCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+
+    def _parts(self, path: str, src: gpt_keys.Source, r: Request) -> list:
+        shape = self.shapes[path]
+        box, out = r.box, r.out
+        key = self._key(path, src)
+        saved = self.dist.shape(key)
+        want = gpt_keys.megatron_shape(src, shape)
+        if src.layer is not None:
+            want = (saved[0] if saved and saved[0] > src.layer else self.config.num_layers, *want)
+        rows_differ = r.pad_with_zeros and len(saved) == len(want) and saved[1:] == want[1:]
+        if saved != want and not rows_differ:
+            raise CheckpointError(f"{self.path}: {key} has shape {list(saved)} there; this run's {path} needs "
+                                  f"{list(want)} (the flags' model differs from the checkpoint's)")
+        if rows_differ and saved[0] < self.config.vocab_size:
+            raise CheckpointError(f"{self.path}: {key} has {saved[0]} rows there, fewer than this run's vocabulary "
+                                  f"of {self.config.vocab_size}; load it with the tokenizer it was trained with")
+        rows = min(saved[0], self.config.vocab_size) if r.pad_with_zeros else None
+        if rows is not None and box.end[0] > rows:  # padding rows (Megatron's hold its init) are zeros, as fmeg's
+            keep = max(rows - box.offset[0], 0)
+            out[keep:].zero_()
+            box, out = Box(box.offset, (keep, *box.shape[1:])), out[:keep]
+            if keep == 0:
+                return []
+        parts = []
+        for mbox, index in gpt_keys.boxes(src, box, shape):
+            view = out[index] if index else out
+            parts.append((key, mbox, view.unsqueeze(0) if src.layer is not None else view))
+        return parts
+
+    def _key(self, path: str, src: gpt_keys.Source) -> str:
+        for key in src.keys:
+            if self.dist.has(key):
+                shape = self.dist.shape(key)
+                layer = Box((src.layer, *(0,) * (len(shape) - 1)), (1, *shape[1:])) if src.layer is not None else \
+                    Box((0,) * len(shape), shape)
+                if src.layer is None or (shape[0] > src.layer and self.dist.covers(key, layer)):
+                    return key
+        raise CheckpointError(f"{self.path}: holds no {src.keys[0]}" + (f" for layer {src.layer}" if src.layer is
+                              not None else "") + f", which this run's {path} needs (the flags' model differs "
+                              "from the checkpoint's)")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "MegatronCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _meta_init(config: Any) -> Any:
+    from fmeg.models import gpt
+
+    with torch.device("meta"):
+        return gpt.init(config, 0, device="meta")
+
+
+def _compared(args: Any, c: Any) -> list[tuple[str, Any, Any]]:
+    """(Megatron's flag, the checkpoint's value, the flags' value) for what fixes the model's function."""
+    from fmeg.models.moe import expert_ffn
+
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    groups = get("num_query_groups") if get("group_query_attention") else get("num_attention_heads")
+    position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type"),
+                                                                 get("position_embedding_type"))
+    norm = {"RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}.get(get("normalization"), get("normalization"))
+    untie = get("untie_embeddings_and_output_weights")
+    return [("--num-layers", get("num_layers"), c.num_layers),
+            ("--hidden-size", get("hidden_size"), c.hidden_size),
+            ("--num-attention-heads", get("num_attention_heads"), c.num_heads),
+            ("--num-query-groups", groups, c.num_kv_heads),
+            ("--ffn-hidden-size", get("ffn_hidden_size"), c.ffn_hidden_size),
+            ("--kv-channels", get("kv_channels"), c.head_dim),
+            ("--num-experts", get("num_experts"), c.num_experts),
+            ("--moe-ffn-hidden-size", get("moe_ffn_hidden_size") if get("num_experts") else None,
+             expert_ffn(c) if c.num_experts else None),
+            ("--normalization", norm, c.norm),
+            ("--position-embedding-type", position, c.position),
+            ("--swiglu", get("swiglu"), c.activation == "swiglu"),
+            ("--untie-embeddings-and-output-weights", None if untie is None else bool(untie), not c.tie_embeddings),
+            ("--qk-layernorm", get("qk_layernorm"), c.qk_norm)]

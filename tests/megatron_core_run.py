@@ -1,0 +1,138 @@
+"""megatron-core itself, on CPU with gloo, for the Megatron checkpoint tests (run under torch.distributed.run):
+
+    save ROOT FAMILY TP PP EP ITERATION   its GPTModel (seed 1234) saved as Megatron-LM's training loop saves
+                                          one: dist_checkpointing.save of {"model": sharded_state_dict(), "args",
+                                          "iteration", ...} into ROOT/iter_NNNNNNN, then the tracker file
+    logits DIR FAMILY TOKENS OUT           one rank: its GPTModel loaded from DIR by dist_checkpointing.load,
+                                          its logits for the [b, s] token tensor in TOKENS written to OUT
+
+FAMILY is one of FAMILIES below: the same models tests/test_megatron_checkpoint.py builds in fmeg.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+FAMILIES = {
+    "llama": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=False),
+    "qwen3_moe": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                      normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=True,
+                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                      moe_shared_expert_intermediate_size=48, moe_router_score_function="sigmoid",
+                      moe_router_enable_expert_bias=True),
+    "gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
+                 normalization="LayerNorm", gated_linear_unit=False, add_bias_linear=True, qk_layernorm=False),
+}
+VOCAB, SEQ = 128, 32
+
+
+def model(family: str, tp: int, pp: int, ep: int):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    torch.cuda.current_device = lambda: "cpu"  # megatron-core moves its RoPE table to the current CUDA device
+    torch.cuda.synchronize = lambda *a, **k: None  # its checkpoint writer synchronises before writing
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # its router's matmul names it unset without Transformer Engine
+        moe_utils.te_general_gemm = None
+    try:
+        model_parallel_cuda_manual_seed(1234)
+    except Exception:  # noqa: BLE001 - CPU only: without dropout the CUDA RNG tracker has nothing to fork
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    f = dict(FAMILIES[family])
+    gpt2 = family == "gpt2"
+    config = TransformerConfig(
+        **f, activation_func=F.gelu if gpt2 else F.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, perform_initialization=True, init_method_std=0.05,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        sequence_parallel=False, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False)
+    spec = get_gpt_layer_local_spec(num_experts=f.get("num_moe_experts"), qk_layernorm=f["qk_layernorm"],
+                                    normalization=f["normalization"])
+    torch.manual_seed(1234)
+    m = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=gpt2,
+                 position_embedding_type="learned_absolute" if gpt2 else "rope", rotary_base=10000,
+                 pre_process=parallel_state.is_pipeline_first_stage(),
+                 post_process=parallel_state.is_pipeline_last_stage()).float().eval()
+    with torch.no_grad():  # norms, biases and expert biases away from their init, so that a misplaced one shows
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias") or "layer_norm" in name:
+                p.add_(0.1 * torch.randn(p.shape))
+        for name, b in m.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn(b.shape))
+    return m
+
+
+def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> argparse.Namespace:
+    from megatron.core.transformer.enums import AttnBackend
+
+    f = FAMILIES[family]
+    return argparse.Namespace(
+        num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+        group_query_attention=f["num_query_groups"] != f["num_attention_heads"], num_query_groups=f["num_query_groups"],
+        ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
+        num_experts=f.get("num_moe_experts"), moe_ffn_hidden_size=f.get("moe_ffn_hidden_size"),
+        normalization=f["normalization"], swiglu=f["gated_linear_unit"], qk_layernorm=f["qk_layernorm"],
+        position_embedding_type="learned_absolute" if family == "gpt2" else "rope",
+        untie_embeddings_and_output_weights=family != "gpt2", padded_vocab_size=VOCAB,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        consumed_train_samples=iteration * 8, consumed_valid_samples=0, params_dtype=torch.float32,
+        attention_backend=AttnBackend.auto, iteration=iteration)
+
+
+def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    m = model(family, tp, pp, ep)
+    directory = os.path.join(root, f"iter_{iteration:07d}")
+    os.makedirs(directory, exist_ok=True)
+    state = {"model": m.sharded_state_dict(), "args": megatron_args(family, tp, pp, ep, iteration),
+             "checkpoint_version": 3.0, "iteration": iteration, "num_floating_point_operations_so_far": 0}
+    dist_checkpointing.save(state, directory)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
+def logits(directory: str, family: str, tokens_file: str, out_file: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    m = model(family, 1, 1, 1)
+    loaded = dist_checkpointing.load({"model": m.sharded_state_dict()}, directory)
+    m.load_state_dict(loaded["model"], strict=False)
+    tokens = torch.load(tokens_file, weights_only=True)
+    b, s = tokens.shape
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        out = m(tokens, torch.arange(s)[None].expand(b, s), mask)
+    torch.save(out, out_file)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mode, *rest = sys.argv[1:]
+    if mode == "save":
+        root, family, tp, pp, ep, iteration = rest
+        save(root, family, int(tp), int(pp), int(ep), int(iteration))
+    else:
+        logits(*rest)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

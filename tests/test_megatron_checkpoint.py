@@ -1,0 +1,200 @@
+"""Megatron-LM torch_dist checkpoints, written by megatron-core itself (its GPTModel's sharded_state_dict() and
+dist_checkpointing.save, on CPU with gloo: tests/megatron_core_run.py), load into fmeg at any layout: the same
+logits as megatron-core's model loaded from the same files, the same weights at every fmeg layout, and
+training goes on from Megatron's iteration. Hostile or damaged files are refused in one line."""
+
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+
+from fmeg.checkpoint import CheckpointError, latest  # noqa: E402
+from fmeg.interop.megatron import MegatronCheckpoint  # noqa: E402
+from fmeg.models import gpt  # noqa: E402
+from fmeg.training.checkpoint_state import read_params  # noqa: E402
+from fmeg.training.parallel_step import Layout, shard_params  # noqa: E402
+from fmeg import tree  # noqa: E402
+from runner_harness import run_group  # noqa: E402
+from test_checkpoint_layouts import mesh_of  # noqa: E402
+
+PROGRAM = str(Path(__file__).parent / "megatron_core_run.py")
+LLAMA = gpt.GPTConfig(vocab_size=127, padded_vocab_size=128, max_seq_len=32, num_layers=4, hidden_size=64,
+                      num_heads=4, num_kv_heads=2, ffn_hidden_size=96, norm="rmsnorm", activation="swiglu",
+                      position="rope", bias=False, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5)
+CONFIGS = {
+    "llama": LLAMA,
+    "qwen3_moe": LLAMA.replace(qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                               moe_shared_expert_intermediate_size=48, moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True),
+    "gpt2": LLAMA.replace(num_layers=2, num_kv_heads=4, ffn_hidden_size=256, norm="layernorm", activation="gelu",
+                          position="learned", bias=True, tie_embeddings=True),
+}
+FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "96", "--normalization", "RMSNorm", "--swiglu",
+         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--rotary-base", "10000", "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--make-vocab-size-divisible-by", "128",
+         "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "8", "--lr", "1e-3",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu", "--log-interval", "100"]
+_SAVED: dict = {}
+
+
+def megatron_checkpoint(tmp_path_factory, family: str, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
+    """A checkpoint megatron-core saved at iteration 3 (once per session): the directory --load takes."""
+    key = (family, tp, pp, ep)
+    if key not in _SAVED:
+        root = tmp_path_factory.mktemp(f"megatron_{family}_tp{tp}_pp{pp}_ep{ep}")
+        nproc = tp * pp * ep  # data parallelism of ep: the experts' ranks
+        out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                         PROGRAM, "save", str(root), family, str(tp), str(pp), str(ep), "3"], timeout=600)
+        assert out.returncode == 0, out.stderr[-4000:]
+        _SAVED[key] = root
+    return _SAVED[key]
+
+
+def megatron_logits(directory: Path, family: str, tokens: torch.Tensor, tmp_path: Path) -> torch.Tensor:
+    torch.save(tokens, tmp_path / "tokens.pt")
+    out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", PROGRAM,
+                     "logits", str(directory), family, str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt")])
+    assert out.returncode == 0, out.stderr[-4000:]
+    return torch.load(tmp_path / "logits.pt", weights_only=True)
+
+
+def one_device_params(root: Path, config: gpt.GPTConfig) -> dict:
+    with MegatronCheckpoint.open(latest(root), config) as ckpt:
+        ckpt.check(config)
+        return read_params(ckpt, config, Layout(), mesh_of(Layout(), 0))[0]
+
+
+@pytest.mark.parametrize("family, tp, pp, ep", [
+    ("llama", 2, 1, 1),
+    pytest.param("llama", 1, 2, 1, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 1, 2, 2, marks=pytest.mark.slow),
+    pytest.param("gpt2", 2, 1, 1, marks=pytest.mark.slow)])
+def test_fmeg_gives_megatron_cores_logits_from_its_checkpoint(tmp_path_factory, tmp_path, family, tp, pp, ep):
+    """Llama-style (GQA, SwiGLU, RoPE, untied), MoE (Qwen3-MoE-style: q/k norm, sigmoid router with expert bias,
+    a shared expert) and GPT-2-style (LayerNorm with biases, GELU, learned positions, tied) models saved at
+    Megatron's tp / pp / ep; megatron-core's logits come from its own dist_checkpointing.load of the files."""
+    root, config = megatron_checkpoint(tmp_path_factory, family, tp, pp, ep), CONFIGS[family]
+    tokens = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = megatron_logits(latest(root), family, tokens, tmp_path)[..., :config.vocab_size]  # less padding
+    ours = gpt.apply(one_device_params(root, config), tokens, config)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("family, saved, layouts", [
+    ("llama", (2, 1, 1), [Layout(tp=2), Layout(pp=2), Layout(tp=2, pp=2, chunks=2)]),
+    pytest.param("qwen3_moe", (1, 2, 2), [Layout(dp=4, ep=4), Layout(tp=2, dp=2, ep=2),
+                                                Layout(pp=2, dp=2, ep=2), Layout(cp=2, ep=2)],
+                 marks=pytest.mark.slow)])
+def test_every_fmeg_layout_reads_the_weights_one_device_reads(tmp_path_factory, family, saved, layouts):
+    """Each rank of tp 2, pp 2 (virtual stages too), ep and cp reads exactly its shard of what one device reads,
+    from a checkpoint Megatron saved at another layout."""
+    root, config = megatron_checkpoint(tmp_path_factory, family, *saved), CONFIGS[family]
+    whole = one_device_params(root, config)
+    for layout in layouts:
+        world = layout.tp * layout.pp * layout.cp * layout.dp
+        from fmeg.data.tokenizers import padded_vocab_size
+
+        c = config.replace(padded_vocab_size=padded_vocab_size(config.vocab_size, layout.tp, 128))
+        padded = gpt.repad_vocab(whole, config, c.padded_vocab_size)
+        for rank in range(world):
+            mesh = mesh_of(layout, rank)
+            want = shard_params(padded, c, layout, mesh)
+            with MegatronCheckpoint.open(latest(root), c) as ckpt:
+                got = read_params(ckpt, c, layout, mesh)
+            for stage in want:
+                for (path, a), (_, b) in zip(tree.items(got[stage]), tree.items(want[stage])):
+                    assert torch.equal(a, b), (layout, rank, path)
+
+
+def _curve(tmp_path, name: str, nproc: int, flags: list[str]) -> tuple[list[float], str]:
+    import json
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    out = run_group(launcher + ["-m", "recipes.gpt_pretrain", *FLAGS, "--log-dir", str(tmp_path / name), *flags])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r], out.stdout
+
+
+def test_training_goes_on_from_a_megatron_checkpoint_at_another_layout(tmp_path_factory, tmp_path):
+    """`--load DIR` of Megatron's directory, nothing else changed: iteration 4 onwards from Megatron's iteration 3
+    and samples, the same curve at one rank and at tp 2 (fp32), the optimizer fresh with one warning line."""
+    root = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    one, said = _curve(tmp_path, "one", 1, ["--load", str(root)])
+    two, _ = _curve(tmp_path, "tp2", 2, ["--load", str(root), "--tensor-model-parallel-size", "2"])
+    assert "a Megatron torch_dist checkpoint (tp 2, pp 1, ep 1) (iteration 3, 24 samples" in said
+    assert "fmeg does not read a Megatron checkpoint's optimizer state" in said
+    assert [i for i, _ in one] == [4, 5, 6, 7, 8] and [i for i, _ in two] == [4, 5, 6, 7, 8]
+    for (_, a), (_, b) in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(b), (one, two)
+    assert one[-1][1] < one[0][1]  # it learns
+
+
+def _refused(tmp_path, root: Path, flags: list[str] = ()) -> str:
+    out = run_group([sys.executable, "-m", "recipes.gpt_pretrain", *FLAGS, "--log-dir", str(tmp_path / "log"),
+                     "--load", str(root), *flags])
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    return lines[0]
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickles_naming_any_other_class_are_refused_and_run_nothing(tmp_path_factory, tmp_path):
+    source = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    marker = tmp_path / "ran"
+    common = tmp_path / "common"
+    shutil.copytree(source, common)
+    iteration = latest(common)
+    torch.save({"args": None, "iteration": 3, "hook": _RunsCode(marker)}, iteration / "common.pt")
+    assert "common.pt: refused, its pickle names posix.system" in _refused(tmp_path, common)
+    metadata = tmp_path / "metadata"
+    shutil.copytree(source, metadata)
+    (latest(metadata) / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    assert ".metadata: refused, it names posix.system" in _refused(tmp_path, metadata)
+    assert not marker.exists()
+
+
+def test_damaged_files_and_another_model_are_one_line_naming_them(tmp_path_factory, tmp_path):
+    source = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    missing = tmp_path / "missing"
+    shutil.copytree(source, missing)
+    (latest(missing) / ".metadata").unlink()
+    assert ".metadata: missing" in _refused(tmp_path, missing)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(source, truncated)
+    shard = max(latest(truncated).glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert f"{shard.name}: ends at byte" in _refused(tmp_path, truncated)
+    line = _refused(tmp_path, source, ["--num-layers", "2"])
+    assert "--num-layers 4 there, 2 in the flags" in line
+
+
+def test_release_tracker_and_legacy_format_are_understood(tmp_path_factory, tmp_path):
+    """Megatron's converters write 'release' in the tracker file; a --ckpt-format torch checkpoint (mp_rank_*)
+    is named with the conversion that makes it loadable."""
+    source = latest(megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1))
+    release = tmp_path / "release_root"
+    shutil.copytree(source, release / "release")
+    (release / "latest_checkpointed_iteration.txt").write_text("release")
+    assert latest(release) == release / "release"
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+    (legacy / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(CheckpointError, match="--ckpt-convert-format torch_dist"):
+        latest(legacy)
