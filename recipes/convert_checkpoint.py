@@ -1,8 +1,15 @@
-"""Convert fmeg checkpoints: consolidate shards, export to Hugging Face, import from Hugging Face.
+"""Convert fmeg checkpoints: consolidate shards, export to and import from Hugging Face and Megatron-LM.
 
     python -m recipes.convert_checkpoint consolidate --load ckpt --output model.safetensors
     python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/      # config.json + model.safetensors
     python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt        # a starting checkpoint
+    python -m recipes.convert_checkpoint export-megatron --load ckpt --save megatron_ckpt  # for Megatron at tp 1
+    python -m recipes.convert_checkpoint import-megatron --input megatron_ckpt --save ckpt
+
+export-megatron writes a torch_dist checkpoint (fmeg.interop.megatron.export) that Megatron-LM resumes with its
+model flags, --load and --no-load-optim --no-load-rng (or --finetune), at the tp it names (the vocabulary is
+padded for it). import-megatron builds the model from the checkpoint's args and keeps its iteration and
+consumed samples; --load of a Megatron directory in recipes.gpt_pretrain and recipes.generate needs no import.
 
 consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
 the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
@@ -24,6 +31,8 @@ from safetensors.torch import save_file
 
 from fmeg import checkpoint, tree
 from fmeg.cli import OneLineParser
+from fmeg.interop import megatron
+from fmeg.interop.megatron.model_args import args_for, config_from_args
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.parallel.mesh import Mesh
@@ -31,26 +40,37 @@ from fmeg.training.checkpoint_state import read_params, save_single_rank
 from fmeg.training.parallel_step import Layout
 
 
-def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
-    """(config, single-rank params in fp32) of the newest checkpoint under root."""
+def load_full(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTConfig, dict, dict]:
+    """(config, single-rank params in fp32, meta) of the newest checkpoint under root, fmeg's or Megatron's."""
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
-    with checkpoint.Checkpoint.open(path) as ckpt:
-        saved_model(ckpt.meta.get("model", {}), str(path))  # refuses what a newer fmeg wrote
-        config = gpt.GPTConfig(**ckpt.meta["model"])
+    if megatron.is_torch_dist(path):
+        config = config_from_args(megatron.saved_args(path), vocab_size)
+        opened = megatron.MegatronCheckpoint.open(path, config)
+        opened.check(config)
+    else:
+        opened = checkpoint.Checkpoint.open(path)
+        saved_model(opened.meta.get("model", {}), str(path))  # refuses what a newer fmeg wrote
+        config = gpt.GPTConfig(**opened.meta["model"])
+    with opened as ckpt:
         params = read_params(ckpt, config, Layout(), Mesh.single())[0]
-    return config, params
+        return config, params, ckpt.meta
 
 
 def check_paths(args) -> None:
     """Refuse, before any work, to overwrite an output or to reach the network for an input."""
-    if args.command == "import-hf":
+    if args.command in ("import-hf", "import-megatron"):
         if not Path(args.input).is_dir():
             raise ValueError(f"--input {args.input}: no such directory (import-hf reads a transformers model "
-                             "directory, config.json and weights, and never downloads)")
+                             "directory, config.json and weights, and never downloads)" if args.command == "import-hf"
+                             else f"--input {args.input}: no such directory")
         if (Path(args.save) / checkpoint.LATEST).exists():
             raise ValueError(f"--save {args.save} already holds a checkpoint; choose a new directory")
+        return
+    if args.command == "export-megatron":
+        if (Path(args.save) / "latest_checkpointed_iteration.txt").exists():
+            raise ValueError(f"--save {args.save} already holds a Megatron checkpoint; choose a new directory")
         return
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -63,7 +83,7 @@ def check_paths(args) -> None:
 
 
 def consolidate(args) -> None:
-    config, params = load_full(args.load)
+    config, params, _ = load_full(args.load)
     params, config = gpt.repad_vocab(params, config, config.vocab_size), config.replace(padded_vocab_size=None)
     tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
     out = Path(args.output)
@@ -81,7 +101,7 @@ def consolidate(args) -> None:
 def export_hf(args) -> None:
     from fmeg.interop.hf import to_hf
 
-    config, params = load_full(args.load)
+    config, params, _ = load_full(args.load)
     model = to_hf(params, config)
     model.save_pretrained(args.output, safe_serialization=True)
     print(f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained")
@@ -101,6 +121,37 @@ def import_hf(args) -> None:
     print(f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: {config}")
 
 
+def export_megatron(args) -> None:
+    from fmeg.interop.megatron.export import megatron_tensors, write_torch_dist
+
+    config, params, meta = load_full(args.load)
+    if args.tensor_model_parallel_size < 1 or args.make_vocab_size_divisible_by < 1:
+        raise ValueError("--tensor-model-parallel-size and --make-vocab-size-divisible-by must be positive")
+    megatron_args = args_for(config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                             ep=args.expert_model_parallel_size,
+                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                             iteration=int(meta.get("iteration", 0)),
+                             consumed_train_samples=int(meta.get("consumed_samples", 0)),
+                             consumed_valid_samples=int(meta.get("valid_consumed_samples", 0)))
+    tensors = megatron_tensors(params, config, megatron_args.padded_vocab_size)
+    where = write_torch_dist(args.save, tensors, megatron_args)
+    print(f"wrote {where}: {len(tensors)} tensors, {tree.num_params(params):,} parameters; resume it in Megatron-LM "
+          f"with --load {args.save} --no-load-optim --no-load-rng and the model's flags")
+
+
+def import_megatron(args) -> None:
+    from fmeg.training.parallel_step import init_state, shard_params
+
+    config, params, meta = load_full(args.input, args.vocab_size)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    path = save_single_rank(args.save, meta["iteration"], state, config,
+                            {"consumed_samples": meta["consumed_samples"],
+                             "valid_consumed_samples": meta["valid_consumed_samples"],
+                             "imported_from": str(args.input)})
+    print(f"wrote {path} from {args.input} (the weights; the optimizer starts fresh): {config}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m recipes.convert_checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,10 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("import-hf")
     i.add_argument("--input", required=True)
     i.add_argument("--save", required=True)
+    m = sub.add_parser("export-megatron")
+    m.add_argument("--load", required=True)
+    m.add_argument("--save", required=True, help="a new directory: Megatron's --load and --save root")
+    m.add_argument("--tensor-model-parallel-size", type=int, default=1, help="the tp Megatron resumes at")
+    m.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    m.add_argument("--expert-model-parallel-size", type=int, default=1)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    mi = sub.add_parser("import-megatron")
+    mi.add_argument("--input", required=True,
+                    help="Megatron's checkpoint root (its --save, holding latest_checkpointed_iteration.txt)")
+    mi.add_argument("--save", required=True)
+    mi.add_argument("--vocab-size", type=int, default=None,
+                    help="the tokenizer's ids, when the checkpoint's args record only the padded vocabulary")
     args = p.parse_args(argv)
     try:
         check_paths(args)
-        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf}[args.command](args)
+        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf, "export-megatron": export_megatron,
+         "import-megatron": import_megatron}[args.command](args)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,8 @@ from fmeg.cli import OneLineParser
 from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_from_flags
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
+from fmeg.interop import megatron
+from fmeg.interop.megatron.model_args import config_from_args
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel
@@ -44,7 +46,8 @@ from fmeg.training.session import first_problem
 
 def model_flags(p: argparse.ArgumentParser) -> None:
     """The flags that say which model to load and how to lay it out (shared with recipes.serve)."""
-    p.add_argument("--load", required=True, help="a checkpoint directory (its newest iteration is used)")
+    p.add_argument("--load", required=True, help="a checkpoint directory, fmeg's or Megatron-LM's torch_dist (its "
+                   "newest iteration is used)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -125,14 +128,17 @@ def refuse(problems: list[str], rank: int) -> int:
     return 2
 
 
-def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int) -> Any:
+_TOKENIZER_ARGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")  # Megatron's args name them too
+
+
+def _tokenizer(a: argparse.Namespace, saved: dict, vocab_size: int | None) -> Any:
     pick = (lambda name: getattr(a, name, None) or saved.get(name)) if a.tokenizer_type is None else \
         (lambda name: getattr(a, name, None))
     vocab_file, merge_file = pick("vocab_file"), pick("merge_file")
     kind = a.tokenizer_type or saved.get("tokenizer_type") or (
         "GPT2BPETokenizer" if vocab_file and merge_file else "ByteTokenizer")
     tokenizer = tokenizer_from_flags(kind, pick)
-    if tokenizer.vocab_size != vocab_size:
+    if vocab_size is not None and tokenizer.vocab_size != vocab_size:
         raise ValueError(f"the checkpoint's vocabulary has {vocab_size} ids but {kind} has {tokenizer.vocab_size}; "
                          "give the tokenizer it was trained with (--tokenizer-type and its files)")
     return tokenizer
@@ -147,12 +153,22 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
     path = checkpoint.latest(a.load)
     if path is None:
         raise checkpoint.CheckpointError(f"--load {a.load}: no {checkpoint.LATEST}; not a checkpoint directory")
-    with checkpoint.Checkpoint.open(path) as ckpt:
-        saved_model(ckpt.meta.get("model", {}), f"--load {a.load}: {path.name}")  # refuses what a newer fmeg wrote
-        saved_config = gpt.GPTConfig(**ckpt.meta["model"])
-        tokenizer = _tokenizer(a, ckpt.meta.get("arguments", {}), saved_config.vocab_size)
-        tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    if megatron.is_torch_dist(path):  # Megatron-LM's: the model and the tokenizer from its args
+        margs = megatron.saved_args(path)
+        tokenizer = _tokenizer(a, {k: v for k in _TOKENIZER_ARGS if (v := getattr(margs, k, None))},
+                               getattr(margs, "vocab_size", None))
+        saved_config = config_from_args(margs, tokenizer.vocab_size)
         config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
+        opened = megatron.MegatronCheckpoint.open(path, config)
+        opened.check(config)
+    else:
+        opened = checkpoint.Checkpoint.open(path)
+        saved_model(opened.meta.get("model", {}), f"--load {a.load}: {path.name}")  # refuses what a newer fmeg wrote
+        saved_config = gpt.GPTConfig(**opened.meta["model"])
+        tokenizer = _tokenizer(a, opened.meta.get("arguments", {}), saved_config.vocab_size)
+        config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
+    with opened as ckpt:
         gpt.check_tensor_parallel(config, tp)
         if config.num_layers % pp:
             raise ValueError(f"--pipeline-model-parallel-size {pp} must divide the model's {config.num_layers} layers")

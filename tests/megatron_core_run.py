@@ -88,6 +88,12 @@ def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> arg
         normalization=f["normalization"], swiglu=f["gated_linear_unit"], qk_layernorm=f["qk_layernorm"],
         position_embedding_type="learned_absolute" if family == "gpt2" else "rope",
         untie_embeddings_and_output_weights=family != "gpt2", padded_vocab_size=VOCAB,
+        add_bias_linear=f["add_bias_linear"], bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
+        norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
+        max_position_embeddings=SEQ, seq_length=SEQ, make_vocab_size_divisible_by=128,
+        moe_router_topk=f.get("moe_router_topk"), moe_router_score_function=f.get("moe_router_score_function"),
+        moe_shared_expert_intermediate_size=f.get("moe_shared_expert_intermediate_size"),
+        moe_router_enable_expert_bias=f.get("moe_router_enable_expert_bias", False),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         consumed_train_samples=iteration * 8, consumed_valid_samples=0, params_dtype=torch.float32,
         attention_backend=AttnBackend.auto, iteration=iteration)

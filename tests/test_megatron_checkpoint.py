@@ -198,3 +198,100 @@ def test_release_tracker_and_legacy_format_are_understood(tmp_path_factory, tmp_
     (legacy / "latest_checkpointed_iteration.txt").write_text("5")
     with pytest.raises(CheckpointError, match="--ckpt-convert-format torch_dist"):
         latest(legacy)
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist directory, whole, as fmeg's reader reads it."""
+    from fmeg.checkpoint.boxes import Box
+    from fmeg.interop.megatron.torch_dist import TorchDistDir
+
+    d = TorchDistDir(directory)
+    out = {}
+    for key, (shape, dtype) in d.tensors.items():
+        out[key] = torch.empty(shape, dtype=dtype)
+        d.read([(key, Box((0,) * len(shape), shape), out[key])])
+    return out
+
+
+def _convert(*argv: str) -> None:
+    from recipes.convert_checkpoint import main
+
+    assert main(list(argv)) == 0
+
+
+@pytest.mark.parametrize("family, saved", [
+    ("llama", (2, 1, 1)),
+    pytest.param("qwen3_moe", (1, 2, 2), marks=pytest.mark.slow),
+    pytest.param("gpt2", (2, 1, 1), marks=pytest.mark.slow)])
+def test_megatron_to_fmeg_to_megatron_is_bitwise(tmp_path_factory, tmp_path, family, saved):
+    """import-megatron (the model from the checkpoint's args, its iteration and samples kept), then
+    export-megatron: every tensor megatron-core wrote comes back bit for bit, and megatron-core's own load of the
+    export gives the logits of its load of the original, bit for bit."""
+    root = megatron_checkpoint(tmp_path_factory, family, *saved)
+    _convert("import-megatron", "--input", str(root), "--save", str(tmp_path / "fmeg"), "--vocab-size", "128")
+    from fmeg.checkpoint import Checkpoint
+
+    with Checkpoint.open(latest(tmp_path / "fmeg")) as ckpt:
+        assert (ckpt.meta["iteration"], ckpt.meta["consumed_samples"]) == (3, 24)
+        assert gpt.GPTConfig(**ckpt.meta["model"]) == CONFIGS[family].replace(vocab_size=128, init_std=0.05)
+    _convert("export-megatron", "--load", str(tmp_path / "fmeg"), "--save", str(tmp_path / "back"))
+    from recipes.convert_checkpoint import main
+
+    assert main(["export-megatron", "--load", str(tmp_path / "fmeg"), "--save", str(tmp_path / "back")]) == 2
+    theirs, ours = _tensors(latest(root)), _tensors(latest(tmp_path / "back"))
+    for key, t in theirs.items():
+        assert torch.equal(ours[key], t), key
+    assert all("pre_mlp_layernorm" in key for key in set(ours) - set(theirs))  # a MoE norm's other spec's name
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = megatron_logits(latest(root), family, tokens, tmp_path / "a")
+    after = megatron_logits(latest(tmp_path / "back"), family, tokens, tmp_path / "b")
+    assert torch.equal(before, after)
+
+
+def test_fmegs_checkpoint_exported_gives_megatron_cores_logits(tmp_path):
+    """A checkpoint fmeg trained (8 iterations, default flags: one rank, fp32), exported for Megatron at tp 1:
+    megatron-core's GPTModel loaded from it with dist_checkpointing.load gives fmeg's logits (1e-5)."""
+    _curve(tmp_path, "train", 1, ["--save", str(tmp_path / "ckpt"), "--save-interval", "8"])
+    _convert("export-megatron", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "megatron"))
+    from fmeg.interop.megatron import saved_args
+
+    args = saved_args(latest(tmp_path / "megatron"))
+    assert (args.iteration, args.consumed_train_samples, args.padded_vocab_size) == (8, 64, 128)
+    from recipes.convert_checkpoint import load_full
+
+    config, params, _ = load_full(str(tmp_path / "ckpt"))
+    tokens = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = megatron_logits(latest(tmp_path / "megatron"), "llama", tokens, tmp_path)[..., :127]
+    ours = gpt.apply(params, tokens, config)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+def test_an_exports_args_give_back_its_model():
+    """model_args: the args an export writes, read as Megatron's flags, are the model that wrote them."""
+    from fmeg.interop.megatron.model_args import args_for, config_from_args
+
+    for config in [*CONFIGS.values(), LLAMA.replace(rope_scaling=(8.0, 1.0, 4.0, 8192), qkv_bias=True),
+                   CONFIGS["gpt2"].replace(activation="gelu_tanh"), LLAMA.replace(bias=True, activation="gelu_tanh"),
+                   CONFIGS["qwen3_moe"].replace(moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=True,
+                                                moe_aux_loss_coeff=1e-2, moe_router_topk=1)]:
+        for tp in (1, 2, 8):
+            back = config_from_args(args_for(config, tp=tp), config.vocab_size)
+            assert back == config.replace(padded_vocab_size=back.padded_vocab_size), (config, back)
+
+
+def test_generate_reads_a_megatron_directory_at_tp_2(tmp_path_factory, tmp_path):
+    """recipes.generate --load of Megatron's directory (the model from its args) at tp 2: the greedy next token of
+    a prompt is the argmax of megatron-core's own logits for it."""
+    import json
+
+    root = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    want = int(megatron_logits(latest(root), "llama", tokens, tmp_path)[0, -1].argmax())
+    out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                     "recipes.generate", "--load", str(root), "--tensor-model-parallel-size", "2", "--tokenizer-type",
+                     "NullTokenizer", "--vocab-size", "128", "--prompt", " ".join(map(str, tokens[0].tolist())),
+                     "--tokens", "1", "--top-k", "1", "--ignore-eod", "--json", "--device", "cpu"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["tokens"] == [want]

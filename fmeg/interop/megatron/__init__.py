@@ -7,10 +7,11 @@ by default) read into fmeg at any layout.
     iter_0000100/metadata.json      {"sharded_backend": "torch_dist", ...}
 
 gpt_keys.py names fmeg's GPT parameters as megatron-core's GPTModel does; checkpoint.py opens such a directory
-as fmeg's resume opens its own checkpoints.
+as fmeg's resume opens its own checkpoints; model_args.py reads and writes the model in Megatron's args;
+export.py writes fmeg's weights as such a directory.
 """
 
-from fmeg.interop.megatron.checkpoint import MegatronCheckpoint, is_torch_dist
+from fmeg.interop.megatron.checkpoint import MegatronCheckpoint, is_torch_dist, saved_args
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError
 
-__all__ = ["MegatronCheckpoint", "MegatronCheckpointError", "is_torch_dist"]
+__all__ = ["MegatronCheckpoint", "MegatronCheckpointError", "is_torch_dist", "saved_args"]

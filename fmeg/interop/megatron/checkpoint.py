@@ -37,6 +37,18 @@ def is_torch_dist(path: Path) -> bool:
     return isinstance(meta, dict) and "sharded_backend" in meta
 
 
+def saved_args(path: Path) -> Any:
+    """The args Namespace of an iteration directory's common.pt; a CheckpointError when it holds none."""
+    try:
+        args = read_common(Path(path) / "common.pt").get("args")
+    except MegatronCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    if args is None:
+        raise CheckpointError(f"{Path(path) / 'common.pt'}: holds no Megatron args to build the model from; give the "
+                              "model's flags to recipes.gpt_pretrain with --load instead")
+    return args
+
+
 class MegatronCheckpoint:
     def __init__(self, path: Path, dist: TorchDistDir, common: dict, config: Any):
         self.path, self.dist, self.common, self.config = path, dist, common, config

@@ -34,6 +34,7 @@ _DCP_CLASSES = {
     "torch.serialization": {"_get_layout"},  # torch.strided from its name
     "torch": {"Size"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta's checkpoint_id, as DCP's FileSystemWriter writes it
 }
 
 

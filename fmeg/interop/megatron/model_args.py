@@ -1,0 +1,107 @@
+"""A Megatron checkpoint's `args` (the Namespace in its common.pt) as fmeg's model, and fmeg's model as those args.
+
+    config = config_from_args(common["args"])            # what --use-checkpoint-args does in Megatron-LM
+    args = args_for(config, tp=2, iteration=100, ...)     # what an exported checkpoint's common.pt holds
+
+Megatron's Namespace holds its flags by their dest names (num_layers, add_bias_linear, ...). config_from_args
+starts from fmeg's defaults, takes each model-defining dest the checkpoint holds, and builds the model as the
+flags would (fmeg.training.run_config.model_config): one reading of Megatron's flags. args_for writes the same
+dests back, so that config_from_args(args_for(config)) == config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from fmeg.data.tokenizers import padded_vocab_size
+from fmeg.models import gpt
+
+# the dests that fix the model's function, under the names Megatron's Namespace gives them
+MODEL_DESTS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+    "max_position_embeddings", "seq_length", "position_embedding_type", "rotary_base", "rotary_percent",
+    "normalization", "norm_epsilon", "apply_layernorm_1p", "swiglu", "squared_relu", "openai_gelu",
+    "untie_embeddings_and_output_weights", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
+    "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings", "init_method_std", "hidden_dropout", "attention_dropout",
+    "make_vocab_size_divisible_by",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate")
+_LISTS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # nargs="+" in Megatron: one value per layer kind
+
+
+def config_from_args(args: Any, vocab_size: int | None = None) -> gpt.GPTConfig:
+    """The model a Megatron checkpoint's args describe. vocab_size: the tokenizer's; None takes the args'
+    vocab_size (NullTokenizer runs record it), else its padded_vocab_size (every row an id)."""
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.run_config import model_config
+
+    a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1"])
+    for dest in MODEL_DESTS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            setattr(a, dest, [value] if dest in _LISTS and not isinstance(value, (list, tuple)) else value)
+    if not getattr(args, "group_query_attention", False):
+        a.num_query_groups = None
+    a.disable_bias_linear = not getattr(args, "add_bias_linear", True)
+    a.no_bias_gelu_fusion = not getattr(args, "bias_gelu_fusion", True)
+    if a.kv_channels and a.kv_channels * a.num_attention_heads == a.hidden_size:
+        a.kv_channels = None  # Megatron records the default head size; fmeg leaves it implied
+    a.padded_vocab_size = getattr(args, "padded_vocab_size", None)
+    vocab = vocab_size or getattr(args, "vocab_size", None) or a.padded_vocab_size
+    if not vocab or not a.num_layers:
+        raise ValueError("the Megatron checkpoint's args name no vocabulary size or no layers")
+    return model_config(a, vocab)
+
+
+def args_for(config: gpt.GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
+             iteration: int = 0, consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
+             params_dtype: torch.dtype = torch.float32) -> argparse.Namespace:
+    """Megatron-LM's args for fmeg's model trained to `iteration`, to be resumed at tp / pp / ep (its vocabulary
+    padded as Megatron pads it for that tp)."""
+    c = config
+    gelu_tanh, bias = c.activation == "gelu_tanh", c.bias
+    moe = {} if not c.num_experts else dict(
+        num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
+        moe_layer_freq=c.moe_layer_freq, moe_router_topk=c.moe_router_topk,
+        moe_router_score_function=c.moe_router_score_function, moe_router_pre_softmax=c.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=c.moe_router_topk_scaling_factor,
+        moe_router_num_groups=c.moe_router_num_groups, moe_router_group_topk=c.moe_router_group_topk,
+        moe_router_dtype=c.moe_router_dtype, moe_router_load_balancing_type=[c.moe_router_load_balancing_type],
+        moe_aux_loss_coeff=[c.moe_aux_loss_coeff], moe_z_loss_coeff=c.moe_z_loss_coeff,
+        moe_expert_capacity_factor=c.moe_expert_capacity_factor, moe_token_drop_policy=c.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
+        moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=c.moe_shared_expert_gate,
+        moe_router_enable_expert_bias=c.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=c.moe_router_bias_update_rate)
+    scaling = c.rope_scaling or (None, None, None, None)
+    return argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+        group_query_attention=c.num_kv_heads != c.num_heads, num_query_groups=c.num_kv_heads,
+        ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.head_dim, max_position_embeddings=c.max_seq_len,
+        seq_length=c.max_seq_len, position_embedding_type="rope" if c.position == "rope" else "learned_absolute",
+        add_position_embedding=c.position != "rope", rotary_base=c.rope_theta, rotary_percent=c.rotary_percent,
+        normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm", norm_epsilon=c.norm_eps,
+        apply_layernorm_1p=c.norm_zero_centered, swiglu=c.activation == "swiglu",
+        squared_relu=c.activation == "squared_relu", openai_gelu=gelu_tanh and not bias,
+        bias_gelu_fusion=gelu_tanh and bias, add_bias_linear=bias, add_qkv_bias=bias or c.qkv_bias,
+        untie_embeddings_and_output_weights=not c.tie_embeddings, qk_layernorm=c.qk_norm,
+        use_rope_scaling=c.rope_scaling is not None, rope_scaling_factor=scaling[0],
+        rope_scaling_low_freq_factor=scaling[1], rope_scaling_high_freq_factor=scaling[2],
+        rope_scaling_original_max_position_embeddings=scaling[3], init_method_std=c.init_std,
+        hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout, vocab_size=c.vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        padded_vocab_size=padded_vocab_size(c.vocab_size, tp, make_vocab_size_divisible_by),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        iteration=iteration, consumed_train_samples=consumed_train_samples,
+        consumed_valid_samples=consumed_valid_samples, params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16, ckpt_format="torch_dist",
+        **moe)
