@@ -29,6 +29,8 @@ FAMILIES = {
     "gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
                  normalization="LayerNorm", gated_linear_unit=False, add_bias_linear=True, qk_layernorm=False),
 }
+FAMILIES["llama_bench"] = dict(FAMILIES["llama"], num_layers=8, hidden_size=512, num_attention_heads=8,
+                               num_query_groups=4, ffn_hidden_size=1536)  # bench/megatron_checkpoint.py's
 VOCAB, SEQ = 128, 32
 
 

@@ -9,14 +9,18 @@ MegatronCheckpointError naming it. `common.pt` is a torch.save file: torch.load 
 which admits tensors and plain containers; argparse.Namespace (Megatron's args) is admitted as well, and
 megatron-core's enums in the args (AttnBackend and the like) become inert MegatronValue records: nothing of
 Megatron is imported or called. Anything else a pickle names is refused before a byte of it is unpickled.
+saved_tensor reads a chunk's own data.pkl as the layout of its tensor (storage record, dtype, offset, size,
+stride), resolving only the rebuild function and the storage types to stand-ins, so that a rank reads only the
+bytes of the rows it needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,3 +111,49 @@ def read_common(path: Path) -> dict:
     if not isinstance(common, dict):
         raise MegatronCheckpointError(f"{path}: holds a {type(common).__name__}, not Megatron's common state dict")
     return common
+
+
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool}
+
+
+class SavedTensor(NamedTuple):
+    """Where one torch.save'd tensor's elements lie: its storage record, dtype, storage offset, size, stride."""
+    storage: str
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """A torch.save archive's data.pkl of one tensor, read as its layout: the rebuild function and the storage
+    types resolve to local stand-ins (nothing of torch is called); anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: SavedTensor(*storage, offset, tuple(size), tuple(stride))
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"names {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> tuple[str, torch.dtype]:
+        kind, dtype, key, _location, _numel = pid
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"holds a persistent id {kind!r}")
+        return str(key), dtype
+
+
+def saved_tensor(data_pkl: bytes) -> SavedTensor:
+    """The layout of the one tensor a torch.save archive's data.pkl describes; ValueError if it is not that."""
+    try:
+        found = _TensorUnpickler(io.BytesIO(data_pkl)).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"not one tensor's layout ({e})") from None
+    if not isinstance(found, SavedTensor):
+        raise ValueError("not one tensor's layout")
+    return found

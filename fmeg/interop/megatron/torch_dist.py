@@ -7,21 +7,26 @@
 The directory holds `.metadata` (every tensor's global shape, dtype and chunks: the boxes Megatron's ranks
 saved, and where each lies: file, offset, length) and `__R_K.distcp` files of chunks, each a torch.save'd
 tensor (read with weights_only=True). A read takes only the chunks that overlap the boxes asked for, each once,
-and copies the overlaps; a tensor no chunk covers, a file that ends early or a chunk that does not load is a
-MegatronCheckpointError naming the file and the tensor.
+and copies the overlaps. Of a chunk only part of which is needed, only the run of whole rows that holds the part
+is read, where its archive's directory and data.pkl (safe_pickle.saved_tensor) place it; otherwise the whole
+chunk, loaded and checked by torch.load. A tensor no chunk covers, a file that ends early or a chunk that does
+not load is a MegatronCheckpointError naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fmeg.checkpoint.boxes import Box
-from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_dcp_metadata
+from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_dcp_metadata, saved_tensor
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class TorchDistDir:
                 box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
                 self.chunks.setdefault(key, []).append(Chunk(key, box, info.relative_path, info.offset, info.length))
         self.bytes_read = (self.path / ".metadata").stat().st_size
+        self.files_read: set[str] = set()  # the .distcp files a read has touched
 
     def has(self, key: str) -> bool:
         return key in self.tensors
@@ -89,18 +95,74 @@ class TorchDistDir:
                                               f"(shape {list(box.shape)}); a rank's file is missing or the model "
                                               "differs")
         for chunk in sorted(plan, key=lambda c: (c.file, c.offset)):
-            values = self._load(chunk)
+            region = rows_needed(chunk.box, [part for part, _, _ in plan[chunk]])
+            values = self._load_rows(chunk, region) if region != chunk.box else None
+            if values is None:
+                region, values = chunk.box, self._load(chunk)
             for part, box, out in plan[chunk]:
-                out[part.within(box)].copy_(values[part.within(chunk.box)])
+                out[part.within(box)].copy_(values[part.within(region)])
 
-    def _load(self, chunk: Chunk) -> torch.Tensor:
+    def _pread(self, chunk: Chunk, length: int, offset: int) -> bytes:
         file = self.path / chunk.file
         try:
             with open(file, "rb") as f:
-                raw = os.pread(f.fileno(), chunk.length, chunk.offset)
+                raw = os.pread(f.fileno(), length, offset)
         except OSError as e:
             raise MegatronCheckpointError(f"{file}: unreadable ({e}); it holds {chunk.key}")
         self.bytes_read += len(raw)
+        self.files_read.add(chunk.file)
+        return raw
+
+    def _load_rows(self, chunk: Chunk, region: Box) -> torch.Tensor | None:
+        """region (a run of whole rows of the chunk: contiguous bytes) read alone, or None where the chunk's
+        layout is not the plain one this needs (then the whole chunk is read and checked)."""
+        try:
+            start, dtype = self._elements_start(chunk)
+        except (ValueError, KeyError, zipfile.BadZipFile, struct.error):
+            return None
+        k = next(d for d in range(len(region.shape)) if region.shape[d] != chunk.box.shape[d])
+        inner = math.prod(chunk.box.shape[k + 1:])
+        size = dtype.itemsize
+        first = (region.offset[k] - chunk.box.offset[k]) * inner
+        raw = self._pread(chunk, region.numel * size, start + first * size)
+        if len(raw) != region.numel * size:
+            return None  # a truncated file: the whole read names it
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(region.shape)
+
+    def _elements_start(self, chunk: Chunk) -> tuple[int, torch.dtype]:
+        """The file offset of the chunk's first element, and the dtype, from its torch.save archive's directory
+        and data.pkl (a few hundred bytes), or of a raw chunk."""
+        dtype = self.dtype(chunk.key)
+        if self._pread(chunk, 2, chunk.offset) != b"PK":
+            if chunk.length != chunk.box.numel * dtype.itemsize:
+                raise ValueError("not a raw chunk")
+            return chunk.offset, dtype
+        window = _Window(self, chunk)
+        archive = zipfile.ZipFile(window)
+        names = {}  # "data.pkl", "byteorder", "data/0": the records of archive/..., whatever the prefix
+        for info in archive.infolist():
+            path = info.filename.split("/")
+            names["/".join(path[-2:]) if path[-2:-1] == ["data"] else path[-1]] = info
+        if any(info.compress_type for info in names.values()):
+            raise ValueError("compressed")
+        if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
+            raise ValueError("big-endian")
+        layout = saved_tensor(archive.read(names["data.pkl"]))
+        strides = tuple(math.prod(chunk.box.shape[d + 1:]) for d in range(len(chunk.box.shape)))
+        contiguous = chunk.box.numel <= 1 or layout.stride == strides
+        if layout.size != chunk.box.shape or layout.dtype != dtype or not contiguous:
+            raise ValueError("not the chunk's tensor, contiguous")
+        data = names[f"data/{layout.storage}"]
+        if data.file_size < (layout.offset + chunk.box.numel) * dtype.itemsize:
+            raise ValueError("a storage shorter than the tensor")
+        header = self._pread(chunk, 30, chunk.offset + data.header_offset)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        first = data.header_offset + 30 + name_length + extra_length  # the storage's bytes in the archive
+        return chunk.offset + first + layout.offset * dtype.itemsize, dtype
+
+    def _load(self, chunk: Chunk) -> torch.Tensor:
+        file = self.path / chunk.file
+        raw = self._pread(chunk, chunk.length, chunk.offset)
         if len(raw) != chunk.length:
             raise MegatronCheckpointError(f"{file}: ends at byte {chunk.offset + len(raw)}, before the end of "
                                           f"{chunk.key}'s chunk (byte {chunk.offset + chunk.length}); the file is "
@@ -119,3 +181,46 @@ class TorchDistDir:
             raise MegatronCheckpointError(f"{file}: {chunk.key}'s chunk at byte {chunk.offset} is not the "
                                           f"{list(chunk.box.shape)} tensor .metadata says; the file is damaged")
         return values.reshape(chunk.box.shape)
+
+
+def rows_needed(chunk: Box, parts: list[Box]) -> Box:
+    """The least run of whole rows of `chunk` (contiguous in its bytes) that holds every part: the parts'
+    bounding box in the first dimension they do not span, everything after it whole; the whole chunk where the
+    dimensions before that one are not single."""
+    low = [min(p.offset[d] for p in parts) for d in range(len(chunk.shape))]
+    high = [max(p.end[d] for p in parts) for d in range(len(chunk.shape))]
+    for k in range(len(chunk.shape)):
+        if (low[k], high[k]) != (chunk.offset[k], chunk.end[k]):
+            if any(chunk.shape[d] != 1 for d in range(k)):
+                return chunk
+            return Box((*chunk.offset[:k], low[k], *chunk.offset[k + 1:]),
+                       (*chunk.shape[:k], high[k] - low[k], *chunk.shape[k + 1:]))
+    return chunk
+
+
+class _Window(io.RawIOBase):
+    """One chunk's bytes of a file as a seekable file (for zipfile's reading of its directory), each read a
+    pread counted in the reader's bytes_read."""
+
+    def __init__(self, reader: TorchDistDir, chunk: Chunk):
+        self.reader, self.chunk, self.position = reader, chunk, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.position = {0: 0, 1: self.position, 2: self.chunk.length}[whence] + offset
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.chunk.length - self.position))
+        raw = self.reader._pread(self.chunk, n, self.chunk.offset + self.position) if n else b""
+        buffer[:len(raw)] = raw
+        self.position += len(raw)
+        return len(raw)
