@@ -40,8 +40,14 @@ from fmeg.training.checkpoint_state import read_params, save_single_rank
 from fmeg.training.parallel_step import Layout
 
 
-def load_full(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTConfig, dict, dict]:
-    """(config, single-rank params in fp32, meta) of the newest checkpoint under root, fmeg's or Megatron's."""
+def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
+    """(config, single-rank params in fp32) of the newest checkpoint under root, fmeg's or Megatron's."""
+    return load_checkpoint(root)[:2]
+
+
+def load_checkpoint(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTConfig, dict, dict]:
+    """(config, single-rank params in fp32, meta) of the newest checkpoint under root, fmeg's or Megatron's
+    (vocab_size: the tokenizer's, where Megatron's args record only the padded vocabulary)."""
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
@@ -83,7 +89,7 @@ def check_paths(args) -> None:
 
 
 def consolidate(args) -> None:
-    config, params, _ = load_full(args.load)
+    config, params = load_full(args.load)
     params, config = gpt.repad_vocab(params, config, config.vocab_size), config.replace(padded_vocab_size=None)
     tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
     out = Path(args.output)
@@ -101,7 +107,7 @@ def consolidate(args) -> None:
 def export_hf(args) -> None:
     from fmeg.interop.hf import to_hf
 
-    config, params, _ = load_full(args.load)
+    config, params = load_full(args.load)
     model = to_hf(params, config)
     model.save_pretrained(args.output, safe_serialization=True)
     print(f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained")
@@ -124,7 +130,7 @@ def import_hf(args) -> None:
 def export_megatron(args) -> None:
     from fmeg.interop.megatron.export import megatron_tensors, write_torch_dist
 
-    config, params, meta = load_full(args.load)
+    config, params, meta = load_checkpoint(args.load)
     if args.tensor_model_parallel_size < 1 or args.make_vocab_size_divisible_by < 1:
         raise ValueError("--tensor-model-parallel-size and --make-vocab-size-divisible-by must be positive")
     megatron_args = args_for(config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
@@ -142,7 +148,7 @@ def export_megatron(args) -> None:
 def import_megatron(args) -> None:
     from fmeg.training.parallel_step import init_state, shard_params
 
-    config, params, meta = load_full(args.input, args.vocab_size)
+    config, params, meta = load_checkpoint(args.input, args.vocab_size)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
     path = save_single_rank(args.save, meta["iteration"], state, config,

@@ -44,14 +44,15 @@ class Completion:
 
     def __init__(self, tokenizer: Any, stops: list[str], eod: int):
         self.tokenizer, self.text, self.stops, self.eod = tokenizer, TextStream(tokenizer), stops, eod
-        self.ids, self.logprobs, self.full, self.sent = [], [], "", 0
+        self.ids, self.logprobs, self.top, self.full, self.sent = [], [], [], "", 0
         self.finish: str | None = None
 
-    def add(self, token: int, logprob: float, finished: str | None) -> str:
+    def add(self, token: int, logprob: float, finished: str | None, top: list | None = None) -> str:
         """Take one step; return the new text that is now certain (at the end, all of it: a partial
         character is decoded as the tokenizer decodes it, so the text agrees with its tokens)."""
         self.ids.append(token)
         self.logprobs.append(logprob)
+        self.top.append(top)
         if token != self.eod:
             self.full += self.text.add(token)
         if finished:
@@ -68,6 +69,28 @@ class Completion:
         return cut_at_stop(self.full, self.stops)
 
 
+def openai_logprobs(tokenizer: Any, job: Job, prompt_ids: list[int], prompt_lps: list | None, prompt_top: list | None,
+                    row: Completion, prompt_chars: int) -> dict:
+    """OpenAI's legacy `choices[].logprobs`: each token's text, its logprob, the job's top_logprobs likeliest
+    tokens ({text: logprob}, or None without logprobs N) and its character offset in the prompt + completion;
+    with echo (prompt_lps given) the prompt's tokens come first, its first token's logprob and top null."""
+    def top(pairs: list | None) -> dict | None:
+        return None if pairs is None else {tokenizer.decode([i]): lp for i, lp in pairs}
+
+    ids, lps, tops = list(row.ids), list(row.logprobs), [top(t) for t in row.top] if job.top_logprobs else \
+        [None] * len(row.ids)
+    if prompt_lps is not None:
+        prompt_tops = [None] + [top(t) for t in prompt_top] if prompt_top else [None] * len(prompt_ids)
+        ids, lps, tops = prompt_ids + ids, [None] + prompt_lps + lps, prompt_tops + tops
+    pieces = [tokenizer.decode([t]) for t in ids]
+    offsets, at = [], 0 if prompt_lps is not None else prompt_chars
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops if job.top_logprobs else None,
+            "text_offset": offsets}
+
+
 def openai_reason(finish: str | None) -> str:
     return "length" if finish == "length" else "stop"
 
@@ -79,24 +102,25 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     lock = threading.Lock()
     tokenizer = model.tokenizer
 
-    def start(job: Job, p: dict, who: str) -> tuple[Iterator, list | None]:
+    def start(job: Job, p: dict, who: str) -> tuple[Iterator, list | None, list]:
         """Under the lock: tell the other ranks the planned job and begin this rank's part."""
         if job.log:
             print(f"request from {who}: {len(p['prompts'])} prompt(s), {p['max_new_tokens']} tokens", flush=True)
         broadcast.send(json.dumps(p).encode())
-        prompt_logprobs = [] if job.logprobs else None
-        return run_plan(model, p, prompt_logprobs), prompt_logprobs
+        prompt_logprobs, prompt_top = [] if job.logprobs else None, []
+        return run_plan(model, p, prompt_logprobs, prompt_top), prompt_logprobs, prompt_top
 
-    def run(job: Job) -> tuple[dict, list[Completion], list | None]:
+    def run(job: Job) -> tuple[dict, list[Completion], list | None, list]:
         p = plan(job, model)
         with lock:
-            steps, prompt_logprobs = start(job, p, request.remote_addr)
+            steps, prompt_logprobs, prompt_top = start(job, p, request.remote_addr)
             rows = [Completion(tokenizer, job.stop, p["eod"]) for _ in p["prompts"]]
             for step in steps:
-                for row, token, lp, done in zip(rows, step.ids, step.logprobs, step.finished):
+                tops = step.top or [None] * len(rows)
+                for row, token, lp, done, top in zip(rows, step.ids, step.logprobs, step.finished, tops):
                     if token is not None:
-                        row.add(token, lp, done)
-        return p, rows, prompt_logprobs
+                        row.add(token, lp, done, top)
+        return p, rows, prompt_logprobs, prompt_top
 
     @app.errorhandler(BadRequest)
     def bad_request(e: BadRequest):
@@ -119,7 +143,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     @app.put("/api")
     def megatron_api():
         job = megatron_job(parse_json(request.get_data()))
-        p, rows, prompt_logprobs = run(job)
+        p, rows, prompt_logprobs, _ = run(job)
         out = {"text": [text + row.final_text for text, row in zip(job.prompts, rows)],
                "tokens": [ids + row.ids for ids, row in zip(p["prompts"], rows)],
                "segments": [[tokenizer.decode([t]) for t in ids + row.ids] for ids, row in zip(p["prompts"], rows)]}
@@ -138,13 +162,14 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         head = {"id": ident, "object": "text_completion", "created": created, "model": name}
         if job.stream:
             return Response(sse(job, plan(job, model), head, request.remote_addr), mimetype="text/event-stream")
-        p, rows, _ = run(job)
+        p, rows, prompt_logprobs, prompt_top = run(job)
         choices = []
-        for i, (text, row) in enumerate(zip(job.prompts, rows)):
+        for i, (prompt, ids, row) in enumerate(zip(job.prompts, p["prompts"], rows)):
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
             logprobs = None
             if job.logprobs:
-                logprobs = {"tokens": [tokenizer.decode([t]) for t in row.ids], "token_logprobs": row.logprobs,
-                            "top_logprobs": None, "text_offset": None}
+                logprobs = openai_logprobs(tokenizer, job, ids, prompt_logprobs[i] if job.echo else None,
+                                           prompt_top[i] if job.echo and prompt_top else None, row, len(text))
             choices.append({"text": (text if job.echo else "") + row.final_text, "index": i, "logprobs": logprobs,
                             "finish_reason": openai_reason(row.finish)})
         used = sum(len(ids) for ids in p["prompts"])
@@ -154,17 +179,20 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
 
     def sse(job: Job, p: dict, head: dict, who: str) -> Iterator[str]:
         with lock:  # held until the stream ends, or the client leaves and the generator is closed
-            steps, _ = start(job, p, who)
+            steps, _, _ = start(job, p, who)
             row = Completion(tokenizer, job.stop, p["eod"])
+            prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
             try:
                 if job.echo:
-                    yield f"data: {json.dumps(chunk(head, job.prompts[0], None, None, job.usage_chunk))}\n\n"
+                    yield f"data: {json.dumps(chunk(head, prompt, None, None, job.usage_chunk))}\n\n"
                 for step in steps:
                     if step.ids[0] is None:
                         continue
-                    piece = row.add(step.ids[0], step.logprobs[0], step.finished[0])
+                    top = step.top[0] if step.top else None
+                    piece = row.add(step.ids[0], step.logprobs[0], step.finished[0], top)
                     lp = {"tokens": [tokenizer.decode([step.ids[0]])], "token_logprobs": [step.logprobs[0]],
-                          "top_logprobs": None, "text_offset": None} if job.logprobs else None
+                          "top_logprobs": [{tokenizer.decode([i]): v for i, v in top}] if top else None,
+                          "text_offset": None} if job.logprobs else None
                     finish = openai_reason(row.finish) if row.finish else None
                     if piece or finish or lp:
                         yield f"data: {json.dumps(chunk(head, piece, finish, lp, job.usage_chunk))}\n\n"

@@ -8,8 +8,11 @@ Megatron's `PUT /api` (tools/run_text_generation_server.py):
         "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}     (logprobs when asked)
     a bad request: HTTP 400 {"message": reason}, which Megatron's tools/text_generation_cli.py prints
 OpenAI's `POST /v1/completions`:
-    {"prompt": "..." | ["..."], "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "stop": "..." | [...],
-     "logprobs": null | 0, "echo": false, "seed": null, "stream": false, "n": 1, "model": "..."}
+    {"prompt": "..." | ["..."] | [ids] | [[ids]], "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
+     "stop": "..." | [...], "logprobs": null | 0..20, "echo": false, "seed": null, "stream": false, "n": 1, ...}
+    -> choices[i].logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} over the prompt too with
+       echo (its first token's logprob and top_logprobs null); max_tokens 0 with echo scores the prompt alone,
+       as lm-evaluation-harness's local-completions asks for loglikelihoods
 
 A field the format does not define, or one fmeg does not implement (beam search, top-p decay,
 penalties), is refused with its name, so a request is never half-honoured. Every value is checked here,
@@ -31,6 +34,7 @@ from fmeg.inference import SamplingParams
 MAX_PROMPTS = 128
 MAX_SEED = 2**63 - 1
 MAX_TOKENS = 2**31 - 1  # far above any model's positions: plan() then says how many fit
+MAX_LOGPROBS = 20  # OpenAI's legacy completions allowed 5; evaluation harnesses ask for 1
 
 
 class BadRequest(ValueError):
@@ -53,6 +57,7 @@ class Job:
     stream: bool = False
     log: bool = True
     usage_chunk: bool = False  # OpenAI's stream_options.include_usage: a last chunk with the usage
+    top_logprobs: int = 0  # OpenAI's logprobs N: the N likeliest tokens at each position
 
 
 def parse_json(body: bytes) -> dict:
@@ -159,12 +164,14 @@ def openai_job(body: dict) -> Job:
     _unknown(body, OPENAI_FIELDS, OPENAI_UNSUPPORTED)
     _check("prompt" in body, "prompt is required")
     prompt = body["prompt"]
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    _check(isinstance(prompts, list) and all(isinstance(p, str) for p in prompts),
-           "prompt must be a string or a list of strings")
-    _check(0 < len(prompts) <= MAX_PROMPTS, f"prompt must hold 1 to {MAX_PROMPTS} strings")
-    _check(all(prompts), "prompt is empty; give at least one character")
-    _check_text(prompts, "prompt")
+    ids = isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)  # one prompt of token ids
+    prompts = [prompt] if isinstance(prompt, str) or ids else prompt
+    _check(isinstance(prompts, list) and all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
+                                             for p in prompts),
+           "prompt must be a string, a list of strings, a list of token ids or a list of lists of them")
+    _check(0 < len(prompts) <= MAX_PROMPTS, f"prompt must hold 1 to {MAX_PROMPTS} prompts")
+    _check(all(prompts), "prompt is empty; give at least one character or token id")
+    _check_text([p for p in prompts if isinstance(p, str)], "prompt")
     tokens = body.get("max_tokens", 16)
     _check(_is_int(tokens) and 0 <= tokens <= MAX_TOKENS, "max_tokens must be an integer greater than or equal to 0")
     temperature = body.get("temperature", 1.0)
@@ -179,8 +186,8 @@ def openai_job(body: dict) -> Job:
            "stop must be a non-empty string or a list of up to 4 of them")
     _check_text(stop, "stop")
     logprobs = body.get("logprobs")
-    _check(logprobs is None or (_is_int(logprobs) and logprobs == 0),
-           "logprobs: only 0 (the chosen tokens' logprobs) is implemented, or null")
+    _check(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS),
+           f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the likeliest tokens listed per position), or null")
     for name, ok, why in (("n", 1, "only n=1 is implemented"), ("best_of", 1, "only best_of=1 is implemented"),
                           ("presence_penalty", 0, "penalties are not implemented; give 0 or leave it out"),
                           ("frequency_penalty", 0, "penalties are not implemented; give 0 or leave it out")):
@@ -199,4 +206,4 @@ def openai_job(body: dict) -> Job:
     _check(not options or flags["stream"], "stream_options is only allowed with stream: true")
     return Job(prompts, tokens, SamplingParams(float(temperature), top_k, 0.0 if top_p == 1.0 else float(top_p)),
                seed, logprobs is not None, stop, echo=flags["echo"], stream=flags["stream"],
-               usage_chunk=options.get("include_usage", False))
+               usage_chunk=options.get("include_usage", False), top_logprobs=logprobs or 0)

@@ -26,6 +26,11 @@ def plan(job: Job, model: LoadedModel) -> dict:
     tokenizer, config = model.tokenizer, model.config
     ids = []
     for i, text in enumerate(job.prompts):
+        if isinstance(text, list):  # token ids, as evaluation harnesses send them
+            if min(text) < 0 or max(text) >= config.vocab_size:
+                raise BadRequest(f"prompt {i} has a token id outside the vocabulary [0, {config.vocab_size})")
+            ids.append(([tokenizer.eod] if job.add_bos else []) + list(text))
+            continue
         try:
             ids.append(([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text))
         except Exception as e:  # noqa: BLE001 - whatever the tokenizer cannot read is the request's problem
@@ -41,15 +46,16 @@ def plan(job: Job, model: LoadedModel) -> dict:
     return {"prompts": ids, "max_new_tokens": job.max_new_tokens, "temperature": job.sampling.temperature,
             "top_k": job.sampling.top_k, "top_p": job.sampling.top_p, "seeds": seeds,
             "eod": tokenizer.eod if job.stop_token is None else job.stop_token, "stop": job.stop,
-            "prompt_logprobs": job.logprobs}
+            "prompt_logprobs": job.logprobs, "top_logprobs": job.top_logprobs}
 
 
-def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None) -> Iterator:
+def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None, prompt_top: list | None = None) -> Iterator:
     """This rank's part of the generation p describes (the same Steps on every rank)."""
     return model.stream(p["prompts"], max_new_tokens=p["max_new_tokens"], seed=p["seeds"], eod=p["eod"],
                         stop=stop_on_strings(model.tokenizer, p["stop"]),
                         sampling=SamplingParams(p["temperature"], p["top_k"], p["top_p"]),
-                        prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs=prompt_logprobs, top_logprobs=p.get("top_logprobs", 0),
+                        prompt_top_logprobs=prompt_top if p.get("top_logprobs") else None)
 
 
 class Broadcast:
@@ -85,7 +91,7 @@ def follow(model: LoadedModel, broadcast: Broadcast) -> None:
             return
         p = json.loads(payload)
         try:
-            for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None):
+            for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None, []):
                 pass
         except Exception as e:  # noqa: BLE001 - a request must never end a rank; rank 0 answers it
             print(f"error: rank {dist.get_rank() if dist.is_initialized() else 0}: a request failed "

@@ -261,7 +261,7 @@ def test_fmegs_checkpoint_exported_gives_megatron_cores_logits(tmp_path):
     assert (args.iteration, args.consumed_train_samples, args.padded_vocab_size) == (8, 64, 128)
     from recipes.convert_checkpoint import load_full
 
-    config, params, _ = load_full(str(tmp_path / "ckpt"))
+    config, params = load_full(str(tmp_path / "ckpt"))
     tokens = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(0))
     theirs = megatron_logits(latest(tmp_path / "megatron"), "llama", tokens, tmp_path)[..., :127]
     ours = gpt.apply(params, tokens, config)

@@ -195,7 +195,7 @@ HOSTILE = [
      "stream_options must be an object"),
     ("PUT", "/api", {"prompts": ["x"] * 200}, "Maximum number of prompts is 128"),
     ("PUT", "/api", {"prompts": [1]}, "prompts is not a list of strings"),
-    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 5}, "logprobs: only 0"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be an integer from 0 to 20"),
     ("PUT", "/api", b"\xff\xfe", "malformed JSON"),
 ]
 
@@ -284,3 +284,60 @@ def test_a_busy_port_or_a_bad_host_is_one_line(server, trained_checkpoint):
                              capture_output=True, text=True, timeout=300)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), out.stderr
+
+
+def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-evaluation-harness's LocalCompletionsAPI.parse_logprobs for one choice (its loglikelihood reading)."""
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+def test_lm_eval_loglikelihood_requests_get_transformers_numbers(server, trained_checkpoint, tmp_path):
+    """lm-evaluation-harness's local-completions loglikelihood request, replayed as it sends it (token ids of
+    context + continuation, max_tokens 1, logprobs 1, echo, temperature 0; lm-eval itself is too heavy for CI):
+    its parse of the answer gives the continuation's log-likelihood and greedy flag that transformers computes
+    from the same weights (export-hf)."""
+    import torch
+    import transformers
+
+    from recipes.convert_checkpoint import main as convert
+
+    assert convert(["export-hf", "--load", trained_checkpoint, "--output", str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    pairs = [("import os\n", "import sys\n"), ("def main(", "):\n"), ("x = ", "1")]
+    requests = [list(c.encode()) + list(t.encode()) for c, t in pairs]
+    status, body = server.request("POST", "/v1/completions", {
+        "model": "fmeg", "prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+        "echo": True})
+    assert status == 200, body
+    choices = sorted(json.loads(body)["choices"], key=lambda c: c["index"])
+    for (context, continuation), ids, choice in zip(pairs, requests, choices):
+        got, greedy = _lm_eval_parse(choice, len(context.encode()))
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1, :257].double(), -1)
+        picked = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        want = picked[len(context.encode()) - 1:].sum().item()
+        start = len(context.encode())
+        want_greedy = bool((lp.argmax(-1)[start - 1:] == torch.tensor(ids[start:])).all())
+        assert abs(got - want) < 1e-4 * max(1.0, abs(want)), (context, got, want)
+        assert greedy == want_greedy
+        lps = choice["logprobs"]
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["text_offset"]) == len(ids) + 1
+        assert lps["text_offset"] == sorted(lps["text_offset"]) and lps["text_offset"][0] == 0
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone_with_the_likeliest_tokens(server):
+    prompt = "import os\nimport sys\n"
+    status, body = server.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                              "logprobs": 5})
+    assert status == 200, body
+    choice = json.loads(body)["choices"][0]
+    lps = choice["logprobs"]
+    assert choice["text"] == prompt and "".join(lps["tokens"]) == prompt
+    assert len(lps["token_logprobs"]) == len(prompt.encode()) and lps["token_logprobs"][0] is None
+    for lp, top in zip(lps["token_logprobs"][1:], lps["top_logprobs"][1:]):
+        assert len(top) == 5 and max(top.values()) >= lp - 1e-6
+    status, body = server.request("POST", "/v1/completions", {"prompt": prompt, "logprobs": 21})
+    assert status == 400 and "logprobs must be an integer from 0 to 20" in body

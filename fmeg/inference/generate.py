@@ -34,6 +34,7 @@ class Step:
     ids: list[int | None]  # the new id of each row; None for a row that had already finished
     logprobs: list[float | None]
     finished: list[str | None]  # per row: None while running, else "eod", "stop" or "length"
+    top: list[list[tuple[int, float]] | None] | None = None  # per row, with top_logprobs: the N likeliest ids
 
 
 @dataclass
@@ -92,10 +93,12 @@ class _Pipeline:
 def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_new_tokens: int,
            sampling: SamplingParams = SamplingParams(), seed: int | list[int] = 0, eod: int | None = None,
            stop: Callable[[int, list[int]], bool] | None = None, tp: TensorParallel = NO_TP,
-           pp_group: Any = None, prompt_logprobs: list | None = None) -> Iterator[Step]:
+           pp_group: Any = None, prompt_logprobs: list | None = None, top_logprobs: int = 0,
+           prompt_top_logprobs: list | None = None) -> Iterator[Step]:
     """Yields one Step per generated position until every row has finished. seed: one for all rows or one
     per row (a row's draws depend on its own seed only). prompt_logprobs: a list that receives, before the
-    first Step, each row's prompt-token logprobs."""
+    first Step, each row's prompt-token logprobs. top_logprobs N: each Step's `top` holds each row's N likeliest
+    (id, logprob) pairs, and prompt_top_logprobs (a list) receives them for each prompt position 1 .. n-1."""
     check_prompts(prompts, config, max_new_tokens)
     if max_new_tokens == 0 and prompt_logprobs is None:
         return
@@ -109,11 +112,15 @@ def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_n
     with torch.no_grad():
         logits, cache = stage.forward(tokens, cache, last_only=prompt_logprobs is None)
         if prompt_logprobs is not None:
-            lp = None
+            n = top_logprobs if prompt_top_logprobs is not None else 0
+            shared = None
             if stage.last:
-                lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-            lp = stage.share(lp, tokens[:, 1:]).float()
-            prompt_logprobs.extend(lp[r, pad[r]:].tolist() for r in range(b))
+                every = torch.log_softmax(logits[:, :-1].float(), -1)
+                shared = _with_top(every.gather(-1, tokens[:, 1:, None])[..., 0], every, n)
+            shared = stage.share(shared, torch.empty(b, longest - 1, 1 + 2 * n)).cpu()
+            prompt_logprobs.extend(shared[r, pad[r]:, 0].float().tolist() for r in range(b))
+            if n:
+                prompt_top_logprobs.extend([_pairs(row) for row in shared[r, pad[r]:, 1:]] for r in range(b))
         if max_new_tokens == 0:  # scoring: the prompts' logprobs only
             return
         finished: list[str | None] = [None] * b
@@ -123,9 +130,11 @@ def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_n
             if stage.last:
                 last = logits[:, -1]
                 ids = sample(last, sampling, fold_in(seeds, step))
-                shared = torch.stack([ids.double(), token_logprobs(last, ids).double()], dim=1)
-            shared = stage.share(shared, torch.empty(b, 2)).cpu()
+                chosen = _with_top(token_logprobs(last, ids), torch.log_softmax(last.float(), -1), top_logprobs)
+                shared = torch.cat([ids.double()[:, None], chosen], dim=1)
+            shared = stage.share(shared, torch.empty(b, 2 + 2 * top_logprobs)).cpu()
             ids, lps = shared[:, 0].long().tolist(), shared[:, 1].tolist()
+            top = [_pairs(row) for row in shared[:, 2:]] if top_logprobs else None
             new_ids, new_lps, was = list(ids), list(lps), list(finished)
             for r in range(b):
                 if was[r] is not None:
@@ -138,10 +147,25 @@ def stream(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_n
                     finished[r] = "stop"
                 elif step == max_new_tokens - 1:
                     finished[r] = "length"
-            yield Step(new_ids, new_lps, [f if w is None else None for f, w in zip(finished, was)])
+            yield Step(new_ids, new_lps, [f if w is None else None for f, w in zip(finished, was)],
+                       None if top is None else [t if i is not None else None for t, i in zip(top, new_ids)])
             if all(f is not None for f in finished):
                 return
             logits, cache = stage.forward(torch.tensor(ids, device=device)[:, None], cache, last_only=True)
+
+
+def _with_top(chosen: torch.Tensor, logprobs: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., 1 + 2n] float64: the chosen ids' logprobs, then the n likeliest ids and their logprobs."""
+    if not n:
+        return chosen.double()[..., None]
+    values, ids = logprobs.topk(n, dim=-1)
+    return torch.cat([chosen.double()[..., None], ids.double(), values.double()], dim=-1)
+
+
+def _pairs(row: torch.Tensor) -> list[tuple[int, float]]:
+    """(id, logprob) pairs of _with_top's last 2n values (float64 carries ids exactly)."""
+    n = row.shape[-1] // 2
+    return [(int(i), float(v)) for i, v in zip(row[:n].tolist(), row[n:].tolist())]
 
 
 def generate(params: Params, prompts: list[list[int]], config: GPTConfig, *, max_new_tokens: int,
