@@ -8,7 +8,7 @@ The checkpoint may have been saved at any layout: each rank reads only its own b
 --load does. The tokenizer is the one
 the run was trained with (from the checkpoint's arguments) unless --tokenizer-type and its files are given.
 One prompt streams to the terminal as it is generated; several are generated as one batch. --json prints one
-JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i samples with seed --seed + i,
+JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i samples with seed --seed + i (mod 2**63),
 so a sampled run is reproducible across layouts and batches. Problems with the flags, the checkpoint or a
 prompt are one line and exit 2.
 """
@@ -254,7 +254,7 @@ def _main(argv: list[str] | None = None) -> int:
     tokenizer = model.tokenizer
     stop = stop_on_strings(tokenizer, a.stop)
     options = dict(max_new_tokens=a.tokens, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),
-                   seed=[a.seed + i for i in range(len(prompts))],
+                   seed=[(a.seed + i) % 2**63 for i in range(len(prompts))],
                    eod=None if a.ignore_eod else tokenizer.eod, stop=stop)
     if len(prompts) == 1 and not a.json:
         text = TextStream(tokenizer)

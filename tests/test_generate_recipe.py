@@ -123,3 +123,10 @@ def test_streamed_text_ending_inside_a_character_keeps_its_bytes(trained_checkpo
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert recipe.main(["--load", trained_checkpoint, "--prompt", "x", "--tokens", "4"]) == 0
     assert capsys.readouterr().out == "x" + bytes([*b"caf", 0xC3]).decode(errors="replace") + "\n"
+
+
+def test_the_largest_seed_samples_on_every_prompt(trained_checkpoint):
+    """Prompt i samples with --seed + i, which wraps within torch's int64 seeds (as recipes.serve does)."""
+    out = _run(["--load", trained_checkpoint, *PROMPTS, "--tokens", "3", "--seed", str(2**63 - 1), "--json"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(_json_rows(out)) == 2
