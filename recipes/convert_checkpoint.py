@@ -75,6 +75,11 @@ def check_paths(args) -> None:
             raise ValueError(f"--save {args.save} already holds a checkpoint; choose a new directory")
         return
     if args.command == "export-megatron":
+        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "make_vocab_size_divisible_by")
+        for name in sizes:
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
         if (Path(args.save) / "latest_checkpointed_iteration.txt").exists():
             raise ValueError(f"--save {args.save} already holds a Megatron checkpoint; choose a new directory")
         return
@@ -131,8 +136,6 @@ def export_megatron(args) -> None:
     from fmeg.interop.megatron.export import megatron_tensors, write_torch_dist
 
     config, params, meta = load_checkpoint(args.load)
-    if args.tensor_model_parallel_size < 1 or args.make_vocab_size_divisible_by < 1:
-        raise ValueError("--tensor-model-parallel-size and --make-vocab-size-divisible-by must be positive")
     megatron_args = args_for(config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                              ep=args.expert_model_parallel_size,
                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
