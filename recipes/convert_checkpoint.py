@@ -14,7 +14,9 @@ consumed samples; --load of a Megatron directory in recipes.gpt_pretrain and rec
 consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
 the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
 export-hf, so neither output depends on the layout that saved. import-hf writes an iteration-0 checkpoint of one rank
-(fresh optimizer state) that --load reshards into any layout. No pickle is read or written.
+(fresh optimizer state) that --load reshards into any layout; it reads config.json and safetensors weights only
+(fmeg.interop.hf_dir: a directory of pickled weights, a damaged file, a config.json that disagrees with the
+weights or a NaN weight is one line). No pickle is read or written.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -114,18 +117,24 @@ def export_hf(args) -> None:
 
     config, params = load_full(args.load)
     model = to_hf(params, config)
-    model.save_pretrained(args.output, safe_serialization=True)
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # written beside, then renamed over the (absent or empty) output: nothing half-written stays
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tmp.replace(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
+                         "written") from None
     print(f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained")
 
 
 def import_hf(args) -> None:
-    import transformers
-
     from fmeg.interop.hf import from_hf
+    from fmeg.interop.hf_dir import read_model_dir
     from fmeg.training.parallel_step import init_state, shard_params
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.input, local_files_only=True)
-    config, params = from_hf(model)
+    config, params = from_hf(read_model_dir(args.input))
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
     save_single_rank(args.save, 0, state, config, {"imported_from": str(args.input)})

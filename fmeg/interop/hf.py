@@ -45,6 +45,10 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
     if config.norm_zero_centered:  # transformers' norms scale by their weight: store 1 + w
         flat = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in flat.items()}
     if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
+        if config.num_experts:
+            raise ValueError("to_hf: transformers' GPT-2 has no experts; a mixture of experts exports as Mixtral or "
+                             "Qwen3-MoE, trained with --position-embedding-type rope --normalization RMSNorm --swiglu "
+                             "--disable-bias-linear")
         if not config.bias or config.num_kv_heads != config.num_heads or config.kv_channels not in (
                 None, config.hidden_size // config.num_heads):
             raise ValueError("to_hf: GPT-2 needs bias=True, num_kv_heads == num_heads and head dimension "

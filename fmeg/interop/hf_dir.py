@@ -1,0 +1,120 @@
+"""Read a transformers model directory (config.json and safetensors weights) or refuse it in one line.
+
+    model = read_model_dir("hf_model/")     # a transformers causal LM in fp32, every weight from the files
+
+What is read: config.json, and the weights as safetensors only (model.safetensors, or the shards that
+model.safetensors.index.json names), through transformers' from_pretrained with local files only. A directory
+holding only pickled weights (pytorch_model.bin, *.pt) is refused: nothing is ever unpickled. Every failure
+is a ValueError naming the file or the tensor: a damaged or truncated safetensors file, a config.json that
+disagrees with the weights (a weight missing, left over or of another shape: transformers would start it at
+random or drop it), and a weight holding NaN or inf.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+INDEX = "model.safetensors.index.json"
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--input {path.parent}: no {path.name}; a transformers model directory holds "
+                         "config.json and its weights") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--input {path}: not readable JSON ({e}); restore the file") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--input {path}: holds a JSON {type(value).__name__}, not an object; restore the file")
+    return value
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files holding the model's weights, each checked to open (its header read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if (root / INDEX).exists():
+        weight_map = _json_object(root / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"--input {root / INDEX}: no weight_map of tensor names to files; restore the file")
+        files = sorted({root / str(name) for name in weight_map.values()})
+    elif (root / "model.safetensors").exists():
+        files = [root / "model.safetensors"]
+    else:
+        pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in root.glob(pattern))
+        if pickled:
+            raise ValueError(f"--input {root}: holds only pickled weights ({', '.join(pickled[:3])}) and fmeg never "
+                             "unpickles; save them as safetensors where you trust the file (transformers: "
+                             "from_pretrained(dir).save_pretrained(new_dir, safe_serialization=True))")
+        raise ValueError(f"--input {root}: no model.safetensors or {INDEX}; a transformers model directory holds "
+                         "config.json and its weights")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except FileNotFoundError:
+            raise ValueError(f"--input {path}: missing, though {INDEX} names it; download it again") from None
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"--input {path}: not a readable safetensors file ({e}); download it again") from None
+    return files
+
+
+def _refuse_disagreement(root: Path, info: dict) -> None:
+    """One line naming the first weight that config.json and the files disagree on, if any."""
+    if info["mismatched_keys"]:
+        name, saved, built = sorted(info["mismatched_keys"])[0]
+        raise ValueError(f"--input {root}: config.json disagrees with the weights: {name} is {list(saved)} in the "
+                         f"files but {list(built)} by config.json ({len(info['mismatched_keys'])} such weights); "
+                         "use the config.json that came with the weights")
+    for kind, meaning in (("missing_keys", "config.json asks for it and the files lack it"),
+                          ("unexpected_keys", "the files hold it and config.json has no place for it")):
+        if info[kind]:
+            names = sorted(info[kind])
+            raise ValueError(f"--input {root}: config.json disagrees with the weights: {names[0]} ({meaning}; "
+                             f"{len(names)} such weights); use the config.json that came with the weights")
+    if info.get("error_msgs"):
+        raise ValueError(f"--input {root}: the weights do not load: {' '.join(str(info['error_msgs'][0]).split())}")
+
+
+def refuse_non_finite(root: Path, model: Any) -> None:
+    """One line naming the first weight holding NaN or inf."""
+    for name, value in model.state_dict().items():
+        if value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                kind = "NaN" if torch.isnan(value).any() else "inf"
+                raise ValueError(f"--input {root}: weight {name} holds {kind} ({bad} of {value.numel()} values); "
+                                 "fmeg imports finite weights only: download the file again or repair the weight")
+
+
+def read_model_dir(input_dir: str) -> Any:
+    """A transformers causal LM, in fp32, read from input_dir's config.json and safetensors files."""
+    import transformers
+
+    root = Path(input_dir)
+    if not _json_object(root / "config.json").get("model_type"):
+        raise ValueError(f"--input {root / 'config.json'}: no model_type; use the config.json that came with the "
+                         "weights")
+    weight_files(root)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report and progress bars: fmeg reports in one line
+    transformers.logging.disable_progress_bar()
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(root), local_files_only=True, use_safetensors=True, output_loading_info=True,
+            ignore_mismatched_sizes=True, dtype=torch.float32)
+    except (ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
+        raise ValueError(f"--input {root}: transformers cannot build the model from it: "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+    _refuse_disagreement(root, info)
+    refuse_non_finite(root, model)
+    return model.eval()
