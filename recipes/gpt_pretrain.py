@@ -23,6 +23,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 
 from fmeg import checkpoint, tree  # noqa: E402
+from fmeg.cli import print_refusal  # noqa: E402
 from fmeg.data.blending import build_datasets, target_samples  # noqa: E402
 from fmeg.data.default_corpus import default_corpus  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
@@ -109,11 +110,11 @@ def announce(cfg: RunConfig, session: Session, state) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg, train_data, valid_data = prepare(a, world)
     except BadInput as e:
-        return refuse(e.lines, rank)
+        return refuse(e.lines)
     del a  # nothing reads the flags after this: cfg holds them
     if cfg.logging.logging_level is not None:
         logging.basicConfig(level=cfg.logging.logging_level)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state, progress, said = build_or_restore(cfg, session)
     except (checkpoint.CheckpointError, MissingCheckpoint) as e:
-        return refuse([str(e)], rank)
+        return refuse([str(e)])
     for line in said if session.last_rank else ():
         print(line, flush=True)
     checkpointer = Checkpointer(cfg, session) if cfg.checkpoint.save else None
@@ -133,10 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def refuse(lines, rank: int) -> int:
-    if rank == 0:
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
+def refuse(lines) -> int:
+    """Print the lines once per job (fmeg.cli.print_refusal); the exit code for bad input."""
+    print_refusal(lines)
     return 2
 
 

@@ -46,6 +46,7 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f"{T}/none.json"], "none.json"),
         (["--step-batch-size-schedule", "0:3", "--micro-batch-size", "2"], "--step-batch-size-schedule"),
         (["--step-batch-size-schedule", "10M:8"], "--step-batch-size-schedule: the first threshold must be 0"),
+        (["--step-batch-size-schedule", ""], "--step-batch-size-schedule: no THRESHOLD:BATCH_SIZE entries"),
         (["--step-batch-size-schedule", "0:4", "--rampup-batch-size", "4", "4", "8"],
          "--step-batch-size-schedule and --rampup-batch-size are alternatives"),
         (["--loss-scale", "0", "--fp16"], "--loss-scale must be positive"),
@@ -95,6 +96,9 @@ def recipe_cases() -> list[tuple[str, list[str], str]]:
            ("generate", [*load, "--prompt", "x", "--tokens", "-2"], "--tokens must be >= 0"),
            ("generate", [*load, "--prompt", "x", "--tokens", "ten"], "argument --tokens: invalid int value"),
            ("generate", [*load, "--prompt", "x", "--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+           ("generate", [*load, "--prompt", "x", "--distributed-timeout-minutes", "0"],
+            "--distributed-timeout-minutes must be a positive number"),
+           ("serve", [*load, "--distributed-timeout-minutes", "nan"], "--distributed-timeout-minutes must be a positive"),
            ("generate", [*load, "--prompt", "x", "--tensor-model-parallel-size", "0"], "must be positive"),
            ("generate", [*load, "--prompt", "x", "--tensor-model-parallel-size", "2"], "world size is 1"),
            ("generate", [*load, "--prompt", "x", "--promt", "y"], "unrecognized argument --promt"),
@@ -180,12 +184,18 @@ def test_bad_input_is_one_line_exit_2_no_traceback_nothing_left(tmp_path, monkey
                                                                 argv, needle):
     import shutil
 
+    shutil.copytree(small_checkpoint_dir, tmp_path / "ck")
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    assert_one_line_exit_2_nothing_left(tmp_path, monkeypatch, name, argv, needle)
+
+
+def assert_one_line_exit_2_nothing_left(tmp_path, monkeypatch, name: str, argv: list[str], needle: str) -> None:
+    """Run the command's main in this process (as rank 0 of 1, in tmp_path, {tmp} in argv replaced by it):
+    exit 2, exactly one `error:` line holding needle, no traceback, and tmp_path as it was."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("FMEG_CACHE", str(tmp_path / ".cache"))
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(small_checkpoint_dir, tmp_path / "ck")
-    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

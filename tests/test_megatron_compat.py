@@ -91,6 +91,17 @@ def test_runtime_flags_of_megatron_scripts_are_accepted_and_named():
     assert sorted(named) == sorted(f for f in RUNTIME if f.startswith("--") and f != "--distributed-timeout-minutes")
 
 
+def test_moe_flags_without_experts_are_named_as_ignored_even_at_their_defaults(tmp_path):
+    """Megatron runs a dense model when --num-experts is absent and ignores the --moe-* flags; fmeg names
+    each one given, on the command line or in YAML, even at its default (it used to say nothing then)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("moe-aux-loss-coeff: 0.0\n")
+    a = parse_args(["--moe-router-topk", "2", "--config", str(config)], world_size=1)
+    named = [line.split(":")[0] for line in ignored_flags(a)]
+    assert "--moe-router-topk" in named and "--moe-aux-loss-coeff" in named
+    assert not [n for n in ignored_flags(parse_args([], world_size=1)) if n.startswith("--moe")]
+
+
 @pytest.mark.slow
 def test_a_first_run_may_name_a_load_directory_that_does_not_exist_yet(tmp_path):
     """Megatron scripts pass --load and --save the same directory from the first run on."""

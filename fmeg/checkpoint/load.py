@@ -83,6 +83,7 @@ class Checkpoint:
             raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
         if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
             raise CheckpointError(f"{meta_path}: not an fmeg checkpoint's metadata (no 'files')")
+        _check_counters(meta_path, meta)
         if meta.get("format", 1) > FORMAT:
             raise CheckpointError(f"{meta_path}: format {meta['format']}, written by a newer fmeg; upgrade fmeg")
         if meta.get("format", 1) < FORMAT:
@@ -183,6 +184,23 @@ class Checkpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+COUNTERS = ("format", "iteration", "consumed_samples", "valid_consumed_samples", "scheduler_steps", "world_size")
+
+
+def _check_counters(meta_path: Path, meta: dict) -> None:
+    """The counters present are whole numbers >= 0 and the model, layout, arguments and loss scale objects, or
+    a CheckpointError (what a run needs of them is policies.resume's to say)."""
+    for key in COUNTERS:
+        value = meta.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{meta_path}: {key} is {value!r}, not a whole number >= 0; the file is damaged: "
+                                  "restore it")
+    for key, kinds in (("model", dict), ("layout", dict), ("arguments", dict), ("loss_scale", (dict, type(None)))):
+        if not isinstance(meta.get(key, {}), kinds):
+            raise CheckpointError(f"{meta_path}: {key} is {type(meta[key]).__name__}, not an object; the file is "
+                                  "damaged: restore it")
 
 
 def _entries(meta_path: Path, meta: dict) -> tuple[dict[str, list[Entry]], dict[str, tuple[tuple, str]]]:

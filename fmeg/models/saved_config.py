@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 
 from fmeg.models.gpt import GPTConfig
 
@@ -47,8 +49,40 @@ def saved_model(model: dict, where: str) -> dict:
                          "fmeg wrote it; upgrade fmeg to read it")
     defaults = {k: f.default for k, f in known.items() if f.default is not dataclasses.MISSING}
     saved = {**defaults, **{k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}}
+    hints = typing.get_type_hints(GPTConfig)
+    for name, value in saved.items():
+        if not _fits(value, hints[name]):
+            raise ValueError(f"{where}: model field {name} is {value!r} ({type(value).__name__}), not "
+                             f"{_spelled(hints[name])}; the file is damaged: restore it")
     saved.pop("padded_vocab_size", None)  # JSON gave tuples (rope_scaling) back as lists
     return _one_spelling(saved)
+
+
+def _fits(value, hint) -> bool:
+    """Whether a value read from JSON has a config field's type (an int is a float; a bool is no number)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, h) for v, h in zip(value, args))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _spelled(hint) -> str:
+    return " or ".join(getattr(h, "__name__", str(h)).replace("NoneType", "null")
+                       for h in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                 else (hint,)))
 
 
 def _changeable(config: GPTConfig) -> tuple[str, ...]:

@@ -260,9 +260,10 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     parallel unless told otherwise)."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
-    if first.config:
-        parser.set_defaults(**load_config(first.config, parser))
+    from_yaml = load_config(first.config, parser) if first.config else {}
+    parser.set_defaults(**from_yaml)
     args = parser.parse_args(argv)
+    args.given = tuple(sorted({*from_yaml, *_given_on_command_line(argv)}))  # even at their default values
     if args.use_checkpoint_args and args.load:
         from fmeg.training.checkpoint_args import apply_checkpoint_args
 
@@ -283,6 +284,14 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args.train_iters = 100
     args.notices = megatron_leniencies(args)
     return args
+
+
+def _given_on_command_line(argv: list[str] | None) -> set[str]:
+    """The destinations of the flags given on the command line (a parse in which nothing has a default)."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_known_args(argv)[0]))
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

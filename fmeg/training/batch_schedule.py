@@ -50,7 +50,10 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ..
             raise ValueError(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE "
                              "(e.g. \"0:256 10M:512\", thresholds in tokens)") from None
     steps.sort()
-    if not steps or steps[0][0] != 0:
+    if not steps:
+        raise ValueError("--step-batch-size-schedule: no THRESHOLD:BATCH_SIZE entries (e.g. \"0:256 10M:512\"); "
+                         "give some, or leave the flag out")
+    if steps[0][0] != 0:
         raise ValueError("--step-batch-size-schedule: the first threshold must be 0")
     if any(b[0] == a[0] for a, b in zip(steps, steps[1:])):
         raise ValueError("--step-batch-size-schedule: two thresholds fall on the same sample; make them distinct")

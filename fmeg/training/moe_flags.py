@@ -144,7 +144,7 @@ def problems(a: argparse.Namespace) -> list[str]:
 
 def ignored(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for the accepted, ignored MoE flags that were given (without --num-experts, every MoE flag
-    given a value other than its default, as Megatron ignores them then)."""
+    given, as Megatron ignores them then)."""
     given = [(f, why) for f, why in {**IGNORED, **IGNORED_SETTINGS}.items()
              if getattr(a, f.lstrip("-").replace("-", "_")) not in (None, False)]
     compiled = a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
@@ -154,7 +154,7 @@ def ignored(a: argparse.Namespace) -> list[str]:
     if a.num_experts is None:
         defaults = vars(_defaults())
         given = [(f"--{k.replace('_', '-')}", "has no effect without --num-experts") for k, v in vars(a).items()
-                 if k.startswith("moe_") and k in defaults and v != defaults[k]]
+                 if k.startswith("moe_") and k in defaults and (v != defaults[k] or k in getattr(a, "given", ()))]
     return [f"{f}: {why}" for f, why in given]
 
 

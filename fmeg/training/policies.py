@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fmeg.checkpoint import CheckpointError
 from fmeg.training import loss_scale
 
 
@@ -50,6 +51,9 @@ def resume(meta: dict, *, finetune: bool, no_load_optim: bool, in_samples: bool,
     only (iteration, samples, schedules and optimizer start afresh); --no-load-optim takes the weights, the
     iteration and the samples, and starts the optimizer state, the LR and weight-decay schedules and the loss
     scaler afresh (they belong to Megatron's optimizer state); otherwise everything continues."""
+    missing = [key for key in ("iteration", "consumed_samples") if key not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: its metadata has no {missing[0]}; the file is damaged: restore it")
     if finetune:
         return Resume(Progress(scaler=scaler), True,
                       f"fine-tuning from {path} (iteration {meta['iteration']}, {meta['consumed_samples']} samples; "
@@ -57,7 +61,14 @@ def resume(meta: dict, *, finetune: bool, no_load_optim: bool, in_samples: bool,
     consumed = meta["consumed_samples"]
     scheduled = 0 if no_load_optim else meta.get("scheduler_steps", consumed if in_samples else meta["iteration"])
     if scaler is not None and meta.get("loss_scale") and not no_load_optim:
-        saved = loss_scale.LossScale(**meta["loss_scale"])
+        fields = meta["loss_scale"]
+        try:
+            saved = loss_scale.LossScale(**fields)
+        except TypeError:
+            saved = None
+        if saved is None or not all(isinstance(v, (int, float)) for v in fields.values()):
+            raise CheckpointError(f"{path}: loss_scale {fields} is not a loss scaler's state; the metadata is "
+                                  "damaged: restore it, or resume with --no-load-optim")
         scaler = scaler if scaler.static or saved.static else saved  # a static --loss-scale is the flag's
     taken = "fresh optimizer state and schedules" if no_load_optim else layout_note
     return Resume(Progress(meta["iteration"], consumed, meta.get("valid_consumed_samples", 0), scheduled, scaler),

@@ -92,7 +92,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
     if a.rampup_batch_size:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
-    if a.step_batch_size_schedule:
+    if a.step_batch_size_schedule is not None:
         need(not a.rampup_batch_size, "--step-batch-size-schedule and --rampup-batch-size are alternatives; choose one")
         try:
             steps = parse_step_schedule(a.step_batch_size_schedule, a.seq_length)
@@ -201,8 +201,8 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         parse_split(a.split)
     except ValueError as e:
         problems.append(str(e))
-    for flag in ("save", "log_dir", "tensorboard_dir", "data_cache_path"):
-        path = getattr(a, flag)
+    for flag in ("save", "log_dir", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
+        path = getattr(a, flag) if flag != "wandb_save_dir" or a.wandb_project else None  # used with a project only
         problem = unwritable_directory(path) if path else None
         need(problem is None, f"--{flag.replace('_', '-')} {path}: {problem}")
     return problems
@@ -231,10 +231,22 @@ def unwritable_directory(path: str) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, so no directory can be made under it; name a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK) or not _can_make_directory_in(existing):
         return f"{existing} is not writable ({'read-only' if existing == target else 'cannot create it'}); " \
                "name a directory you can write"
     return None
+
+
+def _can_make_directory_in(directory: Path) -> bool:
+    """Whether a directory can really be made there (root passes os.access on read-only places like /proc):
+    one is made and removed at once."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fmeg-probe-", dir=directory))
+        return True
+    except OSError:
+        return False
 
 
 def recompute_problems(a: argparse.Namespace) -> list[str]:
