@@ -1,5 +1,5 @@
 """The command-line parser every fmeg command uses: Megatron's rules (no prefix of a flag is taken for it),
-help and errors printed by rank 0 only under torchrun, and a usage error as one line naming the flag (with
+help printed by rank 0 only under torchrun, each error line once per job (print_refusal), and a usage error as one line naming the flag (with
 the closest flag when there is one) and a pointer to --help, exit 2, instead of the usage text.
 
     p = OneLineParser(prog="python -m recipes.generate")
@@ -9,15 +9,37 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import os
 import sys
 from typing import Any
 
 
+REFUSALS = "FMEG_REFUSALS"  # a directory fmeg.launch makes, shared by its workers
+
+
+def print_refusal(lines: list[str] | tuple[str, ...]) -> None:
+    """'error: line' on stderr for each line, once per job. Under fmeg.launch the rank that reaches a line first
+    prints it (a file named by the line's hash, made exclusively in $FMEG_REFUSALS, says it was), so a refusal
+    is printed however the ranks race to exit, and whichever rank alone met it; elsewhere rank 0 prints."""
+    shared = os.environ.get(REFUSALS)
+    for line in lines:
+        if shared:
+            try:
+                os.close(os.open(os.path.join(shared, hashlib.sha1(line.encode()).hexdigest()),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            except OSError:  # the directory is gone: say it anyway
+                pass
+        elif os.environ.get("RANK", "0") != "0":
+            continue
+        print(f"error: {line}", file=sys.stderr, flush=True)
+
+
 def refuse(message: str) -> None:
-    """One line on stderr (from rank 0 only under torchrun) and exit 2."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr)
+    """One line on stderr (print_refusal) and exit 2."""
+    print_refusal([message])
     raise SystemExit(2)
 
 

@@ -7,7 +7,8 @@ when it is sent SIGTERM it stops the workers and exits 1 even after they saved a
 runs torchrun's own code (same flags, same rendezvous, same worker environment) and differs only at the end:
 
 - a worker's exit code is the launcher's (2 for bad input, whose one line the worker printed), with no
-  traceback and no report of torchrun's;
+  traceback and no report of torchrun's; each refusal is printed once, by the first rank to reach it, so a
+  line is never lost to the race of ranks exiting (fmeg.cli.print_refusal);
 - a worker killed by a signal is named in one line, and the exit code is 128 + the signal's number;
 - SIGTERM is forwarded to the workers, and the launcher exits as they do: 0 once they have saved a
   checkpoint and exited under --exit-signal-handler (on Linux; elsewhere torchrun handles SIGTERM).
@@ -22,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
-from fmeg.cli import one_line, refuse
+from fmeg.cli import REFUSALS, one_line, refuse
 
 
 def _children(pid: int) -> list[int]:
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _forward)
     if os.path.isdir("/proc"):
         _watch_restarts()
+    refusals = tempfile.mkdtemp(prefix="fmeg-refusals-")  # each refusal printed once, by the rank first to it
+    os.environ[REFUSALS] = refusals
     try:
         torchrun.run(args)
     except ChildFailedError as e:
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:
         print(f"error: stopped by {signal.Signals(e.sigval).name}; the workers were sent it", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(refusals, ignore_errors=True)
+        os.environ.pop(REFUSALS, None)
     return 0
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fmeg import checkpoint, tree
-from fmeg.cli import OneLineParser
+from fmeg.cli import OneLineParser, print_refusal
 from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_from_flags
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
@@ -51,6 +51,8 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a rank waits in a collective for the others before it ends (as in Megatron)")
     p.add_argument("--bf16", action="store_true", help="compute in bfloat16 (default: fp32)")
     p.add_argument("--fp16", action="store_true", help="compute in float16")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
@@ -101,6 +103,8 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
                         f"launch {tp * pp} processes")
     if a.bf16 and a.fp16:
         problems.append("--bf16 and --fp16 exclude each other; give one")
+    if not (math.isfinite(a.distributed_timeout_minutes) and a.distributed_timeout_minutes > 0):
+        problems.append(f"--distributed-timeout-minutes must be a positive number, got {a.distributed_timeout_minutes}")
     if not os.path.isdir(a.load):
         problems.append(f"--load {a.load}: " + ("a file; name the checkpoint directory" if os.path.exists(a.load)
                                                  else "no such directory"))
@@ -121,10 +125,9 @@ def flag_problems(a: argparse.Namespace, world: int) -> list[str]:
     return problems
 
 
-def refuse(problems: list[str], rank: int) -> int:
-    """Print the problems, one line each, from rank 0 only; the exit code for bad input."""
-    if rank == 0:
-        print("\n".join(f"error: {m}" for m in problems), file=sys.stderr)
+def refuse(problems: list[str]) -> int:
+    """Print the problems, one line each, once per job (fmeg.cli.print_refusal); the exit code for bad input."""
+    print_refusal(problems)
     return 2
 
 
@@ -175,7 +178,8 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
         if world > 1:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10),
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    timeout=datetime.timedelta(minutes=a.distributed_timeout_minutes),
                                     device_id=device if cuda else None)
             mesh = Mesh.from_torch_distributed(tp=tp, pp=pp, device=device)
         else:
@@ -244,13 +248,13 @@ def _main(argv: list[str] | None = None) -> int:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     problems = flag_problems(a, world) + ([f"--tokens must be >= 0, got {a.tokens}"] if a.tokens < 0 else [])
     if problems:
-        return refuse(problems, rank)
+        return refuse(problems)
     try:
         model = load_model(a)
         prompts = [encode(model.tokenizer, text) for text in a.prompt]
         check_prompts(prompts, model.config, a.tokens)
     except (ValueError, OSError) as e:
-        return refuse([str(e)], rank)
+        return refuse([str(e)])
     tokenizer = model.tokenizer
     stop = stop_on_strings(tokenizer, a.stop)
     options = dict(max_new_tokens=a.tokens, sampling=SamplingParams(a.temperature, a.top_k, a.top_p),

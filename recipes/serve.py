@@ -25,7 +25,6 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Any, Iterator
 
@@ -35,7 +34,8 @@ import torch.distributed as dist
 from fmeg.cli import OneLineParser
 from recipes.generate import LoadedModel, TextStream, cut_at_stop, flag_problems, load_model, model_flags, refuse
 from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
-from recipes.serve_ranks import STOP_SERVING, Broadcast, follow, plan, run_plan
+from recipes.serve_ranks import (KEEP_ALIVE_S, STOP_SERVING, STOP_SIGNALS, Broadcast, follow, follower_stop,
+                                 interrupt, plan, run_plan)
 
 
 class Completion:
@@ -99,7 +99,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     from flask import Flask, Response, request
 
     app = Flask("fmeg.serve")
-    lock = threading.Lock()
+    lock = broadcast.lock
     tokenizer = model.tokenizer
 
     def start(job: Job, p: dict, who: str) -> tuple[Iterator, list | None, list]:
@@ -214,10 +214,6 @@ def chunk(head: dict, text: str, finish: str | None, logprobs: dict | None = Non
             **({"usage": None} if usage else {})}
 
 
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():  # inference only, and the caller's grad mode stays as it was
         return _main(argv)
@@ -237,13 +233,15 @@ def _main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("flask") is None:
         problems.append('recipes.serve needs Flask: pip install "fmeg[serve]" (or pip install flask)')
     if problems:
-        return refuse(problems, rank)
+        return refuse(problems)
     try:
         model = load_model(a)
     except (ValueError, OSError) as e:
-        return refuse([str(e)], rank)
+        return refuse([str(e)])
     broadcast = Broadcast(world, model.device)
     if rank != 0:
+        for s in STOP_SIGNALS:
+            signal.signal(s, follower_stop)
         follow(model, broadcast)
         dist.destroy_process_group()
         return 0
@@ -268,15 +266,22 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
     print(f"serving {a.load} on http://{a.host}:{server.port} (PUT /api, POST /v1/completions); "
           f"tp {a.tensor_model_parallel_size} x pp {a.pipeline_model_parallel_size}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a clean stop: the other ranks are told to finish
+    for s in STOP_SIGNALS:  # a clean stop: the other ranks are told to finish
+        signal.signal(s, interrupt)
+    broadcast.keep_alive(min(KEEP_ALIVE_S, a.distributed_timeout_minutes * 60 / 4))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        broadcast.send(STOP_SERVING)
-        if world > 1:
-            dist.destroy_process_group()
+        server.server_close()
+        try:
+            with broadcast.lock:  # after the job in flight, if any
+                broadcast.send(STOP_SERVING)
+            if world > 1:
+                dist.destroy_process_group()
+        except RuntimeError:  # a rank already gone, which the launcher names: nothing is left to tell
+            pass
     return 0
 
 

@@ -1,14 +1,20 @@
 """How the ranks of recipes.serve share a job: rank 0 plans it (token ids, seeds, stop rules; a prompt
 that does not fit is a BadRequest before any rank hears of it) and broadcasts it as JSON bytes (never a
 pickle); every other rank follows, running its part of the same generation, and survives a job that fails.
+SIGTERM or SIGINT stops them together: rank 0 (interrupt) ends serving and tells the others to stop; another
+rank (follower_stop) waits for that, and ends alone in one line if it does not come.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import sys
-from typing import Iterator
+import threading
+import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,6 +24,8 @@ from recipes.generate import LoadedModel, encode, stop_on_strings
 from recipes.serve_api import MAX_SEED, BadRequest, Job
 
 STOP_SERVING = b""
+KEEP_ALIVE = b" "  # no job: sent when rank 0 has been idle KEEP_ALIVE_S, so no rank's wait reaches the timeout
+KEEP_ALIVE_S = 60.0
 
 
 def plan(job: Job, model: LoadedModel) -> dict:
@@ -58,23 +66,71 @@ def run_plan(model: LoadedModel, p: dict, prompt_logprobs: list | None, prompt_t
                         prompt_top_logprobs=prompt_top if p.get("top_logprobs") else None)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FOLLOWER_GRACE_S = 5  # how long a signalled rank other than 0 waits for rank 0's stop before it ends alone
+
+
+def interrupt(*_: Any) -> None:
+    """Rank 0's first SIGTERM or SIGINT ends serve_forever; later ones (a launcher forwarding the same stop)
+    are ignored while the ranks are told to finish."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def follower_stop(signum: int, _: Any) -> None:
+    """A rank other than 0, signalled: it keeps waiting for rank 0's stop, which comes when the whole job was
+    signalled (a launcher forwards SIGTERM to every rank); if none comes, it was signalled alone, and it ends
+    with one line and 128 + the signal's number, so that the launcher stops the job."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+    def alone(*_: Any) -> None:
+        print(f"error: rank {os.environ.get('RANK', '?')} was stopped by {signal.Signals(signum).name} while rank 0 "
+              "served on; the server stops (signal the launcher, or every rank, for a clean stop)", file=sys.stderr,
+              flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGALRM, alone)  # a signal, not a thread: a collective's wait holds the GIL
+    signal.alarm(int(FOLLOWER_GRACE_S))
+
+
 class Broadcast:
-    """Rank 0 tells the other ranks the next job (JSON bytes in a uint8 tensor); empty bytes: stop."""
+    """Rank 0 tells the other ranks the next job (JSON bytes in a uint8 tensor); empty bytes: stop. The
+    sender holds `lock` from a job's broadcast to its last step (every rank runs one job at a time);
+    keep_alive() then sends KEEP_ALIVE whenever rank 0 has been idle a while, since an idle server's other
+    ranks wait in a collective, which would otherwise end at the process group's timeout."""
 
     def __init__(self, world: int, device: torch.device):
         self.world, self.device = world, device
+        self.lock, self.stopped = threading.Lock(), False
 
     def send(self, payload: bytes) -> None:
-        if self.world > 1:
+        if self.world > 1 and not self.stopped:
+            self.stopped = payload == STOP_SERVING
             self._exchange(payload)
 
     def receive(self) -> bytes:
         return self._exchange(None)
 
+    def keep_alive(self, every_s: float = KEEP_ALIVE_S) -> None:
+        """On rank 0, in a daemon thread: KEEP_ALIVE every every_s seconds, between jobs, until the stop."""
+        def beat() -> None:
+            while not self.stopped:
+                time.sleep(every_s)
+                with self.lock:
+                    self.send(KEEP_ALIVE)
+
+        if self.world > 1:
+            threading.Thread(target=beat, name="fmeg-serve-keep-alive", daemon=True).start()
+
     def _exchange(self, payload: bytes | None) -> bytes:
         sending = payload is not None
         size = torch.tensor([len(payload) if sending else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=0)
+        work = dist.broadcast(size, src=0, async_op=True)
+        while not sending and not work.is_completed():  # waiting in Python, so that a signal's handler runs
+            time.sleep(0.02)
+        work.wait()
         n = int(size.item())
         data = torch.tensor(list(payload), dtype=torch.uint8, device=self.device) if sending and n else \
             torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -89,6 +145,8 @@ def follow(model: LoadedModel, broadcast: Broadcast) -> None:
         payload = broadcast.receive()
         if payload == STOP_SERVING:
             return
+        if payload == KEEP_ALIVE:
+            continue
         p = json.loads(payload)
         try:
             for _ in run_plan(model, p, [] if p["prompt_logprobs"] else None, []):

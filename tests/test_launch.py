@@ -50,6 +50,30 @@ def test_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
         assert not (tmp_path / f"log{i}").exists() and not (tmp_path / f"ck{i}").exists()
 
 
+REFUSING = """
+import os, sys, time
+from fmeg.cli import print_refusal
+rank = int(os.environ["RANK"])
+if rank in {who}:
+    time.sleep({delay} if rank == 0 else 0)  # rank 0 slowest: the launcher stops it when another rank exits
+    print_refusal(["--data-path d: bad on " + ("rank 1" if {who} == {{1}} else "every rank")])
+    sys.exit(2)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("who, needle", [({1}, "bad on rank 1"), ({0, 1}, "bad on every rank")])
+def test_a_refusal_is_printed_once_whichever_rank_exits_first(tmp_path, who, needle):
+    """Under fmeg.launch each refusal is printed once, by the first rank to reach it: a problem only rank 1
+    meets is not lost (rank 0 printed alone before), nor is one every rank meets when rank 0 is the slowest
+    and is stopped before it prints (1 run in 19 ended with exit 2 and no line)."""
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING.format(who=who, delay=5))
+    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node=2", str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert_one_line(proc, needle, timeout=120)
+
+
 def wait_for(proc, words, timeout=400):
     """Read stdout until a line holds words; the lines read."""
     seen, end = [], time.monotonic() + timeout

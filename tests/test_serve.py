@@ -20,9 +20,9 @@ pytest.importorskip("flask")
 
 
 class Server:
-    def __init__(self, checkpoint, nproc=1, extra=()):
+    def __init__(self, checkpoint, nproc=1, extra=(), launcher="torch.distributed.run"):
         self.port = free_port()
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        launcher = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}"] \
             if nproc > 1 else [sys.executable]
         self.proc = subprocess.Popen(launcher + ["-m", "recipes.serve", "--load", checkpoint, "--port",
                                                  str(self.port), *extra],
@@ -305,7 +305,7 @@ def test_lm_eval_loglikelihood_requests_get_transformers_numbers(server, trained
 
     assert convert(["export-hf", "--load", trained_checkpoint, "--output", str(tmp_path / "hf")]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
-    pairs = [("import os\n", "import sys\n"), ("def main(", "):\n"), ("x = ", "1")]
+    pairs = [("import os\n", "import sys\n"), ("def main(", "):\n"), ("x = ", "1"), ("class A:", "\n    pass")]
     requests = [list(c.encode()) + list(t.encode()) for c, t in pairs]
     status, body = server.request("POST", "/v1/completions", {
         "model": "fmeg", "prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
@@ -324,6 +324,8 @@ def test_lm_eval_loglikelihood_requests_get_transformers_numbers(server, trained
         assert greedy == want_greedy
         lps = choice["logprobs"]
         assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        each = torch.tensor(lps["token_logprobs"][1:len(ids)], dtype=torch.float64)  # every prompt token's
+        assert (each - picked).abs().max().item() < 1e-4, (context, each, picked)
         assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["text_offset"]) == len(ids) + 1
         assert lps["text_offset"] == sorted(lps["text_offset"]) and lps["text_offset"][0] == 0
 
@@ -341,3 +343,52 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone_with_the_likeliest_token
         assert len(top) == 5 and max(top.values()) >= lp - 1e-6
     status, body = server.request("POST", "/v1/completions", {"prompt": prompt, "logprobs": 21})
     assert status == 400 and "logprobs must be an integer from 0 to 20" in body
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    """The process id of a worker of the launcher by its RANK (Linux: /proc)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(entry)
+    raise AssertionError(f"no rank {rank} under {launcher_pid}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="fmeg.launch forwards SIGTERM on Linux")
+def test_an_idle_tensor_parallel_server_outlives_its_timeout_and_sigterm_stops_it_cleanly(trained_checkpoint):
+    """Rank 1 of an idle server waits in a broadcast; rank 0's keep-alive keeps that wait within
+    --distributed-timeout-minutes (3 s here, idle for 9), and SIGTERM to the launcher ends every rank with
+    exit 0 and nothing on stderr (it used to be a KeyboardInterrupt traceback on rank 1 and 143)."""
+    s = Server(trained_checkpoint, nproc=2, launcher="fmeg.launch",
+               extra=["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.05"])
+    try:
+        time.sleep(9)
+        status, body = s.request("PUT", "/api", {"prompts": ["import os\n"], "tokens_to_generate": 4})
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(60)
+        said = s.proc.stdout.read()
+    finally:
+        s.stop()
+    assert status == 200, body
+    assert code == 0 and "Traceback" not in said and "error" not in said, said
+
+
+@pytest.mark.slow  # 15 s; the clean stop is in the default suite
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="fmeg.launch forwards SIGTERM on Linux")
+def test_sigterm_to_one_rank_alone_ends_the_server_with_one_line(trained_checkpoint):
+    s = Server(trained_checkpoint, nproc=2, launcher="fmeg.launch", extra=["--tensor-model-parallel-size", "2"])
+    try:
+        os.kill(_rank_pid(s.proc.pid, 1), signal.SIGTERM)
+        code = s.proc.wait(60)
+        said = s.proc.stdout.read()
+    finally:
+        s.stop()
+    errors = [line for line in said.splitlines() if line.startswith("error:")]
+    assert code == 128 + signal.SIGTERM and "Traceback" not in said, said
+    assert len(errors) == 1 and "rank 1 was stopped by SIGTERM while rank 0 served on" in errors[0], said
