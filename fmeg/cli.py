@@ -1,6 +1,7 @@
 """The command-line parser every fmeg command uses: Megatron's rules (no prefix of a flag is taken for it),
-help printed by rank 0 only under torchrun, each error line once per job (print_refusal), and a usage error as one line naming the flag (with
-the closest flag when there is one) and a pointer to --help, exit 2, instead of the usage text.
+help printed by rank 0 only under torchrun, each error line printed once per job (print_refusal), and a usage
+error as one line naming the flag (with the closest flag when there is one) and a pointer to --help, exit 2,
+instead of the usage text.
 
     p = OneLineParser(prog="python -m recipes.generate")
 """
