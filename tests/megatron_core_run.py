@@ -29,6 +29,8 @@ FAMILIES = {
     "gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
                  normalization="LayerNorm", gated_linear_unit=False, add_bias_linear=True, qk_layernorm=False),
 }
+FAMILIES["gpt2_moe"] = dict(FAMILIES["gpt2"], num_moe_experts=4, moe_router_topk=2,
+                            moe_ffn_hidden_size=64)  # Megatron's default flags with experts: biased router
 FAMILIES["llama_bench"] = dict(FAMILIES["llama"], num_layers=8, hidden_size=512, num_attention_heads=8,
                                num_query_groups=4, ffn_hidden_size=1536)  # bench/megatron_checkpoint.py's
 VOCAB, SEQ = 128, 32
@@ -53,7 +55,7 @@ def model(family: str, tp: int, pp: int, ep: int):
     except Exception:  # noqa: BLE001 - CPU only: without dropout the CUDA RNG tracker has nothing to fork
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     f = dict(FAMILIES[family])
-    gpt2 = family == "gpt2"
+    gpt2 = family.startswith("gpt2")
     config = TransformerConfig(
         **f, activation_func=F.gelu if gpt2 else F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=True, init_method_std=0.05,
@@ -88,8 +90,8 @@ def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> arg
         ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
         num_experts=f.get("num_moe_experts"), moe_ffn_hidden_size=f.get("moe_ffn_hidden_size"),
         normalization=f["normalization"], swiglu=f["gated_linear_unit"], qk_layernorm=f["qk_layernorm"],
-        position_embedding_type="learned_absolute" if family == "gpt2" else "rope",
-        untie_embeddings_and_output_weights=family != "gpt2", padded_vocab_size=VOCAB,
+        position_embedding_type="learned_absolute" if family.startswith("gpt2") else "rope",
+        untie_embeddings_and_output_weights=not family.startswith("gpt2"), padded_vocab_size=VOCAB,
         add_bias_linear=f["add_bias_linear"], bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
         norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
         max_position_embeddings=SEQ, seq_length=SEQ, make_vocab_size_divisible_by=128,

@@ -34,6 +34,8 @@ CONFIGS = {
     "gpt2": LLAMA.replace(num_layers=2, num_kv_heads=4, ffn_hidden_size=256, norm="layernorm", activation="gelu",
                           position="learned", bias=True, tie_embeddings=True),
 }
+CONFIGS["gpt2_moe"] = CONFIGS["gpt2"].replace(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                                              moe_router_bias=True)
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
          "--num-query-groups", "2", "--ffn-hidden-size", "96", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -75,10 +77,12 @@ def one_device_params(root: Path, config: gpt.GPTConfig) -> dict:
     ("llama", 2, 1, 1),
     pytest.param("llama", 1, 2, 1, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", 1, 2, 2, marks=pytest.mark.slow),
-    pytest.param("gpt2", 2, 1, 1, marks=pytest.mark.slow)])
+    pytest.param("gpt2", 2, 1, 1, marks=pytest.mark.slow),
+    ("gpt2_moe", 1, 1, 2)])
 def test_fmeg_gives_megatron_cores_logits_from_its_checkpoint(tmp_path_factory, tmp_path, family, tp, pp, ep):
     """Llama-style (GQA, SwiGLU, RoPE, untied), MoE (Qwen3-MoE-style: q/k norm, sigmoid router with expert bias,
-    a shared expert) and GPT-2-style (LayerNorm with biases, GELU, learned positions, tied) models saved at
+    a shared expert; and GPT-2-style with Megatron's default --add-bias-linear: a bias on the router and the
+    experts) and GPT-2-style (LayerNorm with biases, GELU, learned positions, tied) models saved at
     Megatron's tp / pp / ep; megatron-core's logits come from its own dist_checkpointing.load of the files."""
     root, config = megatron_checkpoint(tmp_path_factory, family, tp, pp, ep), CONFIGS[family]
     tokens = torch.randint(0, 127, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -222,7 +226,8 @@ def _convert(*argv: str) -> None:
 @pytest.mark.parametrize("family, saved", [
     ("llama", (2, 1, 1)),
     pytest.param("qwen3_moe", (1, 2, 2), marks=pytest.mark.slow),
-    pytest.param("gpt2", (2, 1, 1), marks=pytest.mark.slow)])
+    pytest.param("gpt2", (2, 1, 1), marks=pytest.mark.slow),
+    pytest.param("gpt2_moe", (1, 1, 2), marks=pytest.mark.slow)])
 def test_megatron_to_fmeg_to_megatron_is_bitwise(tmp_path_factory, tmp_path, family, saved):
     """import-megatron (the model from the checkpoint's args, its iteration and samples kept), then
     export-megatron: every tensor megatron-core wrote comes back bit for bit, and megatron-core's own load of the

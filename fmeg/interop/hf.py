@@ -169,7 +169,7 @@ def _family_of(c: GPTConfig) -> str:
     """The transformers class of a Llama-style config: Qwen3 (qk norm), Qwen2 (bias on q, k, v only), Llama, and
     with experts Qwen3Moe (qk norm) or Mixtral."""
     if c.num_experts:
-        if c.bias or c.qkv_bias or c.moe_shared_expert_intermediate_size or c.moe_router_score_function != "softmax" \
+        if c.bias or c.qkv_bias or c.moe_router_bias or c.moe_shared_expert_intermediate_size or c.moe_router_score_function != "softmax" \
                 or c.moe_router_num_groups or c.moe_router_topk_scaling_factor:
             raise ValueError("to_hf: Mixtral and Qwen3-MoE have softmax routers, no biases, shared experts, groups "
                              "or scaling")

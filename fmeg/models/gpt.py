@@ -101,6 +101,7 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing (sigmoid routers)
+    moe_router_bias: bool = False  # a bias on the router's logits: megatron-core's router with --add-bias-linear
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "allgather"  # how tokens reach their experts' ranks (the same numbers)
 

@@ -140,6 +140,8 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
     p = {"router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
          "experts": {"fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),
                      "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2")}}
+    if c.moe_router_bias:  # drawn as megatron-core draws it: with the weights' init method
+        p["router"]["bias"] = normal((e,), std, seed, f"{at}.router.bias")
     if c.moe_router_enable_expert_bias:  # steers the choice of experts only: no gradient reaches it
         p["router"]["expert_bias"] = torch.zeros(e)
     if c.moe_shared_expert_intermediate_size:
@@ -171,10 +173,11 @@ TP_RULES = (
 def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """[b, s, E] router logits of the tokens held here (in --moe-router-dtype when given)."""
     weight = replicated_param(p["router"]["weight"], tp)
+    bias = replicated_param(p["router"].get("bias"), tp)
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype)
     if dtype is not None:
-        return ops.linear(x_BSH.to(dtype), weight.to(dtype))
-    return ops.linear(x_BSH, weight)
+        return ops.linear(x_BSH.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    return ops.linear(x_BSH, weight, bias)
 
 
 def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None

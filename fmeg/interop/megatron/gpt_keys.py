@@ -51,6 +51,7 @@ _LAYER = {  # fmeg's path inside layers.{i} -> Megatron's names, and the split d
     "mlp.fc2.weight": ((f"{_D}mlp.linear_fc2.weight",), None),
     "mlp.fc2.bias": ((f"{_D}mlp.linear_fc2.bias",), None),
     "mlp.router.weight": ((f"{_D}mlp.router.weight",), None),
+    "mlp.router.bias": ((f"{_D}mlp.router.bias",), None),
     "mlp.router.expert_bias": ((f"{_D}mlp.router.expert_bias",), None),
     "mlp.experts.fc1.weight": ((f"{_D}mlp.experts.experts.linear_fc1.weight",), 1),
     "mlp.experts.fc1.bias": ((f"{_D}mlp.experts.experts.linear_fc1.bias",), 1),

@@ -68,6 +68,11 @@ def args_for(config: gpt.GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, ma
     padded as Megatron pads it for that tp)."""
     c = config
     gelu_tanh, bias = c.activation == "gelu_tanh", c.bias
+    if c.num_experts and c.moe_router_bias != bias:  # megatron-core's router has a bias exactly with add_bias_linear
+        raise ValueError(f"the model's router {'has' if c.moe_router_bias else 'has no'} bias, while its other "
+                         f"layers {'have' if bias else 'have no'} biases; megatron-core has no such model (an MoE "
+                         "checkpoint of an fmeg before routers took --add-bias-linear's bias: train on without it "
+                         "or with --disable-bias-linear)")
     moe = {} if not c.num_experts else dict(
         num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
         moe_layer_freq=c.moe_layer_freq, moe_router_topk=c.moe_router_topk,
