@@ -326,7 +326,10 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
             "global_load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind == "global_aux_loss"}
     if used["global_load_balancing_loss"]:  # its parts sum over every data rank to the batch's loss
         mean = mean * torch.tensor([1.0, 1.0, float(layout.dp)], device=mean.device)
-    return {name: mean[i] for i, name in enumerate(moe.METRICS) if used[name]}
+    named = {name: mean[i] for i, name in enumerate(moe.METRICS) if used[name]}
+    if kind == "seq_aux_loss" and "load_balancing_loss" in named:  # megatron-core's name for the sequence-level loss
+        named = {("seq_load_balancing_loss" if k == "load_balancing_loss" else k): v for k, v in named.items()}
+    return named
 
 
 def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
