@@ -142,13 +142,34 @@ def test_capacity_keeps_each_experts_best_or_first_tokens(data):
     for expert in range(e):
         routed = [(tok, j) for tok in range(t) for j in range(k) if experts[tok, j] == expert]
         kept = [a for a in routed if keep[a]]
-        if policy == "position":
-            assert kept == routed[:capacity]
+        if policy == "position":  # megatron-core's: whichever torch.topk returns of the equal 0/1 entries
+            assert len(kept) == min(capacity, len(routed))
         else:  # the best `capacity` probabilities (ties may go either way)
             dropped = [a for a in routed if not keep[a]]
             assert len(kept) == min(capacity, len(routed))
             assert not dropped or min(probs[a] for a in kept) >= max(probs[a] for a in dropped)
     assert not keep[experts < 0].any()
+
+
+@pytest.mark.parametrize("policy", moe_ops.DROP_POLICIES)
+@pytest.mark.parametrize("seed", range(4))
+def test_token_dropping_keeps_what_megatron_cores_router_keeps(policy, seed):
+    """megatron-core's router takes a [s, b] microbatch's tokens sequence-major and drops past each expert's
+    capacity by probability or by "position" (apply_router_token_dropping: torch.topk over the routing map);
+    fmeg's route_tokens, given the same logits as [b, s], keeps the same (token, expert) assignments."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    b, s, e, k = 3, 8, 4, 2
+    config = gpt.GPTConfig(vocab_size=16, max_seq_len=s, num_layers=1, hidden_size=8, num_heads=2, num_experts=e,
+                           moe_router_topk=k, moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy)
+    logits = torch.randn(b, s, e, generator=torch.Generator().manual_seed(seed), dtype=f64)
+    logits[:, :, 0] += 2.0  # every token wants expert 0: its capacity drops some
+    probs, experts = moe.route_tokens(logits, config)
+    kept = torch.zeros(b, s, e, dtype=torch.bool).scatter(2, experts, probs > 0)
+    routed, chosen = moe_ops.route(logits.transpose(0, 1).reshape(s * b, e), topk=k)
+    dense = torch.zeros(s * b, e, dtype=f64).scatter(1, chosen, routed)
+    _, theirs = moe_utils.apply_router_token_dropping(dense, dense > 0, k, 0.5, drop_policy=policy)
+    assert 0 < int(kept.sum()) < b * s * k  # some were dropped
+    assert torch.equal(kept, theirs.reshape(s, b, e).transpose(0, 1))
 
 
 @settings(max_examples=30, deadline=None)

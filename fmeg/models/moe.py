@@ -183,11 +183,13 @@ def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = N
 def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs, experts) [b, s, k] for the tokens held here, with token dropping when a capacity is set (the
-    capacity counts these tokens: Megatron's router counts its own sequence chunk). expert_bias [E] steers the
+    capacity counts these tokens: Megatron's router counts its own sequence chunk, and takes its tokens
+    sequence-major, [s, b] flattened, as megatron-core's do: --moe-token-drop-policy position keeps, for each
+    expert, the tokens of the earliest positions of all the sequences first). expert_bias [E] steers the
     choice (sigmoid routers)."""
     b, s, e = logits_BSE.shape
     probs, experts = moe_ops.route(
-        logits_BSE.reshape(b * s, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
+        logits_BSE.transpose(0, 1).reshape(s * b, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
         pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
         group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
         expert_bias=None if expert_bias is None else expert_bias.detach())
@@ -195,7 +197,7 @@ def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | N
         keep = moe_ops.capacity_keep(probs, experts, e, config.moe_expert_capacity_factor,
                                      config.moe_token_drop_policy)
         probs = probs * keep
-    return probs.reshape(b, s, -1), experts.reshape(b, s, -1)
+    return probs.reshape(s, b, -1).transpose(0, 1), experts.reshape(s, b, -1).transpose(0, 1)
 
 
 def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP, aux: AuxLosses = NO_AUX,

@@ -127,7 +127,9 @@ def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int
 def capacity_keep(probs_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, factor: float,
                   policy: str = "probs") -> torch.Tensor:
     """[T, k] bool: which assignments survive each expert's capacity (Megatron's token dropping). "probs"
-    keeps each expert's highest-probability tokens, "position" its first tokens in order."""
+    keeps each expert's highest-probability tokens; "position" is megatron-core's: torch.topk over the 0/1
+    routing map, so among an expert's tokens it keeps those topk returns for equal values (not necessarily
+    the first ones: on CPU often later ones), and the same ones as megatron-core's router on a device."""
     t, k = experts_TK.shape
     cap = capacity(t, num_experts, k, factor)
     if cap >= t:
@@ -138,7 +140,8 @@ def capacity_keep(probs_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts:
         dense = dense.masked_fill(~onehot, -1.0)
         kept = torch.zeros_like(onehot).scatter(0, torch.topk(dense, k=cap, dim=0).indices, True) & onehot
     elif policy == "position":
-        kept = onehot & (onehot.long().cumsum(dim=0) <= cap)
+        kept = torch.zeros_like(onehot).scatter(0, torch.topk(onehot.int(), k=cap, dim=0, sorted=False).indices,
+                                                True) & onehot
     else:
         raise ValueError(f"drop policy must be one of {DROP_POLICIES}, got {policy!r}")
     return kept.gather(1, experts_TK)
