@@ -283,6 +283,11 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     elif args.train_iters is None:
         args.train_iters = 100
     args.notices = megatron_leniencies(args)
+    from fmeg.training.checkpoint_args import router_without_bias
+
+    older = router_without_bias(args)
+    if older:
+        args.notices.append(older)
     return args
 
 

@@ -39,6 +39,23 @@ def model_flags(model: dict) -> dict:
     return flags
 
 
+def router_without_bias(args: argparse.Namespace) -> str | None:
+    """For an MoE checkpoint under --load written before fmeg's routers took --add-bias-linear's bias (its model
+    has experts and biases but no moe_router_bias field): mark args so the run keeps a router without a bias,
+    and return the warning that says so (None otherwise, or when there is nothing readable to look at)."""
+    try:
+        found = checkpoint.latest(args.load) if args.load else None
+        model = json.loads((found / "metadata.json").read_text()).get("model", {}) if found else {}
+    except (checkpoint.CheckpointError, OSError, ValueError, AttributeError):
+        return None  # loading names the problem, in one line
+    if not isinstance(model, dict) or not model.get("num_experts") or not model.get("bias", True) \
+            or "moe_router_bias" in model:
+        return None
+    args.router_without_bias = True
+    return (f"--load {args.load}: its routers have no bias (an fmeg before they took --add-bias-linear's, as "
+            "megatron-core's have); the run keeps them without one")
+
+
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     """Set the model's flags from the newest checkpoint under --load; a one-line problem, or None."""
     try:

@@ -96,7 +96,8 @@ def model_fields(a: argparse.Namespace) -> dict:
         moe_shared_expert_gate=a.moe_shared_expert_gate,
         moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=a.moe_router_bias_update_rate,
-        moe_router_bias=not a.disable_bias_linear,  # megatron-core's router has one with --add-bias-linear
+        # megatron-core's router has one with --add-bias-linear; an older fmeg checkpoint's router has none
+        moe_router_bias=not a.disable_bias_linear and not getattr(a, "router_without_bias", False),
         moe_token_dispatcher_type=a.moe_token_dispatcher_type)
 
 
