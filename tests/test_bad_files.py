@@ -7,7 +7,6 @@ MoE checkpoint transformers has no class for, and unwritable log directories."""
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from pathlib import Path
 
@@ -58,16 +57,14 @@ def _bad_header(path: Path) -> None:
     (path / "model.safetensors").write_bytes(bytes(data))
 
 
-class _WritesAFile:
-    """A pickle that, if anything unpickled it, would leave a file behind (the test checks that none appears)."""
-
-    def __reduce__(self):
-        return Path.touch, (Path("unpickled_and_ran_code"),)
+# A pickle (protocol 0, written out by hand) that, if anything unpickled it, would call
+# builtins.open("unpickled_and_ran_code", "w") and so leave a file behind: the test checks that none appears.
+HOSTILE_PICKLE = b"cbuiltins\nopen\n(Vunpickled_and_ran_code\nVw\ntR."
 
 
 def _pickled_only(path: Path) -> None:
     (path / "model.safetensors").unlink()
-    (path / "pytorch_model.bin").write_bytes(pickle.dumps(_WritesAFile()))
+    (path / "pytorch_model.bin").write_bytes(HOSTILE_PICKLE)
 
 
 def _poison(value: float):
