@@ -124,7 +124,7 @@ def peer_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
 def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
     mesh, layout = Mesh.single(), Layout()
     params = shard_params(gpt.init(config, 0, device=device), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=torch.bfloat16)
+    state = init_state(params, config, layout, mesh, compute_dtype=torch.bfloat16)
 
     def step(batch: dict) -> torch.Tensor:
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,

@@ -44,7 +44,7 @@ def configs(shape: str) -> tuple[gpt.GPTConfig, gpt.GPTConfig, int, int]:
 def step_fn(config: gpt.GPTConfig, device: torch.device, dtype: torch.dtype):
     mesh, layout = Mesh.single(), Layout()
     params = shard_params(gpt.init(config, 0, device=device), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=dtype)
+    state = init_state(params, config, layout, mesh, compute_dtype=dtype)
 
     def step(batch: dict) -> torch.Tensor:
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,

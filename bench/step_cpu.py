@@ -54,7 +54,7 @@ def fmeg_step_fn(params, config, batch, compiled: bool):
     from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
 
     mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
 
     def run():
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,

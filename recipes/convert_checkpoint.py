@@ -136,7 +136,7 @@ def import_hf(args) -> None:
 
     config, params = from_hf(read_model_dir(args.input))
     mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
     save_single_rank(args.save, 0, state, config, {"imported_from": str(args.input)})
     print(f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: {config}")
 
@@ -162,7 +162,7 @@ def import_megatron(args) -> None:
 
     config, params, meta = load_checkpoint(args.input, args.vocab_size)
     mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
     path = save_single_rank(args.save, meta["iteration"], state, config,
                             {"consumed_samples": meta["consumed_samples"],
                              "valid_consumed_samples": meta["valid_consumed_samples"],

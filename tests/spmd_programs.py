@@ -168,9 +168,9 @@ def zero_state_bytes(mesh, config, compute_dtype):
     from fmeg.models import gpt
     from fmeg.training.parallel_step import Layout, init_state, shard_params
 
-    layout = Layout(dp=mesh.size("dp"))
+    layout = Layout(dp=mesh.size("dp"), sharding="optim")
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, distributed=True, compute_dtype=compute_dtype)
+    state = init_state(params, config, layout, mesh, compute_dtype=compute_dtype)
     state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(state.opt_state))
     return (state_bytes - 8, tree.num_params(params), state.flat.padded, tree.tree_leaves(state.params)[0].dtype,
             state.bytes_per_parameter())
@@ -216,7 +216,7 @@ def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, com
     layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"),
                     sequence_parallel=mesh.sequence_parallel, **layout_kwargs)
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, distributed=False, compute_dtype=dtype)
+    state = init_state(params, config, layout, mesh, compute_dtype=dtype)
     losses, norms, graphs = [], [], []
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     for _ in range(iterations):
@@ -397,3 +397,54 @@ def global_balance_loss_parts(mesh, logits_per_rank, config):
         aux = moe.AuxLosses(global_counts=buffer, one_hot=(order == j).float(), seen=(order <= j).float())
         parts.append(moe.balance_losses(logits, config, tp, aux, 0)["global_load_balancing_loss"])
     return torch.stack(parts)
+
+
+def sharded_training(mesh, config, layout_kwargs, microbatches, iterations, dtype=torch.float32, overlap=False,
+                     eval_after=False):
+    """`iterations` steps at the mesh's layout with layout_kwargs (a sharding among them), each data-parallel rank
+    taking its microbatches of the global batch; returns (losses, grad norms, persistent bytes per parameter,
+    validation [loss sum, tokens] after training or None)."""
+    from fmeg.models import gpt
+    from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
+
+    layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"),
+                    sequence_parallel=mesh.sequence_parallel, **layout_kwargs)
+    params = shard_params(gpt.init(config, 0), config, layout, mesh)
+    state = init_state(params, config, layout, mesh, compute_dtype=dtype)
+    losses, norms = [], []
+    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
+    for _ in range(iterations):
+        m = train_iteration(state, microbatches[dp_rank::dp], config=config, layout=layout, mesh=mesh, lr=1e-2,
+                            weight_decay=0.01, clip_grad=1.0, overlap_grad_reduce=overlap,
+                            bucket_numel=500 if overlap else None)
+        losses.append(None if m["loss"] is None else float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    pair = evaluate(state.params, microbatches[dp_rank::dp], config=config, layout=layout, mesh=mesh,
+                    use=state.use) if eval_after else None
+    return losses, norms, state.bytes_per_parameter(), None if pair is None else pair.tolist()
+
+
+def sharded_grad_sync_mean(mesh, grads_per_rank, replicated, bucket_numel, order, microbatches):
+    """ShardedGradSync over the dp group: each microbatch hands this rank's gradients (divided by microbatches)
+    over leaf by leaf in `order`; returns (this rank's slice after settle, the replicated leaves' whole means)."""
+    from fmeg import tree
+    from fmeg.parallel.sharded_grads import ShardedGradSync
+    from fmeg.parallel.zero import FlatBuffer
+    from fmeg.training.flat_state import unit_of
+
+    group = mesh.group("dp")
+    mine = grads_per_rank[mesh.coord("dp")]
+    layout = FlatBuffer.of(mine, mesh.size("dp"))
+    acc = torch.full((layout.padded // mesh.size("dp"),), float("nan"), dtype=torch.float64)
+    sync = ShardedGradSync(mine, group, acc, unit_of=unit_of, replicated=frozenset(replicated),
+                           bucket_numel=bucket_numel)
+    flat = {s: tree.flatten(g) for s, g in mine.items()}
+    for _ in range(2):  # a second iteration starts from nothing
+        sync.reset()
+        for m in range(microbatches):
+            for stage, path in order:
+                sync.add(stage, {path: flat[stage][path] / microbatches}, final=m == microbatches - 1)
+        sync.finish()
+        whole = {p: sync.leaf(p).clone() for p in replicated}
+        sync.settle()
+    return acc.clone(), whole

@@ -20,8 +20,7 @@ CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_
 
 def one_rank_state(config=CONFIG, seed=0):
     mesh, layout = Mesh.single(), Layout()
-    return init_state(shard_params(gpt.init(config, seed), config, layout, mesh), config, layout, mesh,
-                      distributed=False)
+    return init_state(shard_params(gpt.init(config, seed), config, layout, mesh), config, layout, mesh)
 
 
 def save_one(root, iteration, config=CONFIG):

@@ -18,6 +18,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.checkpoint_state import count_piece, held_zeros, placements, regions, save_pieces
 from fmeg.training.expert_state import split_experts
+from fmeg.training.flat_state import SHARDINGS
 from fmeg.training.parallel_step import Layout, init_state, shard_params
 from fmeg.training.run_state import read_state
 
@@ -31,7 +32,7 @@ def layouts(draw, moe: bool) -> Layout:
     chunks = draw(st.sampled_from([1, 2])) if pp > 1 else 1
     ep = draw(st.sampled_from([e for e in (1, 2, 4) if (cp * dp) % e == 0])) if moe else 1
     etp = draw(st.sampled_from([None, 1])) if moe and tp > 1 else None
-    return Layout(tp=tp, pp=pp, chunks=chunks, dp=dp, cp=cp, ep=ep, etp=etp, zero=draw(st.booleans()))
+    return Layout(tp=tp, pp=pp, chunks=chunks, dp=dp, cp=cp, ep=ep, etp=etp, sharding=draw(st.sampled_from(SHARDINGS)))
 
 
 def mesh_of(layout: Layout, rank: int) -> Mesh:
@@ -53,7 +54,7 @@ def full_trees(config: gpt.GPTConfig) -> dict:
 def state_of(config, layout: Layout, mesh: Mesh, dtype: torch.dtype, values: dict | None):
     """A rank's state whose buffers hold its share of values (None: zeros, to be read into)."""
     local = shard_params(values["params"], config, layout, mesh) if values else held_zeros(config, layout, mesh)
-    state = init_state(local, config, layout, mesh, distributed=layout.zero, compute_dtype=dtype)
+    state = init_state(local, config, layout, mesh, compute_dtype=dtype)
     for kind in ("main", "mu", "nu") if values else ():
         mine = shard_params(values[kind], config, layout, mesh)
         trees = split_experts(mine) if len(state.parts) > 1 else (mine,)
@@ -111,7 +112,7 @@ def test_a_replicated_block_is_written_once_whether_or_not_its_replicas_share_th
     """dp 2 x tp 2 in bf16 with ZeRO-1: the cells of all files together hold each element of each global tensor
     once (a norm weight is held by all 4 ranks, a qkv block by 2); fully parallel, the replicas share the writing
     of the weights, otherwise the first data-parallel rank writes them (every rank writes its own slices)."""
-    layout, spread = Layout(tp=2, dp=2, zero=True), {}
+    layout, spread = Layout(tp=2, dp=2, sharding="optim"), {}
     for fully in (True, False):
         path = save(tmp_path / str(fully), BASE, layout, torch.bfloat16, fully)
         with checkpoint.Checkpoint.open(path) as ckpt:

@@ -49,6 +49,33 @@ def test_bucketed_mean_equals_the_per_leaf_mean_on_thread_ranks(stage_shapes, dp
     check(results, per_rank, owner_slices, replicated, dp)
 
 
+@given(stage_shapes=st.lists(shapes, min_size=1, max_size=2), dp=st.sampled_from([2, 3, 4]),
+       bucket_numel=st.integers(1, 60), microbatches=st.integers(1, 3), reverse=st.booleans(), data=st.data())
+def test_sharded_gradients_hold_the_slice_of_the_mean_on_thread_ranks(stage_shapes, dp, bucket_numel, microbatches,
+                                                                      reverse, data):
+    """optim_grads: each microbatch's buckets reduced to their owners add up to the owner's slice of the mean;
+    replicated leaves are whole means, their owned parts in the slice."""
+    per_rank = per_rank_grads(dict(enumerate(stage_shapes)), dp, seed=len(stage_shapes))
+    paths = [path for path, _ in tree.items(per_rank[0])]
+    replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2))
+    order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)]
+    results = run("threads", dp, P.sharded_grad_sync_mean, per_rank, sorted(replicated), bucket_numel, order,
+                  microbatches, tp=1)
+    check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), dp)
+    want = tree.flatten(tree.tree_map(lambda *xs: sum(xs) / dp, *per_rank))
+    for _, whole in results:
+        for path, g in whole.items():
+            torch.testing.assert_close(g, want[path], msg=path)
+
+
+def test_sharded_gradients_on_gloo():
+    per_rank = per_rank_grads({0: [(10, 10), (10,), (3,)], 1: [(20, 5), (7, 7)]}, 2, seed=0)
+    paths = [path for path, _ in tree.items(per_rank[0])]
+    order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in reversed(paths)]
+    results = run("gloo", 2, P.sharded_grad_sync_mean, per_rank, ["0.w.1"], 40, order, 2, tp=1)
+    check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), 2)
+
+
 @pytest.mark.parametrize("owner_slices", [False, True])
 def test_bucketed_mean_on_gloo(owner_slices):
     per_rank = per_rank_grads({0: [(10, 10), (10,), (3,)], 1: [(20, 5), (7, 7)]}, 2, seed=0)

@@ -23,7 +23,7 @@ def config(layers):
 def state_with_grads(layers, dtype=torch.float32, seed=0):
     c, mesh, layout = config(layers), Mesh.single(), Layout()
     params = shard_params(gpt.init(c, seed), c, layout, mesh)
-    state = init_state(params, c, layout, mesh, distributed=False, compute_dtype=dtype)
+    state = init_state(params, c, layout, mesh, compute_dtype=dtype)
     state.grad.normal_(generator=torch.Generator().manual_seed(seed))
     state.grad[state.flat.numel:] = 0.0  # the padding never holds gradient
     return params, state, mesh
@@ -81,7 +81,7 @@ def test_a_bf16_gradient_buffer_steps_as_its_fp32_copy_would():
     _, fp32_grads, mesh = state_with_grads(2, torch.bfloat16)
     c, layout = config(2), Layout()
     params = shard_params(gpt.init(c, 0), c, layout, mesh)
-    bf16_grads = init_state(params, c, layout, mesh, distributed=False, compute_dtype=torch.bfloat16,
+    bf16_grads = init_state(params, c, layout, mesh, compute_dtype=torch.bfloat16,
                             grad_dtype=torch.bfloat16)
     assert bf16_grads.grad.dtype == torch.bfloat16
     fp32_grads.grad.copy_(fp32_grads.grad.bfloat16())

@@ -220,8 +220,7 @@ def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
     batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1)}
     after = {}
     for decoupled_lr in (None, 1e-2, 0.0):
-        state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                           distributed=False)
+        state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh)
         train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-2, weight_decay=0.1,
                         clip_grad=1.0, decoupled_lr=decoupled_lr)
         after[decoupled_lr] = {p: v.clone() for p, v in tree.items(state.params)}
@@ -275,7 +274,7 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
         return total / sum(gpt.loss_tokens(mb) for mb in microbatches)
 
     want_grads, want_loss = torch.func.grad_and_value(per_token)(params)
-    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh, distributed=False)
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
     m = train_iteration(state, microbatches, config=config, layout=layout, mesh=mesh, lr=0.0, weight_decay=0.0,
                         clip_grad=0.0, per_token=True)
     torch.testing.assert_close(m["loss"], want_loss)

@@ -149,6 +149,25 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypat
                               warmup=8, decay=80, weight_decay=0.1, decoupled=(5e-4, 4.5e-5))
 
 
+# The Megatron-FSDP user guide's required and recommended flags, added to the Llama 3 8B script.
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--no-gradient-accumulation-fusion", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+                 "--calculate-per-token-loss", "--init-model-with-meta-device", "--grad-reduce-in-bf16",
+                 "--fsdp-double-buffer", "--use-nccl-ub"]
+
+
+@pytest.mark.slow
+def test_llama3_8b_script_with_megatron_fsdp_flags_trains_saves_and_resumes(tmp_path):
+    ckpt, cache, logs = str(tmp_path / "ckpt"), str(tmp_path / "cache"), str(tmp_path / "tb")
+    records, stdout, resumed, stdout2 = train_then_resume(tmp_path, 2, llama3_8b(ckpt, cache, logs, 48) + MEGATRON_FSDP,
+                                                          llama3_8b(ckpt, cache, logs, 96) + MEGATRON_FSDP)
+    assert "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2, sharded optim_grads_params" in stdout
+    for flag in ("--fsdp-double-buffer", "--use-nccl-ub", "--init-model-with-meta-device"):
+        assert f"ignored {flag}: " in stdout
+    train = [r for r in records + resumed if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(1, 13)) and "resumed from" in stdout2
+
+
 @pytest.mark.slow  # the script with mock data stays in the default suite
 def test_llama3_8b_script_with_real_data_and_a_hugging_face_tokenizer_directory(tmp_path):
     """The script's real-data branch: --tokenizer-type HuggingFaceTokenizer with --tokenizer-model naming a

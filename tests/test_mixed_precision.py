@@ -62,7 +62,7 @@ def step(dtype, scale):
     """(the state's tensors before, after, metrics) of one step, which updates the state in place."""
     mesh, layout = Mesh.single(), Layout()
     params = shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh)
-    state = init_state(params, CONFIG, layout, mesh, distributed=False, compute_dtype=dtype)
+    state = init_state(params, CONFIG, layout, mesh, compute_dtype=dtype)
     t = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     batch = [{"tokens": t[:, :-1], "labels": t[:, 1:]}]
     before = [x.clone() for x in tree.tree_leaves((state.params, state.opt_state))]

@@ -37,7 +37,7 @@ def test_a_bf16_iteration_does_its_matmuls_in_bf16(style):
                                            num_heads=4, num_kv_heads=2 if style == "llama" else None)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                       distributed=False, compute_dtype=torch.bfloat16)
+                       compute_dtype=torch.bfloat16)
     tokens = torch.randint(0, config.vocab_size, (4, 65), generator=torch.Generator().manual_seed(0))
     microbatch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(4, 64)}
     with MatmulFlopsByDtype() as counted:

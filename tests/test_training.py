@@ -20,7 +20,7 @@ def setup(style="gpt2", **kw):
         base["num_kv_heads"] = 2
     config = getattr(gpt.GPTConfig, style)(**{**base, **kw})
     params = shard_params(gpt.init(config, 0), config, LAYOUT, MESH)
-    return config, init_state(params, config, LAYOUT, MESH, distributed=False)
+    return config, init_state(params, config, LAYOUT, MESH)
 
 
 def step(state, config, batch, lr=1e-3, weight_decay=0.0, clip_grad=1.0, compile=None):

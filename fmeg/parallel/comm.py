@@ -17,6 +17,7 @@ alone until the returned handle's wait() has returned:
 
     all_reduce_async(x)               x becomes the sum over the group
     reduce_async(x, dst)              on group rank dst, x becomes the sum; elsewhere x is scratch
+    broadcast_async(x, src)           x becomes group rank src's x
 
 Implementations: TorchGroup (a torch.distributed process group: gloo or NCCL), ThreadGroup (ranks as
 threads of one process, for tests and notebooks) and RecordingGroup (counts bytes, wraps either).
@@ -61,6 +62,9 @@ class TorchGroup:
 
     def reduce_async(self, x: torch.Tensor, dst: int) -> Any:
         return dist.reduce(x, group=self.pg, group_dst=dst, async_op=True)
+
+    def broadcast_async(self, x: torch.Tensor, src: int) -> Any:
+        return dist.broadcast(x, group=self.pg, group_src=src, async_op=True)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -188,6 +192,12 @@ class ThreadGroup:
             x.copy_(total)
         return _Done()
 
+    def broadcast_async(self, x: torch.Tensor, src: int) -> "_Done":
+        value = self._exchange(x.clone())[src]
+        if self.rank != src:
+            x.copy_(value)
+        return _Done()
+
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(x), dim=dim)
 
@@ -267,6 +277,10 @@ class RecordingGroup:
     def reduce_async(self, x: torch.Tensor, dst: int) -> Any:
         self.log.append(("reduce", x.numel() * x.element_size()))
         return self.inner.reduce_async(x, dst)
+
+    def broadcast_async(self, x: torch.Tensor, src: int) -> Any:
+        self.log.append(("broadcast", x.numel() * x.element_size()))
+        return self.inner.broadcast_async(x, src)
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.log.append(("all_gather", x.numel() * x.element_size() * self.size))

@@ -147,6 +147,10 @@ class GradSync:
             self.buffer.div_(self.divisor)
         return self
 
+    def settle(self) -> "GradSync":
+        """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned parts here)."""
+        return self
+
     def tree(self) -> dict[int, Any]:
         """{stage: gradient tree} as views into the buffer (valid where this rank holds the mean)."""
         return tree.tree_unflatten([self._view(i) for i in range(len(self.paths))], self.spec)
@@ -173,13 +177,14 @@ class GradSync:
 
 
 def _buckets(sizes: list[int], padded: int, owners: int, replicated: set[int],
-             bucket_numel: int) -> list[tuple[int, int, list[int], int | None]]:
+             bucket_numel: int, extra_cuts: set[int] = frozenset()) -> list[tuple[int, int, list[int], int | None]]:
     """[(start, end, leaves it touches, owner rank or None for an all-reduce)], in the order backward fills
     them: element ranges cut at leaf boundaries once they hold bucket_numel elements, always cut at the
-    owners' slice boundaries and around replicated leaves (which are all-reduced even with owners > 1)."""
+    owners' slice boundaries, around replicated leaves (which are all-reduced even with owners > 1) and at
+    extra_cuts (leaf boundaries)."""
     offsets = list(itertools.accumulate(sizes, initial=0))
     slice_size = padded // owners
-    hard = {k * slice_size for k in range(owners + 1)}
+    hard = {k * slice_size for k in range(owners + 1)} | set(extra_cuts)
     for i in replicated:
         hard |= {offsets[i], offsets[i + 1]}
     cuts = sorted(hard | set(offsets))

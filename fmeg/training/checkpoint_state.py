@@ -138,7 +138,7 @@ def regions(state: Any, places: list, kinds: tuple[str, ...] = KINDS, *, buffers
                     at = start + flat - first
                     offset = tuple(o + g for o, g in zip(box.offset, place.block.offset))
                     out.append(Region(p, kind, place, Box(offset, box.shape),
-                                      buffer[at:at + box.numel].view(box.shape), part.zero and kind != "params"))
+                                      buffer[at:at + box.numel].view(box.shape), kind in part.sliced_kinds))
     return out
 
 

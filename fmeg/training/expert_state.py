@@ -14,6 +14,7 @@ tp x ep x pp group instead of tp x pp.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -86,29 +87,29 @@ class _SplitSync:
         self.experts.finish()
         return self
 
-    def tree(self) -> dict[int, Any]:
-        return self.dense.tree()
+    def settle(self) -> "_SplitSync":
+        self.dense.settle()
+        return self
 
     def leaf(self, path: str) -> torch.Tensor:
         return self.dense.leaf(path)
 
 
 class ExpertSplitState:
-    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, distributed: bool, dp: int,
+    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, sharding: str, dp: int,
                  **flat_state_options: Any):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
-        With the distributed optimizer the dense state is sharded over dp x cp (the ranks holding the same dense
+        Sharded (FlatState's sharding) the dense state is sliced over dp x cp (the ranks holding the same dense
         weights), the experts' over expert_dp; dp: the data-parallel size, which both parts' summed gradients are
         divided by."""
         dense, experts = split_experts(params)
         edp = mesh.size("expert_dp")
-        self.mesh, self.dp, self.zero = mesh, dp, distributed
-        self.dense = FlatState(dense, counted, distributed=distributed, dp=mesh.size("dp_cp"),
-                               dp_rank=mesh.coord("dp_cp"),
-                               **flat_state_options)
+        self.mesh, self.dp, self.zero = mesh, dp, sharding != "no_shard"
+        self.dense = FlatState(dense, counted, sharding=sharding, dp=mesh.size("dp_cp"),
+                               dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), **flat_state_options)
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
-        self.experts = FlatState(experts, counted, distributed=distributed, dp=edp,
-                                 dp_rank=mesh.coord("expert_dp"), **flat_state_options) \
+        self.experts = FlatState(experts, counted, sharding=sharding, dp=edp, dp_rank=mesh.coord("expert_dp"),
+                                 dp_group=mesh.group("expert_dp"), **flat_state_options) \
             if tree.tree_leaves(experts) else None
         self.params = {s: merge(self.dense.params[s], self.experts.params[s]) for s in params} \
             if self.experts else self.dense.params
@@ -146,6 +147,24 @@ class ExpertSplitState:
         experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap,
                                          divisor=divisor)
         return _SplitSync(dense, experts)
+
+    @contextlib.contextmanager
+    def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.use(stage, keys, backward))
+            yield
+
+    @contextlib.contextmanager
+    def all_weights(self):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.all_weights())
+            yield
+
+    def end_iteration(self) -> None:
+        for part in self.parts:
+            part.end_iteration()
 
     def add_(self, path: str, delta: torch.Tensor) -> None:
         (self.experts if is_expert(path) else self.dense).add_(path, delta)

@@ -1,7 +1,8 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
-    state = FlatState(params, counted, distributed=zero, dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
+    state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
     state.params, state.opt_state        # {stage: tree} views of the buffers
+    with state.use(stage, ("layers.3",)):   # a segment's weights readable (gathered when sharded)
     state.buffers(), state.leaves()      # what checkpoints save and load (fmeg.training.checkpoint_state)
     sync = state.grad_sync(dp_group, ...)   # backward accumulates into it: the dp mean gradient in state.grad
     g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
@@ -9,27 +10,32 @@
 
 dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel group with
 context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as zero.FlatBuffer lays
-out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With the distributed optimizer
-(ZeRO-1) this rank owns the slice [lo, hi) of it:
+out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With any sharding but
+no_shard this rank owns the slice [lo, hi) of it; the sharding (Megatron-FSDP's strategies, SHARDINGS) says
+which buffers are only that slice:
 
-    weights  [padded] compute dtype   what the model reads; state.params are views of it
-    grad     [padded] grad_dtype      the data-parallel mean gradient: fp32, or as Megatron's fp16 default and
-                                      --grad-reduce-in-bf16, accumulated and reduced in half precision
-    grad32   [hi - lo] fp32           with a half-precision grad only: the owned slice in fp32 (main_grad())
-    main     fp32 master weights      [padded], or [hi - lo] with ZeRO-1; absent in fp32 (weights are the master)
-    mu, nu   fp32 Adam moments        [padded], or [hi - lo] with ZeRO-1
+                                      no_shard   optim (ZeRO-1)  optim_grads   optim_grads_params
+    weights  compute dtype            whole      whole           whole         slice (units gathered to use)
+    grad     grad_dtype: fp32, or     whole      whole           slice         slice
+             fp16/bf16 (Megatron's fp16 default, --grad-reduce-in-bf16)
+    grad32   fp32 copy of a half-precision grad's owned part (main_grad())
+    main     fp32 master weights      whole      slice           slice         slice (absent in fp32)
+    mu, nu   fp32 Adam moments        whole      slice           slice         slice
 
-Persistent bytes per parameter: 18 at bf16 (2 + 4 + 4 + 8), 16 at fp32; with ZeRO-1, 2 + 4 + 12 / dp at bf16
-and 4 + 4 + 8 / dp at fp32; a half-precision grad saves 2 and its fp32 copy costs 4 (4 / dp with ZeRO-1).
+state.params are views of the weights, or with optim_grads_params of per-unit buffers that ShardedParams fills
+inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8), 2 + 4 + 12 / dp (optim),
+2 + 16 / dp (optim_grads), 18 / dp (optim_grads_params); at fp32, 16, 4 + 4 + 8 / dp, 4 + 12 / dp, 16 / dp. A
+half-precision grad saves 2 (or 2 / dp) and its fp32 copy costs 4 / dp (4 whole).
 The step is the same few whole-buffer ops whatever the number of leaves: the global norm (one foreach norm
 over the owned pieces of the leaves, each parameter counted once), then torch's fused AdamW kernel over the
 owned slice, one call per (learning rate, weight decay or not) group, with the clip as its grad_scale (a
 device tensor: no host sync, no pass of its own) and the decoupled weight decay inside it, and the refresh
-of the compute weights from the master (with ZeRO-1, an all-gather).
+of the compute weights from the master (optim and optim_grads: an all-gather).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -37,41 +43,64 @@ import torch
 from fmeg import tree
 from fmeg.optim import AdamState, default_decay_mask
 from fmeg.parallel.data_parallel import GradSync
+from fmeg.parallel.sharded_grads import ShardedGradSync
+from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
+
+# What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy): nothing, the
+# optimizer state (ZeRO-1, --use-distributed-optimizer), also the gradients, also the compute weights.
+SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def unit_of(path: str) -> str:
+    """The unit of sharded gradients' buckets and gathered weights a leaf ("stage.path") belongs to: its layer
+    ("0.layers.3"), or its top-level part ("0.embedding", "1.final_norm")."""
+    parts = path.split(".")
+    return ".".join(parts[:3] if parts[1] == "layers" else parts[:2])
 
 
 class FlatState:
-    def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, distributed: bool,
+    def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, sharding: str,
                  dp: int, dp_rank: int, compute_dtype: torch.dtype, adam: tuple[float, float, float],
                  decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
                  decoupled: Callable[[str, torch.Tensor], bool] | None = None,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, dp_group: Any = None):
         """params: this rank's fp32 {stage: tree}; counted(path, leaf): whether the leaf counts toward the
         global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
         whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output);
-        grad_dtype: the dtype gradients are accumulated and reduced in."""
-        self.flat, self.zero, self.adam = FlatBuffer.of(params, dp), distributed, adam
+        grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced over dp
+        (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params)."""
+        if sharding not in SHARDINGS:
+            raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
+        self.sharding = sharding
+        self.zero = sharding != "no_shard"
+        self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
+        self.shard_params = sharding == "optim_grads_params"
+        self.flat, self.adam = FlatBuffer.of(params, dp), adam
         size = self.flat.padded // dp
-        self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if distributed else (0, self.flat.padded)
+        self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
         self.dp_rank = dp_rank
         sizes = [leaf.numel() for _, leaf in tree.items(params)]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._where = {path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)}
         device = tree.tree_leaves(params)[0].device
         fp32 = self.flat.flatten(params)
-        self.weights = fp32.to(device=device, dtype=compute_dtype)
-        self.grad = torch.zeros_like(fp32, device=device, dtype=grad_dtype)
+        owned = self.hi - self.lo
+        held = fp32[self.lo:self.hi] if self.shard_params else fp32
+        self.weights = held.to(device=device, dtype=compute_dtype)
+        self.grad = torch.zeros(owned if self.shard_grads else self.flat.padded, device=device, dtype=grad_dtype)
         mixed = compute_dtype != torch.float32
         self.main = fp32[self.lo:self.hi].clone() if mixed else None
-        owned = self.hi - self.lo
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device)
         self.nu = torch.zeros(owned, device=device)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
         self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
-        self.params = self.flat.views(self.weights)
+        self.gathered = ShardedParams(params, self.weights, dp_group, dp=dp, rank=dp_rank, unit_of=unit_of) \
+            if self.shard_params else None
+        self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
         pieces = self._owned_pieces(params)
-        self._owned_grad = owned_grad = self.grad32 if self.grad32 is not None else self.grad[self.lo:self.hi]
+        self._owned_grad = owned_grad = self.grad32 if self.grad32 is not None else self._owned(self.grad)
         self._norm_pieces = [owned_grad[a:b] for _, _, a, b in pieces]
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
@@ -80,6 +109,10 @@ class FlatState:
         self._adam_views = {group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
                             for group, runs in self._groups.items()}  # made once: the step slices nothing
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
+
+    def _owned(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's slice [lo, hi) of a buffer laid out whole or already only the slice."""
+        return buffer if buffer.numel() == self.hi - self.lo else buffer[self.lo:self.hi]
 
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
                   overlap: bool = False, divisor: int | None = None) -> GradSync:
@@ -90,8 +123,12 @@ class FlatState:
         cached = getattr(self, "_grad_sync", None)
         if cached is not None and cached[0] == key:
             return cached[1].reset()
-        sync = GradSync(self.params, group, owner_slices=self.zero, bucket_numel=bucket_numel,
-                        replicated=replicated, buffer=self.grad, overlap=overlap, divisor=divisor)
+        if self.shard_grads:
+            sync = ShardedGradSync(self.params, group, self.grad, unit_of=unit_of, replicated=replicated,
+                                   bucket_numel=bucket_numel, divisor=divisor)
+        else:
+            sync = GradSync(self.params, group, owner_slices=self.zero, bucket_numel=bucket_numel,
+                            replicated=replicated, buffer=self.grad, overlap=overlap, divisor=divisor)
         self._grad_sync = (key, sync)
         return sync
 
@@ -99,7 +136,7 @@ class FlatState:
         """The owned slice of the gradient in fp32, which step() reads: a view of grad, or (a half-precision
         grad) its fp32 copy, refreshed here; unscaling and overflow checks belong on it, in fp32."""
         if self.grad32 is not None:
-            self.grad32.copy_(self.grad[self.lo:self.hi])
+            self.grad32.copy_(self._owned(self.grad))
         return self._owned_grad
 
     def _adam_groups(self, pieces: list, decay_mask: Callable, decoupled: Callable | None
@@ -131,7 +168,7 @@ class FlatState:
     @property
     def master(self) -> torch.Tensor:
         """The fp32 weights the optimizer updates: main, or (fp32 compute) the owned part of weights."""
-        return self.main if self.main is not None else self.weights[self.lo:self.hi]
+        return self.main if self.main is not None else self._owned(self.weights)
 
     @property
     def opt_state(self) -> dict:
@@ -150,6 +187,26 @@ class FlatState:
     def parts(self) -> tuple["FlatState", ...]:
         return (self,)
 
+    @property
+    def sliced_kinds(self) -> frozenset[str]:
+        """The buffers() kinds held as this rank's slice [lo, hi) rather than whole."""
+        if not self.zero:
+            return frozenset()
+        return frozenset({"main", "mu", "nu"} | ({"params"} if self.shard_params else set()))
+
+    def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False):
+        """A context in which a segment's weights (keys inside stage; None: all of it) can be read: gathered
+        with sharded weights (ShardedParams.use), always readable otherwise."""
+        return self.gathered.use(stage, keys, backward) if self.gathered else contextlib.nullcontext()
+
+    def all_weights(self):
+        """A context in which every weight of state.params can be read."""
+        return self.gathered.everything() if self.gathered else contextlib.nullcontext()
+
+    def end_iteration(self) -> None:
+        if self.gathered:
+            self.gathered.end_iteration()
+
     def leaves(self) -> list[tuple[str, torch.Size, int]]:
         """(stage.path, local shape, flat start) of every leaf, in the buffers' order."""
         return [(path, shape, self._where[path][0]) for path, shape in zip(self._where, self.flat.shapes)]
@@ -158,7 +215,8 @@ class FlatState:
         """What checkpoints save and load, by kind, each with the flat index of its first element: params (the
         compute weights, whole), main (fp32 master weights; absent in fp32, where the weights are the master), mu
         and nu (Adam's moments); the last three are the slice [lo, hi) with ZeRO-1."""
-        out = {"params": (self.weights, 0), "mu": (self.mu, self.lo), "nu": (self.nu, self.lo)}
+        out = {"params": (self.weights, self.lo if self.shard_params else 0), "mu": (self.mu, self.lo),
+               "nu": (self.nu, self.lo)}
         if self.main is not None:
             out["main"] = (self.main, self.lo)
         return out
@@ -173,7 +231,7 @@ class FlatState:
         """The optimizer state a new run starts with, for the weights held now: the master from the weights, zero
         moments, step count 0 (--finetune, --no-load-optim)."""
         if self.main is not None:
-            self.main.copy_(self.weights[self.lo:self.hi])
+            self.main.copy_(self._owned(self.weights))
         self.mu.zero_()
         self.nu.zero_()
         self.set_count(0)
@@ -215,8 +273,12 @@ class FlatState:
                                 maximize=False, grad_scale=grad_scale)
 
     def refresh(self, dp_group: Any) -> None:
-        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group)."""
-        if self.zero and dp_group is not None:
+        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group; with
+        sharded weights, the owned slice only: units are gathered when used)."""
+        if self.gathered is not None:
+            if self.main is not None:
+                self.weights.copy_(self.main)
+        elif self.zero and dp_group is not None:
             self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
         elif self.main is not None:
             self.weights.copy_(self.main)
@@ -227,11 +289,13 @@ class FlatState:
         compute weights and in the fp32 master where there is one (its owned part under ZeRO-1)."""
         start, n = self._where[path]
         delta = delta.reshape(-1).to(self.weights.device)
-        self.weights[start:start + n] += delta.to(self.weights.dtype)
-        if self.main is not None:
-            a, b = max(start, self.lo), min(start + n, self.hi)
-            if a < b:
-                self.main[a - self.lo:b - self.lo] += delta[a - start:b - start]
+        a, b = max(start, self.lo), min(start + n, self.hi)
+        if self.gathered is None:
+            self.weights[start:start + n] += delta.to(self.weights.dtype)
+        elif a < b:
+            self.weights[a - self.lo:b - self.lo] += delta[a - start:b - start].to(self.weights.dtype)
+        if self.main is not None and a < b:
+            self.main[a - self.lo:b - self.lo] += delta[a - start:b - start]
 
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""

@@ -24,7 +24,8 @@ IGNORED_SWITCHES = {
     "--no-save-rng": "dropout is counter-based (seed, iteration, position): checkpoints hold no RNG state",
     "--log-throughput": "the log line always shows throughput",
     "--manual-gc": "a memory-management policy: fmeg leaves Python's garbage collector alone",
-    "--overlap-param-gather": "an overlap policy: the distributed optimizer all-gathers right after its step",
+    "--overlap-param-gather": "an overlap policy: the distributed optimizer all-gathers right after its step, and "
+                              "sharded weights always gather the next layer during the current one",
     "--cross-entropy-loss-fusion": "the output projection and the loss are always one fused op",
     "--no-mmap-bin-files": "a memory policy: .bin files are always memory-mapped",
     "--profile": "fmeg has no built-in profiler; wrap the run in torch.profiler or nsys",
@@ -113,11 +114,6 @@ LATER_WORK = {
     "--multi-latent-attention": ({"action": "store_true"}, (False,), "multi-latent attention (DeepSeek's MLA)"),
     "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
-    "--use-megatron-fsdp": ({"action": "store_true"}, (False,), "FSDP"),
-    "--use-torch-fsdp2": ({"action": "store_true"}, (False,), "FSDP"),
-    "--data-parallel-sharding-strategy": ({"default": "no_shard",
-                                           "choices": ["no_shard", "optim", "optim_grads", "optim_grads_params"]},
-                                          ("no_shard",), "FSDP"),
 }
 
 
@@ -135,11 +131,12 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
 
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
-    from fmeg.training import moe_flags
+    from fmeg.training import fsdp_flags, moe_flags
 
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
     return [f"{flag}: {why}" for flag, why in given.items()
-            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)] + moe_flags.ignored(a)
+            if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)] + moe_flags.ignored(a) + \
+        fsdp_flags.ignored(a)
 
 
 def activation(a: argparse.Namespace) -> str:

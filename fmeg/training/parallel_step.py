@@ -38,13 +38,18 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
-    zero: bool = False  # the distributed optimizer: Adam's state sharded over dp (ZeRO-1)
+    sharding: str = "no_shard"  # what data-parallel ranks keep a slice of (flat_state.SHARDINGS); "optim": ZeRO-1
     micro_batch_size: int = 1
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
     etp: int | None = None  # the experts' tensor parallelism (None: tp)
     cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
     cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
     cp_a2a: int = 1  # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
+
+    @property
+    def zero(self) -> bool:
+        """Whether the optimizer state is sliced over data parallelism (the distributed optimizer, or more)."""
+        return self.sharding != "no_shard"
 
     @property
     def expert_tp(self) -> int:
@@ -84,6 +89,7 @@ class Layout:
     def checkpoint_meta(self, dtype: torch.dtype) -> dict:
         """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
         return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
+                **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
                 "dtype": str(dtype).removeprefix("torch."),
                 **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
                 **({"cp": self.cp} if self.cp > 1 else {})}
@@ -97,6 +103,7 @@ class Layout:
                    if self.cp > 1 else "")
                 + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
                 + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
                 + (f", recompute {recompute}" if recompute else ""))
 
 
@@ -134,10 +141,10 @@ def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
 
 
 def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
-             mesh: Mesh, compile: str | None = None) -> torch.Tensor | None:
+             mesh: Mesh, compile: str | None = None, use: Any = None) -> torch.Tensor | None:
     """[sum of the token losses, number of tokens] over the microbatches and data parallelism, forward only;
     None off the last stage's ranks. Validation divides the sums over all its batches, as Megatron reports
-    its validation loss: a mean over tokens, whatever the loss masks."""
+    its validation loss: a mean over tokens, whatever the loss masks. use: the state's use (sharded weights)."""
     tp = model_parallel(layout, mesh)
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, compile=compile, per_token=True,
                                 fused=compile is not None) for s in params}
@@ -146,7 +153,7 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
     forwards = [[a for a in actions if a.kind == "F"] for actions in full]
     actions = schedules.with_communication(forwards)[mesh.coord("pp")]
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
-                              forward_only=True, microbatch_mean=False)
+                              forward_only=True, microbatch_mean=False, **({"use": use} if use else {}))
     if loss is None:
         return None
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
@@ -195,7 +202,7 @@ def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, m
     return total.sqrt()
 
 
-def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *, distributed: bool,
+def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *,
                compute_dtype: torch.dtype = torch.float32,
                adam: tuple[float, float, float] = (0.9, 0.999, 1e-8),
                grad_dtype: torch.dtype = torch.float32) -> FlatState:
@@ -207,11 +214,11 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     if layout.experts_apart:
         from fmeg.training.expert_state import ExpertSplitState
 
-        return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, distributed=distributed,
+        return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, sharding=layout.sharding,
                                 dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
                                 decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
-    return FlatState(params, counted_once(config, layout, mesh), distributed=distributed, dp=mesh.size("dp_cp"),
-                     dp_rank=mesh.coord("dp_cp"), compute_dtype=compute_dtype, adam=adam,
+    return FlatState(params, counted_once(config, layout, mesh), sharding=layout.sharding, dp=mesh.size("dp_cp"),
+                     dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), compute_dtype=compute_dtype, adam=adam,
                      decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
 
 
@@ -250,13 +257,20 @@ def tied_paths(config: gpt.GPTConfig, layout: Layout, stages: Any) -> frozenset[
     return frozenset(p for s, p in ((0, "0.embedding.word.weight"), (last, f"{last}.output.weight")) if s in stages)
 
 
-def _sync_tied(sync: GradSync, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, stages: Any) -> None:
-    """Sum the tied copies' (data-parallel mean) gradients in place in the buffer."""
+def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, stages: Any) -> None:
+    """Sum the tied copies' (data-parallel mean) gradients in place in the sync's whole views of them."""
     paths = tied_paths(config, layout, stages)
     if not paths:
         return
-    views = sync.tree()
-    synced = gp.sync_tied_embedding_grads(views, config, layout.num_stages, mesh.group("embedding"))
+    held: dict[int, Any] = {}
+    for path in paths:  # {stage: {"embedding": {"word": {"weight": g}}} or {"output": {"weight": g}}}
+        stage, _, rest = path.partition(".")
+        node = held.setdefault(int(stage), {})
+        *parents, name = rest.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = sync.leaf(path)
+    synced = gp.sync_tied_embedding_grads(held, config, layout.num_stages, mesh.group("embedding"))
     for path in paths:
         stage, _, rest = path.partition(".")
         value = subtree(synced[int(stage)], rest)
@@ -355,7 +369,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     # Compiled, each stage is one graph (fused), unless its layers' gradients must be handed over one by one
     # (data-parallel overlap) or whole layers are recomputed.
     fused = compile is not None and not (overlap_grad_reduce and layout.dp > 1) and \
-        (layout.recompute is None or layout.recompute[0] == "selective")
+        (layout.recompute is None or layout.recompute[0] == "selective") and layout.sharding != "optim_grads_params"
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused)
            for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
@@ -368,10 +382,12 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
                            divisor=layout.dp)
     loss, _ = execute.execute(actions, fns, params, microbatches, mesh.group("pp"), layout.num_stages,
                               loss_scale=loss_scale, grads_into=sync,  # accumulated straight into state.grad
-                              microbatch_mean=not per_token)
+                              microbatch_mean=not per_token, use=state.use)
+    state.end_iteration()
     t1 = time.perf_counter()
     sync.finish()  # in the buffer (without overlap, every bucket starts now)
     _sync_tied(sync, config, layout, mesh, params)
+    sync.settle()
     data_group = mesh.group("dp_cp")
     if data_group is not None and loss is not None:  # each cp rank's loss is its tokens' share: summed over cp
         loss = data_group.all_reduce(loss) / layout.dp

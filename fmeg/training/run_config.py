@@ -22,7 +22,7 @@ from fmeg.models import gpt
 from fmeg.training import loss_scale
 from fmeg.training.arguments import batch_geometry, lr_steps
 from fmeg.training.batch_schedule import global_batch_size, parse_step_schedule
-from fmeg.training import context_flags, moe_flags
+from fmeg.training import context_flags, fsdp_flags, moe_flags
 from fmeg.training.megatron_flags import activation, ignored_flags
 from fmeg.training.parallel_step import Layout
 
@@ -56,7 +56,7 @@ def layout_from_args(a, world: int) -> Layout:
         if a.recompute_granularity else None
     dp, _ = batch_geometry(a, world)
     return Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute,
-                  zero=a.use_distributed_optimizer, micro_batch_size=a.micro_batch_size,
+                  sharding=fsdp_flags.sharding(a), micro_batch_size=a.micro_batch_size,
                   ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size, cp=a.context_parallel_size,
                   cp_comm_type=context_flags.comm_type(a), cp_a2a=context_flags.a2a_level(a))
 

@@ -35,7 +35,7 @@ class MissingCheckpoint(ValueError):
 
 
 def new_state(cfg, session, fp32_params) -> FlatState:
-    return init_state(fp32_params, cfg.model, cfg.layout, session.mesh, distributed=cfg.layout.zero,
+    return init_state(fp32_params, cfg.model, cfg.layout, session.mesh,
                       compute_dtype=cfg.precision.compute_dtype, adam=cfg.training.adam,
                       grad_dtype=cfg.precision.grad_dtype)
 
@@ -64,7 +64,7 @@ def read_state(ckpt: checkpoint.Checkpoint, state, cfg, mesh, optimizer: bool, a
         group = REPLICA_GROUPS[p]
         n, r = mesh.size(group), mesh.coord(group)
         for kind, (buffer, first) in part.buffers().items():
-            if n > 1 and kind in kinds and (kind == "params" or not part.zero):
+            if n > 1 and kind in kinds and kind not in part.sliced_kinds:
                 size = buffer.numel() // n
                 ranges[(p, kind)] = (first + r * size, first + (r + 1) * size)
                 gathers.append((buffer, r, size, mesh.group(group)))

@@ -110,8 +110,10 @@ class Trainer:
                                         scaler=p.scaler, check_for_nan=t.check_for_nan)
         self.progress = p.after_step(global_batch=global_batch, skipped=m["skipped"],
                                      in_samples=t.schedules_in_samples, non_finite=non_finite)
-        params_norm = float(global_norm(self.state.params, cfg.model, cfg.layout, self.session.mesh)) \
-            if cfg.logging.log_params_norm else None
+        params_norm = None
+        if cfg.logging.log_params_norm:
+            with self.state.all_weights():
+                params_norm = float(global_norm(self.state.params, cfg.model, cfg.layout, self.session.mesh))
         if self.session.last_rank:
             elapsed = time.perf_counter() - tick
             self.log_step(iteration, m, loss, elapsed, data_ms, global_batch, lr, weight_decay, scale, params_norm,
@@ -158,7 +160,8 @@ class Trainer:
         for _ in range(cfg.training.eval_iters):
             first = self.progress.valid_consumed
             pair = evaluate(self.state.params, self.batches(self.valid_data, first, gbs, iteration, train=False),
-                            config=cfg.model, layout=cfg.layout, mesh=self.session.mesh, compile=self.session.compile)
+                            config=cfg.model, layout=cfg.layout, mesh=self.session.mesh, compile=self.session.compile,
+                            use=self.state.use)
             self.progress = dataclasses.replace(self.progress, valid_consumed=first + gbs)
             total += pair.cpu() if pair is not None else 0.0
         if self.session.last_rank:

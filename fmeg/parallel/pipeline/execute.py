@@ -20,6 +20,7 @@ so W changes when weight gradients are applied, not how much compute B does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable
@@ -28,7 +29,7 @@ import torch
 
 from fmeg import tree
 from fmeg.parallel.pipeline.actions import Action
-from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take, units
+from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, take, units
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -56,39 +57,59 @@ def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Call
     return out.detach(), pullback
 
 
-def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict) -> tuple:
+def _always(stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> contextlib.nullcontext:
+    """The `use` of params that are always readable."""
+    return contextlib.nullcontext()
+
+
+def _run(segments: list[Segment], params: Any, x: Any, batch: dict, use: Callable, stage: int) -> Any:
+    """The segments' forward, without a graph, each inside use(stage, its keys)."""
+    for segment in segments:
+        with use(stage, segment.keys):
+            x = segment.fn(take(segment, params), x, batch)
+    return x
+
+
+def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict, use: Callable = _always,
+             stage: int = 0) -> tuple:
     """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment, and
-    (unit, its input) for a recomputed unit, whose forward keeps nothing else."""
+    (unit, its input) for a recomputed unit, whose forward keeps nothing else. Each segment runs inside
+    use(stage, its keys), which makes its params readable (sharded weights are gathered there)."""
     entries: list[tuple] = []
     for unit in units(segments):
         if unit[0].recompute is not None:
             entries.append((unit, x))
             with torch.no_grad():
-                x = compose(unit)(params, x, batch)
+                x = _run(unit, params, x, batch, use, stage)
             continue
         (segment,) = unit
 
         def fn(p, *x, segment=segment):
             return segment.fn(p, x[0] if x else None, batch)
 
-        x, pullback = vjp(fn, take(segment, params), *(() if x is None else (x,)))
+        with use(stage, segment.keys):
+            x, pullback = vjp(fn, take(segment, params), *(() if x is None else (x,)))
         entries.append((segment, pullback))
     return x, entries
 
 
-def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
-              ) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
+def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict, use: Callable = _always,
+              stage: int = 0) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
     """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last first]).
     A recomputed unit runs its forward again from its saved input, keeping vjps this time, then backward."""
     per_segment = []
     for head, saved in reversed(entries):
         if isinstance(head, list):
             kept = [dataclasses.replace(segment, recompute=None) for segment in head]
-            _, inner = _forward(kept, params, saved, batch)
-            grad_out, grads = _backward(inner, grad_out, params, batch)
+            with contextlib.ExitStack() as held:  # the unit's weights stay gathered from recompute to backward
+                for segment in head:
+                    held.enter_context(use(stage, segment.keys, True))
+                _, inner = _forward(kept, params, saved, batch, use, stage)
+                grad_out, grads = _backward(inner, grad_out, params, batch, use, stage)
             per_segment += grads
             continue
-        cotangents = saved(grad_out)
+        with use(stage, head.keys, True):
+            cotangents = saved(grad_out)
         per_segment.append(cotangents[0])
         grad_out = cotangents[1] if len(cotangents) > 1 else None
     return grad_out, per_segment
@@ -97,7 +118,7 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict
 def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
             trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
-            grads_into: Any = None, microbatch_mean: bool = True
+            grads_into: Any = None, microbatch_mean: bool = True, use: Callable = _always
             ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
     the last stage, else None; {stage: gradient of its params}, empty when grads_into takes them). A
@@ -105,7 +126,9 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
     loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
     loss. forward_only (evaluation) runs the F actions without keeping anything for a backward. grads_into:
     an object with add(stage, {path: gradient}, final) that takes the gradients instead. microbatch_mean=False:
-    the loss and gradients are of the sum of the microbatch losses (per-token losses divide later)."""
+    the loss and gradients are of the sum of the microbatch losses (per-token losses divide later).
+    use(stage, segment keys, backward) -> a context inside which each segment's forward and backward run: where
+    sharded weights are gathered (fmeg.parallel.sharded_params)."""
     pp = 1 if pp_group is None else pp_group.size
     m_count, last = len(microbatches), num_stages - 1
     divisor = m_count if microbatch_mean else 1
@@ -146,9 +169,9 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             x = None if s == 0 else inbox.pop(("F", s, m))
             if forward_only:
                 with torch.no_grad():
-                    out = compose(segments[s])(stage_params[s], x, microbatches[m])
+                    out = _run(segments[s], stage_params[s], x, microbatches[m], use, s)
             else:
-                out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m])
+                out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m], use, s)
             if s == last:
                 loss = (0.0 if loss is None else loss) + out.detach() / divisor
             elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication
@@ -158,7 +181,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
         elif a.kind == "B":
             grad_out = torch.full((), loss_scale / divisor, device=loss.device) if s == last \
                 else inbox.pop(("B", s, m))
-            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out, stage_params[s], microbatches[m])
+            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out, stage_params[s], microbatches[m], use, s)
             if s > 0:
                 target = inbox if (s - 1) % pp == s % pp else outbox
                 target[("B", s - 1, m) if target is inbox else ("B", s, m)] = grad_in

@@ -1,0 +1,108 @@
+"""Fully sharded data parallelism on CPU: each strategy's persistent bytes per parameter, peak memory per rank and
+step time at dp 4 (gloo processes), bf16 weights with fp32 master weights and gradients.
+
+    python bench/fsdp_cpu.py                     # 12 layers, hidden 768, vocab 32000: 117M parameters
+    python bench/fsdp_cpu.py --layers 2 --hidden 256 --steps 2    # a quicker look
+
+Each strategy runs on four fresh gloo processes (so one strategy's peak cannot hide another's), the same
+weights and batches. Peak memory is the process's resident high-water mark (VmHWM) over the timed steps, reset
+after the state is built (the whole model built once on each rank to be sharded is not counted: issue 35's
+--init-model-with-meta-device would remove it), less the resident size just before the steps' first
+allocation; the state figure is the persistent buffers' bytes. Prints a table and each strategy's ratios to
+no_shard, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--microbatches", type=int, default=2, help="per rank and step")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
+    return p.parse_args()
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int) -> dict:
+    from fmeg.models import gpt
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    torch.set_num_threads(1)
+    config = gpt.GPTConfig.gpt2(vocab_size=sizes["vocab"], max_seq_len=sizes["seq"], num_layers=sizes["layers"],
+                                hidden_size=sizes["hidden"], num_heads=sizes["heads"])
+    layout = Layout(dp=mesh.size("dp"), sharding=sharding)
+    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
+                       compute_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(mesh.coord("dp"))
+    batches = []
+    for _ in range(microbatches):
+        t = torch.randint(0, sizes["vocab"], (1, sizes["seq"] + 1), generator=g)
+        batches.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(1, sizes["seq"])})
+
+    def step():
+        return train_iteration(state, batches, config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
+                               clip_grad=1.0)
+
+    step()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current resident size
+        f.write("5")
+    before = _status_kb("VmRSS")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        float(step()["grad_norm"])
+        times.append(time.perf_counter() - t0)
+    held = sum(b.numel() * b.element_size() for part in state.parts for b in
+               [part.weights, part.grad, part.mu, part.nu, *(x for x in (part.main, part.grad32) if x is not None)])
+    return {"ms": 1e3 * sorted(times)[len(times) // 2], "peak_mb": (_status_kb("VmHWM") - before) / 1024,
+            "rss_mb": _status_kb("VmHWM") / 1024, "state_mb": held / 2**20,
+            "bytes_per_param": state.bytes_per_parameter(), "params": state.parts[0].flat.numel}
+
+
+def main() -> None:
+    from fmeg.parallel.spmd import GlooRanks
+
+    a = parse_args()
+    # freed tensors go back to the system at once (glibc's threshold would otherwise grow and keep them), so the
+    # resident high-water mark follows what the step holds
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    sizes = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq")}
+    rows = {}
+    for sharding in STRATEGIES:
+        pool = GlooRanks(4, timeout=1800)
+        try:
+            results = pool.run(rank_program, sharding, sizes, a.microbatches, a.steps, tp=1)
+        finally:
+            pool.close()
+        rows[sharding] = {k: max(r[k] for r in results) for k in results[0]}
+    n = rows["no_shard"]["params"]
+    print(f"dp 4 on gloo, {n / 1e6:.0f}M parameters, bf16 + fp32 master, {a.microbatches} microbatches of "
+          f"1 x {a.seq} per rank, {os.cpu_count()} cores; median of {a.steps} steps; max over ranks")
+    print(f"{'strategy':>20} {'bytes/param':>12} {'state MB':>9} {'step peak MB':>13} {'RSS MB':>8} "
+          f"{'step ms':>8} {'state/no_shard':>15} {'peak/no_shard':>14} {'time/no_shard':>14}")
+    base = rows["no_shard"]
+    for sharding, r in rows.items():
+        print(f"{sharding:>20} {r['bytes_per_param']:12.2f} {r['state_mb']:9.0f} {r['peak_mb']:13.0f} "
+              f"{r['rss_mb']:8.0f} {r['ms']:8.0f} {r['state_mb'] / base['state_mb']:15.2f} "
+              f"{r['rss_mb'] / base['rss_mb']:14.2f} {r['ms'] / base['ms']:14.2f}")
+
+
+if __name__ == "__main__":
+    main()
