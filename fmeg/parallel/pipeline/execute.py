@@ -29,7 +29,7 @@ import torch
 
 from fmeg import tree
 from fmeg.parallel.pipeline.actions import Action
-from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, take, units
+from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take, units
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -62,14 +62,6 @@ def _always(stage: int, keys: tuple[str, ...] | None, backward: bool = False) ->
     return contextlib.nullcontext()
 
 
-def _run(segments: list[Segment], params: Any, x: Any, batch: dict, use: Callable, stage: int) -> Any:
-    """The segments' forward, without a graph, each inside use(stage, its keys)."""
-    for segment in segments:
-        with use(stage, segment.keys):
-            x = segment.fn(take(segment, params), x, batch)
-    return x
-
-
 def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict, use: Callable = _always,
              stage: int = 0) -> tuple:
     """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment, and
@@ -80,7 +72,7 @@ def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch
         if unit[0].recompute is not None:
             entries.append((unit, x))
             with torch.no_grad():
-                x = _run(unit, params, x, batch, use, stage)
+                x = compose(unit, use, stage)(params, x, batch)
             continue
         (segment,) = unit
 
@@ -169,7 +161,7 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
             x = None if s == 0 else inbox.pop(("F", s, m))
             if forward_only:
                 with torch.no_grad():
-                    out = _run(segments[s], stage_params[s], x, microbatches[m], use, s)
+                    out = compose(segments[s], use, s)(stage_params[s], x, microbatches[m])
             else:
                 out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m], use, s)
             if s == last:

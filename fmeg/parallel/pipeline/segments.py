@@ -16,6 +16,7 @@ through it. recompute_units gives Megatron's full-granularity methods.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,13 +70,16 @@ def take(segment: Segment, params: Any) -> Any:
     return params if segment.keys is None else {key: subtree(params, key) for key in segment.keys}
 
 
-def compose(stage: Callable | list[Segment]) -> Callable[[Any, Any, dict], Any]:
-    """The stage as one function (params, x, batch) -> output, for forward-only use."""
+def compose(stage: Callable | list[Segment], use: Callable | None = None,
+            index: int = 0) -> Callable[[Any, Any, dict], Any]:
+    """The stage as one function (params, x, batch) -> output, for forward-only use; with use, each segment runs
+    inside use(index, its keys) (where sharded weights are gathered: fmeg.parallel.sharded_params)."""
     segments = as_segments(stage)
 
     def run(params: Any, x: Any, batch: dict) -> Any:
         for segment in segments:
-            x = segment.fn(take(segment, params), x, batch)
+            with use(index, segment.keys) if use else contextlib.nullcontext():
+                x = segment.fn(take(segment, params), x, batch)
         return x
 
     return run
