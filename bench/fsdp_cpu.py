@@ -5,9 +5,10 @@ step time at dp 4 (gloo processes), bf16 weights with fp32 master weights and gr
     python bench/fsdp_cpu.py --layers 2 --hidden 256 --steps 2    # a quicker look
 
 Each strategy runs on four fresh gloo processes (so one strategy's peak cannot hide another's), the same
-weights and batches. Peak memory is the process's resident high-water mark (VmHWM) over the timed steps, reset
-after the state is built (the whole model built once on each rank to be sharded is not counted: issue 35's
---init-model-with-meta-device would remove it), less the resident size just before the steps' first
+weights and batches. The state is built as the runner builds it, a layer at a time (initialized_state); the
+init peak is the resident high-water mark (VmHWM) while it is built, less the resident size before, next to the
+whole model's fp32 size that building it whole on each rank would add. The step peak is the high-water mark over
+the timed steps, reset after the state is built, less the resident size just before the steps' first
 allocation; the state figure is the persistent buffers' bytes. Prints a table and each strategy's ratios to
 no_shard, measured in the same run.
 """
@@ -40,16 +41,23 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # the high-water mark back to the current resident size
+        f.write("5")
+
+
 def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int) -> dict:
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.training.parallel_step import Layout, initialized_state, train_iteration
 
     torch.set_num_threads(1)
     config = gpt.GPTConfig.gpt2(vocab_size=sizes["vocab"], max_seq_len=sizes["seq"], num_layers=sizes["layers"],
                                 hidden_size=sizes["hidden"], num_heads=sizes["heads"])
     layout = Layout(dp=mesh.size("dp"), sharding=sharding)
-    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh,
-                       compute_dtype=torch.bfloat16)
+    _reset_peak()
+    start = _status_kb("VmRSS")
+    state = initialized_state(config, layout, mesh, seed=0, compute_dtype=torch.bfloat16, device="cpu")
+    init_mb = (_status_kb("VmHWM") - start) / 1024
     g = torch.Generator().manual_seed(mesh.coord("dp"))
     batches = []
     for _ in range(microbatches):
@@ -61,8 +69,7 @@ def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int
                                clip_grad=1.0)
 
     step()
-    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current resident size
-        f.write("5")
+    _reset_peak()
     before = _status_kb("VmRSS")
     times = []
     for _ in range(steps):
@@ -71,7 +78,8 @@ def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int
         times.append(time.perf_counter() - t0)
     held = sum(b.numel() * b.element_size() for part in state.parts for b in
                [part.weights, part.grad, part.mu, part.nu, *(x for x in (part.main, part.grad32) if x is not None)])
-    return {"ms": 1e3 * sorted(times)[len(times) // 2], "peak_mb": (_status_kb("VmHWM") - before) / 1024,
+    return {"ms": 1e3 * sorted(times)[len(times) // 2], "init_mb": init_mb,
+            "peak_mb": (_status_kb("VmHWM") - before) / 1024,
             "rss_mb": _status_kb("VmHWM") / 1024, "state_mb": held / 2**20,
             "bytes_per_param": state.bytes_per_parameter(), "params": state.parts[0].flat.numel}
 
@@ -95,11 +103,15 @@ def main() -> None:
     n = rows["no_shard"]["params"]
     print(f"dp 4 on gloo, {n / 1e6:.0f}M parameters, bf16 + fp32 master, {a.microbatches} microbatches of "
           f"1 x {a.seq} per rank, {os.cpu_count()} cores; median of {a.steps} steps; max over ranks")
-    print(f"{'strategy':>20} {'bytes/param':>12} {'state MB':>9} {'step peak MB':>13} {'RSS MB':>8} "
+    print(f"the whole model in fp32: {4 * n / 2**20:.0f} MB (building it whole on each rank would add that to "
+          "the init peak)")
+    print(f"{'strategy':>20} {'bytes/param':>12} {'state MB':>9} {'init peak MB':>13} {'step peak MB':>13} "
+          f"{'RSS MB':>8} "
           f"{'step ms':>8} {'state/no_shard':>15} {'peak/no_shard':>14} {'time/no_shard':>14}")
     base = rows["no_shard"]
     for sharding, r in rows.items():
-        print(f"{sharding:>20} {r['bytes_per_param']:12.2f} {r['state_mb']:9.0f} {r['peak_mb']:13.0f} "
+        print(f"{sharding:>20} {r['bytes_per_param']:12.2f} {r['state_mb']:9.0f} {r['init_mb']:13.0f} "
+              f"{r['peak_mb']:13.0f} "
               f"{r['rss_mb']:8.0f} {r['ms']:8.0f} {r['state_mb'] / base['state_mb']:15.2f} "
               f"{r['rss_mb'] / base['rss_mb']:14.2f} {r['ms'] / base['ms']:14.2f}")
 

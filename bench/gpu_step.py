@@ -5,6 +5,7 @@
     python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run anywhere
     python bench/gpu_step.py --model 1.3b --profile     # also: one profiled step of each, kernels by time
     python bench/gpu_step.py --model host --device cpu --steps 30   # the host-time proxy, compiled, on a CPU
+    python bench/gpu_step.py --sharding optim_grads_params     # also: the same step with sharded weights
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
 fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank, each layer compiled
@@ -14,6 +15,13 @@ the whole model compiled. --no-compile runs both eagerly. Both run the
 same shapes and the same FLOPs (Megatron's count, fmeg.training.report.model_flops); rounds alternate
 between the two. Prints median ms, TFLOP/s, MFU against the device's dense bf16 peak, peak memory, and
 the throughput ratio fmeg / peer (above 1.0: fmeg is faster).
+
+--sharding adds a third variant: the runner's step with that data-parallel sharding (Megatron-FSDP's strategy) on
+one rank, so each layer is still gathered into its buffer before its forward and its backward, its storage
+released after, and its gradients reduced into the owned slice per microbatch. With one GPU there is no peer to
+gather from: this row prices the mechanism (copies, storage resizes, per-unit bookkeeping), and the ratio
+sharded / runner shows what it costs. Whether the gathers overlap compute needs several GPUs on NCCL; the
+CPU figures at dp 4 are bench/fsdp_cpu.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch.nn.functional as F
 
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.training.parallel_step import Layout, initialized_state, train_iteration
 from fmeg.training.report import model_flops
 
 MODELS = {  # (config, batch)
@@ -121,10 +129,9 @@ def peer_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
     return step
 
 
-def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
-    mesh, layout = Mesh.single(), Layout()
-    params = shard_params(gpt.init(config, 0, device=device), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, compute_dtype=torch.bfloat16)
+def fmeg_step(config: gpt.GPTConfig, device: torch.device, compile_: bool, sharding: str = "no_shard"):
+    mesh, layout = Mesh.single(), Layout(sharding=sharding)
+    state = initialized_state(config, layout, mesh, seed=0, compute_dtype=torch.bfloat16, device=device)
 
     def step(batch: dict) -> torch.Tensor:
         return train_iteration(state, [batch], config=config, layout=layout, mesh=mesh, lr=1e-4, weight_decay=0.01,
@@ -203,7 +210,7 @@ def peak_for(device: torch.device, override: float | None) -> float | None:
 
 
 def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bool, peak: float | None,
-          profile_: bool = False) -> dict:
+          profile_: bool = False, sharding: str | None = None) -> dict:
     config, batch_size = MODELS[name]
     # Each model compiles afresh, as in its own process: after a first model, dynamo would otherwise
     # recompile the shared layer function with dynamic shapes, whose kernels are slower.
@@ -212,6 +219,8 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     variants = {"fmeg runner": fmeg_step(config, device, compile_),
                 "nanoGPT-style peer": peer_step(config, device, compile_)}
+    if sharding:
+        variants[f"fmeg {sharding}"] = fmeg_step(config, device, compile_, sharding)
     times: dict[str, list[float]] = {k: [] for k in variants}
     memory: dict[str, float] = {}
     for i in range(warmup + steps):
@@ -232,16 +241,18 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
           f"({config.num_kv_heads} kv), seq {config.max_seq_len}, batch {batch_size}, "
           f"vocab {config.padded_vocab_size}, "
           f"{flops / 1e12:.2f} TFLOP per step; both {'compiled' if compile_ else 'eager'}")
-    print(f"{'variant':<20} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9}")
+    print(f"{'variant':<25} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9}")
     medians = {}
     for variant, ts in times.items():
         medians[variant] = statistics.median(ts)
         tflops = flops / medians[variant] / 1e12
         mfu = f"{tflops / peak:.1%}" if peak else "n/a"
         mem = f"{memory[variant]:.1f}" if variant in memory else "n/a"
-        print(f"{variant:<20} {medians[variant] * 1e3:>10.1f} {tflops:>9.2f} {mfu:>7} {mem:>9}")
+        print(f"{variant:<25} {medians[variant] * 1e3:>10.1f} {tflops:>9.2f} {mfu:>7} {mem:>9}")
     ratio = medians["nanoGPT-style peer"] / medians["fmeg runner"]
     print(f"throughput ratio fmeg / peer: {ratio:.2f}")
+    if sharding:
+        print(f"step time {sharding} / runner: {medians[f'fmeg {sharding}'] / medians['fmeg runner']:.2f}")
     if profile_ and device.type == "cuda":
         try:
             for variant, step in variants.items():
@@ -262,12 +273,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--no-compile", action="store_true", help="run both eagerly")
     p.add_argument("--profile", action="store_true", help="then profile one step of each (CUDA only)")
+    p.add_argument("--sharding", choices=["optim", "optim_grads", "optim_grads_params"],
+                   help="also time the runner's step with this data-parallel sharding (one rank)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)
     print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
           f"torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
-    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile)
+    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding)
             for m in a.model or ["gpt2-124m", "1.3b", "llama-1b"]]
 
 

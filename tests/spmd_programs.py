@@ -400,7 +400,7 @@ def global_balance_loss_parts(mesh, logits_per_rank, config):
 
 
 def sharded_training(mesh, config, layout_kwargs, microbatches, iterations, dtype=torch.float32, overlap=False,
-                     eval_after=False):
+                     eval_after=False, state_options=None):
     """`iterations` steps at the mesh's layout with layout_kwargs (a sharding among them), each data-parallel rank
     taking its microbatches of the global batch; returns (losses, grad norms, persistent bytes per parameter,
     validation [loss sum, tokens] after training or None)."""
@@ -410,7 +410,7 @@ def sharded_training(mesh, config, layout_kwargs, microbatches, iterations, dtyp
     layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"),
                     sequence_parallel=mesh.sequence_parallel, **layout_kwargs)
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
-    state = init_state(params, config, layout, mesh, compute_dtype=dtype)
+    state = init_state(params, config, layout, mesh, compute_dtype=dtype, **(state_options or {}))
     losses, norms = [], []
     dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
     for _ in range(iterations):

@@ -5,7 +5,10 @@ with virtual stages, ep 2, cp 2, compiled, and with full recompute and overlap, 
 checkpoint saved under optim_grads_params at dp 4 resumes under ZeRO-1 at dp 2 x tp 2 and then on one rank on
 the curve; sharded weights are freed outside their unit's use."""
 
+import json
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -14,8 +17,8 @@ import spmd_programs as P
 from fmeg.models import gpt
 from fmeg.parallel.spmd import run_threads
 from fmeg.training.flat_state import SHARDINGS
-from fmeg.training.parallel_step import Layout, init_state, shard_params
-from runner_harness import assert_same_curve, run_layout, run_recipe
+from fmeg.training.parallel_step import Layout, init_state, initialized_state, shard_params
+from runner_harness import assert_same_curve, run_group, run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=96, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 
@@ -80,6 +83,103 @@ def test_sharded_weights_are_gathered_inside_their_use_only_and_hold_the_full_va
         assert "0.layers.1" in inside and equal
 
 
+def _both_ways(mesh, config, layout_kwargs, dtype):
+    """(buffers of the state built a unit at a time, buffers of the state built from the whole model)."""
+    layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"), ep=mesh.size("ep"), **layout_kwargs)
+    by_units = initialized_state(config, layout, mesh, seed=3, compute_dtype=dtype, device="cpu")
+    whole = init_state(shard_params(gpt.init(config, 3), config, layout, mesh), config, layout, mesh,
+                       compute_dtype=dtype)
+    buffers = lambda state: [(k, b.clone()) for part in state.parts for k, (b, _) in part.buffers().items()]  # noqa
+    return buffers(by_units), buffers(whole)
+
+
+MOE_CONFIG = gpt.GPTConfig.gpt2(vocab_size=96, max_seq_len=16, num_layers=4, hidden_size=32, num_heads=4,
+                                num_experts=4, moe_layer_freq=2, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("world, config, layout_kwargs, sizes, dtype", [
+    (4, CONFIG, {"sharding": "optim_grads_params"}, {}, torch.bfloat16),
+    (4, CONFIG, {"sharding": "no_shard"}, {}, torch.float32),
+    (8, CONFIG, {"sharding": "optim", "chunks": 1}, {"tp": 2, "pp": 2}, torch.bfloat16),
+    (8, MOE_CONFIG, {"sharding": "optim_grads_params", "chunks": 2}, {"pp": 2, "ep": 2}, torch.bfloat16)])
+def test_the_model_built_a_unit_at_a_time_is_bitwise_the_model_built_whole(world, config, layout_kwargs, sizes,
+                                                                           dtype):
+    for by_units, whole in run_threads(world, _both_ways, config, layout_kwargs, dtype, **{"tp": 1, **sizes}):
+        assert [k for k, _ in by_units] == [k for k, _ in whole]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(by_units, whole))
+
+
+INIT_MEMORY = """
+import json, torch
+from fmeg.models import gpt
+from fmeg.parallel.spmd import run_threads
+from fmeg.training.parallel_step import Layout, initialized_state
+
+def status_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+config = gpt.GPTConfig.gpt2(vocab_size=4096, max_seq_len=64, num_layers=32, hidden_size=384, num_heads=8)
+def build(mesh):
+    layout = Layout(dp=4, sharding="optim_grads_params")
+    state = initialized_state(config, layout, mesh, seed=0, device="cpu")
+    return state.parts[0].flat.numel, state.bytes_per_parameter()
+
+run_threads(4, build, tp=1)  # warm: imports, the threads' first allocations
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status_kb("VmRSS")
+(numel, per_param), *_ = run_threads(4, build, tp=1)
+print(json.dumps({"numel": numel, "per_param": per_param, "grown": (status_kb("VmHWM") - before) * 1024}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads Linux's resident high-water mark")
+def test_building_a_fully_sharded_state_never_holds_the_whole_model():
+    """Four ranks (threads of one process) build optim_grads_params states at dp 4 in fp32, 4 bytes per parameter
+    each: the process's resident peak grows by their 16 bytes per parameter and a few layers, not by a whole model
+    per rank (4 x 4 bytes per parameter more). Megatron's --init-model-with-meta-device, which fmeg always does."""
+    out = run_group([sys.executable, "-c", INIT_MEMORY], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["per_param"] == 4
+    grown_per_param = figures["grown"] / figures["numel"]
+    # the states' 16 and a few units of 1/32 of the model each; a whole model drawn on each rank and then sharded
+    # (as fmeg built it before) measured 25-27 here
+    assert 12 < grown_per_param < 20, grown_per_param
+
+
+def _kept_from_forward(mesh, policy):
+    """The units held after a forward of the first two layers, and after their backward, under a policy."""
+    layout = Layout(dp=mesh.size("dp"), sharding="optim_grads_params")
+    state = init_state(shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh,
+                       reshard_after_forward=policy)
+    held = lambda: {u for u, b in state.gathered.buffers.items() if b.untyped_storage().nbytes()}  # noqa: E731
+    with state.use(0, ("embedding", "layers.0", "layers.1")):
+        pass
+    after_forward = held()
+    with torch.no_grad(), state.use(0, ("layers.0",)):  # evaluation keeps nothing
+        pass
+    with state.use(0, ("layers.1", "layers.0", "embedding"), True):
+        pass
+    return after_forward, held()
+
+
+@pytest.mark.parametrize("policy, kept", [("true", set()), ("false", {"0.embedding", "0.layers.0", "0.layers.1"}),
+                                          ("auto", {"0.embedding"})])
+def test_reshard_after_forward_keeps_the_units_from_forward_to_backward(policy, kept):
+    for after_forward, after_backward in run_threads(2, _kept_from_forward, policy, tp=1):
+        assert after_forward == kept and after_backward == set()
+
+
+def test_keeping_the_units_after_forward_changes_no_number():
+    batches = microbatches(6)
+    curves = {policy: run_threads(2, P.sharded_training, CONFIG, {"sharding": "optim_grads_params"}, batches, 3,
+                                  torch.float32, False, True, {"reshard_after_forward": policy}, tp=1)[0]
+              for policy in ("true", "false", "auto")}
+    assert curves["true"] == curves["false"] == curves["auto"]
+
+
 # Rows of the CLI: fp32, Megatron's default flags otherwise (the reference is one rank).
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--swiglu",
@@ -88,6 +188,7 @@ LAYOUTS = [("optim_grads_params_dp4", 4, [*FSDP, "optim_grads_params"]),
            ("optim_grads_dp4", 4, [*FSDP, "optim_grads"]),
            ("optim_dp4", 4, [*FSDP, "optim"]),
            ("torch_fsdp2_dp4", 4, ["--use-torch-fsdp2"]),
+           ("torch_fsdp2_no_reshard_dp4", 4, ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]),
            ("optim_grads_params_tp2_sp", 4, [*FSDP, "optim_grads_params", "--tensor-model-parallel-size", "2",
                                              "--sequence-parallel"]),
            ("optim_grads_params_pp2_virtual", 4, [*FSDP, "optim_grads_params", "--pipeline-model-parallel-size",

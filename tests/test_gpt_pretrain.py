@@ -64,6 +64,8 @@ BAD = [
      "--use-megatron-fsdp and --use-torch-fsdp2 are two implementations of one thing; give one"),
     ({"WORLD_SIZE": "1"}, ["--outer-dp-sharding-strategy", "optim"],
      "--outer-dp-sharding-strategy optim: hybrid sharding is not supported by fmeg yet"),
+    ({"WORLD_SIZE": "1"}, ["--use-torch-fsdp2", "--torch-fsdp2-reshard-after-forward", "4"],
+     "--torch-fsdp2-reshard-after-forward 4: resharding to a smaller group after forward is not supported by fmeg yet"),
     ({"WORLD_SIZE": "1"}, ["--num-distributed-optimizer-instances", "2"],
      "--num-distributed-optimizer-instances 2: hybrid sharding is not supported by fmeg yet"),
     ({"WORLD_SIZE": "1"}, ["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),

@@ -28,6 +28,7 @@ the same reason apply reads head counts from the weights' shapes, so it runs unc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -243,20 +244,32 @@ def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
     return pad_rows(_normal((c.vocab_size, c.hidden_size), c.init_std, seed, path), c.padded_vocab_size)
 
 
-def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Params:
+def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+         only: str | None = None) -> Params:
     """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine, and the
     same real vocabulary rows whatever the padding. Under torch.device("meta") with device="meta": the shapes
-    alone, nothing drawn or stored."""
+    alone, nothing drawn or stored. only: one unit ("embedding", "layers.3", "final_norm", "output") drawn, the
+    others meta tensors (the model built a unit at a time)."""
     c = config
-    params: Params = {"embedding": {"word": {"weight": _vocab_table(c, seed, "embedding.word.weight")}}}
-    if c.position == "learned":
-        params["embedding"]["position"] = {
-            "weight": _normal((c.max_seq_len, c.hidden_size), c.init_std, seed, "embedding.position.weight")}
-    params["layers"] = [init_layer(c, seed, i) for i in range(c.num_layers)]
-    params["final_norm"] = _norm_params(c)
+
+    def unit(name: str) -> Any:
+        return torch.device("meta") if only not in (None, name) else contextlib.nullcontext()
+
+    with unit("embedding"):
+        params: Params = {"embedding": {"word": {"weight": _vocab_table(c, seed, "embedding.word.weight")}}}
+        if c.position == "learned":
+            params["embedding"]["position"] = {
+                "weight": _normal((c.max_seq_len, c.hidden_size), c.init_std, seed, "embedding.position.weight")}
+    params["layers"] = []
+    for i in range(c.num_layers):
+        with unit(f"layers.{i}"):
+            params["layers"].append(init_layer(c, seed, i))
+    with unit("final_norm"):
+        params["final_norm"] = _norm_params(c)
     if not c.tie_embeddings:
-        params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
-    return torch.utils._pytree.tree_map(lambda t: t.to(device=device, dtype=dtype), params)
+        with unit("output"):
+            params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
+    return torch.utils._pytree.tree_map(lambda t: t if t.is_meta else t.to(device=device, dtype=dtype), params)
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

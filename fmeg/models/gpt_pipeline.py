@@ -47,6 +47,15 @@ def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, 
     return out
 
 
+def stage_units(config: GPTConfig, stage: int, num_stages: int) -> list[str]:
+    """The units of gpt.init (its `only`) whose weights split() puts in the stage: the last stage's tied output
+    weight is the embedding's."""
+    first, last = stage == 0, stage == num_stages - 1
+    return ((["embedding"] if first or (last and config.tie_embeddings) else [])
+            + [f"layers.{i}" for i in stage_layers(config, stage, num_stages)]
+            + (["final_norm"] + ([] if config.tie_embeddings else ["output"]) if last else []))
+
+
 def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
     """Inverse of split for params or gradients; the tied output copy is dropped (its gradient must
     already be summed into the word embedding's: sync_tied_embedding_grads)."""

@@ -14,11 +14,16 @@ data-parallel rank does in the same order. Autograd keeps the views a forward sa
 with the same values, when backward gathers the unit again (the buffer's version counter is left alone, as
 torch's FSDP does). use() also starts gathering the unit that came after this one last time (the order of the
 previous iteration's uses, forward then backward), so its broadcast overlaps this unit's compute.
+
+keep_after_forward(unit) (torch FSDP2's reshard_after_forward=False for the units it is true of): a unit its
+forward used with autograd recording stays gathered until the matching backward has used it, so backward does not
+gather it again; a rank then holds those units from their first forward to their last backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from typing import Any, Callable, Iterator
 
@@ -30,11 +35,14 @@ from fmeg.parallel.zero import FlatBuffer
 
 class ShardedParams:
     def __init__(self, params: dict[int, Any], owned: torch.Tensor, group: Any, *, dp: int, rank: int,
-                 unit_of: Callable[[str], str], prefetch: bool = True):
+                 unit_of: Callable[[str], str], prefetch: bool = True,
+                 keep_after_forward: Callable[[str], bool] = lambda unit: False):
         """params: this rank's {stage: tree} (shapes only are read); owned: this rank's slice (the rank-th of dp)
         of the flat compute weights, which the optimizer writes; group: the dp ranks (None: no gathering from
-        others); unit_of(path): a leaf's unit."""
+        others); unit_of(path): a leaf's unit; keep_after_forward(unit): whether the unit stays gathered from a
+        forward to its backward."""
         self.group, self.owned, self.prefetch, self.dp, self.rank = group, owned, prefetch, dp, rank
+        self.keep_after_forward = keep_after_forward
         layout = FlatBuffer.of(params, self.dp)
         self.size = layout.padded // self.dp
         if owned.shape != (self.size,):
@@ -59,10 +67,12 @@ class ShardedParams:
         for buffer in self.buffers.values():
             buffer.untyped_storage().resize_(0)
         self._users = {u: 0 for u in self.units}
+        self._kept = {u: 0 for u in self.units}  # forwards whose backward has not come yet (keep_after_forward)
         self._gathering: dict[str, list] = {}  # unit -> pending handles (gathered, not yet waited for)
         self._order: list[tuple[str, bool]] = []  # this iteration's uses (unit, backward?), in order
         self._next: dict[tuple[str, bool], str] = {}  # the unit used after each use, last iteration
 
+    @functools.cache  # noqa: B019 - one entry per segment, for the object's life
     def units_of(self, stage: int, keys: tuple[str, ...] | None) -> list[str]:
         """The units holding a segment's leaves (keys: paths inside the stage; None: the whole stage)."""
         prefixes = [f"{stage}."] if keys is None else [f"{stage}.{key}" for key in keys]
@@ -79,11 +89,18 @@ class ShardedParams:
             following = self._next.get((units[-1], backward))
             if following is not None and not self._users[following] and following not in self._gathering:
                 self._start(following)
+        keep = not backward and torch.is_grad_enabled()  # a forward that a backward will follow
         try:
             yield
         finally:
             for unit in units:
+                if keep and self.keep_after_forward(unit):
+                    self._kept[unit] += 1
+                    continue
                 self._release(unit)
+                if backward and self._kept[unit]:
+                    self._kept[unit] -= 1
+                    self._release(unit)
 
     @contextlib.contextmanager
     def everything(self) -> Iterator[None]:
@@ -97,7 +114,12 @@ class ShardedParams:
                 self._release(unit)
 
     def end_iteration(self) -> None:
-        """Remember this iteration's order of use for the next one's prefetches; drop a prefetch never used."""
+        """Remember this iteration's order of use for the next one's prefetches; drop a prefetch never used and
+        the units kept from a forward no backward came for."""
+        for unit, kept in self._kept.items():
+            for _ in range(kept):
+                self._release(unit)
+            self._kept[unit] = 0
         if self._order:
             self._next = {u: v[0] for u, v in zip(self._order, self._order[1:]) if u[0] != v[0]}
         self._order = []

@@ -193,11 +193,9 @@ def held_zeros(config: gpt.GPTConfig, layout: Any, mesh: Any, device: Any = "cpu
                dtype: torch.dtype = torch.float32) -> dict[int, Any]:
     """This rank's {stage: tree} of zeros, shaped as shard_params cuts the model, without building the model
     (a state a checkpoint then fills)."""
-    from fmeg.training.parallel_step import shard_params
+    from fmeg.training.parallel_step import local_shapes
 
-    with torch.device("meta"):
-        shapes = shard_params(gpt.init(config, 0, device="meta"), config, layout, mesh)
-    return tree.tree_map(lambda t: torch.zeros(t.shape, dtype=dtype, device=device), shapes)
+    return tree.tree_map(lambda t: torch.zeros(t.shape, dtype=dtype, device=device), local_shapes(config, layout, mesh))
 
 
 def read_params(ckpt: Checkpoint, config: gpt.GPTConfig, layout: Any, mesh: Any, device: Any = "cpu",

@@ -118,6 +118,13 @@ class ExpertSplitState:
     def parts(self) -> tuple[FlatState, ...]:
         return (self.dense, self.experts) if self.experts else (self.dense,)
 
+    def assign(self, values: dict[int, Any]) -> None:
+        """FlatState.assign on both parts."""
+        dense, experts = split_experts(values)
+        self.dense.assign(dense)
+        if self.experts:
+            self.experts.assign(experts)
+
     @property
     def opt_state(self) -> dict:
         if not self.experts:

@@ -1,6 +1,7 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
     state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
+    state.assign(unit)                   # weights of the leaves given (others meta): the model built a unit at a time
     state.params, state.opt_state        # {stage: tree} views of the buffers
     with state.use(stage, ("layers.3",)):   # a segment's weights readable (gathered when sharded)
     state.buffers(), state.leaves()      # what checkpoints save and load (fmeg.training.checkpoint_state)
@@ -52,6 +53,11 @@ from fmeg.parallel.zero import FlatBuffer
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
+# reshard_after_forward -> keep_after_forward(unit): which gathered units stay from their forward to their backward
+KEEP_AFTER_FORWARD = {"true": lambda unit: False, "false": lambda unit: True,
+                      "auto": lambda unit: unit.split(".")[1] != "layers"}
+
+
 def unit_of(path: str) -> str:
     """The unit of sharded gradients' buckets and gathered weights a leaf ("stage.path") belongs to: its layer
     ("0.layers.3"), or its top-level part ("0.embedding", "1.final_norm")."""
@@ -64,12 +70,17 @@ class FlatState:
                  dp: int, dp_rank: int, compute_dtype: torch.dtype, adam: tuple[float, float, float],
                  decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
                  decoupled: Callable[[str, torch.Tensor], bool] | None = None,
-                 grad_dtype: torch.dtype = torch.float32, dp_group: Any = None):
-        """params: this rank's fp32 {stage: tree}; counted(path, leaf): whether the leaf counts toward the
-        global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
+                 grad_dtype: torch.dtype = torch.float32, dp_group: Any = None, device: Any = None,
+                 reshard_after_forward: str = "true"):
+        """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then zeros until
+        assign() fills them, a unit at a time, or a checkpoint is read); counted(path, leaf): whether the leaf
+        counts toward the global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
         whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output);
         grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced over dp
-        (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params)."""
+        (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params); device: the buffers'
+        (default: the params'); reshard_after_forward (optim_grads_params): "true" frees every gathered unit after
+        its forward, "false" keeps every one until its backward, "auto" keeps the embedding and the head
+        (torch's fully_shard default: its root module's)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -83,20 +94,20 @@ class FlatState:
         sizes = [leaf.numel() for _, leaf in tree.items(params)]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._where = {path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)}
-        device = tree.tree_leaves(params)[0].device
-        fp32 = self.flat.flatten(params)
+        device = tree.tree_leaves(params)[0].device if device is None else torch.device(device)
         owned = self.hi - self.lo
-        held = fp32[self.lo:self.hi] if self.shard_params else fp32
-        self.weights = held.to(device=device, dtype=compute_dtype)
+        self.weights = torch.zeros(owned if self.shard_params else self.flat.padded, device=device, dtype=compute_dtype)
         self.grad = torch.zeros(owned if self.shard_grads else self.flat.padded, device=device, dtype=grad_dtype)
         mixed = compute_dtype != torch.float32
-        self.main = fp32[self.lo:self.hi].clone() if mixed else None
+        self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device)
         self.nu = torch.zeros(owned, device=device)
+        self.assign(params)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
         self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
-        self.gathered = ShardedParams(params, self.weights, dp_group, dp=dp, rank=dp_rank, unit_of=unit_of) \
+        self.gathered = ShardedParams(params, self.weights, dp_group, dp=dp, rank=dp_rank, unit_of=unit_of,
+                                      keep_after_forward=KEEP_AFTER_FORWARD[reshard_after_forward]) \
             if self.shard_params else None
         self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
         pieces = self._owned_pieces(params)
@@ -113,6 +124,24 @@ class FlatState:
     def _owned(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice [lo, hi) of a buffer laid out whole or already only the slice."""
         return buffer if buffer.numel() == self.hi - self.lo else buffer[self.lo:self.hi]
+
+    @torch.no_grad()
+    def assign(self, values: dict[int, Any]) -> None:
+        """Set the weights (and the fp32 master) of the leaves of values ({stage: tree} shaped as params) that are
+        not meta tensors to them, the part held here only: the model can be built a unit at a time, every other
+        unit a meta tensor, without its whole copy on any rank. The optimizer's moments are left as they are."""
+        first = self.lo if self.shard_params else 0
+        for path, leaf in tree.items(values):
+            if leaf.is_meta:
+                continue
+            start, n = self._where[path]
+            flat = leaf.reshape(-1)
+            a, b = max(start, first), min(start + n, first + self.weights.numel())
+            if a < b:
+                self.weights[a - first:b - first].copy_(flat[a - start:b - start])
+            a, b = max(start, self.lo), min(start + n, self.hi)
+            if self.main is not None and a < b:
+                self.main[a - self.lo:b - self.lo].copy_(flat[a - start:b - start])
 
     def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
                   overlap: bool = False, divisor: int | None = None) -> GradSync:

@@ -20,8 +20,8 @@ IGNORED = {
                                                             "--grad-reduce-in-bf16"),
     "--megatron-fsdp-grad-comm-dtype": ({"default": None}, "gradients are reduced in the dtype they accumulate in "
                                                            "(--grad-reduce-in-bf16)"),
-    "--init-model-with-meta-device": ({"action": "store_true"}, "every rank initialises the whole model on one "
-                                                                "device, then keeps its shard"),
+    "--init-model-with-meta-device": ({"action": "store_true"}, "what fmeg always does: each rank draws its own "
+                                                                "layers one at a time and keeps its shard of each"),
 }
 
 
@@ -38,8 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="hybrid sharding's outer level: no_shard only")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="the distributed optimizer's replicas (hybrid sharding): 1 only")
+    g.add_argument("--torch-fsdp2-reshard-after-forward", default="auto",
+                   help="with --use-torch-fsdp2: true frees each layer's gathered weights after its forward (gathered "
+                        "again for backward), false keeps them until backward, auto keeps the embedding and the "
+                        "output layer only (torch's default)")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
+                   help="--torch-fsdp2-reshard-after-forward false")
     for flag, (keywords, _) in IGNORED.items():
         g.add_argument(flag, **keywords, help=argparse.SUPPRESS)
+
+
+def reshard_after_forward(a: argparse.Namespace) -> str:
+    """true | false | auto: which gathered units are freed after their forward (fmeg.training.flat_state)."""
+    if not a.use_torch_fsdp2:
+        return "true"  # Megatron-FSDP frees every unit after its forward
+    return "false" if a.torch_fsdp2_no_reshard_after_forward else a.torch_fsdp2_reshard_after_forward.lower()
 
 
 def sharding(a: argparse.Namespace) -> str:
@@ -60,6 +73,9 @@ def ignored(a: argparse.Namespace) -> list[str]:
         out.append(f"--data-parallel-sharding-strategy {strategy}: "
                    + ("--use-torch-fsdp2 shards everything (optim_grads_params)" if a.use_torch_fsdp2
                       else "has no effect without --use-megatron-fsdp (as in Megatron)"))
+    if not a.use_torch_fsdp2 and (a.torch_fsdp2_no_reshard_after_forward
+                                  or a.torch_fsdp2_reshard_after_forward.lower() != "auto"):
+        out.append("--torch-fsdp2-reshard-after-forward: has no effect without --use-torch-fsdp2 (as in Megatron)")
     return out
 
 
@@ -71,6 +87,11 @@ def problems(a: argparse.Namespace) -> list[str]:
     if a.outer_dp_sharding_strategy != "no_shard":
         out.append(f"--outer-dp-sharding-strategy {a.outer_dp_sharding_strategy}: hybrid sharding is not supported "
                    "by fmeg yet; use no_shard or drop the flag")
+    value = a.torch_fsdp2_reshard_after_forward
+    if value.lower() not in ("auto", "true", "false"):
+        out.append(f"--torch-fsdp2-reshard-after-forward {value}: "
+                   + ("resharding to a smaller group after forward is not supported by fmeg yet; use true, false or "
+                      "auto" if value.isdigit() else "expected auto, true, false or a number of ranks"))
     if a.num_distributed_optimizer_instances != 1:
         out.append(f"--num-distributed-optimizer-instances {a.num_distributed_optimizer_instances}: hybrid sharding "
                    "is not supported by fmeg yet; use 1 or drop the flag")

@@ -205,8 +205,10 @@ def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, m
 def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *,
                compute_dtype: torch.dtype = torch.float32,
                adam: tuple[float, float, float] = (0.9, 0.999, 1e-8),
-               grad_dtype: torch.dtype = torch.float32) -> FlatState:
-    """This rank's training state from its fp32 params ({stage: tree}): the model's weights in the compute
+               grad_dtype: torch.dtype = torch.float32, device: Any = None,
+               reshard_after_forward: str = "true") -> FlatState:
+    """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta tensors with the
+    device to hold the state on: state.assign() or a checkpoint then fills it): the model's weights in the compute
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
     parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
     Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16). Under expert
@@ -216,10 +218,31 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
 
         return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, sharding=layout.sharding,
                                 dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
-                                decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
+                                decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
+                                reshard_after_forward=reshard_after_forward)
     return FlatState(params, counted_once(config, layout, mesh), sharding=layout.sharding, dp=mesh.size("dp_cp"),
                      dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), compute_dtype=compute_dtype, adam=adam,
-                     decoupled=embedding_or_output(layout), grad_dtype=grad_dtype)
+                     decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
+                     reshard_after_forward=reshard_after_forward)
+
+
+def local_shapes(config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:
+    """This rank's {stage: tree} as shard_params cuts the model, as meta tensors: shapes only, nothing stored."""
+    with torch.device("meta"):
+        return shard_params(gpt.init(config, 0, device="meta"), config, layout, mesh)
+
+
+def initialized_state(config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *, seed: int, **options: Any) -> FlatState:
+    """init_state of this rank's shard of gpt.init(config, seed), bitwise, built a unit (a layer, the embedding,
+    the head) at a time, as Megatron's --init-model-with-meta-device builds it: each unit of this rank's stages is
+    drawn whole in fp32, cut to this rank's shard and copied into the state (with sharded weights, the slice held
+    here only), so no rank ever holds more of the model at once than its state and one unit. options: init_state's
+    (device: where the state lives)."""
+    state = init_state(local_shapes(config, layout, mesh), config, layout, mesh, **options)
+    for stage in local_stages(layout, mesh.coord("pp")):
+        for unit in gp.stage_units(config, stage, layout.num_stages):
+            state.assign(shard_params(gpt.init(config, seed, only=unit), config, layout, mesh))
+    return state
 
 
 def embedding_or_output(layout: Layout):

@@ -154,6 +154,7 @@ class RuntimeConfig:
     distributed_timeout_minutes: float
     overlap_grad_reduce: bool
     ddp_bucket_size: int | None
+    reshard_after_forward: str = "true"  # which gathered units are freed after forward: true | false | auto
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class RunConfig:
                                          a.wandb_project or None, a.wandb_exp_name or None,
                                          a.wandb_save_dir or None, a.wandb_entity or None, a.logging_level),
                    runtime=RuntimeConfig(a.device, a.compile, a.distributed_timeout_minutes, a.overlap_grad_reduce,
-                                         a.ddp_bucket_size),
+                                         a.ddp_bucket_size, fsdp_flags.reshard_after_forward(a)),
                    world=world,
                    arguments=tuple((k, v) for k, v in vars(a).items()
                                    if isinstance(v, (int, float, str, bool, list, type(None)))),

@@ -24,20 +24,26 @@ from fmeg.checkpoint.load import FORMAT
 from fmeg.interop import megatron
 from fmeg.models import gpt, saved_config
 from fmeg.training import policies
-from fmeg.training.checkpoint_state import (KINDS, REPLICA_GROUPS, count_piece, held_zeros, load_requests,
+from fmeg.training.checkpoint_state import (KINDS, REPLICA_GROUPS, count_piece, load_requests,
                                             placements, regions, replicas, save_pieces, saved_count)
 from fmeg.training.flat_state import FlatState
-from fmeg.training.parallel_step import init_state, shard_params
+from fmeg.training.parallel_step import init_state, initialized_state, local_shapes
 
 
 class MissingCheckpoint(ValueError):
     """--exit-on-missing-checkpoint and --load holds none."""
 
 
-def new_state(cfg, session, fp32_params) -> FlatState:
-    return init_state(fp32_params, cfg.model, cfg.layout, session.mesh,
-                      compute_dtype=cfg.precision.compute_dtype, adam=cfg.training.adam,
-                      grad_dtype=cfg.precision.grad_dtype)
+def _options(cfg, session) -> dict:
+    return {"compute_dtype": cfg.precision.compute_dtype, "adam": cfg.training.adam,
+            "grad_dtype": cfg.precision.grad_dtype, "device": session.device,
+            "reshard_after_forward": cfg.runtime.reshard_after_forward}
+
+
+def new_state(cfg, session) -> FlatState:
+    """This rank's state, its weights zeros, built from the shapes alone (a checkpoint fills it)."""
+    return init_state(local_shapes(cfg.model, cfg.layout, session.mesh), cfg.model, cfg.layout, session.mesh,
+                      **_options(cfg, session))
 
 
 def check_model(ckpt: checkpoint.Checkpoint, config: gpt.GPTConfig) -> dict:
@@ -105,9 +111,8 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
     progress = policies.Progress(scaler=cfg.precision.scaler)
     found = checkpoint.latest(load) if load else None
     if found is None:
-        fresh = session.to_device(shard_params(gpt.init(cfg.model, cfg.training.seed), cfg.model, cfg.layout,
-                                               session.mesh))
-        state = new_state(cfg, session, fresh)
+        state = initialized_state(cfg.model, cfg.layout, session.mesh, seed=cfg.training.seed,
+                                  **_options(cfg, session))
         if load and ck.exit_on_missing_checkpoint:
             raise MissingCheckpoint(f"--load {load}: no checkpoint there ({checkpoint.LATEST} missing) and "
                                     "--exit-on-missing-checkpoint is set; fix the path or drop the flag")
@@ -125,7 +130,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
                                in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
                                layout_note="layout unchanged" if same else f"resharded from {ckpt.meta['layout']}",
                                path=str(found))
-        state = new_state(cfg, session, held_zeros(cfg.model, cfg.layout, session.mesh, session.device))
+        state = new_state(cfg, session)
         read_state(ckpt, state, cfg, session.mesh, optimizer=not plan.fresh_optimizer, agree=session.first_problem)
     if plan.fresh_optimizer:  # the weights only: fp32 main weights from the loaded ones
         state.fresh_optimizer()
@@ -144,7 +149,7 @@ def _restore_megatron(cfg, session, found: Path, load: str) -> tuple[FlatState, 
         plan = policies.resume(ckpt.meta, finetune=ck.finetune, no_load_optim=True,
                                in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
                                path=f"{found}, {ckpt.describe()}")
-        state = new_state(cfg, session, held_zeros(cfg.model, cfg.layout, session.mesh, session.device))
+        state = new_state(cfg, session)
         read_state(ckpt, state, cfg, session.mesh, optimizer=False, agree=session.first_problem)
     state.fresh_optimizer()
     said = [plan.description]
