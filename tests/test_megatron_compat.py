@@ -79,13 +79,13 @@ def test_warmup_fraction_is_a_fraction_of_a_step_as_in_megatron():
     assert lr_steps(a) == (pytest.approx(3.0), 20, False)
 
 
-RUNTIME = ["--manual-gc", "--empty-unused-memory-level", "1", "--overlap-param-gather", "--cross-entropy-loss-fusion",
+RUNTIME = ["--manual-gc", "--manual-gc-interval", "10", "--empty-unused-memory-level", "1", "--overlap-param-gather", "--cross-entropy-loss-fusion",
            "--no-mmap-bin-files", "--profile", "--profile-step-start", "3", "--profile-step-end", "5",
            "--profile-ranks", "0", "1", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "30"]
 
 
 def test_runtime_flags_of_megatron_scripts_are_accepted_and_named():
-    a = parse_args(RUNTIME, world_size=1)
+    a = parse_args([*RUNTIME, "--rope-type", "rope"], world_size=1)  # rope: what fmeg's RoPE is
     assert validate(a, 1) == [] and a.distributed_timeout_minutes == 30
     named = [line.split(":")[0] for line in ignored_flags(a)]
     assert sorted(named) == sorted(f for f in RUNTIME if f.startswith("--") and f != "--distributed-timeout-minutes")
@@ -100,6 +100,17 @@ def test_moe_flags_without_experts_are_named_as_ignored_even_at_their_defaults(t
     named = [line.split(":")[0] for line in ignored_flags(a)]
     assert "--moe-router-topk" in named and "--moe-aux-loss-coeff" in named
     assert not [n for n in ignored_flags(parse_args([], world_size=1)) if n.startswith("--moe")]
+
+
+def test_the_flex_dispatcher_runs_as_alltoall_with_one_warning():
+    """DeepSeek-V3's scripts ask for --moe-token-dispatcher-type flex (DeepEP's kernels): the same tokens reach the
+    same experts as with alltoall, so fmeg runs alltoall and says so once (test_moe_layouts runs its curve)."""
+    a = parse_args(["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"], world_size=1)
+    assert a.moe_token_dispatcher_type == "alltoall"
+    assert [n for n in a.notices if "flex" in n] == [
+        "--moe-token-dispatcher-type flex runs as alltoall: the same tokens reach the same experts and the numbers "
+        "are the same; DeepEP's and HybridEP's fused kernels are not in fmeg"]
+    assert any(n.startswith("--moe-enable-deepep: ") for n in ignored_flags(a))
 
 
 @pytest.mark.slow

@@ -213,8 +213,8 @@ def moe_config(**overrides):
     return gpt.GPTConfig.llama(**{**base, **overrides})
 
 
-def batch_for(config, b=2, s=8):
-    gen = torch.Generator().manual_seed(3)
+def batch_for(config, b=2, s=8, seed=3):
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (b, s + 1), generator=gen)
     return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
@@ -222,6 +222,11 @@ def batch_for(config, b=2, s=8):
 def plain_objective(params, batch, config):
     """The one-device definition: each MoE layer a loop over experts, and the objective the LM loss plus every
     layer's coefficient-weighted balance losses (what the injected gradients add up to)."""
+    return sum(lm_and_balance(params, batch, config))
+
+
+def lm_and_balance(params, batch, config):
+    """(the LM loss, every layer's coefficient-weighted balance losses summed), each MoE layer a loop over experts."""
     extra = []
 
     def loop_moe(p, x, config, tp, *, activation, aux, index):
@@ -243,7 +248,7 @@ def plain_objective(params, batch, config):
         lm = gpt.loss(params, batch, config)
     finally:
         moe.moe_mlp = original
-    return lm + sum(extra)
+    return lm, sum(extra)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -259,6 +264,41 @@ def test_the_moe_model_gradients_are_those_of_lm_loss_plus_balance_losses(overri
     want = torch.func.grad(lambda p: plain_objective(p, batch, config))(params)
     for path, g in tree.items(got):
         torch.testing.assert_close(g, tree.flatten(want)[path], rtol=1e-9, atol=1e-10, msg=path)
+    assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
+
+
+def test_per_token_loss_scales_each_balance_loss_by_all_its_microbatchs_tokens_as_megatron_core():
+    """--calculate-per-token-loss with loss masks: megatron-core's router scales its aux loss by the tokens it
+    routed (activation.shape[0], masked or not), and the step divides every gradient by the global batch's loss
+    tokens; so the objective is (sum of the token losses + sum over microbatches of tokens x balance losses) /
+    loss tokens. Seeding the aux losses with the loss-masked count instead moved the router's gradient by 8e-2."""
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    config = moe_config(moe_z_loss_coeff=1e-2)
+    params = gpt.init(config, 0)
+    g = torch.Generator().manual_seed(1)
+    microbatches = []
+    for seed, keep in ((0, 0.8), (1, 0.3)):
+        mb = batch_for(config, seed=seed)
+        microbatches.append({**mb, "loss_mask": (torch.rand(mb["tokens"].shape, generator=g) < keep).float()})
+    tokens = sum(gpt.loss_tokens(mb) for mb in microbatches)
+
+    def objective(p):
+        total = 0.0
+        for mb in microbatches:
+            lm, balance = lm_and_balance(p, mb, config)
+            total = total + gpt.loss_tokens(mb) * lm + mb["tokens"].numel() * balance
+        return total / tokens
+
+    want = torch.func.grad(objective)(params)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
+    train_iteration(state, microbatches, config=config, layout=layout, mesh=mesh, lr=0.0, weight_decay=0.0,
+                    clip_grad=0.0, per_token=True)
+    got = state.flat.views(state.main_grad())[0]
+    for path, grad in tree.items(got):
+        torch.testing.assert_close(grad, tree.flatten(want)[path], rtol=1e-4, atol=1e-6, msg=path)
     assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
 
 

@@ -44,6 +44,7 @@ LAYOUTS = [("ep2", 2, EP2),
            ("ep2_pp2_virtual_alltoall", 4, [*EP2, *PP2_VIRTUAL, *A2A]),
            ("ep2_dp2_zero1_alltoall", 4, [*EP2, "--use-distributed-optimizer", *A2A]),
            ("ep2_compiled_alltoall", 2, [*EP2, "--compile", *A2A]),
+           ("ep2_flex", 2, [*EP2, "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]),
            ("cp2", 2, CP2),
            ("cp2_ep2", 4, [*CP2, *EP2]),
            ("cp2_ep2_zero1_alltoall", 4, [*CP2, *EP2, "--use-distributed-optimizer", *A2A]),
@@ -182,3 +183,16 @@ def test_global_aux_loss_curves_equal_data_parallel_2s_at_any_other_layout(tmp_p
         assert len(got[key]) == 20
         for a, b in zip(got[key], want[key]):
             assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
+
+
+PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]  # uneven loss masks: the aux losses' scale shows
+
+
+@pytest.mark.slow
+def test_per_token_balance_losses_are_layout_invariant_with_uneven_masks(tmp_path):
+    """Megatron's per-token scaling of the balance losses (each router's tokens, masked or not) at ep 2 x tp 2
+    with sp, cp 2 x ep 2 and pp 2 with virtual stages: one rank's curve."""
+    want = curves(tmp_path, "single_per_token", 1, PER_TOKEN)
+    for name, nproc, flags in [("ep2_tp2_sp", 4, [*EP2, *TP2_SP]), ("cp2_ep2", 4, [*CP2, *EP2]),
+                               ("pp2_virtual", 2, PP2_VIRTUAL)]:
+        assert_same(curves(tmp_path, name, nproc, [*PER_TOKEN, *flags]), want)

@@ -283,7 +283,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args.train_iters = iterations_for(args.train_samples, gbs, ramp, steps) if gbs > 0 else 0
     elif args.train_iters is None:
         args.train_iters = 100
-    args.notices = megatron_leniencies(args)
+    args.notices = megatron_leniencies(args) + moe_flags.leniencies(args)
     from fmeg.training.checkpoint_args import router_without_bias
 
     older = router_without_bias(args)

@@ -33,6 +33,7 @@ IGNORED_SWITCHES = {
 }
 IGNORED_SETTINGS = {
     "--transformer-impl": "fmeg has one transformer implementation",
+    "--manual-gc-interval": "a memory-management policy: fmeg leaves Python's garbage collector alone",
     "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
     "--num-workers": "samples are read from memory-mapped files by the training process",
     "--timing-log-level": "the per-phase timers are always printed",
@@ -114,6 +115,7 @@ LATER_WORK = {
     "--multi-latent-attention": ({"action": "store_true"}, (False,), "multi-latent attention (DeepSeek's MLA)"),
     "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
+    "--rope-type": ({"choices": ["rope", "yarn"]}, (None, "rope"), "YaRN rotary embeddings"),
 }
 
 

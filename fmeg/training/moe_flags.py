@@ -12,8 +12,12 @@ IGNORED = {
     "--moe-grouped-gemm": "experts always run as grouped matmuls (torch._grouped_mm where the device takes it)",
     "--moe-permute-fusion": "fmeg fuses no kernels by hand", "--moe-router-fusion": "fmeg fuses no kernels by hand",
     "--moe-shared-expert-overlap": "an overlap policy", "--moe-use-legacy-grouped-gemm": "one grouped-matmul path",
+    "--moe-enable-deepep": "DeepEP is a kernel of the flex dispatcher, which fmeg runs as alltoall",
 }
-IGNORED_SETTINGS: dict[str, str] = {}
+IGNORED_SETTINGS: dict[str, str] = {
+    "--moe-flex-dispatcher-backend": "DeepEP and HybridEP are kernels of the flex dispatcher, which fmeg runs as "
+                                     "alltoall",
+}
 
 
 def layer_freq(text: str) -> int | tuple[int, ...]:
@@ -78,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, default=None, help=f"accepted, ignored: {IGNORED_SETTINGS[flag]}")
 
 
+def leniencies(a: argparse.Namespace) -> list[str]:
+    """The MoE flags fmeg adjusts and goes on with (in place), one warning line each."""
+    if a.num_experts is None or a.moe_token_dispatcher_type != "flex":
+        return []
+    a.moe_token_dispatcher_type, a.flex_dispatcher = "alltoall", True
+    return ["--moe-token-dispatcher-type flex runs as alltoall: the same tokens reach the same experts and the "
+            "numbers are the same; DeepEP's and HybridEP's fused kernels are not in fmeg"]
+
+
 def model_fields(a: argparse.Namespace) -> dict:
     """The GPTConfig fields of the MoE flags (none without --num-experts)."""
     if a.num_experts is None:
@@ -128,12 +141,11 @@ def problems(a: argparse.Namespace) -> list[str]:
     if kind == "sinkhorn":
         out.append("--moe-router-load-balancing-type sinkhorn: not supported by fmeg yet; use aux_loss, seq_aux_loss, "
                    "global_aux_loss or none")
-    if a.moe_token_dispatcher_type == "flex":
-        out.append("--moe-token-dispatcher-type flex: DeepEP's dispatcher is not in fmeg; use alltoall or allgather")
-    elif a.moe_token_dispatcher_type == "alltoall":
+    if a.moe_token_dispatcher_type == "alltoall":
         expert_tp = tp if etp is None else etp
         if expert_tp > 1:
-            out.append(f"--moe-token-dispatcher-type alltoall: fmeg's all-to-all moves tokens to experts that are not "
+            given = "flex" if getattr(a, "flex_dispatcher", False) else "alltoall"
+            out.append(f"--moe-token-dispatcher-type {given}: fmeg's all-to-all moves tokens to experts that are not "
                        f"split over tp (expert tp {expert_tp}); add --expert-tensor-parallel-size 1 or use allgather")
     if a.moe_input_jitter_eps:
         out.append("--moe-input-jitter-eps: router input jitter is not supported by fmeg yet; drop the flag")

@@ -304,8 +304,8 @@ def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, sta
 def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale: float, per_token: bool
                     ) -> tuple[list[dict], tuple[torch.Tensor, torch.Tensor | None]]:
     """For a mixture of experts, the microbatches (copies) with what their auxiliary losses need: loss_seed, the
-    backward seed of the microbatch's loss (loss scale / microbatches; with per-token losses, loss scale times
-    the microbatch's tokens, as Megatron scales them), and moe_metrics, this microbatch's row of a
+    backward seed of their sum (loss scale / microbatches; with per-token losses, loss scale times the number of
+    the microbatch's tokens, loss-masked or not, as megatron-core's router scales them), and moe_metrics, this microbatch's row of a
     [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into, and with
     the expert bias moe_counts, its row of a [microbatches, layers, experts] buffer of tokens per expert."""
     device = microbatches[0]["tokens"].device
@@ -317,8 +317,10 @@ def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale:
         if config.moe_router_load_balancing_type == "global_aux_loss" else None
     out = []
     for i, mb in enumerate(microbatches):
-        seed = torch.tensor(loss_scale, device=device) * (gpt.loss_tokens(mb).to(device) if per_token
-                                                          else 1.0 / len(microbatches))
+        # per-token: megatron-core's router scales its aux losses by the tokens it routed, all of the microbatch's
+        # (the loss mask does not enter), which the division by the global batch's loss tokens then cancels
+        seed = torch.tensor(loss_scale * (mb["tokens"].numel() if per_token else 1.0 / len(microbatches)),
+                            device=device)
         step = {}
         if global_counts is not None:  # microbatch i writes row i and averages rows 0..i
             order = torch.arange(m, device=device)
