@@ -69,7 +69,8 @@ def prepare(a, world: int):
     try:
         train, valid, _ = build_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0], t.seed,
                                          cache_dir=d.cache_path, eod_id=tokenizer.eod, eod_mask_loss=d.eod_mask_loss,
-                                         vocab_size=tokenizer.vocab_size)
+                                         reset_position_ids=d.reset_position_ids,
+                                         reset_attention_mask=d.reset_attention_mask, vocab_size=tokenizer.vocab_size)
     except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
         raise BadInput(str(e)) from None
     if train is None and samples[0]:

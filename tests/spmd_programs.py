@@ -345,13 +345,13 @@ def context_parallel_gpt(mesh, params, batch, config, key, comm_type):
     """The GPT loss and gradients of this rank's tokens (its cp chunks), tensor (and sequence) parallel inside each
     cp rank: the cp ranks' losses and gradients sum to the microbatch's."""
     from fmeg.models import gpt
-    from fmeg.parallel.context import ContextParallel, shard_sequence
+    from fmeg.parallel.context import ContextParallel, shard_batch
     from fmeg.parallel.sharding import shard
 
     cp = ContextParallel(mesh.group("cp"), comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p"))
     tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, context=cp)
     local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
-    mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
+    mine = shard_batch(batch, cp)
     grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, mine, config, key=key, tp=tp))(local)
     return loss, grads, (mesh.coord("tp"), mesh.coord("cp"))
 
@@ -364,7 +364,7 @@ def compiled_context_parallel_gpt(mesh, params, batch, config, key, comm_type, b
 
     from fmeg import tree
     from fmeg.models import gpt
-    from fmeg.parallel.context import ContextParallel, shard_sequence
+    from fmeg.parallel.context import ContextParallel, shard_batch
     from fmeg.parallel.sharding import shard
 
     torch._dynamo.reset()
@@ -373,7 +373,7 @@ def compiled_context_parallel_gpt(mesh, params, batch, config, key, comm_type, b
     tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel, context=cp)
     flat = {path: t.detach().requires_grad_() for path, t in
             tree.flatten(shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})).items()}
-    mine = {name: shard_sequence(t, cp) for name, t in batch.items()}
+    mine = shard_batch(batch, cp)
     compiled = torch.compile(lambda p, b, k: gpt.loss(p, b, config, key=k, tp=tp), backend=backend, fullgraph=True)
     loss = compiled(tree.unflatten(flat), mine, torch.tensor(key))
     grads = tree.unflatten(dict(zip(flat, torch.autograd.grad(loss, list(flat.values())))))

@@ -49,6 +49,53 @@ def test_samples_equal_megatron_core_gpt_dataset(tmp_path, seed, seq, docs, samp
         np.testing.assert_array_equal(ours[i]["labels"].numpy(), theirs[i]["labels"].numpy())
 
 
+@pytest.mark.parametrize("seed, seq, flags", [(0, 16, (True, True, True)), (1, 32, (True, False, True)),
+                                               (2, 24, (False, True, False)), (3, 8, (True, True, False)),
+                                               (4, 64, (False, False, True))])
+def test_masks_and_positions_equal_megatron_core_gpt_dataset(tmp_path, seed, seq, flags):
+    """reset_position_ids, reset_attention_mask and eod_mask_loss as megatron-core's GPTDataset builds them on the
+    same indexed data: the loss mask and position ids equal, and the documents of cu_seqlens are its [s, s]
+    attention mask (a key visible to a query: at or before it, in its document)."""
+    core = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as CoreIndexed
+    from megatron.core.datasets.utils import Split
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    reset_position_ids, reset_attention_mask, eod_mask_loss = flags
+    eod = 999
+    ours_ix = corpus(tmp_path / "c", seed, docs=60, vocab=eod, eod=eod)
+
+    class Tok:
+        pad, vocab_size, unique_identifiers = -1, 1000, {"class": "Tok"}
+
+    Tok.eod = eod
+    config = core.GPTDatasetConfig(random_seed=seed, sequence_length=seq, split="1,0,0", tokenizer=Tok(),
+                                   reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                                   eod_mask_loss=eod_mask_loss, create_attention_mask=True, path_to_cache=None,
+                                   mmap_bin_files=True)
+    indices = np.arange(60, dtype=np.int32)
+    theirs = core.GPTDataset(CoreIndexed(str(tmp_path / "c")), str(tmp_path / "c"), indices, 40, Split.train, config)
+    ours = GPTDataset(ours_ix, indices, seq, 40, seed, eod_id=eod, eod_mask_loss=eod_mask_loss,
+                      reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask)
+    causal = np.tril(np.ones((seq, seq), dtype=bool))
+    several = 0
+    for i in range(len(ours)):
+        mine, want = ours[i], theirs[i]
+        np.testing.assert_array_equal(mine["tokens"].numpy(), want["tokens"].numpy())
+        np.testing.assert_array_equal(mine["loss_mask"].numpy(), want["loss_mask"].numpy())
+        np.testing.assert_array_equal(mine["position_ids"].numpy(), want["position_ids"].numpy())
+        visible = causal
+        if reset_attention_mask:
+            document = np.searchsorted(mine["cu_seqlens"].numpy(), np.arange(seq), side="right")
+            visible = causal & (document[:, None] == document[None, :])
+            several += document.max() > 1
+        else:
+            assert "cu_seqlens" not in mine
+        np.testing.assert_array_equal(~visible, want["attention_mask"][0].numpy())
+    assert several or not reset_attention_mask  # the samples do pack several documents
+
+
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=25), st.integers(1, 12), st.integers(0, 100))
 def test_unshuffled_samples_tile_the_split_in_order_sharing_one_token(lengths, seq, seed):
     total = sum(lengths)
@@ -86,8 +133,8 @@ def test_eod_mask_loss_and_sample_fields(tmp_path):
     ds = GPTDataset(ix, np.arange(30), 16, 20, 0, eod_id=1000, eod_mask_loss=True)
     sample = ds[0]
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
-    assert (sample["loss_mask"][sample["labels"] == 1000] == 0).all()
-    assert (sample["loss_mask"][sample["labels"] != 1000] == 1).all()
+    assert (sample["loss_mask"][sample["tokens"] == 1000] == 0).all()  # megatron-core's: inputs that end a document
+    assert (sample["loss_mask"][sample["tokens"] != 1000] == 1).all()
     assert sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
 
 

@@ -102,12 +102,37 @@ def build_indices(lengths: np.ndarray, documents: np.ndarray, seq_len: int, num_
     return document_index, sample_index, shuffle_index
 
 
+def documents_of(tokens: torch.Tensor, eod_id: int | None, *, reset_position_ids: bool = False,
+                 reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
+    """A sample's packed documents as megatron-core's GPTDataset cuts them: a document ends after each
+    end-of-document token of the input tokens. reset_position_ids: "position_ids" restart at 0 in each document;
+    reset_attention_mask: "cu_seqlens" [s + 1], the documents' cumulative lengths padded with s (each document
+    attends to itself only: fmeg.ops.document_attention)."""
+    s = tokens.shape[0]
+    out = {}
+    ends = (tokens == eod_id).nonzero().flatten() + 1 if eod_id is not None else tokens.new_empty(0)
+    ends = ends[ends < s]
+    if reset_position_ids:
+        starts = torch.zeros(s, dtype=torch.int64)
+        starts[ends] = ends
+        out["position_ids"] = torch.arange(s) - starts.cummax(0).values
+    if reset_attention_mask:
+        cu_seqlens = torch.full((s + 1,), s, dtype=torch.int64)
+        cu_seqlens[0] = 0
+        cu_seqlens[1:len(ends) + 1] = ends
+        out["cu_seqlens"] = cu_seqlens
+    return out
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Samples {"tokens", "labels", "loss_mask", "position_ids"} of seq_len tokens from `documents` of an
-    IndexedDataset. loss_mask is 0 on end-of-document labels when eod_mask_loss, and on padding."""
+    IndexedDataset, with "cu_seqlens" under reset_attention_mask (documents_of). loss_mask is 0 where the input
+    token is an end of document when eod_mask_loss (megatron-core's GPTDataset: the next document's first token is
+    not predicted from the previous one)."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_len: int, num_samples: int | None,
                  seed: int, *, eod_id: int | None = None, eod_mask_loss: bool = False,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
                  cache_dir: str | os.PathLike | None = None, name: str = "train"):
         if len(documents) == 0:
             raise ValueError(f"{indexed.prefix}: the {name} split has no documents")
@@ -115,6 +140,7 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(f"{indexed.prefix}: --seq-length {seq_len} is larger than the {name} split's "
                              f"{int(indexed.sequence_lengths[np.asarray(documents)].sum())} tokens")
         self.indexed, self.seq_len, self.eod_id, self.eod_mask_loss = indexed, seq_len, eod_id, eod_mask_loss
+        self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
         description = {"prefix": os.path.abspath(indexed.prefix), "documents": [int(documents[0]), int(documents[-1]),
                        len(documents)], "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
                        "index_bytes": os.path.getsize(indexed.prefix + ".idx"), "split": name}
@@ -145,9 +171,11 @@ class GPTDataset(torch.utils.data.Dataset):
         tokens, labels = text[:-1], text[1:]
         loss_mask = torch.ones(self.seq_len, dtype=torch.float32)
         if self.eod_mask_loss and self.eod_id is not None:
-            loss_mask[labels == self.eod_id] = 0.0
+            loss_mask[tokens == self.eod_id] = 0.0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                "position_ids": torch.arange(self.seq_len, dtype=torch.int64)}
+                "position_ids": torch.arange(self.seq_len, dtype=torch.int64),
+                **documents_of(tokens, self.eod_id, reset_position_ids=self.reset_position_ids,
+                               reset_attention_mask=self.reset_attention_mask)}
 
 
 class MockGPTDataset(torch.utils.data.Dataset):

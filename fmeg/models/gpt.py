@@ -301,15 +301,22 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
 
 
 def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
-              tp: TensorParallel = NO_TP, key: Any = None, recompute_core: bool = False) -> torch.Tensor:
+              tp: TensorParallel = NO_TP, key: Any = None, recompute_core: bool = False,
+              documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
     key, attention dropout masks each probability by its global (batch, head, query, key) position.
-    recompute_core keeps only q, k and v of the attention core for backward (selective recomputation)."""
+    recompute_core keeps only q, k and v of the attention core for backward (selective recomputation).
+    documents: the rows' packed documents as host cu_seqlens [b, s + 1] (ops.document_attention), or None."""
     q, k, v = project_qkv(p, x_BSH, config, rope, tp)
-    core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
-                             head_offset=tp.rank * q.shape[1], total_heads=config.num_heads)
+    offset = tp.rank * q.shape[1]
     if tp.context.size > 1:  # the sequence split over cp ranks
-        core = context.core(tp.context, config.attention_dropout, key, tp.rank * q.shape[1], config.num_heads)
+        core = context.core(tp.context, config.attention_dropout, key, offset, config.num_heads, documents)
+    elif documents is not None:
+        core = functools.partial(ops.document_attention, cu_seqlens=documents, dropout_p=config.attention_dropout,
+                                 key=key, head_offset=offset, total_heads=config.num_heads)
+    else:
+        core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
+                                 head_offset=offset, total_heads=config.num_heads)
     out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
     return project_out(p, out, tp)
 
@@ -383,12 +390,12 @@ def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
           index: int = 0, tp: TensorParallel = NO_TP, recompute_core: bool = False,
-          aux: moe.AuxLosses = moe.NO_AUX) -> torch.Tensor:
+          aux: moe.AuxLosses = moe.NO_AUX, documents: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
     attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
     attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp.for_layer(index), attn_key,
-                     recompute_core)
+                     recompute_core, documents)
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
     out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp, aux, index)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
@@ -400,7 +407,7 @@ def embed(params: Params, tokens: torch.Tensor, config: GPTConfig, positions: to
     x = vocab_parallel_embedding(tokens, params["embedding"]["word"]["weight"], tp)
     if config.position == "learned":
         if tp.sp:
-            positions = positions.chunk(tp.size)[tp.rank]
+            positions = positions.chunk(tp.size, dim=-1)[tp.rank]
         x = x + ops.embedding(positions, replicated_param(params["embedding"]["position"]["weight"], tp))
     return x
 
@@ -410,18 +417,20 @@ def output_weight(params: Params, config: GPTConfig) -> torch.Tensor:
 
 
 def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
-                  key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
+                  key: Any = None, tp: TensorParallel = NO_TP, documents: torch.Tensor | None = None) -> torch.Tensor:
     """The final-normed hidden states [batch, seq, hidden] ([b, s/t, h] with sequence parallelism)."""
-    return decoder_span(params, tokens, None, config, positions=positions, key=key, tp=tp)
+    return decoder_span(params, tokens, None, config, positions=positions, key=key, tp=tp, documents=documents)
 
 
 def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, config: GPTConfig, *,
                  first_layer: int = 0, final: bool = True, positions: torch.Tensor | None = None, key: Any = None,
                  tp: TensorParallel = NO_TP, recompute_core: bool = False,
-                 aux: moe.AuxLosses = moe.NO_AUX) -> torch.Tensor:
+                 aux: moe.AuxLosses = moe.NO_AUX, documents: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
     numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
-    one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores."""
+    one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores.
+    positions: [s] or [b, s] (this rank's tokens'; reset per document with --reset-position-ids); documents:
+    host cu_seqlens [b, s + 1] of the whole sequence, each packed document attending to itself only."""
     seq = tokens.shape[-1] * tp.context.size  # the whole sequence; this rank holds its context-parallel chunks
     if seq > config.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}")
@@ -432,20 +441,22 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     if positions is None:
         positions = context.positions(seq, tp.context.size, tp.context.rank, tokens.device)
     rope = rope_tables(positions, config) if config.position == "rope" else None
+    if rope is not None and positions.dim() == 2:  # [b, 1, s, d]: each row's own, broadcast over heads
+        rope = (rope[0][:, None], rope[1][:, None])
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
         x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core,
-                  aux=aux)
+                  aux=aux, documents=documents)
     return norm(params["final_norm"], x, config, tp) if final else x
 
 
 def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
-          key: Any = None, tp: TensorParallel = NO_TP) -> torch.Tensor:
+          key: Any = None, tp: TensorParallel = NO_TP, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [batch, seq, vocab_size] for tokens [batch, seq]; under tensor parallelism this rank's shard
     of the padded vocabulary [batch, seq, padded_vocab_size/t] with -inf at padding ids (gather with
     collectives.gather_from, then [..., :vocab_size]). A key turns dropout on (hidden and attention)."""
-    x = hidden_states(params, tokens, config, positions=positions, key=key, tp=tp)
+    x = hidden_states(params, tokens, config, positions=positions, key=key, tp=tp, documents=documents)
     weight = output_weight(params, config)
     if tp.group is None:
         return ops.linear(x, weight[:config.vocab_size])
@@ -460,7 +471,8 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
     run as one fused op (ops.linear_cross_entropy); under tensor parallelism the loss is vocabulary-parallel
     and never gathers the logits.
     """
-    x = hidden_states(params, batch["tokens"], config, key=key, tp=tp)
+    x = hidden_states(params, batch["tokens"], config, key=key, tp=tp, positions=batch.get("position_ids"),
+                      documents=batch.get("cu_seqlens"))
     return output_loss(x, output_weight(params, config), batch, config.vocab_size, tp=tp,
                        label_smoothing=label_smoothing)
 

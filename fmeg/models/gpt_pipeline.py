@@ -118,7 +118,8 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
         aux = moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
                             batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"))
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core, aux=aux)
+                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core, aux=aux,
+                                positions=batch.get("position_ids"), documents=batch.get("cu_seqlens"))
 
     def embedding(sub: Params, batch: dict) -> torch.Tensor:
         return span({"embedding": sub["embedding"], "layers": []}, None, batch)

@@ -2,6 +2,7 @@
 
 from fmeg.ops.activations import gelu, gelu_tanh, mlp_activation, swiglu
 from fmeg.ops.attention import causal_attention
+from fmeg.ops.document_attention import document_attention
 from fmeg.ops.cross_entropy import IGNORE_INDEX, cross_entropy, masked_mean, token_cross_entropy
 from fmeg.ops.embedding import embedding
 from fmeg.ops.linear import linear
@@ -12,7 +13,7 @@ from fmeg.ops.recompute import recomputed
 from fmeg.ops.rope import apply_rope, rope_cos_sin
 
 __all__ = [
-    "IGNORE_INDEX", "apply_rope", "causal_attention", "cross_entropy", "dropout", "embedding", "fold_in",
+    "IGNORE_INDEX", "apply_rope", "causal_attention", "cross_entropy", "document_attention", "dropout", "embedding", "fold_in",
     "gelu", "gelu_tanh", "layer_norm", "mlp_activation", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "rms_norm",
     "rope_cos_sin", "swiglu", "token_cross_entropy", "uniform",
 ]

@@ -24,6 +24,7 @@ layer stays one graph; a2a is traced like any tensor-parallel layer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from fmeg.parallel.context_layout import SEQ, AttentionDropout, chunks_of, load_
 from fmeg.parallel.ring_attention import blockwise, register_group
 
 __all__ = ["COMM_TYPES", "ContextParallel", "NO_CP", "AttentionDropout", "attention", "chunks_of", "core",
-           "hierarchical", "load_balanced_order", "positions", "shard_sequence", "ulysses"]
+           "hierarchical", "load_balanced_order", "positions", "shard_batch", "shard_sequence", "ulysses"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -78,38 +79,54 @@ def shard_sequence(x: torch.Tensor, cp: ContextParallel, dim: int = 1) -> torch.
     return x.index_select(dim, positions(x.shape[dim], cp.size, cp.rank, x.device))
 
 
+WHOLE_SEQUENCE_KEYS = ("cu_seqlens",)  # a microbatch's document boundaries: every rank reads all of them
+
+
+def shard_batch(batch: dict, cp: ContextParallel) -> dict:
+    """This rank's part of a microbatch: its tokens of every [b, s] tensor (shard_sequence), the packed documents'
+    boundaries (cu_seqlens, of the whole sequence) as they are."""
+    return {k: t if k in WHOLE_SEQUENCE_KEYS else shard_sequence(t, cp) for k, t in batch.items()}
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-              dropout: AttentionDropout | None = None) -> torch.Tensor:
+              dropout: AttentionDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's rows of causal attention over the whole sequence (see the module docstring), with attention
-    dropout keyed by global positions when given."""
+    dropout keyed by global positions when given; documents: host cu_seqlens [b, s + 1] of the whole sequence,
+    each packed document attending to itself (fmeg.ops.document_attention)."""
     if cp.size == 1 or cp.comm_type == "a2a":
-        return ulysses(q, k, v, cp, dropout)
+        return ulysses(q, k, v, cp, dropout, documents)
+    if documents is not None:
+        raise ValueError(f"packed documents (--reset-attention-mask) run at --cp-comm-type a2a, not {cp.comm_type}")
     if cp.comm_type == "a2a+p2p":
         return hierarchical(q, k, v, cp, dropout)
     return blockwise(q, k, v, cp.comm_type, cp.group, cp.handles[0], dropout)
 
 
-def core(cp: ContextParallel, dropout_p: float, key: Any, head_offset: int, total_heads: int):
+def core(cp: ContextParallel, dropout_p: float, key: Any, head_offset: int, total_heads: int,
+         documents: torch.Tensor | None = None):
     """attention(q, k, v) over cp, with the model's attention dropout (keyed as one device's) when key is given."""
     drop = None if key is None or dropout_p == 0.0 else AttentionDropout(dropout_p, key, head_offset, total_heads)
-    return lambda q, k, v: attention(q, k, v, cp, drop)
+    return lambda q, k, v: attention(q, k, v, cp, drop, documents)
 
 
 def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-            dropout: AttentionDropout | None) -> torch.Tensor:
+            dropout: AttentionDropout | None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """a2a: heads split over cp instead of the sequence for the attention itself (DeepSpeed-Ulysses), one device's
-    attention (fmeg.ops.causal_attention) on the whole sequence in between."""
+    attention (fmeg.ops.causal_attention, or ops.document_attention over packed documents) on the whole sequence
+    in between."""
     size, n, g = cp.size, q.shape[1], k.shape[1]
     if n % size or g % size:
         raise ValueError(f"the a2a context parallelism splits heads: {n} query and {g} key/value heads must be "
                          f"divisible by cp={size}")
     if size > 1:  # [b, heads / cp, s (chunks in rank order), d], then the sequence's order
         q, k, v = (reorder(C.all_to_all(t, cp.group, 1, SEQ), SEQ, size) for t in (q, k, v))
+    one_device = ops.causal_attention if documents is None else \
+        functools.partial(ops.document_attention, cu_seqlens=documents)
     if dropout is None:
-        out = ops.causal_attention(q, k, v)
+        out = one_device(q, k, v)
     else:
-        out = ops.causal_attention(q, k, v, dropout_p=dropout.p, key=dropout.key, total_heads=dropout.total_heads,
-                                   head_offset=dropout.head_offset + cp.rank * q.shape[1])
+        out = one_device(q, k, v, dropout_p=dropout.p, key=dropout.key, total_heads=dropout.total_heads,
+                         head_offset=dropout.head_offset + cp.rank * q.shape[1])
     return out if size == 1 else C.all_to_all(reorder(out, SEQ, size, to_natural=False), cp.group, SEQ, 1)
 
 

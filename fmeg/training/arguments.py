@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-file")
     d.add_argument("--merge-file")
     d.add_argument("--eod-mask-loss", action="store_true")
+    d.add_argument("--reset-position-ids", action="store_true")
+    d.add_argument("--reset-attention-mask", action="store_true")
     d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--save", default=None, help="checkpoint directory")

@@ -118,6 +118,8 @@ class DataConfig:
     seq_length: int
     eod_mask_loss: bool
     cache_path: str | None
+    reset_position_ids: bool = False  # positions restart after each end of document (megatron-core's GPTDataset)
+    reset_attention_mask: bool = False  # each packed document attends to itself only (cu_seqlens in the batch)
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ class RunConfig:
         return cls(model=model_config(a, vocab_size), layout=layout_from_args(a, world),
                    training=_training(a, world), precision=_precision(a),
                    data=DataConfig(tuple(a.data_path) if a.data_path else None, a.mock_data, a.split, a.seq_length,
-                                   a.eod_mask_loss, a.data_cache_path),
+                                   a.eod_mask_loss, a.data_cache_path, a.reset_position_ids,
+                                   a.reset_attention_mask),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
                                                a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
                                                a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),

@@ -20,13 +20,17 @@ from fmeg.log_line import megatron_log_line
 from fmeg.ops import fold_in
 from fmeg.training import policies
 from fmeg.training.metrics import ProgressDisplay, open_sinks
-from fmeg.parallel.context import shard_sequence
+from fmeg.parallel.context import WHOLE_SEQUENCE_KEYS, shard_batch
 from fmeg.training.parallel_step import evaluate, global_norm, model_parallel, train_iteration
 from fmeg.training.report import draw_loss_curve, model_flops
 
 
-def collate(samples: list[dict]) -> dict:
-    return {k: torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask")}
+def collate(samples: list[dict], data) -> dict:
+    """The microbatch of samples: tokens, labels and loss_mask, with each row's position_ids under
+    --reset-position-ids and its cu_seqlens under --reset-attention-mask (data: the run's DataConfig)."""
+    keys = ("tokens", "labels", "loss_mask") + ("position_ids",) * data.reset_position_ids + \
+        ("cu_seqlens",) * data.reset_attention_mask
+    return {k: torch.stack([s[k] for s in samples]) for k in keys}
 
 
 class Trainer:
@@ -48,8 +52,9 @@ class Trainer:
         layout, dp_rank, out = self.cfg.layout, self.session.mesh.coord("dp"), []
         for j in range(layout.microbatches(global_batch)):
             first = first_sample + (j * layout.dp + dp_rank) * layout.micro_batch_size
-            mb = self.session.to_device(collate([dataset[i] for i in range(first, first + layout.micro_batch_size)]))
-            mb = {k: shard_sequence(t, self.context) for k, t in mb.items()}  # this context-parallel rank's tokens
+            mb = collate([dataset[i] for i in range(first, first + layout.micro_batch_size)], self.cfg.data)
+            host = {k: mb.pop(k) for k in WHOLE_SEQUENCE_KEYS if k in mb}  # read by the host: never on the device
+            mb = shard_batch({**self.session.to_device(mb), **host}, self.context)  # this cp rank's tokens
             if train and self.cfg.training.dropout:
                 mb["dropout_key"] = fold_in(self.cfg.training.seed, iteration, j * layout.dp + dp_rank)
             out.append(mb)
