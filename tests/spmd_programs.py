@@ -325,15 +325,15 @@ def expert_parallel_loss_and_grads(mesh, params, batches, config, ep):
     return loss, grads, {"tp": (mesh.coord("tp"), mesh.size("tp")), "ep": (ep_rank, ep)}
 
 
-def context_attention(mesh, q, k, v, dout, comm_type, dropout):
+def context_attention(mesh, q, k, v, dout, comm_type, dropout, documents=None):
     """Context parallelism over every rank (tp 1): this rank's tokens of q, k, v and dout (the 2 x cp chunk order)
-    -> its rows of the attention and its gradients of q, k and v."""
+    -> its rows of the attention and its gradients of q, k and v (documents: cu_seqlens of packed documents)."""
     from fmeg.parallel.context import AttentionDropout, ContextParallel, attention, shard_sequence
 
     cp = ContextParallel(mesh.group("cp"), comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p"))
     mine = [shard_sequence(t, cp, dim=2) for t in (q, k, v, dout)]
     drop = None if dropout == 0 else AttentionDropout(dropout, 7, 0, q.shape[1])
-    fn = lambda q, k, v: attention(q, k, v, cp, drop)  # noqa: E731
+    fn = lambda q, k, v: attention(q, k, v, cp, drop, documents)  # noqa: E731
     out, vjp = torch.func.vjp(fn, *mine[:3])
     # vmap over a leading dimension (q batched, k and v shared): without dropout, whose mask is keyed by batch row
     vmapped = torch.func.vmap(fn, in_dims=(0, None, None))(torch.stack([mine[0], 2 * mine[0]]), *mine[1:3]) \

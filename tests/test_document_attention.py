@@ -1,7 +1,7 @@
 """Packed documents (Megatron's --reset-attention-mask): each document attends to itself only. Attention by
 cu_seqlens equals each document run alone (outputs and gradients; vjp, jvp, vmap; compiled as one opaque op), and
 a packed batch's logits, loss and gradients equal its documents run one by one through the GPT, with positions
-restarting per document, at one rank, tp 2 + sp, cp 2 (a2a) and pp 2."""
+restarting per document, at one rank, tp 2 + sp, cp 2 (each comm type) and pp 2."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from fmeg import ops, tree
 from fmeg.data.gpt_dataset import documents_of
 from fmeg.models import gpt
 from fmeg.ops.document_attention import document_spans
+from fmeg.parallel import context
 from fmeg.parallel.sharding import shard
 from parallel_harness import run
 
@@ -104,6 +105,39 @@ def test_attention_dropout_is_keyed_by_global_position_eager_compiled_and_head_s
     assert not torch.allclose(eager, ops.document_attention(q, k, v, cu))  # something was dropped
 
 
+@pytest.mark.parametrize("backend, world", [("threads", 2), ("threads", 4), ("gloo", 2)])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p"])
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_context_parallel_document_attention_equals_one_device(backend, world, comm_type, data):
+    """Each comm type over packed documents gives this rank's rows of one device's document attention and of its
+    gradients, with grouped-query attention and keyed dropout; vmap without dropout."""
+    a = 2 if comm_type == "a2a+p2p" and world == 4 else 1
+    split = {"a2a": world, "a2a+p2p": a}.get(comm_type, 1)
+    groups = split * data.draw(st.sampled_from([1, 2]), label="kv heads per split")
+    heads = groups * data.draw(st.sampled_from([1, 2]), label="heads per group")
+    seq = 2 * world * data.draw(st.integers(1, 3), label="chunk")
+    lengths = data.draw(packed_rows(seq), label="documents")
+    dropout = data.draw(st.sampled_from([0.0, 0.3]), label="attention dropout")
+    cu, b = packing(lengths), len(lengths)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+    q, dout = (torch.randn(b, heads, seq, 4, generator=gen, dtype=f64) for _ in range(2))
+    k, v = (torch.randn(b, groups, seq, 4, generator=gen, dtype=f64) for _ in range(2))
+    drop = {} if dropout == 0 else dict(dropout_p=dropout, key=7, total_heads=heads)
+    want, vjp = torch.func.vjp(lambda q, k, v: ops.document_attention(q, k, v, cu, **drop), q, k, v)
+    want_grads = vjp(dout)
+    results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, cu, tp=1, cp=world,
+                  cp_a2a=a)
+    for r, got in enumerate(results):
+        mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
+        torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
+        for g, w in zip(got["grads"], want_grads):
+            torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)
+        if dropout == 0:
+            twice = ops.document_attention(2 * q, k, v, cu)
+            torch.testing.assert_close(got["vmap"], mine(torch.stack([want, twice])), rtol=1e-10, atol=1e-10)
+
+
 def test_boundaries_that_do_not_cover_the_sequence_are_refused():
     q = torch.zeros(1, 1, 4, 2)
     with pytest.raises(ValueError, match="rise from 0 to the sequence length 4"):
@@ -168,10 +202,10 @@ def test_a_packed_batch_equals_its_documents_one_by_one_on_one_rank(style):
         torch.testing.assert_close(g, tree.flatten(want)[path], rtol=1e-9, atol=1e-11, msg=path)
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2_a2a", "cp2_tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2_p2p", "cp2_all_gather", "cp2_a2a", "cp2_tp2", "pp2"])
 def test_a_packed_batch_is_layout_invariant_with_dropout(layout):
-    """The loss and gradients of a packed batch (dropout on) at tp 2 + sp, cp 2 (a2a), cp 2 x tp 2 and pp 2 equal
-    one device's."""
+    """The loss and gradients of a packed batch (dropout on) at tp 2 + sp, cp 2 (p2p, all_gather, a2a), cp 2 (a2a)
+    x tp 2 + sp and pp 2 equal one device's."""
     from test_context_parallel import assert_cp_ranks_sum_to_one_device
 
     config = small("llama").replace(hidden_dropout=0.2, attention_dropout=0.2,
@@ -188,7 +222,8 @@ def test_a_packed_batch_is_layout_invariant_with_dropout(layout):
                 torch.testing.assert_close(g, want[path], rtol=1e-9, atol=1e-11, msg=path)
     elif layout.startswith("cp2"):
         tp = 2 if layout == "cp2_tp2" else 1
-        results = run("threads", 2 * tp, P.context_parallel_gpt, params, batch, config, 5, "a2a", tp=tp, cp=2,
+        comm_type = layout.removeprefix("cp2_") if tp == 1 else "a2a"
+        results = run("threads", 2 * tp, P.context_parallel_gpt, params, batch, config, 5, comm_type, tp=tp, cp=2,
                       sequence_parallel=tp > 1)
         assert_cp_ranks_sum_to_one_device(results, want_loss, want_grads, tp)
     else:

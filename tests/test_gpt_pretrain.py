@@ -69,9 +69,6 @@ BAD = [
     ({"WORLD_SIZE": "2"}, ["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--tensor-model-parallel-size",
                            "2", "--sequence-parallel"],
      "--moe-token-dispatcher-type flex: fmeg's all-to-all moves tokens to experts that are not split over tp"),
-    ({"WORLD_SIZE": "2"}, ["--context-parallel-size", "2", "--reset-attention-mask"],
-     "--reset-attention-mask at --context-parallel-size 2 runs with --cp-comm-type a2a only; packed documents over "
-     "p2p are not in fmeg yet"),
     ({"WORLD_SIZE": "1"}, ["--num-distributed-optimizer-instances", "2"],
      "--num-distributed-optimizer-instances 2: hybrid sharding is not supported by fmeg yet"),
     ({"WORLD_SIZE": "1"}, ["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),

@@ -59,10 +59,11 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, d
         return _document_op(q, k, v, cu_seqlens, dropout_p, key, head_offset, total)[0]
     spans = document_spans(cu_seqlens, q.shape[2])
     rows = []
-    for row, documents in enumerate(spans):
+    # split, not slices: the backward of a split is one cat, that of each slice a zero tensor of the whole input
+    for row, documents, *qkv in zip(range(len(spans)), spans, *(t.split(1) for t in (q, k, v))):
         parts = []
-        for a, e in documents:
-            qd, kd, vd = q[row:row + 1, :, a:e], k[row:row + 1, :, a:e], v[row:row + 1, :, a:e]
+        pieces = (t.split([e - a for a, e in documents], dim=2) for t in qkv)
+        for (a, e), qd, kd, vd in zip(documents, *pieces):
             if key is None:
                 parts.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=g != n))
             else:

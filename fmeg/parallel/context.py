@@ -95,11 +95,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     each packed document attending to itself (fmeg.ops.document_attention)."""
     if cp.size == 1 or cp.comm_type == "a2a":
         return ulysses(q, k, v, cp, dropout, documents)
-    if documents is not None:
-        raise ValueError(f"packed documents (--reset-attention-mask) run at --cp-comm-type a2a, not {cp.comm_type}")
     if cp.comm_type == "a2a+p2p":
-        return hierarchical(q, k, v, cp, dropout)
-    return blockwise(q, k, v, cp.comm_type, cp.group, cp.handles[0], dropout)
+        return hierarchical(q, k, v, cp, dropout, documents)
+    return blockwise(q, k, v, cp.comm_type, cp.group, cp.handles[0], dropout, documents)
 
 
 def core(cp: ContextParallel, dropout_p: float, key: Any, head_offset: int, total_heads: int,
@@ -131,7 +129,7 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParall
 
 
 def hierarchical(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                 dropout: AttentionDropout | None) -> torch.Tensor:
+                 dropout: AttentionDropout | None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """a2a+p2p (Megatron's --hierarchical-context-parallel-sizes a p, a x p = cp): an all-to-all over the a2a level
     (a consecutive cp ranks) splits heads and gathers those ranks' chunks, and a ring over the p2p level attends.
     With cp rank r = j a + i holding chunks r and 2cp - 1 - r, the a2a group j holds chunks ja ... ja + a - 1 and
@@ -148,9 +146,9 @@ def hierarchical(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextP
             dropout = AttentionDropout(dropout.p, dropout.key, dropout.head_offset + inner.rank * q.shape[1],
                                        dropout.total_heads)
     if outer is None:  # p = 1: the whole sequence, in order (Ulysses)
-        out = ulysses(q, k, v, NO_CP, dropout)
-    else:
-        out = blockwise(q, k, v, "p2p", outer, cp.handles[1], dropout)
+        out = ulysses(q, k, v, NO_CP, dropout, documents)
+    else:  # the big chunks are the ring's own layout of the whole sequence: the documents' positions hold
+        out = blockwise(q, k, v, "p2p", outer, cp.handles[1], dropout, documents)
     return out if inner is None else C.all_to_all(_big_chunks(out, a, back=True), inner, SEQ, 1)
 
 

@@ -26,9 +26,11 @@ class AttentionDropout:
     head_offset: int = 0
     total_heads: int = 1
 
-    def __call__(self, probs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq: int) -> torch.Tensor:
+    def __call__(self, probs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq: int,
+                 first_row: int = 0) -> torch.Tensor:
+        """probs [b, n, sq, sk] of batch rows first_row ... first_row + b - 1, dropped."""
         b, n = probs.shape[:2]
-        rows = torch.arange(b, device=probs.device)[:, None] * self.total_heads + self.head_offset + \
+        rows = (first_row + torch.arange(b, device=probs.device))[:, None] * self.total_heads + self.head_offset + \
             torch.arange(n, device=probs.device)
         index = (rows[:, :, None, None] * seq + q_pos[:, None]) * seq + k_pos
         return ops.dropout(probs, self.p, self.key, index=index)
@@ -46,6 +48,22 @@ def positions(seq: int, size: int, rank: int, device: Any = None) -> torch.Tenso
         raise ValueError(f"sequence length {seq} must be divisible by 2 x context-parallel size = {2 * size}")
     c = seq // (2 * size)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks_of(rank, size)])
+
+
+def document_blocks(spans: list[list[tuple[int, int]]], q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
+    """The pieces of an attention block in which queries see keys of their own document: (batch row, query rows,
+    key rows, causal) in the block's own indices. q_pos, k_pos: the global positions (host, increasing) of the
+    block's queries and keys; spans: each row's documents (start, end) (fmeg.ops.document_attention.document_spans).
+    A causal block (q_pos == k_pos) gives causal pieces on its diagonal."""
+    out = []
+    for row, documents in enumerate(spans):
+        bounds = torch.tensor([p for span in documents for p in span])
+        qb, kb = torch.searchsorted(q_pos, bounds).tolist(), torch.searchsorted(k_pos, bounds).tolist()
+        for j in range(len(documents)):
+            qa, qe, ka, ke = qb[2 * j], qb[2 * j + 1], kb[2 * j], kb[2 * j + 1]
+            if qa < qe and ka < ke:
+                out.append((row, slice(qa, qe), slice(ka, ke), causal))
+    return out
 
 
 def load_balanced_order(size: int) -> list[int]:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from fmeg.ops import attention_blocks as blocks
-from fmeg.parallel.context_layout import SEQ, AttentionDropout, chunks_of, positions, reorder
+from fmeg.ops.document_attention import document_spans
+from fmeg.parallel.context_layout import SEQ, AttentionDropout, chunks_of, document_blocks, positions, reorder
 
 _GROUPS: list[Any] = []  # the groups compiled graphs reach by their index here (a custom op takes no Python object)
 
@@ -40,17 +41,70 @@ def register_group(group: Any) -> int:
 
 
 def blockwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm_type: str, group: Any, handle: int,
-              dropout: AttentionDropout | None) -> torch.Tensor:
-    """p2p or all_gather over group (this rank holding its chunks r and 2 size - 1 - r of the sequence)."""
+              dropout: AttentionDropout | None, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """p2p or all_gather over group (this rank holding its chunks r and 2 size - 1 - r of the sequence); documents:
+    host cu_seqlens [b, s + 1] of the whole sequence (each packed document attends to itself only), or None."""
     if torch.compiler.is_compiling():  # one opaque op in the graph, running the code below
         d = dropout or AttentionDropout(0.0, None)
-        return _attention_op(q, k, v, comm_type, handle, d.p, d.key, d.head_offset, d.total_heads)[0]
-    return _BLOCKS[comm_type].apply(q, k, v, group, _drop(dropout, q.shape[SEQ] * group.size))[0]
+        return _attention_op(q, k, v, comm_type, handle, d.p, d.key, d.head_offset, d.total_heads, documents)[0]
+    seq = q.shape[SEQ] * group.size
+    spans = None if documents is None else document_spans(documents, seq)
+    return _BLOCKS[comm_type].apply(q, k, v, group, _drop(dropout, seq), spans)[0]
 
 
 def _drop(dropout: AttentionDropout | None, seq: int):
-    """The blocks' dropout, (probs, q_pos, k_pos) -> dropped, of a whole sequence of seq tokens."""
-    return None if dropout is None else (lambda p, qp, kp: dropout(p, qp, kp, seq))  # noqa: E731
+    """The blocks' dropout, (probs, q_pos, k_pos, first_row=0) -> dropped, of a whole sequence of seq tokens."""
+    return None if dropout is None else (lambda p, qp, kp, first_row=0: dropout(p, qp, kp, seq, first_row))
+
+
+# ---------------------------------------------------------------------------------------------------
+# packed documents: a block cut into the pieces where queries see keys of their own document
+
+
+def _pieces(spans, rows: slice, cols: slice, causal: bool, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """(batch row, query rows, key rows, causal) of the block's document pieces in the Function's indices; q_pos,
+    k_pos: the host positions of all its queries and keys."""
+    r0, c0 = rows.start or 0, cols.start or 0
+    return [(b, slice(r0 + qs.start, r0 + qs.stop), slice(c0 + ks.start, c0 + ks.stop), piece_causal)
+            for b, qs, ks, piece_causal in document_blocks(spans, q_pos[rows], k_pos[cols], causal)]
+
+
+def _for_row(drop, b: int):
+    return None if drop is None else (lambda p, qp, kp: drop(p, qp, kp, first_row=b))
+
+
+def _forward_pieces(out, lse, q, k, v, pieces, drop, q_pos, k_pos) -> None:
+    """Merge each piece's attention into out and lse (fresh tensors, written in place)."""
+    for b, rows, cols, causal in pieces:
+        r = slice(b, b + 1)
+        o, l = blocks.block_forward(q[r, :, rows], k[r, :, cols], v[r, :, cols], causal, _for_row(drop, b),
+                                    q_pos[rows], k_pos[cols])
+        out[r, :, rows], lse[r, :, rows] = blocks.merge(out[r, :, rows], lse[r, :, rows], o, l)
+
+
+def _backward_pieces(dout, q, k, v, out, lse, pieces, drop, q_pos, k_pos):
+    """The pieces' gradients as ([(row, query rows, dq)], [(row, key rows, dk)], [(row, key rows, dv)])."""
+    dq, dk, dv = [], [], []
+    for b, rows, cols, causal in pieces:
+        r = slice(b, b + 1)
+        g = blocks.block_backward(dout[r, :, rows], q[r, :, rows], k[r, :, cols], v[r, :, cols], out[r, :, rows],
+                                  lse[r, :, rows], causal, _for_row(drop, b), q_pos[rows], k_pos[cols])
+        dq.append((b, rows, g[0]))
+        dk.append((b, cols, g[1]))
+        dv.append((b, cols, g[2]))
+    return dq, dk, dv
+
+
+def _add_pieces(t: torch.Tensor, parts) -> torch.Tensor:
+    """t [b, H, s, d] with each (row, rows, value [1, H, n, d]) added at its place: one index_add, out of place
+    (backward may run under torch.func)."""
+    if not parts:
+        return t
+    b, h, s, d = t.shape
+    index = torch.cat([torch.arange(row * s + sl.start, row * s + sl.stop) for row, sl, _ in parts]).to(t.device)
+    values = torch.cat([value[0].transpose(0, 1) for _, _, value in parts]).to(t.dtype)
+    flat = t.transpose(1, 2).reshape(b * s, h, d).index_add(0, index, values)
+    return flat.reshape(b, s, h, d).transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,13 +149,14 @@ def _vmap_rule(fn):
     """A vmap rule for a Function over [b, heads, s, d] that treats batch rows independently: the vmapped
     dimension joins the batch (not with dropout, whose mask is keyed by the batch row)."""
 
-    def vmap(info, in_dims, q, k, v, group, drop):
+    def vmap(info, in_dims, q, k, v, group, drop, spans):
         if drop is not None:
             raise NotImplementedError("context-parallel attention dropout under vmap")
         size = info.batch_size
         q, k, v = (t.unsqueeze(0).expand(size, *t.shape) if d is None else t.movedim(d, 0)
                    for t, d in zip((q, k, v), in_dims[:3]))
-        out, lse = fn.apply(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), group, drop)
+        out, lse = fn.apply(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), group, drop,
+                            None if spans is None else spans * size)
         return (out.reshape(size, -1, *out.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])), (0, 0)
 
     return staticmethod(vmap)
@@ -109,23 +164,26 @@ def _vmap_rule(fn):
 
 class _BlockAttention(torch.autograd.Function):
     """What the ring and the gathered attention share: both save q, k, v and the rows' merged out and lse, which
-    every block's backward takes (fmeg.ops.attention_blocks); `gradients` is each one's backward pass."""
+    every block's backward takes (fmeg.ops.attention_blocks); `gradients` is each one's backward pass. spans: each
+    batch row's packed documents (fmeg.ops.document_attention.document_spans), or None."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, ctx.group, ctx.drop = inputs
+        q, k, v, ctx.group, ctx.drop, ctx.spans = inputs
         ctx.save_for_backward(q, k, v, *output)
         ctx.mark_non_differentiable(output[1])
 
     @classmethod
     def backward(cls, ctx, dout, _dlse):
-        return *cls.gradients(dout, *ctx.saved_tensors, ctx.group, ctx.drop), None, None
+        return *cls.gradients(dout, *ctx.saved_tensors, ctx.group, ctx.drop, ctx.spans), None, None, None
 
 
 class _Ring(_BlockAttention):
 
     @staticmethod
-    def forward(q, k, v, group, drop):
+    def forward(q, k, v, group, drop, spans):
+        if spans is not None:
+            return _ring_documents(q, k, v, group, drop, spans)
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         q_pos = positions(2 * c * size, size, rank, q.device)
         out = lse = None
@@ -147,7 +205,9 @@ class _Ring(_BlockAttention):
         return out.to(q.dtype), lse
 
     @staticmethod
-    def gradients(dout, q, k, v, out, lse, group, drop):
+    def gradients(dout, q, k, v, out, lse, group, drop, spans):
+        if spans is not None:
+            return _ring_document_gradients(dout, q, k, v, out, lse, group, drop, spans)
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         q_pos = positions(2 * c * size, size, rank, q.device)
         dq = torch.zeros_like(q, dtype=blocks._accumulate(q))
@@ -171,12 +231,61 @@ class _Ring(_BlockAttention):
 _Ring.vmap = _vmap_rule(_Ring)
 
 
+def _empty_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out 0 and lse -inf for every row of q: what rows that have seen no key yet merge from."""
+    acc = blocks._accumulate(q)
+    return torch.zeros_like(q, dtype=acc), torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+
+
+def _ring_documents(q, k, v, group, drop, spans):
+    """_Ring.forward over packed documents: each block of the ring cut into its document pieces."""
+    rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+    host_q = positions(2 * c * size, size, rank)
+    q_pos, (out, lse), kv = host_q.to(q.device), _empty_rows(q), torch.stack([k, v])
+    for step in range(size):
+        src = (rank - step) % size
+        if step:
+            kv = _shift(kv, group)
+        host_k = positions(2 * c * size, size, src)
+        pieces = _pieces(spans, *_ring_blocks(rank, src, c), host_q, host_k)
+        _forward_pieces(out, lse, q, kv[0], kv[1], pieces, drop, q_pos, host_k.to(q.device))
+    group.finish()
+    return out.to(q.dtype), lse
+
+
+def _ring_document_gradients(dout, q, k, v, out, lse, group, drop, spans):
+    """_Ring.gradients over packed documents: the key/value gradients travel with their blocks, as there."""
+    rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
+    host_q = positions(2 * c * size, size, rank)
+    q_pos, dq_parts, kv = host_q.to(q.device), [], torch.stack([k, v])
+    dkv = torch.zeros(2, *k.shape, dtype=blocks._accumulate(k), device=k.device)
+    for step in range(size):
+        src = (rank - step) % size
+        if step:
+            kv = _shift(kv, group)
+        host_k = positions(2 * c * size, size, src)
+        pieces = _pieces(spans, *_ring_blocks(rank, src, c), host_q, host_k)
+        dq_p, dk_p, dv_p = _backward_pieces(dout, q, kv[0], kv[1], out, lse, pieces, drop, q_pos, host_k.to(q.device))
+        dq_parts += dq_p
+        dkv = _shift(torch.stack([_add_pieces(dkv[0], dk_p), _add_pieces(dkv[1], dv_p)]), group)
+    group.finish()
+    dq = _add_pieces(torch.zeros_like(q, dtype=blocks._accumulate(q)), dq_parts)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class _Gathered(_BlockAttention):
 
     @staticmethod
-    def forward(q, k, v, group, drop):
+    def forward(q, k, v, group, drop, spans):
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         kv = reorder(group.all_gather(torch.stack([k, v]), SEQ + 1), SEQ + 1, size)
+        if spans is not None:
+            host_q, host_k = positions(2 * c * size, size, rank), torch.arange(2 * c * size)
+            out, lse = _empty_rows(q)
+            for rows, cols, causal in (b for half in _gathered_blocks(rank, size, c) for b in half):
+                _forward_pieces(out, lse, q, kv[0], kv[1], _pieces(spans, rows, cols, causal, host_q, host_k), drop,
+                                host_q.to(q.device), host_k.to(q.device))
+            return out.to(q.dtype), lse
         q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
         halves = []
         for half_blocks in _gathered_blocks(rank, size, c):
@@ -190,12 +299,18 @@ class _Gathered(_BlockAttention):
         return out.to(q.dtype), lse
 
     @staticmethod
-    def gradients(dout, q, k, v, out, lse, group, drop):
+    def gradients(dout, q, k, v, out, lse, group, drop, spans):
         rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
         kv = reorder(group.all_gather(torch.stack([k, v]), SEQ + 1), SEQ + 1, size)
         q_pos, k_pos = positions(2 * c * size, size, rank, q.device), torch.arange(2 * c * size, device=q.device)
         dq, dkv = torch.zeros_like(q, dtype=blocks._accumulate(q)), torch.zeros_like(kv, dtype=blocks._accumulate(kv))
-        for rows, cols, causal in (b for half in _gathered_blocks(rank, size, c) for b in half):
+        if spans is not None:
+            host_q, host_k = positions(2 * c * size, size, rank), torch.arange(2 * c * size)
+            pieces = [p for half in _gathered_blocks(rank, size, c) for block in half
+                      for p in _pieces(spans, *block, host_q, host_k)]
+            dq_p, dk_p, dv_p = _backward_pieces(dout, q, kv[0], kv[1], out, lse, pieces, drop, q_pos, k_pos)
+            dq, dkv = _add_pieces(dq, dq_p), torch.stack([_add_pieces(dkv[0], dk_p), _add_pieces(dkv[1], dv_p)])
+        for rows, cols, causal in (b for half in _gathered_blocks(rank, size, c) for b in half if spans is None):
             dq_b, dk_b, dv_b = blocks.block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
                                                      kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal,
                                                      drop, q_pos[rows], k_pos[cols])
@@ -217,17 +332,20 @@ Tensor = torch.Tensor
 
 
 def _resolved(q: Tensor, comm_type: str, handle: int, dropout_p: float, key: Tensor | None, head_offset: int,
-              total_heads: int):
+              total_heads: int, documents: Tensor | None):
     group = _GROUPS[handle]
     dropout = None if key is None or dropout_p == 0.0 else AttentionDropout(dropout_p, key, head_offset, total_heads)
-    return _BLOCKS[comm_type], group, _drop(dropout, q.shape[SEQ] * group.size)
+    seq = q.shape[SEQ] * group.size
+    spans = None if documents is None else document_spans(documents, seq)
+    return _BLOCKS[comm_type], group, _drop(dropout, seq), spans
 
 
 @torch.library.custom_op("fmeg::context_attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, comm_type: str, handle: int, dropout_p: float,
-                  key: Tensor | None, head_offset: int, total_heads: int) -> tuple[Tensor, Tensor]:
-    fn, group, drop = _resolved(q, comm_type, handle, dropout_p, key, head_offset, total_heads)
-    return _contiguous(fn.forward(q, k, v, group, drop))
+                  key: Tensor | None, head_offset: int, total_heads: int,
+                  documents: Tensor | None) -> tuple[Tensor, Tensor]:
+    fn, group, drop, spans = _resolved(q, comm_type, handle, dropout_p, key, head_offset, total_heads, documents)
+    return _contiguous(fn.forward(q, k, v, group, drop, spans))
 
 
 def _contiguous(tensors):
@@ -238,35 +356,37 @@ def _contiguous(tensors):
 
 
 @_attention_op.register_fake
-def _(q, k, v, comm_type, handle, dropout_p, key, head_offset, total_heads):
+def _(q, k, v, comm_type, handle, dropout_p, key, head_offset, total_heads, documents):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=blocks._accumulate(q))
 
 
 @torch.library.custom_op("fmeg::context_attention_backward", mutates_args=())
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, comm_type: str,
                            handle: int, dropout_p: float, key: Tensor | None, head_offset: int,
-                           total_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    fn, group, drop = _resolved(q, comm_type, handle, dropout_p, key, head_offset, total_heads)
-    return _contiguous(fn.gradients(dout, q, k, v, out, lse, group, drop))
+                           total_heads: int, documents: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    fn, group, drop, spans = _resolved(q, comm_type, handle, dropout_p, key, head_offset, total_heads, documents)
+    return _contiguous(fn.gradients(dout, q, k, v, out, lse, group, drop, spans))
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, comm_type, handle, dropout_p, key, head_offset, total_heads):
+def _(dout, q, k, v, out, lse, comm_type, handle, dropout_p, key, head_offset, total_heads, documents):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _op_setup_context(ctx, inputs, output):
-    q, k, v, comm_type, handle, dropout_p, key, head_offset, total_heads = inputs
-    ctx.args = (comm_type, handle, dropout_p, key is not None, head_offset, total_heads)
-    ctx.save_for_backward(q, k, v, *output, *([] if key is None else [key]))
+    q, k, v, comm_type, handle, dropout_p, key, head_offset, total_heads, documents = inputs
+    ctx.args = (comm_type, handle, dropout_p, head_offset, total_heads)
+    ctx.present = (key is not None, documents is not None)  # the optional tensors saved after q, k, v, out and lse
+    ctx.save_for_backward(q, k, v, *output, *(t for t in (key, documents) if t is not None))
 
 
 def _op_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *key = ctx.saved_tensors
-    comm_type, handle, dropout_p, _, head_offset, total_heads = ctx.args
-    grads = _attention_backward_op(dout, q, k, v, out, lse, comm_type, handle, dropout_p, key[0] if key else None,
-                                   head_offset, total_heads)
-    return *grads, None, None, None, None, None, None
+    q, k, v, out, lse, *optional = ctx.saved_tensors
+    comm_type, handle, dropout_p, head_offset, total_heads = ctx.args
+    key, documents = (optional.pop(0) if present else None for present in ctx.present)
+    grads = _attention_backward_op(dout, q, k, v, out, lse, comm_type, handle, dropout_p, key, head_offset,
+                                   total_heads, documents)
+    return *grads, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)

@@ -55,10 +55,6 @@ def problems(a: argparse.Namespace, world_size: int) -> list[str]:
     if world_size % (tp * pp * cp):
         out.append(f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
                    f"--pipeline-model-parallel-size * --context-parallel-size = {tp} * {pp} * {cp}")
-    others = sorted(set(types) - {"a2a"}, key=types.index)
-    if getattr(a, "reset_attention_mask", False) and others:
-        out.append(f"--reset-attention-mask at --context-parallel-size {cp} runs with --cp-comm-type a2a only; "
-                   f"packed documents over {' and '.join(others)} are not in fmeg yet")
     chunk = 2 * cp * (tp if a.sequence_parallel else 1)
     if a.seq_length % chunk:
         out.append(f"--seq-length {a.seq_length} must be divisible by 2 x --context-parallel-size"
