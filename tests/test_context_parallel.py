@@ -60,14 +60,22 @@ def test_context_parallel_attention_equals_one_device(backend, world, comm_type,
     want, vjp = torch.func.vjp(lambda q, k, v: one_device(q, k, v, dropout), q, k, v)
     want_grads = vjp(dout)
     results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, tp=1, cp=world, cp_a2a=a)
+    assert_each_rank_holds_its_rows(results, want, want_grads, lambda: one_device(2 * q, k, v, 0) if dropout == 0
+                                    else None)
+
+
+def assert_each_rank_holds_its_rows(results, want, want_grads, doubled):
+    """Each cp rank's out and gradients (spmd_programs.context_attention) are its rows of one device's; its vmap
+    over (q, 2 q) too, where doubled() gives one device's attention of 2 q (None with dropout)."""
+    world, seq = len(results), want.shape[-2]
+    twice = doubled()
     for r, got in enumerate(results):
         mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
         torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
         for g, w in zip(got["grads"], want_grads):
             torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)
-        if dropout == 0:
-            torch.testing.assert_close(got["vmap"], mine(torch.stack([want, one_device(2 * q, k, v, 0)]), ),
-                                       rtol=1e-10, atol=1e-10)
+        if twice is not None:
+            torch.testing.assert_close(got["vmap"], mine(torch.stack([want, twice])), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

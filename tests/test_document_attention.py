@@ -14,9 +14,9 @@ from fmeg import ops, tree
 from fmeg.data.gpt_dataset import documents_of
 from fmeg.models import gpt
 from fmeg.ops.document_attention import document_spans
-from fmeg.parallel import context
 from fmeg.parallel.sharding import shard
 from parallel_harness import run
+from test_context_parallel import assert_cp_ranks_sum_to_one_device, assert_each_rank_holds_its_rows
 
 f64 = torch.float64
 
@@ -128,14 +128,8 @@ def test_context_parallel_document_attention_equals_one_device(backend, world, c
     want_grads = vjp(dout)
     results = run(backend, world, P.context_attention, q, k, v, dout, comm_type, dropout, cu, tp=1, cp=world,
                   cp_a2a=a)
-    for r, got in enumerate(results):
-        mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
-        torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
-        for g, w in zip(got["grads"], want_grads):
-            torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)
-        if dropout == 0:
-            twice = ops.document_attention(2 * q, k, v, cu)
-            torch.testing.assert_close(got["vmap"], mine(torch.stack([want, twice])), rtol=1e-10, atol=1e-10)
+    assert_each_rank_holds_its_rows(results, want, want_grads,
+                                    lambda: ops.document_attention(2 * q, k, v, cu) if dropout == 0 else None)
 
 
 def test_boundaries_that_do_not_cover_the_sequence_are_refused():
@@ -206,7 +200,6 @@ def test_a_packed_batch_equals_its_documents_one_by_one_on_one_rank(style):
 def test_a_packed_batch_is_layout_invariant_with_dropout(layout):
     """The loss and gradients of a packed batch (dropout on) at tp 2 + sp, cp 2 (p2p, all_gather, a2a), cp 2 (a2a)
     x tp 2 + sp and pp 2 equal one device's."""
-    from test_context_parallel import assert_cp_ranks_sum_to_one_device
 
     config = small("llama").replace(hidden_dropout=0.2, attention_dropout=0.2,
                                     num_kv_heads=4 if layout == "cp2_tp2" else 2)  # a2a splits heads over tp x cp

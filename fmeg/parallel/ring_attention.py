@@ -237,35 +237,34 @@ def _empty_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros_like(q, dtype=acc), torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
 
-def _ring_documents(q, k, v, group, drop, spans):
-    """_Ring.forward over packed documents: each block of the ring cut into its document pieces."""
+def _ring_steps(q, k, v, group, spans):
+    """The ring over packed documents, step by step: (keys and values held, their document pieces against our
+    queries, their positions), after which the caller's group.finish()."""
     rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
-    host_q = positions(2 * c * size, size, rank)
-    q_pos, (out, lse), kv = host_q.to(q.device), _empty_rows(q), torch.stack([k, v])
+    host_q, kv = positions(2 * c * size, size, rank), torch.stack([k, v])
     for step in range(size):
         src = (rank - step) % size
         if step:
             kv = _shift(kv, group)
         host_k = positions(2 * c * size, size, src)
-        pieces = _pieces(spans, *_ring_blocks(rank, src, c), host_q, host_k)
-        _forward_pieces(out, lse, q, kv[0], kv[1], pieces, drop, q_pos, host_k.to(q.device))
+        yield kv, _pieces(spans, *_ring_blocks(rank, src, c), host_q, host_k), host_k.to(q.device)
+
+
+def _ring_documents(q, k, v, group, drop, spans):
+    """_Ring.forward over packed documents: each block of the ring cut into its document pieces."""
+    q_pos, (out, lse) = positions(q.shape[SEQ] * group.size, group.size, group.rank, q.device), _empty_rows(q)
+    for kv, pieces, k_pos in _ring_steps(q, k, v, group, spans):
+        _forward_pieces(out, lse, q, kv[0], kv[1], pieces, drop, q_pos, k_pos)
     group.finish()
     return out.to(q.dtype), lse
 
 
 def _ring_document_gradients(dout, q, k, v, out, lse, group, drop, spans):
     """_Ring.gradients over packed documents: the key/value gradients travel with their blocks, as there."""
-    rank, size, c = group.rank, group.size, q.shape[SEQ] // 2
-    host_q = positions(2 * c * size, size, rank)
-    q_pos, dq_parts, kv = host_q.to(q.device), [], torch.stack([k, v])
+    q_pos, dq_parts = positions(q.shape[SEQ] * group.size, group.size, group.rank, q.device), []
     dkv = torch.zeros(2, *k.shape, dtype=blocks._accumulate(k), device=k.device)
-    for step in range(size):
-        src = (rank - step) % size
-        if step:
-            kv = _shift(kv, group)
-        host_k = positions(2 * c * size, size, src)
-        pieces = _pieces(spans, *_ring_blocks(rank, src, c), host_q, host_k)
-        dq_p, dk_p, dv_p = _backward_pieces(dout, q, kv[0], kv[1], out, lse, pieces, drop, q_pos, host_k.to(q.device))
+    for kv, pieces, k_pos in _ring_steps(q, k, v, group, spans):
+        dq_p, dk_p, dv_p = _backward_pieces(dout, q, kv[0], kv[1], out, lse, pieces, drop, q_pos, k_pos)
         dq_parts += dq_p
         dkv = _shift(torch.stack([_add_pieces(dkv[0], dk_p), _add_pieces(dkv[1], dv_p)]), group)
     group.finish()
