@@ -16,7 +16,8 @@ import time
 
 PROCESS_START = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does from process start
 
-import logging  # noqa: E402 - after the clock
+import dataclasses  # noqa: E402 - after the clock
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -25,8 +26,9 @@ import torch  # noqa: E402
 from fmeg import checkpoint, tree  # noqa: E402
 from fmeg.cli import print_refusal  # noqa: E402
 from fmeg.data.blending import build_datasets, target_samples  # noqa: E402
-from fmeg.data.default_corpus import default_corpus  # noqa: E402
+from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
+from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
 from fmeg.data.tokenizers import tokenizer_from_flags  # noqa: E402
 from fmeg.training.arguments import parse_args  # noqa: E402
 from fmeg.training.validation import validate  # noqa: E402
@@ -67,10 +69,17 @@ def prepare(a, world: int):
     samples = target_samples(t.train_iters, cfg.global_batch, t.eval_interval or 0,
                              t.eval_iters if t.eval_interval else 0)
     try:
-        train, valid, _ = build_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0], t.seed,
-                                         cache_dir=d.cache_path, eod_id=tokenizer.eod, eod_mask_loss=d.eod_mask_loss,
-                                         reset_position_ids=d.reset_position_ids,
-                                         reset_attention_mask=d.reset_attention_mask, vocab_size=tokenizer.vocab_size)
+        if d.sft:
+            (train, valid, _), said = build_sft_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0],
+                                                         tokenizer, cache_dir=d.cache_path or fmeg_cache(),
+                                                         cp=cfg.layout.cp, packing=d.sft_sequence_packing)
+            cfg = dataclasses.replace(cfg, notices=cfg.notices + tuple(said))
+        else:
+            train, valid, _ = build_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0], t.seed,
+                                             cache_dir=d.cache_path, eod_id=tokenizer.eod,
+                                             eod_mask_loss=d.eod_mask_loss, reset_position_ids=d.reset_position_ids,
+                                             reset_attention_mask=d.reset_attention_mask,
+                                             vocab_size=tokenizer.vocab_size)
     except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
         raise BadInput(str(e)) from None
     if train is None and samples[0]:

@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _tokenizer_from(args: argparse.Namespace):
-    return tokenizer_from_flags(args.tokenizer_type, lambda name: getattr(args, name))
+    return tokenizer_from_flags(args.tokenizer_type, lambda name: getattr(args, name, None))
 
 
 def _init_worker(args: argparse.Namespace) -> None:

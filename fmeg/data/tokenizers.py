@@ -4,6 +4,7 @@
     HuggingFaceTokenizer("tokenizer.json")          any tokenizers-library file
     GPT2BPETokenizer("vocab.json", "merges.txt")    GPT-2's byte-level BPE files
     NullTokenizer(vocab_size), Llama2Tokenizer("tokenizer.model"), TikTokenizer("vocab.json")   as Megatron's
+    SFTTokenizer("hf_dir", prompt_format)          a directory and its chat template (fmeg.data.sft_tokenizer)
 
 Each has encode(text) -> list[int], decode(ids) -> str, vocab_size and eod (the end-of-document id).
 """
@@ -17,7 +18,7 @@ import os
 from pathlib import Path
 
 TOKENIZER_TYPES = ["ByteTokenizer", "NullTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer", "TikTokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer"]
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "SFTTokenizer"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
@@ -241,7 +242,7 @@ def _find_eod(tok, name: str | None, path) -> int:
 def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | None = None,
                     merge_file: str | None = None, eod_token: str | None = None, vocab_size: int | None = None,
                     tiktoken_pattern: str | None = None, tiktoken_num_special_tokens: int | None = None,
-                    tiktoken_special_tokens: list[str] | None = None):
+                    tiktoken_special_tokens: list[str] | None = None, sft_prompt_format: str | None = None):
     """The tokenizer named by --tokenizer-type and its file flags."""
     if kind == "ByteTokenizer":
         return ByteTokenizer()
@@ -268,6 +269,13 @@ def build_tokenizer(kind: str, *, model: str | None = None, vocab_file: str | No
         if not vocab_file or not merge_file:
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "SFTTokenizer":
+        from fmeg.data.sft_tokenizer import SFTTokenizer
+
+        if not model:
+            raise ValueError("--tokenizer-type SFTTokenizer needs --tokenizer-model HF_DIR (a Hugging Face tokenizer "
+                             "directory)")
+        return SFTTokenizer(model, sft_prompt_format)
     raise ValueError(f"--tokenizer-type {kind!r}: expected one of {', '.join(TOKENIZER_TYPES)}")
 
 
@@ -278,4 +286,5 @@ def tokenizer_from_flags(kind: str, flag) -> object:
                            merge_file=flag("merge_file"), eod_token=flag("eod_token"), vocab_size=flag("vocab_size"),
                            tiktoken_pattern=flag("tiktoken_pattern"),
                            tiktoken_num_special_tokens=flag("tiktoken_num_special_tokens"),
-                           tiktoken_special_tokens=flag("tiktoken_special_tokens"))
+                           tiktoken_special_tokens=flag("tiktoken_special_tokens"),
+                           sft_prompt_format=flag("sft_tokenizer_prompt_format"))

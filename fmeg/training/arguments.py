@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reset-position-ids", action="store_true")
     d.add_argument("--reset-attention-mask", action="store_true")
     d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    d.add_argument("--sft", action="store_true",
+                   help="fine-tune on JSONL conversations ({\"messages\": [...]} lines), trained on the answers; needs "
+                        "--tokenizer-type SFTTokenizer --tokenizer-model HF_DIR")
+    d.add_argument("--sft-tokenizer-prompt-format", default=None,
+                   help="SFTTokenizer's chat format: default (the directory's own chat template), nemotron-h-aligned "
+                        "or nemotron-nano-v2")
+    d.add_argument("--sft-sequence-packing", action="store_true",
+                   help="--sft: pack consecutive conversations into each sample (default: one JSONL line a sample)")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")

@@ -180,6 +180,9 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         a.grad_reduce_in_bf16 = False
     if a.eval_interval is not None and a.eval_iters == 0:
         notices.append("--eval-iters 0: no validation")
+    if a.sft and a.eod_mask_loss:
+        notices.append("--eod-mask-loss has no effect with --sft: the loss counts the answers and each conversation's "
+                       "closing end of document")
     if a.tokenizer_type is None:
         a.tokenizer_type = "GPT2BPETokenizer" if a.vocab_file and a.merge_file else "ByteTokenizer"
     if a.vocab_size is not None and a.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):

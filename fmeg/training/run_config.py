@@ -120,6 +120,8 @@ class DataConfig:
     cache_path: str | None
     reset_position_ids: bool = False  # positions restart after each end of document (megatron-core's GPTDataset)
     reset_attention_mask: bool = False  # each packed document attends to itself only (cu_seqlens in the batch)
+    sft: bool = False  # JSONL conversations trained on their answers (fmeg.data.sft_dataset)
+    sft_sequence_packing: bool = False  # several lines' conversations in one sample
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,8 @@ class RunConfig:
         return cls(model=model_config(a, vocab_size), layout=layout_from_args(a, world),
                    training=_training(a, world), precision=_precision(a),
                    data=DataConfig(tuple(a.data_path) if a.data_path else None, a.mock_data, a.split, a.seq_length,
-                                   a.eod_mask_loss, a.data_cache_path, a.reset_position_ids,
-                                   a.reset_attention_mask),
+                                   a.eod_mask_loss, a.data_cache_path, a.reset_position_ids or a.sft,
+                                   a.reset_attention_mask or a.sft, a.sft, a.sft_sequence_packing),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
                                                a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
                                                a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),

@@ -189,6 +189,10 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the end of document)")
     need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
          "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
+    need(not a.sft or a.tokenizer_type == "SFTTokenizer",
+         "--sft needs --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR (a tokenizer with a chat template)")
+    need(not a.sft or a.data_path, "--sft needs --data-path FILE.jsonl (lines of {\"messages\": [...]})")
+    need(not a.sft_sequence_packing or a.sft, "--sft-sequence-packing packs conversations: it needs --sft")
     if a.data_path:
         try:
             prefixes, _ = parse_blend(a.data_path)
@@ -196,8 +200,11 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
             problems.append(str(e))
             prefixes = []
         for prefix in prefixes:
-            need(os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
-                 f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
+            if a.sft:
+                need(os.path.isfile(prefix), f"--data-path {prefix}: no such JSONL file")
+            else:
+                need(os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
+                     f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
     try:
         parse_split(a.split)
     except ValueError as e:
