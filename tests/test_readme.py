@@ -55,8 +55,8 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 def test_every_readme_command_is_run_by_a_test():
     tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data") + \
-        section("Mixtures of experts") + section("Long sequences: context parallelism")
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 16
+        section("Mixtures of experts") + section("Long sequences: context parallelism") + section("Fine-tuning")
+    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 21
 
 
 @pytest.mark.slow  # the runner's context-parallel layouts run in tests/test_cp_layouts.py
@@ -125,3 +125,14 @@ def test_readme_open_models(tmp_path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3_continued_hf"))
     assert type(model).__name__ == "Qwen3ForCausalLM"
+
+
+@pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/test_sft_layouts.py
+def test_readme_fine_tuning(tmp_path):
+    """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a trained question."""
+    pytest.importorskip("transformers")
+    _, _, train, export, answer = run_block(section("Fine-tuning"), tmp_path)
+    first, last = loss_fall(train)
+    assert first > 5.0 and last < 0.2 and "fine-tuning from" in train
+    assert "wrote qwen3_chat_sft_hf (Qwen3ForCausalLM)" in export
+    assert answer.strip() == "Lima.<|im_end|>"

@@ -237,3 +237,21 @@ def test_sequence_packing_needs_sft(tmp_path, monkeypatch):
 
     assert_one_line_exit_2_nothing_left(tmp_path, monkeypatch, "gpt_pretrain", ["--sft-sequence-packing"],
                                         "--sft-sequence-packing packs conversations: it needs --sft")
+
+
+def test_bad_sft_input_stops_every_rank_with_one_line(tmp_path):
+    """At 2 ranks one rank tokenizes and finds the damaged line; the other, waiting for the corpus, stops too."""
+    import sys
+
+    from runner_harness import run_group
+
+    tok = chat_tokenizer_dir(tmp_path, "chatml")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": random_conversation(random.Random(0), 1)}) +
+                                        "\n{oops\n")
+    out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                     "recipes.gpt_pretrain", "--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", tok,
+                     "--data-path", str(tmp_path / "bad.jsonl"), "--data-cache-path", str(tmp_path / "cache"),
+                     "--tensor-model-parallel-size", "2"], timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1 and "bad.jsonl line 2: malformed JSON" in errors[0], out.stderr
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("*.failed")).name]

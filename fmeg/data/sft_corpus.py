@@ -82,18 +82,21 @@ class SFTCorpus:
 
 def sft_corpus(path: str, tokenizer, cache_dir: str | os.PathLike) -> SFTCorpus:
     """The tokenized corpus of a JSONL file, built once under cache_dir (one builder per machine, LOCAL_RANK 0;
-    the others wait for it, and stop with the builder's one line if it finds bad input)."""
+    the others wait for it, and stop with the builder's one line, which it leaves in a note named for the job,
+    if it finds bad input)."""
     stat = os.stat(path)
     key = hashlib.md5(json.dumps([os.path.abspath(path), stat.st_size, stat.st_mtime_ns,
                                   tokenizer.fingerprint]).encode()).hexdigest()
-    directory, failed = Path(cache_dir) / f"sft-{key}", Path(cache_dir) / f"sft-{key}.failed"
+    directory = Path(cache_dir) / f"sft-{key}"
+    failed = Path(cache_dir) / f"sft-{key}.{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}.failed"  # this job's
     if not (directory / "line_starts.npy").is_file():
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             try:
                 _build(path, tokenizer, directory)
-            except SFTDataError as e:
+            except Exception as e:
                 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:  # the others wait for a result: tell them
-                    failed.write_text(str(e))
+                    failed.write_text(str(e) if isinstance(e, SFTDataError) else
+                                      f"--data-path {path}: tokenizing failed on another rank ({type(e).__name__})")
                 raise
             failed.unlink(missing_ok=True)
         else:
