@@ -27,6 +27,7 @@ from fmeg import checkpoint, tree  # noqa: E402
 from fmeg.cli import print_refusal  # noqa: E402
 from fmeg.data.blending import build_datasets, target_samples  # noqa: E402
 from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # noqa: E402
+from fmeg.data.fim import FIM  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
 from fmeg.data.tokenizers import tokenizer_from_flags  # noqa: E402
@@ -79,6 +80,7 @@ def prepare(a, world: int):
                                              cache_dir=d.cache_path, eod_id=tokenizer.eod,
                                              eod_mask_loss=d.eod_mask_loss, reset_position_ids=d.reset_position_ids,
                                              reset_attention_mask=d.reset_attention_mask,
+                                             fim=FIM.of(d.fim, tokenizer) if d.fim else None,
                                              vocab_size=tokenizer.vocab_size)
     except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
         raise BadInput(str(e)) from None

@@ -96,12 +96,13 @@ class BlendedDataset:
 
 def build_datasets(data_path: list[str] | str, split: str, seq_len: int, num_samples: list[int], seed: int, *,
                    cache_dir=None, eod_id: int | None = None, eod_mask_loss: bool = False,
-                   reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                   reset_position_ids: bool = False, reset_attention_mask: bool = False, fim=None,
                    surplus: float = 0.005, vocab_size: int | None = None) -> list:
     """[train, valid, test] datasets from --data-path, --split and sample counts (None where a split is
     empty or needs no samples). A blend draws ceil(weight * samples * (1 + surplus)) samples from each
     prefix, as Megatron does, then interleaves them by weight. vocab_size: every token id of every prefix
-    must lie below it (token_range.check_token_ids; the ranges are cached under cache_dir, else $FMEG_CACHE)."""
+    must lie below it (token_range.check_token_ids; the ranges are cached under cache_dir, else $FMEG_CACHE).
+    fim: fmeg.data.fim.FIM, for fill-in-the-middle samples."""
     from fmeg.data.default_corpus import cache_dir as fmeg_cache
     from fmeg.data.gpt_dataset import GPTDataset
     from fmeg.data.indexed import IndexedDataset
@@ -124,6 +125,7 @@ def build_datasets(data_path: list[str] | str, split: str, seq_len: int, num_sam
             count = wanted if len(indexed) == 1 else int(np.ceil(w * wanted * (1 + surplus)))
             parts.append(GPTDataset(ix, np.arange(begin, end, dtype=np.int32), seq_len, count, seed,
                                     eod_id=eod_id, eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
-                                    reset_attention_mask=reset_attention_mask, cache_dir=cache_dir, name=names[i]))
+                                    reset_attention_mask=reset_attention_mask, fim=fim, cache_dir=cache_dir,
+                                    name=names[i]))
         out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, wanted))
     return out

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fmeg.data.fim import sample_rng
 from fmeg.data.indexed import IndexedDataset
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
@@ -128,11 +129,12 @@ class GPTDataset(torch.utils.data.Dataset):
     """Samples {"tokens", "labels", "loss_mask", "position_ids"} of seq_len tokens from `documents` of an
     IndexedDataset, with "cu_seqlens" under reset_attention_mask (documents_of). loss_mask is 0 where the input
     token is an end of document when eod_mask_loss (megatron-core's GPTDataset: the next document's first token is
-    not predicted from the previous one)."""
+    not predicted from the previous one). fim (fmeg.data.fim.FIM): each sample's documents rearranged for
+    fill-in-the-middle, deterministically per (seed, index), its padding not trained on."""
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, seq_len: int, num_samples: int | None,
                  seed: int, *, eod_id: int | None = None, eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False, fim=None,
                  cache_dir: str | os.PathLike | None = None, name: str = "train"):
         if len(documents) == 0:
             raise ValueError(f"{indexed.prefix}: the {name} split has no documents")
@@ -141,6 +143,7 @@ class GPTDataset(torch.utils.data.Dataset):
                              f"{int(indexed.sequence_lengths[np.asarray(documents)].sum())} tokens")
         self.indexed, self.seq_len, self.eod_id, self.eod_mask_loss = indexed, seq_len, eod_id, eod_mask_loss
         self.reset_position_ids, self.reset_attention_mask = reset_position_ids, reset_attention_mask
+        self.fim, self.seed = fim, seed
         description = {"prefix": os.path.abspath(indexed.prefix), "documents": [int(documents[0]), int(documents[-1]),
                        len(documents)], "seq_len": seq_len, "num_samples": num_samples, "seed": seed,
                        "index_bytes": os.path.getsize(indexed.prefix + ".idx"), "split": name}
@@ -167,11 +170,16 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(i))
+        text = self.sample_tokens(i)
+        if self.fim is not None:
+            text = self.fim(text, sample_rng(self.seed, i))
+        text = torch.from_numpy(text)
         tokens, labels = text[:-1], text[1:]
         loss_mask = torch.ones(self.seq_len, dtype=torch.float32)
         if self.eod_mask_loss and self.eod_id is not None:
             loss_mask[tokens == self.eod_id] = 0.0
+        if self.fim is not None:
+            loss_mask[labels == self.fim.pad] = 0.0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                 "position_ids": torch.arange(self.seq_len, dtype=torch.int64),
                 **documents_of(tokens, self.eod_id, reset_position_ids=self.reset_position_ids,

@@ -195,6 +195,13 @@ class HuggingFaceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The text's ids with nothing added (no beginning-of-text token): a piece of a document."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def decode(self, ids) -> str:  # special tokens kept, as transformers' decode keeps them by default
         return self._tok.decode(list(ids), skip_special_tokens=False)
 

@@ -199,6 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sft-tokenizer-prompt-format", default=None,
                    help="SFTTokenizer's chat format: default (the directory's own chat template), nemotron-h-aligned "
                         "or nemotron-nano-v2")
+    d.add_argument("--fim-data", action="store_true",
+                   help="fill-in-the-middle: rearrange documents into prefix, suffix and middle (Megatron's FIM dataset)")
+    d.add_argument("--fim-rate", type=float, default=0.5, help="--fim-data: the chance that a document is rearranged")
+    d.add_argument("--fim-spm-rate", type=float, default=0.5,
+                   help="--fim-data: the chance that a rearranged document is laid out suffix-prefix-middle")
+    d.add_argument("--fim-split-sample", default=None,
+                   help="--fim-data: a token that cuts a document into fragments rearranged one by one")
+    d.add_argument("--fim-fragment-rate", type=float, default=None,
+                   help="--fim-split-sample: the chance that a fragment is rearranged")
+    d.add_argument("--fim-no-prefix", default=None, help="--fim-data: leave documents whose text starts so alone")
+    for part, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"), ("suffix", "<fim_suffix>"),
+                          ("pad", "<fim_pad>"), ("eod", "<|endoftext|>")):
+        d.add_argument(f"--fim-{part}-token", default=default, help=f"--fim-data: the tokenizer's {part} token")
     d.add_argument("--sft-sequence-packing", action="store_true",
                    help="--sft: pack consecutive conversations into each sample (default: one JSONL line a sample)")
     c = p.add_argument_group("checkpoints")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fmeg import optim
+from fmeg.data.fim import FIMSettings
 from fmeg.data.tokenizers import padded_vocab_size
 from fmeg.models import gpt
 from fmeg.training import loss_scale
@@ -122,6 +123,7 @@ class DataConfig:
     reset_attention_mask: bool = False  # each packed document attends to itself only (cu_seqlens in the batch)
     sft: bool = False  # JSONL conversations trained on their answers (fmeg.data.sft_dataset)
     sft_sequence_packing: bool = False  # several lines' conversations in one sample
+    fim: FIMSettings | None = None  # fill-in-the-middle samples (--fim-data)
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,8 @@ class RunConfig:
                    training=_training(a, world), precision=_precision(a),
                    data=DataConfig(tuple(a.data_path) if a.data_path else None, a.mock_data, a.split, a.seq_length,
                                    a.eod_mask_loss, a.data_cache_path, a.reset_position_ids or a.sft,
-                                   a.reset_attention_mask or a.sft, a.sft, a.sft_sequence_packing),
+                                   a.reset_attention_mask or a.sft, a.sft, a.sft_sequence_packing,
+                                   fim_settings(a)),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
                                                a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
                                                a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),
@@ -206,6 +209,14 @@ class RunConfig:
         """A copy with whole groups or fields of groups replaced: with_changes(training={"train_iters": 5})."""
         return dataclasses.replace(self, **{k: dataclasses.replace(getattr(self, k), **v) if isinstance(v, dict)
                                             else v for k, v in groups.items()})
+
+
+def fim_settings(a) -> FIMSettings | None:
+    """The --fim-* flags, under --fim-data."""
+    if not a.fim_data:
+        return None
+    return FIMSettings(a.fim_rate, a.fim_spm_rate, a.fim_split_sample, a.fim_fragment_rate, a.fim_no_prefix,
+                       a.fim_prefix_token, a.fim_middle_token, a.fim_suffix_token, a.fim_pad_token, a.fim_eod_token)
 
 
 def _training(a, world: int) -> TrainingConfig:

@@ -193,6 +193,12 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--sft needs --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR (a tokenizer with a chat template)")
     need(not a.sft or a.data_path, "--sft needs --data-path FILE.jsonl (lines of {\"messages\": [...]})")
     need(not a.sft_sequence_packing or a.sft, "--sft-sequence-packing packs conversations: it needs --sft")
+    if a.fim_data:
+        from fmeg.training.run_config import fim_settings
+
+        problems.extend(fim_settings(a).problems())
+        need(not a.mock_data, "--fim-data rearranges text and --mock-data has none (as in Megatron); give --data-path")
+        need(not a.sft, "--fim-data and --sft are different datasets; give one")
     if a.data_path:
         try:
             prefixes, _ = parse_blend(a.data_path)
