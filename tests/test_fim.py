@@ -123,37 +123,34 @@ def test_fim_flags_are_checked(tokenizer):
         FIM.of(FIMSettings(prefix_token="<PRE>", split_sample="<sep>", fragment_rate=0.5), tokenizer)
 
 
+def code_corpus(tmp_path, documents: int) -> list[str]:
+    """The runner's data and tokenizer flags for small Python functions preprocessed with the FIM tokenizer."""
+    from recipes import preprocess_data
+
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
+                                                 for i in range(documents)))
+    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", byte_tokenizer_dir(tmp_path / "tok")]
+    assert preprocess_data.main(["--input", str(tmp_path / "code.jsonl"), "--output-prefix", str(tmp_path / "code"),
+                                 "--append-eod", *tokenizer]) == 0
+    return ["--data-path", str(tmp_path / "code_text_document"), *tokenizer]
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--fim-rate", "2"], "--fim-rate must be in [0, 1], got 2.0"),
     (["--fim-spm-rate", "-1"], "--fim-spm-rate must be in [0, 1], got -1.0"),
     (["--fim-prefix-token", "<PRE>"], "the tokenizer has no --fim-prefix-token <PRE>"),
 ])
 def test_bad_fim_input_is_one_line_exit_2(tmp_path, monkeypatch, flags, needle):
-    from recipes import preprocess_data
     from test_bad_input import assert_one_line_exit_2_nothing_left
 
-    directory = byte_tokenizer_dir(tmp_path / "tok")
-    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
-                                                 for i in range(50)))
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
-    assert preprocess_data.main(["--input", str(tmp_path / "code.jsonl"), "--output-prefix", str(tmp_path / "code"),
-                                 "--append-eod", *tokenizer]) == 0
-    argv = ["--fim-data", "--data-path", str(tmp_path / "code_text_document"), *tokenizer, *flags]
+    argv = ["--fim-data", *code_corpus(tmp_path, 50), *flags]
     assert_one_line_exit_2_nothing_left(tmp_path, monkeypatch, "gpt_pretrain", argv, needle)
 
 
 def test_the_runner_trains_on_fim_samples(tmp_path):
-    from recipes import preprocess_data
     from runner_harness import run_recipe
 
-    directory = byte_tokenizer_dir(tmp_path / "tok")
-    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n"
-                                                 for i in range(300)))
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory]
-    assert preprocess_data.main(["--input", str(tmp_path / "code.jsonl"), "--output-prefix", str(tmp_path / "code"),
-                                 "--append-eod", *tokenizer]) == 0
-    common = ["--data-path", str(tmp_path / "code_text_document"), *tokenizer, "--seq-length", "64",
-              "--max-position-embeddings", "64"]
+    common = [*code_corpus(tmp_path, 300), "--seq-length", "64", "--max-position-embeddings", "64"]
     plain, _ = run_recipe(tmp_path, "plain", 1, common)
     fim, _ = run_recipe(tmp_path, "fim", 1, [*common, "--fim-data", "--fim-rate", "0.9"])
     losses = [r["lm_loss"] for r in fim if "lm_loss" in r]
