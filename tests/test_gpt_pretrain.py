@@ -377,7 +377,7 @@ def test_megatron_script_flags_run_unchanged_and_the_params_norm_is_layout_invar
 
     single, stdout = run_recipe(tmp_path, "script", 1, MEGATRON_SCRIPT + ["--save", str(tmp_path / "ck")])
     assert [r["lm_loss"] for r in single] == reference["plain"]
-    for flag in ("--use-flash-attn", "--transformer-impl", "--distributed-backend", "--num-workers"):
+    for flag in ("--use-flash-attn", "--transformer-impl", "--distributed-backend"):
         assert stdout.count(f"ignored {flag}: ") == 1
     assert stdout.count("| params norm: ") == 4  # log interval 5 of 20 iterations
     weights = load_file(next((tmp_path / "ck" / "iter_0000020").glob("rank_*.safetensors")))

@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reset-position-ids", action="store_true")
     d.add_argument("--reset-attention-mask", action="store_true")
     d.add_argument("--data-cache-path", default=None, help="where sample indices are cached")
+    d.add_argument("--num-workers", type=int, default=2,
+                   help="threads that build the next iteration's samples while a step runs (0: build them when asked)")
     d.add_argument("--sft", action="store_true",
                    help="fine-tune on JSONL conversations ({\"messages\": [...]} lines), trained on the answers; needs "
                         "--tokenizer-type SFTTokenizer --tokenizer-model HF_DIR")

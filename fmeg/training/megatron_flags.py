@@ -35,7 +35,6 @@ IGNORED_SETTINGS = {
     "--transformer-impl": "fmeg has one transformer implementation",
     "--manual-gc-interval": "a memory-management policy: fmeg leaves Python's garbage collector alone",
     "--distributed-backend": "the backend follows --device: NCCL on CUDA, gloo on CPU",
-    "--num-workers": "samples are read from memory-mapped files by the training process",
     "--timing-log-level": "the per-phase timers are always printed",
     "--attention-backend": "attention runs torch's scaled_dot_product_attention, which picks its own kernel",
     "--empty-unused-memory-level": "a memory policy: fmeg never empties torch's allocator cache",

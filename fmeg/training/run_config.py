@@ -124,6 +124,7 @@ class DataConfig:
     sft: bool = False  # JSONL conversations trained on their answers (fmeg.data.sft_dataset)
     sft_sequence_packing: bool = False  # several lines' conversations in one sample
     fim: FIMSettings | None = None  # fill-in-the-middle samples (--fim-data)
+    num_workers: int = 2  # threads building the next iteration's samples (fmeg.training.sample_loader)
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class RunConfig:
                    data=DataConfig(tuple(a.data_path) if a.data_path else None, a.mock_data, a.split, a.seq_length,
                                    a.eod_mask_loss, a.data_cache_path, a.reset_position_ids or a.sft,
                                    a.reset_attention_mask or a.sft, a.sft, a.sft_sequence_packing,
-                                   fim_settings(a)),
+                                   fim_settings(a), a.num_workers),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
                                                a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
                                                a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),

@@ -23,6 +23,7 @@ from fmeg.training.metrics import ProgressDisplay, open_sinks
 from fmeg.parallel.context import WHOLE_SEQUENCE_KEYS, shard_batch
 from fmeg.training.parallel_step import evaluate, global_norm, model_parallel, train_iteration
 from fmeg.training.report import draw_loss_curve, model_flops
+from fmeg.training.sample_loader import SampleLoader
 
 
 def collate(samples: list[dict], data) -> dict:
@@ -40,6 +41,7 @@ class Trainer:
         self.train_data, self.valid_data, self.checkpointer = train_data, valid_data, checkpointer
         self.started_at, self.records, self.losses, self.signalled = started_at, [], [], False
         self.context = model_parallel(cfg.layout, session.mesh).context
+        self.loader = SampleLoader(cfg.data.num_workers, self.host_microbatch)
         logs = session.last_rank
         self.sinks = open_sinks(cfg.logging, dict(cfg.arguments)) if logs else []
         self.display = ProgressDisplay(cfg.training.train_iters, progress.iteration + 1) if logs else None
@@ -47,12 +49,21 @@ class Trainer:
             signal.signal(getattr(signal, cfg.training.exit_signal),
                           lambda signum, frame: setattr(self, "signalled", True))
 
+    def microbatch_starts(self, first_sample: int, global_batch: int) -> list[int]:
+        """The first sample of each of this data-parallel rank's microbatches of the global batch at first_sample."""
+        layout, dp_rank = self.cfg.layout, self.session.mesh.coord("dp")
+        return [first_sample + (j * layout.dp + dp_rank) * layout.micro_batch_size
+                for j in range(layout.microbatches(global_batch))]
+
+    def host_microbatch(self, dataset, first: int) -> dict:
+        """The collated samples first .. first + micro batch size (on the host; a sample loader's worker builds it)."""
+        return collate([dataset[i] for i in range(first, first + self.cfg.layout.micro_batch_size)], self.cfg.data)
+
     def batches(self, dataset, first_sample: int, global_batch: int, iteration: int, train: bool) -> list[dict]:
         """This data-parallel rank's microbatches of the global batch that starts at first_sample."""
         layout, dp_rank, out = self.cfg.layout, self.session.mesh.coord("dp"), []
-        for j in range(layout.microbatches(global_batch)):
-            first = first_sample + (j * layout.dp + dp_rank) * layout.micro_batch_size
-            mb = collate([dataset[i] for i in range(first, first + layout.micro_batch_size)], self.cfg.data)
+        built = self.loader.get(dataset, self.microbatch_starts(first_sample, global_batch))
+        for j, mb in enumerate(built):
             host = {k: mb.pop(k) for k in WHOLE_SEQUENCE_KEYS if k in mb}  # read by the host: never on the device
             mb = shard_batch({**self.session.to_device(mb), **host}, self.context)  # this cp rank's tokens
             if train and self.cfg.training.dropout:
@@ -88,6 +99,7 @@ class Trainer:
                     print(f"exiting at iteration {iteration}: {reason}" if exiting else reason,
                           file=sys.stdout if exiting else sys.stderr, flush=True)
                 break
+        self.loader.close()
         if self.checkpointer and not self.checkpointer.finish():  # every exit waits for a background save
             failed = 1
         self.finish(time.perf_counter() - start)
@@ -99,6 +111,9 @@ class Trainer:
         tick = time.perf_counter()
         global_batch = t.batch(p.consumed)
         batch = self.batches(self.train_data, p.consumed, global_batch, iteration, train=True)
+        if iteration < t.train_iters:  # the next iteration's samples, built while this step runs
+            following = p.consumed + global_batch
+            self.loader.ahead(self.train_data, self.microbatch_starts(following, t.batch(following)))
         data_ms = (time.perf_counter() - tick) * 1e3
         lr, weight_decay = t.lr(p.scheduled), t.weight_decay(p.scheduled)
         decoupled_lr = t.decoupled_lr(p.scheduled) if t.decoupled_lr else None

@@ -193,6 +193,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
          "--sft needs --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR (a tokenizer with a chat template)")
     need(not a.sft or a.data_path, "--sft needs --data-path FILE.jsonl (lines of {\"messages\": [...]})")
     need(not a.sft_sequence_packing or a.sft, "--sft-sequence-packing packs conversations: it needs --sft")
+    need(a.num_workers >= 0, f"--num-workers must be >= 0 (0 builds samples on the training thread), got {a.num_workers}")
     if a.fim_data:
         from fmeg.training.run_config import fim_settings
 
