@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from fmeg import checkpoint, tree  # noqa: E402
 from fmeg.cli import print_refusal  # noqa: E402
-from fmeg.data.blending import build_datasets, target_samples  # noqa: E402
+from fmeg.data.blending import build_datasets, parse_split, target_samples  # noqa: E402
 from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # noqa: E402
 from fmeg.data.fim import FIM  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
@@ -87,7 +87,11 @@ def prepare(a, world: int):
     if train is None and samples[0]:
         raise BadInput(f"--data-path {' '.join(data_path)}: the training split has no documents (an empty dataset, "
                        f"or --split {d.split} gives it no share); give it data or a share")
-    if t.eval_interval and valid is None:  # found now, not at the first evaluation
+    if t.eval_interval and valid is None and parse_split(d.split)[1] == 0:  # Megatron's do_valid = False
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, eval_interval=None), notices=cfg.notices + (
+            f"--split {d.split} gives validation no share: no validation, --eval-interval has no effect (as in "
+            "Megatron)",))
+    elif t.eval_interval and valid is None:  # found now, not at the first evaluation
         raise BadInput(f"--split {d.split} leaves the validation split of {' '.join(data_path)} no documents; "
                        "give it a larger share, or leave out --eval-interval")
     return cfg, train, valid

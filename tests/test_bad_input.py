@@ -82,6 +82,17 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--cp-comm-type", "p2p", "a2a"], "--cp-comm-type: 2 values for --num-layers 4"),
         (["--cp-comm-type", "ring"], "argument --cp-comm-type: invalid choice"),
         (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --num-experts"),
+        # Megatron's post-training (ModelOpt) flags that ask for what fmeg lacks
+        (["--export-quant-cfg", "fp8"], "--export-quant-cfg fp8: quantization (ModelOpt's recipes) is not supported"),
+        (["--export-real-quant-cfg", "fp8_real_quant"], "--export-real-quant-cfg fp8_real_quant: quantized weights"),
+        (["--export-kv-cache-quant", "fp8"], "--export-kv-cache-quant fp8: KV-cache quantization is not supported"),
+        (["--export-kd-teacher-load", f"{T}/teacher"], "knowledge distillation is not supported by fmeg yet"),
+        (["--export-offline-model"], "--export-offline-model: offline speculative-decoding training"),
+        (["--export-qk-l2-norm"], "--export-qk-l2-norm: Llama 4's L2-normalised queries and keys"),
+        (["--export-moe-apply-probs-on-input"], "--export-moe-apply-probs-on-input: Llama 4's expert scaling"),
+        (["--export-model-type", "MambaModel"], "--export-model-type MambaModel: Mamba models are not supported"),
+        (["--finetune-hf-dataset", "Magpie-Align/Magpie-Llama-3.1-Pro-MT-300K-Filtered"],
+         "reads no Hugging Face Hub dataset (no download inside a run); write its conversations as JSONL"),
     ]
 
 

@@ -45,7 +45,7 @@ BAD = [
     ({"WORLD_SIZE": "4"}, ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
                            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
                            "--micro-batch-size", "4"], "interleaved pipelining needs at least"),
-    ({"WORLD_SIZE": "1"}, ["--split", "100,0,0", "--eval-interval", "5"], "leaves the validation split"),
+    ({"WORLD_SIZE": "1"}, ["--split", "99999,1,0", "--eval-interval", "5"], "leaves the validation split"),
     ({"WORLD_SIZE": "1"}, ["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
     ({"WORLD_SIZE": "1"}, ["--adam-eps=-1e-8"], "--adam-eps must be positive, got -1e-08"),
     ({"WORLD_SIZE": "1"}, ["--seed", "-5"], "--seed must be in [0, 2**63), got -5"),

@@ -64,9 +64,10 @@ def test_swiglu_ffn_size_is_megatrons_rounded_down(hidden):
     (["--split", '"99,1,0"'], None, lambda a: a.split == "99,1,0"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 has no effect without --bf16", lambda a: not a.grad_reduce_in_bf16),
     (["--grad-reduce-in-bf16", "--bf16"], None, lambda a: a.grad_reduce_in_bf16),
+    (["--recompute-activations"], None, lambda a: a.recompute_granularity == "selective"),
 ], ids=["sp_at_tp1", "save_interval_without_save", "eval_iters_0", "no_load_optim_without_load",
         "finetune_without_load", "async_save_without_save", "single_quoted_split", "double_quoted_split", "grad_reduce_in_bf16_without_bf16",
-        "grad_reduce_in_bf16"])
+        "grad_reduce_in_bf16", "recompute_activations_is_selective"])
 def test_where_megatron_adjusts_and_goes_on_fmeg_warns_once_and_goes_on(flags, notice, check):
     a = parse_args(flags, world_size=1)
     assert validate(a, 1) == []

@@ -59,7 +59,7 @@ def test_ids_and_answer_mask_equal_transformers(tokenizers, style, conversation,
 def test_named_formats_render_megatrons_text_and_train_on_its_answers(tmp_path):
     """nemotron-h-aligned: System / User turns, the user turn opening the answer, each answer and its newline
     trained on; nemotron-nano-v2: the answer's own 'Assistant' header is not trained on, /think is dropped from
-    the prompts; the pad tokens are the formats'."""
+    the prompts; identity: the turns' texts joined, the answers trained on; the pad tokens are the formats'."""
     from tokenizers import Tokenizer
 
     directory = chat_tokenizer_dir(tmp_path, "chatml", template="")
@@ -82,8 +82,15 @@ def test_named_formats_render_megatrons_text_and_train_on_its_answers(tmp_path):
                                 "<SPECIAL_12>\n")
     assert nano.decode([i for i, t in zip(ids, trained) if t]) == "x * 3\n<SPECIAL_12>\nthe fox\n<SPECIAL_12>\n"
     assert nano.pad == tok.token_to_id("<unk>")
+    identity = SFTTokenizer(directory, "identity")
+    ids, trained = identity.tokenize_conversation(conversation)
+    assert identity.decode(ids) == " be brief f(x) /thinkx * 3 againthe fox"
+    assert identity.decode([i for i, t in zip(ids, trained) if t]) == "x * 3 the fox"
+    assert identity.pad == tok.token_to_id("<unk>")
+    plain = chat_tokenizer_dir(tmp_path / "plain", "chatml")
+    assert SFTTokenizer(plain, "identity").pad == SFTTokenizer(plain).pad  # no <unk>: the directory's pad token
     with pytest.raises(ValueError, match="nemotron-h-aligned pads with <SPECIAL_233>"):
-        SFTTokenizer(chat_tokenizer_dir(tmp_path / "plain", "chatml"), "nemotron-h-aligned")
+        SFTTokenizer(plain, "nemotron-h-aligned")
     with pytest.raises(ValueError, match="expected default"):
         SFTTokenizer(directory, "alpaca")
 
@@ -255,3 +262,12 @@ def test_bad_sft_input_stops_every_rank_with_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and len(errors) == 1 and "bad.jsonl line 2: malformed JSON" in errors[0], out.stderr
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("*.failed")).name]
+
+
+def test_naming_the_default_format_says_that_the_answers_alone_are_trained_on():
+    """Megatron's `default` format trains on every token; fmeg's trains on the answers, as every format, and says so."""
+    from fmeg.training.arguments import parse_args
+
+    notices = parse_args(["--sft", "--sft-tokenizer-prompt-format", "default"], world_size=1).notices
+    assert any(n.startswith("--sft-tokenizer-prompt-format default: the loss counts the answers only") for n in notices)
+    assert not any("prompt-format" in n for n in parse_args(["--sft"], world_size=1).notices)

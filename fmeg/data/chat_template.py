@@ -133,4 +133,6 @@ PROMPT_FORMATS = {
         "{{ '<SPECIAL_11>Assistant\n' + m['content'].strip() + '\n<SPECIAL_12>\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<SPECIAL_11>Assistant\n' }}{% endif %}",
         "<unk>"),
+    # each turn's text as it is, nothing between turns; the answers trained on (pad: <unk>, else the directory's)
+    "identity": ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "<unk>"),
 }

@@ -36,7 +36,9 @@ class SFTTokenizer(HuggingFaceTokenizer):
             source, pad = _own_template(directory, config), _token_name(config.get("pad_token"))
         elif self.prompt_format in PROMPT_FORMATS:
             source, pad = PROMPT_FORMATS[self.prompt_format]
-            if self._tok.token_to_id(pad) is None:
+            if self._tok.token_to_id(pad) is None and self.prompt_format == "identity":
+                pad = _token_name(config.get("pad_token"))
+            elif self._tok.token_to_id(pad) is None:
                 raise ValueError(f"--sft-tokenizer-prompt-format {self.prompt_format} pads with {pad}, which "
                                  f"--tokenizer-model {path} lacks; name a format of this tokenizer")
         else:

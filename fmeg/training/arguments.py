@@ -17,7 +17,7 @@ from typing import Any
 from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, moe_flags
+from fmeg.training import context_flags, fsdp_flags, modelopt_flags, moe_flags
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
                                          megatron_leniencies)
 
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uniform: recompute each chunk of --recompute-num-layers layers from its input; block: "
                         "recompute the first --recompute-num-layers layers of each pipeline stage")
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true", help="--recompute-granularity selective")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run each pipeline stage torch.compile'd as one graph (each layer, the embedding and the loss "
                         "head apart under --overlap-grad-reduce with dp > 1 or full recomputation; default: on "
@@ -199,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fine-tune on JSONL conversations ({\"messages\": [...]} lines), trained on the answers; needs "
                         "--tokenizer-type SFTTokenizer --tokenizer-model HF_DIR")
     d.add_argument("--sft-tokenizer-prompt-format", default=None,
-                   help="SFTTokenizer's chat format: default (the directory's own chat template), nemotron-h-aligned "
-                        "or nemotron-nano-v2")
+                   help="SFTTokenizer's chat format: default (the directory's own chat template), nemotron-h-aligned, "
+                        "nemotron-nano-v2 or identity (the turns' texts joined)")
     d.add_argument("--fim-data", action="store_true",
                    help="fill-in-the-middle: rearrange documents into prefix, suffix and middle (Megatron's FIM dataset)")
     d.add_argument("--fim-rate", type=float, default=0.5, help="--fim-data: the chance that a document is rearranged")
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     moe_flags.add_arguments(p)
     context_flags.add_arguments(p)
     fsdp_flags.add_arguments(p)
+    modelopt_flags.add_arguments(p)
     later = p.add_argument_group("Megatron features fmeg does not have yet (their 'off' value only)")
     for flag, (keywords, off, feature) in LATER_WORK.items():
         later.add_argument(flag, **keywords, help=f"{feature}: not in fmeg yet; "

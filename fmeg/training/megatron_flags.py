@@ -132,12 +132,12 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
 
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
-    from fmeg.training import fsdp_flags, moe_flags
+    from fmeg.training import fsdp_flags, modelopt_flags, moe_flags
 
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
     return [f"{flag}: {why}" for flag, why in given.items()
             if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)] + moe_flags.ignored(a) + \
-        fsdp_flags.ignored(a)
+        fsdp_flags.ignored(a) + modelopt_flags.ignored(a)
 
 
 def activation(a: argparse.Namespace) -> str:
@@ -155,6 +155,8 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
     """Where Megatron adjusts a flag and goes on, do the same (in place) and return one warning line for each
     adjustment a user should hear about."""
     notices = []
+    if a.recompute_activations:
+        a.recompute_granularity = "selective"  # as Megatron reads --recompute-activations
     if a.group_query_attention and a.num_query_groups is None:
         a.num_query_groups = 1  # Megatron's default with the switch on
     elif not a.group_query_attention and a.num_query_groups is not None:
@@ -179,6 +181,9 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         a.grad_reduce_in_bf16 = False
     if a.eval_interval is not None and a.eval_iters == 0:
         notices.append("--eval-iters 0: no validation")
+    if a.sft and a.sft_tokenizer_prompt_format == "default":
+        notices.append("--sft-tokenizer-prompt-format default: the loss counts the answers only, as with every "
+                       "format (Megatron's default format counts every token of the conversation)")
     if a.sft and a.eod_mask_loss:
         notices.append("--eod-mask-loss has no effect with --sft: the loss counts the answers and each conversation's "
                        "closing end of document")

@@ -17,14 +17,15 @@ import torch
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
 from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, moe_flags
+from fmeg.training import context_flags, fsdp_flags, modelopt_flags, moe_flags
 from fmeg.training.megatron_flags import later_work_problems
 
 
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
     not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
-    problems = later_work_problems(a) or non_finite_problems(a)  # alone: the other checks would repeat them
+    # alone: the other checks would repeat them
+    problems = later_work_problems(a) + modelopt_flags.problems(a) or non_finite_problems(a)
     if problems:
         return problems
 
