@@ -82,6 +82,8 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--cp-comm-type", "p2p", "a2a"], "--cp-comm-type: 2 values for --num-layers 4"),
         (["--cp-comm-type", "ring"], "argument --cp-comm-type: invalid choice"),
         (["--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --num-experts"),
+        (["--rotary-interleaved"], "--rotary-interleaved: interleaved rotary embeddings (Llama 4's) is not supported"),
+        (["--is-hybrid-model"], "--is-hybrid-model: hybrid Mamba models (Nemotron-H) is not supported by fmeg yet"),
         # Megatron's post-training (ModelOpt) flags that ask for what fmeg lacks
         (["--export-quant-cfg", "fp8"], "--export-quant-cfg fp8: quantization (ModelOpt's recipes) is not supported"),
         (["--export-real-quant-cfg", "fp8_real_quant"], "--export-real-quant-cfg fp8_real_quant: quantized weights"),

@@ -115,7 +115,13 @@ LATER_WORK = {
     "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
     "--rope-type": ({"choices": ["rope", "yarn"]}, (None, "rope"), "YaRN rotary embeddings"),
+    "--rotary-interleaved": ({"action": "store_true"}, (False,), "interleaved rotary embeddings (Llama 4's)"),
+    "--is-hybrid-model": ({"action": "store_true"}, (False,), "hybrid Mamba models (Nemotron-H)"),
+    "--hybrid-override-pattern": ({"default": None}, (None,), "hybrid Mamba models (Nemotron-H)"),
 }
+# The Mamba layers' sizes: they mean something only in a hybrid model, which --is-hybrid-model refuses.
+IGNORED_SETTINGS.update({flag: "has no effect without --is-hybrid-model (fmeg has no Mamba layers yet)" for flag in (
+    "--mamba-head-dim", "--mamba-num-heads", "--mamba-num-groups", "--mamba-state-dim")})
 
 
 def later_work_problems(a: argparse.Namespace) -> list[str]:
