@@ -1,5 +1,5 @@
 """The GPT under tensor parallelism (with and without sequence parallelism) has the single-device loss
-and gradients, within fp32 rounding, for GPT-2 and Llama (grouped-query) styles."""
+and gradients, within fp32 rounding, for GPT-2, Llama (grouped-query) and multi-latent attention styles."""
 
 import pytest
 import torch
@@ -18,6 +18,11 @@ CONFIGS = {
     "llama": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=8,
                                  num_kv_heads=4, ffn_hidden_size=48, hidden_dropout=0.1,
                                  attention_dropout=0.2),
+    "mla": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
+                               ffn_hidden_size=48, qk_norm=True, multi_latent_attention=True, q_lora_rank=24,
+                               kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10,
+                               rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                               original_max_position_embeddings=4, hidden_dropout=0.1, attention_dropout=0.1),
 }
 
 
@@ -44,14 +49,15 @@ def check(backend, style, world, sp):
                 torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "mla"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_gpt_under_tp_on_thread_ranks(style, world, sp):
     check("threads", style, world, sp)
 
 
-@pytest.mark.parametrize("style, world, sp", [("gpt2", 2, True), ("llama", 4, False), ("llama", 2, True)])
+@pytest.mark.parametrize("style, world, sp", [("gpt2", 2, True), ("llama", 4, False), ("llama", 2, True),
+                                               ("mla", 2, True)])
 def test_gpt_under_tp_on_gloo(style, world, sp):
     check("gloo", style, world, sp)
 

@@ -40,7 +40,7 @@ import torch
 from einops import rearrange
 
 from fmeg import ops
-from fmeg.models import moe
+from fmeg.models import mla, moe
 from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
 from fmeg.parallel import collectives as C
 from fmeg.parallel import context
@@ -105,6 +105,21 @@ class GPTConfig:
     moe_router_bias: bool = False  # a bias on the router's logits: megatron-core's router with --add-bias-linear
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "allgather"  # how tokens reach their experts' ranks (the same numbers)
+    # Multi-latent attention (fmeg.models.mla), named as Megatron's flags
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries straight from the hidden states
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # YaRN rotary embeddings (rope_type "yarn"; MLA's softmax scale reads the factor and mscale_all_dim too)
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("rope_scaling", "moe_layer_freq"):
@@ -127,7 +142,10 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many leading dimensions of each head RoPE rotates (Megatron: kv_channels * rotary_percent)."""
+        """How many leading dimensions of each head RoPE rotates (Megatron: kv_channels * rotary_percent; MLA:
+        its rotary part, qk_pos_emb_head_dim)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
 
     @property
@@ -186,6 +204,17 @@ def _validate(c: GPTConfig) -> None:
          "rope_scaling", f"must be (factor > 0, low > 0, high > low, original positions > 0), got {c.rope_scaling}")
     need(0.0 <= c.hidden_dropout < 1.0, "hidden_dropout", f"must be in [0, 1), got {c.hidden_dropout}")
     need(0.0 <= c.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {c.attention_dropout}")
+    need(c.rope_type in ("rope", "yarn"), "rope_type", f"must be rope or yarn, got {c.rope_type!r}")
+    need(c.rotary_scaling_factor > 0, "rotary_scaling_factor", f"must be positive, got {c.rotary_scaling_factor}")
+    if c.multi_latent_attention:
+        need(c.position == "rope", "position", "multi-latent attention rotates its own rotary part: use rope")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
+        need(c.q_lora_rank is None or c.q_lora_rank > 0, "q_lora_rank", f"must be positive, got {c.q_lora_rank}")
+        need(c.qk_pos_emb_head_dim % 2 == 0, "qk_pos_emb_head_dim", f"must be even, got {c.qk_pos_emb_head_dim}")
+        need(c.v_head_dim <= c.qk_head_dim + c.qk_pos_emb_head_dim, "v_head_dim",
+             f"{c.v_head_dim} must not exceed qk_head_dim + qk_pos_emb_head_dim")
+        need(c.num_kv_heads == c.num_heads, "num_kv_heads", "multi-latent attention has one key per head")
     if c.num_experts is not None:
         moe.validate(c, need)
 
@@ -227,9 +256,13 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
     qkv_rows = c.num_kv_heads * (c.heads_per_group + 2) * c.head_dim
     fc1_shape = (2, c.ffn_hidden_size, c.hidden_size) if c.activation == "swiglu" else (c.ffn_hidden_size, c.hidden_size)
-    attn = {"qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias or c.qkv_bias, seed, f"{at}.attn.qkv"),
-            "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj")}
-    if c.qk_norm:  # over each head's dimensions, shared by every head: replicated under tensor parallelism
+    if c.multi_latent_attention:
+        attn = mla.init_attention(c, seed, f"{at}.attn", _normal, _linear_params, _norm_params)
+    else:
+        attn = {"qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias or c.qkv_bias, seed, f"{at}.attn.qkv"),
+                "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed,
+                                       f"{at}.attn.proj")}
+    if c.qk_norm and not c.multi_latent_attention:  # over each head's dimensions, shared by every head
         attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
     if moe.moe_layers(c)[index]:
         mlp_params = moe.init_moe(c, seed, f"{at}.mlp", _normal, _linear_params)
@@ -308,6 +341,9 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     recompute_core keeps only q, k and v of the attention core for backward (selective recomputation).
     documents: the rows' packed documents as host cu_seqlens [b, s + 1] (ops.document_attention), or None."""
     q, k, v = project_qkv(p, x_BSH, config, rope, tp)
+    value_dim = v.shape[-1]
+    if value_dim != q.shape[-1] and (documents is not None or tp.context.size > 1):
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))  # these cores take one head dimension
     offset = tp.rank * q.shape[1]
     if tp.context.size > 1:  # the sequence split over cp ranks
         core = context.core(tp.context, config.attention_dropout, key, offset, config.num_heads, documents)
@@ -318,13 +354,16 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
         core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
                                  head_offset=offset, total_heads=config.num_heads)
     out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
-    return project_out(p, out, tp)
+    return project_out(p, out[..., :value_dim], tp)
 
 
 def project_qkv(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
                 tp: TensorParallel = NO_TP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention's input projection: q [b, N, s, d] and k, v [b, G, s, d] for the heads held in p (column-
-    parallel: this rank's N/t and G/t), RoPE applied to q and k when rope is given."""
+    parallel: this rank's N/t and G/t), RoPE applied to q and k when rope is given. Multi-latent attention's
+    (fmeg.models.mla) where p has its latent projections."""
+    if "kv_down" in p:
+        return mla.project_qkv(p, x_BSH, config, rope, lambda q, x: norm(q, x, config, tp), tp)
     d, per_group = config.head_dim, config.heads_per_group
     qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
@@ -351,8 +390,11 @@ def head_norm(p: Params, x_BNSD: torch.Tensor, config: GPTConfig, tp: TensorPara
 
 
 def rope_tables(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin for these positions (Llama 3.1's frequency scaling when the config has it)."""
-    return ops.rope_cos_sin(positions, config.rotary_dim, config.rope_theta, config.rope_scaling)
+    """RoPE's cos and sin for these positions (Llama 3.1's frequency scaling, or YaRN's, when the config has it)."""
+    c = config
+    yarn = (c.rotary_scaling_factor, c.original_max_position_embeddings, c.beta_fast, c.beta_slow, c.mscale,
+            c.mscale_all_dim) if c.rope_type == "yarn" else None
+    return ops.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, c.rope_scaling, yarn)
 
 
 def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -> torch.Tensor:
@@ -512,7 +554,7 @@ TP_RULES = (
     ("layers.*.attn.proj.weight", Partition(-1)),
     ("layers.*.mlp.fc1.weight", Partition(-2)), ("layers.*.mlp.fc1.bias", Partition(-1)),
     ("layers.*.mlp.fc2.weight", Partition(-1)),
-) + moe.TP_RULES
+) + moe.TP_RULES + mla.TP_RULES
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:

@@ -21,10 +21,34 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(medium, blended, scaled)
 
 
+def yarn_scaled(inv_freq: torch.Tensor, theta: float, factor: float, original_max_positions: int,
+                beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """YaRN's frequencies (DeepSeek's, megatron-core's YarnRotaryEmbedding): the dimensions that turn fewer than
+    beta_slow times over the original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, and a linear ramp between them over whole dimensions."""
+    dim = 2 * inv_freq.numel()
+
+    def dimension_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return dim * math.log(original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dimension_of(beta_fast)), 0), min(math.ceil(dimension_of(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: tuple[float, float, float, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: tuple[float, float, float, int] | None = None,
+                 yarn: tuple[float, int, float, float, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [*positions.shape, head_dim] in fp32 for integer positions; scaling: Llama 3.1's
-    (factor, low_freq_factor, high_freq_factor, original_max_positions), or None.
+    (factor, low_freq_factor, high_freq_factor, original_max_positions), or None; yarn: YaRN's (factor,
+    original_max_positions, beta_fast, beta_slow, mscale, mscale_all_dim), its tables scaled by
+    yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), or None.
 
     Positions are explicit so that a sequence shard (context parallelism) asks for its own offsets, and
     may be [batch, seq] when rows start at different positions (left-padded generation).
@@ -35,9 +59,16 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     inv_freq = 1.0 / (theta**exponent)
     if scaling is not None:
         inv_freq = llama3_scaled(inv_freq, *scaling)
+    concentration = 1.0
+    if yarn is not None:
+        factor, original, beta_fast, beta_slow, mscale, mscale_all_dim = yarn
+        inv_freq = yarn_scaled(inv_freq, theta, factor, original, beta_fast, beta_slow)
+        concentration = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
+    if concentration == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * concentration, angles.sin() * concentration
 
 
 def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:

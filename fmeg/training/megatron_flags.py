@@ -111,10 +111,8 @@ MULTI_VALUED = {"--profile-ranks"}
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--multi-latent-attention": ({"action": "store_true"}, (False,), "multi-latent attention (DeepSeek's MLA)"),
     "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
-    "--rope-type": ({"choices": ["rope", "yarn"]}, (None, "rope"), "YaRN rotary embeddings"),
     "--rotary-interleaved": ({"action": "store_true"}, (False,), "interleaved rotary embeddings (Llama 4's)"),
     "--is-hybrid-model": ({"action": "store_true"}, (False,), "hybrid Mamba models (Nemotron-H)"),
     "--hybrid-override-pattern": ({"default": None}, (None,), "hybrid Mamba models (Nemotron-H)"),
@@ -138,12 +136,12 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
 
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
-    from fmeg.training import fsdp_flags, modelopt_flags, moe_flags
+    from fmeg.training import fsdp_flags, mla_flags, modelopt_flags, moe_flags
 
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
     return [f"{flag}: {why}" for flag, why in given.items()
             if getattr(a, flag.lstrip("-").replace("-", "_")) not in (None, False)] + moe_flags.ignored(a) + \
-        fsdp_flags.ignored(a) + modelopt_flags.ignored(a)
+        fsdp_flags.ignored(a) + modelopt_flags.ignored(a) + mla_flags.ignored(a)
 
 
 def activation(a: argparse.Namespace) -> str:
