@@ -1,0 +1,64 @@
+"""Layout invariance of multi-latent attention with default flags otherwise: a DeepSeek-V3-shaped model (MLA with
+a query latent, YaRN, latent norms; sigmoid-routed experts with an expert bias and a shared expert after a dense
+first layer) gives one rank's loss curve and seq_load_balancing_loss within 1e-5 over 20 iterations at tp 2 with
+sp, pp 2 with virtual stages, ep 2, cp 2 (each comm type: the values are padded to the query head size there),
+dp 2 with the distributed optimizer, with packed documents, recomputation and compilation."""
+
+import pytest
+
+from runner_harness import run_recipe
+
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "24", "--kv-lora-rank", "16",
+       "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm",
+       "--normalization", "RMSNorm", "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+       "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "32",
+       "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+       "--moe-shared-expert-intermediate-size", "8", "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size",
+       "8", "--moe-router-dtype", "fp32"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+LAYOUTS = [
+    ("tp2_sp", 2, TP2_SP),
+    pytest.param("pp2_virtual", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                    "1"], marks=pytest.mark.slow),
+    pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
+    pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.slow),
+    pytest.param("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], marks=pytest.mark.slow),
+    pytest.param("cp2_allgather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+                 marks=pytest.mark.slow),
+    pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
+    pytest.param("ep2_tp2_sp_zero1", 4, [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+                 marks=pytest.mark.slow),
+    pytest.param("recompute_selective_compiled", 1, ["--recompute-granularity", "selective", "--compile"],
+                 marks=pytest.mark.slow),
+]
+
+
+def curves(tmp_path, name, nproc, flags):
+    records, _ = run_recipe(tmp_path, name, nproc, [*MLA, *flags])
+    return {key: [r[key] for r in records if "lm_loss" in r] for key in ("lm_loss", "seq_load_balancing_loss")}
+
+
+def assert_same(got, want):
+    for key in want:
+        assert len(got[key]) == len(want[key]) == 20
+        for a, b in zip(got[key], want[key]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return curves(tmp_path_factory.mktemp("mla"), "single", 1, [])
+
+
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
+def test_mla_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
+    assert_same(curves(tmp_path, name, nproc, flags), single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, flags", [(2, ["--context-parallel-size", "2"]), (2, TP2_SP)], ids=["cp2", "tp2_sp"])
+def test_mla_with_packed_documents_equals_one_rank(tmp_path, nproc, flags):
+    assert_same(curves(tmp_path, "other", nproc, [*DOCUMENTS, *flags]), curves(tmp_path, "one", 1, DOCUMENTS))
