@@ -17,13 +17,20 @@ GPT2_LIKE = gpt.GPTConfig.gpt2(vocab_size=97, max_seq_len=48, num_layers=2, hidd
 LLAMA_LIKE = gpt.GPTConfig.llama(vocab_size=101, max_seq_len=48, num_layers=2, hidden_size=48, num_heads=6,
                                  num_kv_heads=2, init_std=0.2, rotary_percent=0.5)
 
+# DeepSeek-style multi-latent attention: its cache holds the expanded keys and values (not the latent)
+MLA_LIKE = gpt.GPTConfig.llama(vocab_size=89, max_seq_len=48, num_layers=2, hidden_size=32, num_heads=4,
+                               num_kv_heads=4, init_std=0.2, qk_norm=True, multi_latent_attention=True,
+                               q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                               rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                               original_max_position_embeddings=8)
+
 
 def _config(name: str) -> gpt.GPTConfig:
-    return {"gpt2": GPT2_LIKE, "llama": LLAMA_LIKE}[name]
+    return {"gpt2": GPT2_LIKE, "llama": LLAMA_LIKE, "mla": MLA_LIKE}[name]
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(["gpt2", "llama"]), lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+@given(name=st.sampled_from(["gpt2", "llama", "mla"]), lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
        chunks=st.lists(st.integers(1, 3), min_size=1, max_size=4), seed=st.integers(0, 1000))
 def test_every_cached_step_equals_a_full_forward(name, lengths, chunks, seed):
     """Prefill rows of different lengths (left-padded together), then feed chunks of new tokens: every
@@ -152,10 +159,11 @@ LAYOUT_MODELS = {
                                num_heads=4, init_std=0.2),
     "llama": gpt.GPTConfig.llama(vocab_size=101, padded_vocab_size=128, max_seq_len=48, num_layers=2,
                                  hidden_size=64, num_heads=8, num_kv_heads=4, init_std=0.2),
+    "mla": MLA_LIKE.replace(padded_vocab_size=128),
 }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mla"])
 @pytest.mark.parametrize("world, sizes", [(2, {"tp": 2}), (4, {"tp": 4}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2})],
                          ids=["tp2", "tp4", "pp2", "tp2pp2"])
 def test_every_layout_generates_what_one_rank_generates(name, world, sizes):

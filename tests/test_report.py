@@ -36,6 +36,22 @@ def test_megatrons_formula_counts_every_matmul_of_a_training_step(style, groups,
     assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, seq), rel=1e-12)
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_the_mla_terms_count_every_multi_latent_attention_matmul(q_lora_rank):
+    """Multi-latent attention (with and without a query latent, values narrower than queries): torch's FLOP
+    counter over a training step equals the formula."""
+    c = gpt.GPTConfig.llama(vocab_size=40, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
+                            ffn_hidden_size=20, multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+                            qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10, qk_norm=True, rope_type="yarn",
+                            rotary_scaling_factor=4.0, mscale_all_dim=1.0)
+    params = gpt.init(c, 0)
+    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        torch.func.grad(gpt.loss)(params, batch, c)
+    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8), rel=1e-12)
+
+
 @pytest.mark.parametrize("shared", [None, 12])
 def test_megatrons_moe_terms_count_every_expert_matmul(shared):
     """With experts (a dense first layer, top-2 of 4, SwiGLU, a shared expert), torch's FLOP counter over a

@@ -42,8 +42,18 @@ class KVCache:
 
 def local_kv_heads(layer_params: Params, config: GPTConfig) -> int:
     """How many key/value heads these (possibly tensor-parallel) layer parameters hold."""
-    rows = layer_params["attn"]["qkv"]["weight"].shape[0]
-    return rows // ((config.heads_per_group + 2) * config.head_dim)
+    attn = layer_params["attn"]
+    if "kv_up" in attn:  # multi-latent attention: one key and value per query head
+        return attn["kv_up"]["weight"].shape[0] // (config.qk_head_dim + config.v_head_dim)
+    return attn["qkv"]["weight"].shape[0] // ((config.heads_per_group + 2) * config.head_dim)
+
+
+def head_dims(config: GPTConfig) -> tuple[int, int]:
+    """The cached keys' and values' head dimensions: multi-latent attention caches the expanded keys (its nope
+    and rotary parts) and values, not its latent."""
+    if config.multi_latent_attention:
+        return config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    return config.head_dim, config.head_dim
 
 
 def new_cache(stage_params: Params, config: GPTConfig, *, batch: int, capacity: int,
@@ -52,11 +62,11 @@ def new_cache(stage_params: Params, config: GPTConfig, *, batch: int, capacity: 
     if capacity > config.max_seq_len:
         raise ValueError(f"a cache of {capacity} positions exceeds GPTConfig.max_seq_len={config.max_seq_len}")
     layers = stage_params["layers"]
-    like = layers[0]["attn"]["qkv"]["weight"] if layers else torch.empty(0)
+    like = layers[0]["attn"]["proj"]["weight"] if layers else torch.empty(0)
     dtype = dtype or like.dtype
-    shape = (batch, local_kv_heads(layers[0], config) if layers else 0, capacity, config.head_dim)
-    ks = tuple(torch.zeros(shape, dtype=dtype, device=like.device) for _ in layers)
-    vs = tuple(torch.zeros(shape, dtype=dtype, device=like.device) for _ in layers)
+    heads, (k_dim, v_dim) = local_kv_heads(layers[0], config) if layers else 0, head_dims(config)
+    ks = tuple(torch.zeros((batch, heads, capacity, k_dim), dtype=dtype, device=like.device) for _ in layers)
+    vs = tuple(torch.zeros((batch, heads, capacity, v_dim), dtype=dtype, device=like.device) for _ in layers)
     pad = torch.zeros(batch, dtype=torch.int64) if pad is None else pad.to(torch.int64)
     return KVCache(ks, vs, pad.to(like.device))
 

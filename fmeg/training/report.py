@@ -12,12 +12,19 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query heads
     of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
     72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on dense layers,
-    topk * the expert width + the shared expert's on MoE layers (the router's matmul is not counted)."""
+    topk * the expert width + the shared expert's on MoE layers (the router's matmul is not counted). Multi-latent
+    attention counts as any attention does: 6 x its projections' weights + 6 s N (dq + dr + dv) for the scores and
+    the values, per token and layer (Megatron's MLA count, less its norms' per-token terms)."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
     c, s = config, seq_len
     h, L = c.hidden_size, c.num_layers
     attention = (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
+    if c.multi_latent_attention:
+        n, dq, dr, dv = c.num_heads, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
+        q = h * n * (dq + dr) if c.q_lora_rank is None else c.q_lora_rank * (h + n * (dq + dr))
+        weights = q + h * (c.kv_lora_rank + dr) + c.kv_lora_rank * n * (dq + dv) + n * dv * h
+        attention = (weights + s * n * (dq + dr + dv)) / (2 * h * h)
     moe = sum(moe_layers(c))
     ffn = c.ffn_hidden_size * (L - moe) / L
     if moe:
