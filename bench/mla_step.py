@@ -51,7 +51,8 @@ def step_time(config: gpt.GPTConfig, batch: int, seq: int, repeats: int = 5) -> 
 def cache_values_per_token(c: gpt.GPTConfig) -> tuple[int, int]:
     """(values fmeg's cache keeps per token and layer, the latent's size)."""
     if c.multi_latent_attention:
-        return c.num_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim), c.kv_lora_rank + c.qk_pos_emb_head_dim
+        expanded = c.num_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim)
+        return expanded, c.kv_lora_rank + c.qk_pos_emb_head_dim
     return 2 * c.num_kv_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim
 
 

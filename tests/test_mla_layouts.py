@@ -62,3 +62,16 @@ def test_mla_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
 @pytest.mark.parametrize("nproc, flags", [(2, ["--context-parallel-size", "2"]), (2, TP2_SP)], ids=["cp2", "tp2_sp"])
 def test_mla_with_packed_documents_equals_one_rank(tmp_path, nproc, flags):
     assert_same(curves(tmp_path, "other", nproc, [*DOCUMENTS, *flags]), curves(tmp_path, "one", 1, DOCUMENTS))
+
+
+@pytest.mark.slow
+def test_mla_saved_at_tp2_zero1_resumes_at_one_rank_on_its_curve(tmp_path, single):
+    ckpt = str(tmp_path / "ckpt")
+    curves(tmp_path, "first", 2, [*TP2_SP, "--use-distributed-optimizer", "--save", ckpt, "--train-iters", "10",
+                                  "--lr-decay-iters", "20"])
+    records, stdout = run_recipe(tmp_path, "second", 1, [*MLA, "--load", ckpt])
+    assert "resumed from" in stdout
+    got = [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert len(got) == 10
+    for a, b in zip(got, single["lm_loss"][10:]):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, single["lm_loss"])

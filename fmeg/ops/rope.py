@@ -44,7 +44,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  scaling: tuple[float, float, float, int] | None = None,
-                 yarn: tuple[float, int, float, float, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 yarn: tuple[float, int, float, float, float, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [*positions.shape, head_dim] in fp32 for integer positions; scaling: Llama 3.1's
     (factor, low_freq_factor, high_freq_factor, original_max_positions), or None; yarn: YaRN's (factor,
     original_max_positions, beta_fast, beta_slow, mscale, mscale_all_dim), its tables scaled by
