@@ -19,8 +19,8 @@ MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lor
        "8", "--moe-router-dtype", "fp32"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-LAYOUTS = [
-    ("tp2_sp", 2, TP2_SP),
+LAYOUTS = [  # all -m slow; tests/test_parallel_gpt.py checks MLA under tp in the default suite
+    pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param("pp2_virtual", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                     "1"], marks=pytest.mark.slow),
     pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
@@ -75,3 +75,24 @@ def test_mla_saved_at_tp2_zero1_resumes_at_one_rank_on_its_curve(tmp_path, singl
     assert len(got) == 10
     for a, b in zip(got, single["lm_loss"][10:]):
         assert abs(a - b) <= 1e-5 * abs(b), (got, single["lm_loss"])
+
+
+def test_an_mla_checkpoints_model_comes_back_from_its_flags():
+    """--use-checkpoint-args: the flags written back from a saved MLA model give the same model."""
+    import dataclasses
+
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.checkpoint_args import model_flags
+    from fmeg.training.run_config import model_config
+
+    a = parse_args([*MLA, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"], world_size=1)
+    saved = model_config(a, 257)
+    b = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2"], world_size=1)
+    for name, value in model_flags(dataclasses.asdict(saved)).items():
+        setattr(b, name, value)
+    b.num_experts, b.moe_ffn_hidden_size, b.moe_layer_freq = a.num_experts, a.moe_ffn_hidden_size, a.moe_layer_freq
+    for name in ("moe_router_topk", "moe_router_score_function", "moe_router_enable_expert_bias",
+                 "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                 "moe_shared_expert_intermediate_size", "moe_router_dtype"):
+        setattr(b, name, getattr(a, name))
+    assert model_config(b, 257) == saved

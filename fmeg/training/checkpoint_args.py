@@ -33,6 +33,11 @@ def model_flags(model: dict) -> dict:
         "qk_layernorm": model.get("qk_norm", False), "max_position_embeddings": model["max_seq_len"],
         "use_rope_scaling": model.get("rope_scaling") is not None, "init_method_std": model.get("init_std", 0.02),
     }
+    if model.get("multi_latent_attention"):
+        flags |= {name: model[name] for name in (
+            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
+        flags["group_query_attention"], flags["num_query_groups"] = False, None
     if model.get("rope_scaling") is not None:
         (flags["rope_scaling_factor"], flags["rope_scaling_low_freq_factor"], flags["rope_scaling_high_freq_factor"],
          flags["rope_scaling_original_max_position_embeddings"]) = model["rope_scaling"]
