@@ -67,8 +67,6 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--num-experts", "4", "--moe-router-num-groups", "2"], "--moe-router-num-groups and --moe-router-group-topk"),
         (["--num-experts", "4", "--moe-router-enable-expert-bias"],
          "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
-        (["--num-experts", "4", "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"],
-         "--moe-router-pre-softmax applies to --moe-router-score-function softmax only"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
         (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],

@@ -13,6 +13,8 @@ IGNORED = {
     "--moe-permute-fusion": "fmeg fuses no kernels by hand", "--moe-router-fusion": "fmeg fuses no kernels by hand",
     "--moe-shared-expert-overlap": "an overlap policy", "--moe-use-legacy-grouped-gemm": "one grouped-matmul path",
     "--moe-enable-deepep": "DeepEP is a kernel of the flex dispatcher, which fmeg runs as alltoall",
+    "--moe-layer-recompute": "a memory policy (Megatron's deprecated spelling of --recompute-modules moe): fmeg "
+                             "recomputes attention cores (selective) or whole layers (full), not the MoE layer alone",
 }
 IGNORED_SETTINGS: dict[str, str] = {
     "--moe-flex-dispatcher-backend": "DeepEP and HybridEP are kernels of the flex dispatcher, which fmeg runs as "
@@ -84,11 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def leniencies(a: argparse.Namespace) -> list[str]:
     """The MoE flags fmeg adjusts and goes on with (in place), one warning line each."""
-    if a.num_experts is None or a.moe_token_dispatcher_type != "flex":
+    if a.num_experts is None:
         return []
-    a.moe_token_dispatcher_type, a.flex_dispatcher = "alltoall", True
-    return ["--moe-token-dispatcher-type flex runs as alltoall: the same tokens reach the same experts and the "
-            "numbers are the same; DeepEP's and HybridEP's fused kernels are not in fmeg"]
+    out = []
+    if a.moe_token_dispatcher_type == "flex":
+        a.moe_token_dispatcher_type, a.flex_dispatcher = "alltoall", True
+        out.append("--moe-token-dispatcher-type flex runs as alltoall: the same tokens reach the same experts and the "
+                   "numbers are the same; DeepEP's and HybridEP's fused kernels are not in fmeg")
+    if a.moe_router_pre_softmax and a.moe_router_score_function == "sigmoid":
+        a.moe_router_pre_softmax = False  # megatron-core's sigmoid routing never reads it
+        out.append("--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid (as in "
+                   "megatron-core)")
+    return out
 
 
 def model_fields(a: argparse.Namespace) -> dict:

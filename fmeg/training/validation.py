@@ -321,8 +321,6 @@ def moe_problems(a: argparse.Namespace, tp: int) -> list[str]:
             need(e % groups or (k % group_topk == 0 and k // group_topk <= max(e // groups, 1)),
                  f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk}, taking at most "
                  f"{e // groups} experts (one group's) from each group")
-    need(not a.moe_router_pre_softmax or a.moe_router_score_function == "softmax",
-         "--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
     need(a.moe_expert_capacity_factor is None or a.moe_expert_capacity_factor > 0,
          "--moe-expert-capacity-factor must be positive")
     need(not a.moe_pad_expert_input_to_capacity or a.moe_expert_capacity_factor is not None,
