@@ -4,7 +4,7 @@ its tensor-parallel shards against the whole layer."""
 import pytest
 import torch
 
-import spmd_programs as P
+import megatron_mla
 from fmeg.models import gpt
 from parallel_harness import gloo
 
@@ -39,7 +39,7 @@ def test_mla_equals_megatron_cores_mla_self_attention(overrides):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 24, config.hidden_size, generator=gen)  # longer than the original 16 positions
     dout = torch.randn(2, 24, config.hidden_size, generator=gen)
-    want_out, want_grads, want_dx = gloo(1).run(P.megatron_mla, attn, x, dout, config, tp=1)[0]
+    want_out, want_grads, want_dx = gloo(1).run(megatron_mla.megatron_mla, attn, x, dout, config, tp=1)[0]
     out, grads, dx = ours(attn, x, dout, config)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx, want_dx, atol=1e-5, rtol=1e-5)

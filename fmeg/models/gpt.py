@@ -207,14 +207,7 @@ def _validate(c: GPTConfig) -> None:
     need(c.rope_type in ("rope", "yarn"), "rope_type", f"must be rope or yarn, got {c.rope_type!r}")
     need(c.rotary_scaling_factor > 0, "rotary_scaling_factor", f"must be positive, got {c.rotary_scaling_factor}")
     if c.multi_latent_attention:
-        need(c.position == "rope", "position", "multi-latent attention rotates its own rotary part: use rope")
-        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
-        need(c.q_lora_rank is None or c.q_lora_rank > 0, "q_lora_rank", f"must be positive, got {c.q_lora_rank}")
-        need(c.qk_pos_emb_head_dim % 2 == 0, "qk_pos_emb_head_dim", f"must be even, got {c.qk_pos_emb_head_dim}")
-        need(c.v_head_dim <= c.qk_head_dim + c.qk_pos_emb_head_dim, "v_head_dim",
-             f"{c.v_head_dim} must not exceed qk_head_dim + qk_pos_emb_head_dim")
-        need(c.num_kv_heads == c.num_heads, "num_kv_heads", "multi-latent attention has one key per head")
+        mla.validate(c, need)
     if c.num_experts is not None:
         moe.validate(c, need)
 

@@ -57,6 +57,18 @@ def softmax_factor(config) -> float:
     return yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2
 
 
+def validate(c, need: Callable) -> None:
+    """GPTConfig's rules for multi-latent attention; need(ok, field, why) raises naming the field."""
+    need(c.position == "rope", "position", "multi-latent attention rotates its own rotary part: use rope")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
+    need(c.q_lora_rank is None or c.q_lora_rank > 0, "q_lora_rank", f"must be positive, got {c.q_lora_rank}")
+    need(c.qk_pos_emb_head_dim % 2 == 0, "qk_pos_emb_head_dim", f"must be even, got {c.qk_pos_emb_head_dim}")
+    need(c.v_head_dim <= q_head_dim(c), "v_head_dim",
+         f"{c.v_head_dim} must not exceed qk_head_dim + qk_pos_emb_head_dim")
+    need(c.num_kv_heads == c.num_heads, "num_kv_heads", "multi-latent attention has one key per head")
+
+
 def init_attention(config, seed: int, path: str, normal: Callable, linear_params: Callable,
                    norm_params: Callable) -> Params:
     """One layer's MLA parameters (megatron-core's init: std for every projection, the scaled std for proj)."""
