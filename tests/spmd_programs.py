@@ -130,13 +130,14 @@ def megatron_vocab_parallel_cross_entropy(mesh, logits, labels):
 
 
 def gpt_loss_and_grads(mesh, params, batch, config, key):
-    """Shard the full params for this rank, then the loss and its gradients under TP (SP from the mesh)."""
-    from fmeg.models import gpt
+    """Shard the full params for this rank, then the loss and its gradients under TP (SP from the mesh); with
+    multi-token prediction layers, the objective's gradients (fmeg.models.mtp.loss)."""
+    from fmeg.models import gpt, mtp
     from fmeg.parallel.sharding import shard
 
     tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel)
     local = shard(params, gpt.TP_RULES, {"tp": (mesh.coord("tp"), mesh.size("tp"))})
-    grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=key, tp=tp))(local)
+    grads, loss = torch.func.grad_and_value(lambda p: mtp.loss(p, batch, config, key=key, tp=tp))(local)
     return loss, grads
 
 

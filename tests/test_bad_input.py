@@ -80,6 +80,8 @@ def runner_cases() -> list[tuple[list[str], str]]:
          "--v-head-dim 256 must not exceed --qk-head-dim + --qk-pos-emb-head-dim (192)"),
         (["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "0"],
          "--kv-lora-rank must be positive, got 0"),
+        (["--mtp-num-layers", "1"], "--mtp-num-layers needs --position-embedding-type rope"),
+        (["--mtp-num-layers", "-1", "--position-embedding-type", "rope"], "--mtp-num-layers must be positive, got -1"),
         (["--rope-type", "yarn"], "--rope-type yarn: YaRN for standard attention is not supported by fmeg yet"),
         (["--context-parallel-size", "0"], "--context-parallel-size must be positive, got 0"),
         (["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),

@@ -95,11 +95,11 @@ def test_a_checkpoint_from_a_newer_fmeg_is_one_line_naming_the_field(trained_che
     shutil.copytree(trained_checkpoint, copy)
     latest = checkpoint.latest(copy)
     meta = json.loads((latest / "metadata.json").read_text())
-    meta["model"]["mtp_num_layers"] = 2
+    meta["model"]["attention_sink_count"] = 2
     (latest / "metadata.json").write_text(json.dumps(meta))
     out = _run(["--load", str(copy), "--prompt", "x"])
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1 and "model fields this fmeg does not know (mtp_num_layers)" \
+    assert out.returncode == 2 and len(lines) == 1 and "model fields this fmeg does not know (attention_sink_count)" \
         in lines[0] and "upgrade fmeg" in lines[0], out.stderr
 
 

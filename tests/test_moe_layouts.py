@@ -145,19 +145,6 @@ def test_a_deepseek_v3_style_model_trains_saves_at_ep2_and_resumes_at_ep1_on_one
         assert (steps - steps.round()).abs().max() < 1e-3 and t.abs().max() <= 1e-2 + 1e-6
 
 
-def test_mtp_is_refused_in_one_line():
-    import sys
-
-    from runner_harness import run_group
-
-    out = run_group([sys.executable, "-m", "recipes.gpt_pretrain", *DEEPSEEK, "--multi-latent-attention",
-                     "--position-embedding-type", "rope", "--mtp-num-layers", "1", "--train-iters", "1"])
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and lines == [
-        "error: --mtp-num-layers 1: multi-token prediction (DeepSeek's MTP) is not supported by fmeg yet; drop the "
-        "flag"], out.stderr
-
-
 GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 
 

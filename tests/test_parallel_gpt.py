@@ -1,12 +1,13 @@
 """The GPT under tensor parallelism (with and without sequence parallelism) has the single-device loss
-and gradients, within fp32 rounding, for GPT-2, Llama (grouped-query) and multi-latent attention styles."""
+and gradients, within fp32 rounding, for GPT-2, Llama (grouped-query), multi-latent attention and multi-token
+prediction styles."""
 
 import pytest
 import torch
 
 import spmd_programs as P
 from fmeg import tree
-from fmeg.models import gpt
+from fmeg.models import gpt, mtp
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import partition_of, shard, unshard
 from fmeg.parallel.tensor import TensorParallel
@@ -23,6 +24,9 @@ CONFIGS = {
                                kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10,
                                rope_type="yarn", rotary_scaling_factor=4.0, mscale_all_dim=1.0,
                                original_max_position_embeddings=4, hidden_dropout=0.1, attention_dropout=0.1),
+    "mtp": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
+                               ffn_hidden_size=48, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, hidden_dropout=0.1,
+                               attention_dropout=0.1),
 }
 
 
@@ -36,7 +40,7 @@ def batch_for(config, seed=0):
 def check(backend, style, world, sp):
     config = CONFIGS[style]
     params, batch, key = gpt.init(config, 0), batch_for(config), torch.tensor(7)
-    want_grads, want_loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, config, key=key))(params)
+    want_grads, want_loss = torch.func.grad_and_value(lambda p: mtp.loss(p, batch, config, key=key))(params)
     results = run(backend, world, P.gpt_loss_and_grads, params, batch, config, key, sequence_parallel=sp)
     for loss, _ in results:
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
@@ -49,7 +53,7 @@ def check(backend, style, world, sp):
                 torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama", "mla"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "mla", "mtp"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_gpt_under_tp_on_thread_ranks(style, world, sp):
@@ -57,7 +61,7 @@ def test_gpt_under_tp_on_thread_ranks(style, world, sp):
 
 
 @pytest.mark.parametrize("style, world, sp", [("gpt2", 2, True), ("llama", 4, False), ("llama", 2, True),
-                                               ("mla", 2, True)])
+                                               ("mla", 2, True), ("mtp", 2, True)])
 def test_gpt_under_tp_on_gloo(style, world, sp):
     check("gloo", style, world, sp)
 

@@ -17,6 +17,9 @@ CONFIGS = {
     "llama_untied": gpt.GPTConfig.llama(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=4,
                                         num_kv_heads=2, ffn_hidden_size=32),
 }
+# multi-token prediction on the last stage: its copy of the word embedding, tied (the output layer) or not
+CONFIGS["llama_mtp"] = CONFIGS["llama_untied"].replace(mtp_num_layers=2, hidden_dropout=0.1, attention_dropout=0.1)
+CONFIGS["llama_tied_mtp"] = CONFIGS["llama_mtp"].replace(tie_embeddings=True, mtp_num_layers=1)
 
 
 def microbatches(config, m, seed=0):
@@ -39,9 +42,10 @@ def check(results, config, params, mbs, pp, vp):
     got = gp.merge(stage_grads, config)
     for (path, g), w in zip(tree.items(got), tree.tree_leaves(want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=path)
-    if config.tie_embeddings and pp * vp > 1:  # both copies got the same (summed) gradient
-        torch.testing.assert_close(stage_grads[pp * vp - 1]["output"]["weight"],
-                                   stage_grads[0]["embedding"]["word"]["weight"])
+    copy = gp.embedding_copy(config)
+    if copy and pp * vp > 1:  # both copies got the same (summed) gradient
+        owner, leaf = copy.split(".")
+        torch.testing.assert_close(stage_grads[pp * vp - 1][owner][leaf], stage_grads[0]["embedding"]["word"]["weight"])
 
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
@@ -66,11 +70,22 @@ def test_pipelined_gpt_on_thread_ranks(schedule, vp, segmented):
     check(results, config, params, mbs, pp, vp)
 
 
-def test_one_stage_holds_both_tied_copies():
-    config = CONFIGS["gpt2_tied"]
+@pytest.mark.parametrize("style", ["gpt2_tied", "llama_mtp"])
+def test_one_stage_holds_both_copies_of_the_embedding(style):
+    config = CONFIGS[style]
     params, mbs = gpt.init(config, 2), microbatches(config, 3, seed=2)
     results = run_threads(1, P.pipelined_gpt, params, mbs, config, "1f1b", 1, pp=1)
     check(results, config, params, mbs, 1, 1)
+
+
+@pytest.mark.parametrize("schedule, vp, pp", [("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 4)])
+@pytest.mark.parametrize("style", ["llama_mtp", "llama_tied_mtp"])
+def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(schedule, vp, pp, style):
+    config, m = CONFIGS[style], 4
+    params, mbs = gpt.init(config, 3), microbatches(config, m, seed=3)
+    results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
+    check(results, config, params, mbs, pp, vp)
+    assert "mtp" in gp.split(params, config, pp, vp)[pp * vp - 1]
 
 
 def test_layers_must_divide_over_stages():

@@ -91,3 +91,22 @@ def test_context_parallelism_divides_the_activation_estimate():
     c = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=64, num_layers=2, hidden_size=32, num_heads=4)
     one, four = (memory_estimate(10, 0, c, 1, 64, 1, 1, 1, cp=cp) for cp in (1, 4))
     assert four["activations"] == one["activations"] / 4 and four["weights_and_grads"] == one["weights_and_grads"]
+
+
+def test_megatrons_mtp_terms_count_the_depths_projections_and_output_layers():
+    """Multi-token prediction: torch's FLOP counter over a training step of the objective equals Megatron's
+    formula, less its norms' per-token terms (3h per depth, not matmuls), plus the depths' transformer layers,
+    which Megatron's formula leaves out (each counted as one more decoder layer)."""
+    from fmeg.models import mtp
+
+    c = gpt.GPTConfig.llama(vocab_size=40, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=20, mtp_num_layers=2)
+    params = gpt.init(c, 0)
+    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        torch.func.grad(mtp.loss)(params, batch, c)
+    plain = c.replace(mtp_num_layers=None)
+    layer = model_flops(plain.replace(num_layers=3), 2, 8) - model_flops(plain, 2, 8)
+    norms = 6 * 2 * 8 * 2 * 3 * c.hidden_size
+    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8) - norms + 2 * layer, rel=1e-12)

@@ -120,6 +120,9 @@ class GPTConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # Multi-token prediction (fmeg.models.mtp): D extra layers after the decoder, on the last pipeline stage
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("rope_scaling", "moe_layer_freq"):
@@ -208,6 +211,10 @@ def _validate(c: GPTConfig) -> None:
     need(c.rotary_scaling_factor > 0, "rotary_scaling_factor", f"must be positive, got {c.rotary_scaling_factor}")
     if c.multi_latent_attention:
         mla.validate(c, need)
+    if c.mtp_num_layers is not None:
+        need(c.mtp_num_layers > 0, "mtp_num_layers", f"must be positive, got {c.mtp_num_layers}")
+        need(c.position == "rope", "mtp_num_layers", "multi-token prediction needs rope positions (its layers "
+             "would need the first stage's learned position table)")
     if c.num_experts is not None:
         moe.validate(c, need)
 
@@ -257,12 +264,21 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
                                        f"{at}.attn.proj")}
     if c.qk_norm and not c.multi_latent_attention:  # over each head's dimensions, shared by every head
         attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
-    if moe.moe_layers(c)[index]:
+    if moe.moe_layers(c, mtp=True)[index]:
         mlp_params = moe.init_moe(c, seed, f"{at}.mlp", _normal, _linear_params)
     else:
         mlp_params = {"fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
                       "fc2": _linear_params((c.hidden_size, c.ffn_hidden_size), out_std, c.bias, seed, f"{at}.mlp.fc2")}
     return {"attn_norm": _norm_params(c), "attn": attn, "mlp_norm": _norm_params(c), "mlp": mlp_params}
+
+
+def init_mtp_layer(config: GPTConfig, seed: int, k: int) -> Params:
+    """Multi-token prediction depth k + 1's parameters (fmeg.models.mtp): its norms, eh_proj [H, 2H] (drawn as
+    megatron-core draws it, std init_std) and a decoder layer numbered num_layers + k, of the last layer's kind."""
+    c, at = config, f"mtp.{k}"
+    return {"enorm": _norm_params(c), "hnorm": _norm_params(c),
+            "eh_proj": _linear_params((c.hidden_size, 2 * c.hidden_size), c.init_std, False, seed, f"{at}.eh_proj"),
+            "layer": init_layer(c, seed, c.num_layers + k), "final_norm": _norm_params(c)}
 
 
 def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
@@ -274,8 +290,8 @@ def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, de
          only: str | None = None) -> Params:
     """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine, and the
     same real vocabulary rows whatever the padding. Under torch.device("meta") with device="meta": the shapes
-    alone, nothing drawn or stored. only: one unit ("embedding", "layers.3", "final_norm", "output") drawn, the
-    others meta tensors (the model built a unit at a time)."""
+    alone, nothing drawn or stored. only: one unit ("embedding", "layers.3", "final_norm", "output", "mtp") drawn,
+    the others meta tensors (the model built a unit at a time)."""
     c = config
 
     def unit(name: str) -> Any:
@@ -292,6 +308,9 @@ def init(config: GPTConfig, seed: int, *, dtype: torch.dtype = torch.float32, de
             params["layers"].append(init_layer(c, seed, i))
     with unit("final_norm"):
         params["final_norm"] = _norm_params(c)
+    if c.mtp_num_layers:
+        with unit("mtp"):
+            params["mtp"] = [init_mtp_layer(c, seed, k) for k in range(c.mtp_num_layers)]
     if not c.tie_embeddings:
         with unit("output"):
             params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
@@ -475,15 +494,28 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
         raise ValueError(f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism")
     if positions is None:
         positions = context.positions(seq, tp.context.size, tp.context.rank, tokens.device)
-    rope = rope_tables(positions, config) if config.position == "rope" else None
-    if rope is not None and positions.dim() == 2:  # [b, 1, s, d]: each row's own, broadcast over heads
-        rope = (rope[0][:, None], rope[1][:, None])
+    rope = layer_rope(tokens, config, positions, tp)
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
         x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core,
                   aux=aux, documents=documents)
     return norm(params["final_norm"], x, config, tp) if final else x
+
+
+def layer_rope(tokens: torch.Tensor, config: GPTConfig, positions: torch.Tensor | None,
+               tp: TensorParallel = NO_TP) -> tuple | None:
+    """The layers' RoPE tables for this rank's tokens (positions: theirs, or None for 0..s-1 of the whole sequence),
+    [b, 1, s, d] for per-row positions; None with learned positions."""
+    if config.position != "rope":
+        return None
+    if positions is None:
+        seq = tokens.shape[-1] * tp.context.size
+        positions = context.positions(seq, tp.context.size, tp.context.rank, tokens.device)
+    rope = rope_tables(positions, config)
+    if positions.dim() == 2:  # [b, 1, s, d]: each row's own, broadcast over heads
+        rope = (rope[0][:, None], rope[1][:, None])
+    return rope
 
 
 def apply(params: Params, tokens: torch.Tensor, config: GPTConfig, *, positions: torch.Tensor | None = None,
@@ -502,7 +534,8 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
          label_smoothing: float = 0.0, tp: TensorParallel = NO_TP) -> torch.Tensor:
     """Mean cross entropy over batch["labels"] where batch.get("loss_mask", 1) is nonzero.
 
-    Equal to ops.cross_entropy(apply(...), labels, ...). On one rank the output projection and the loss
+    The language model's loss only: with multi-token prediction layers the training objective is
+    fmeg.models.mtp.loss. Equal to ops.cross_entropy(apply(...), labels, ...). On one rank the output projection and the loss
     run as one fused op (ops.linear_cross_entropy); under tensor parallelism the loss is vocabulary-parallel
     and never gathers the logits.
     """
@@ -542,12 +575,15 @@ def loss_tokens(batch: dict) -> torch.Tensor:
 # Tensor-parallel partitions of every leaf (dims from the end, so SwiGLU's stacked fc1 needs no special
 # case): vocabulary rows, qkv groups, MLP columns, and the input side of the row-parallel projections.
 TP_RULES = (
-    ("embedding.word.weight", Partition(-2)), ("output.weight", Partition(-2)),
+    ("embedding.word.weight", Partition(-2)), ("output.weight", Partition(-2)), ("mtp_embedding.weight", Partition(-2)),
     ("layers.*.attn.qkv.weight", Partition(-2)), ("layers.*.attn.qkv.bias", Partition(-1)),
     ("layers.*.attn.proj.weight", Partition(-1)),
     ("layers.*.mlp.fc1.weight", Partition(-2)), ("layers.*.mlp.fc1.bias", Partition(-1)),
     ("layers.*.mlp.fc2.weight", Partition(-1)),
 ) + moe.TP_RULES + mla.TP_RULES
+# the multi-token prediction layers' decoder layers split as the decoder's; their eh_proj is column-parallel
+TP_RULES += tuple((f"mtp.*.layer.{p.removeprefix('layers.*.')}", part) for p, part in TP_RULES
+                  if p.startswith("layers.*.")) + (("mtp.*.eh_proj.weight", Partition(-2)),)
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:

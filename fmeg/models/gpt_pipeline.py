@@ -2,9 +2,10 @@
 
 With pp ranks and vp model chunks per rank there are S = pp * vp stages; stage s = chunk * pp + rank holds
 layers [s * L / S, (s + 1) * L / S), so chunk c of rank r starts at layer c * (L / vp) + r * (L / pp / vp),
-Megatron's offset. Stage 0 also holds the embeddings, stage S - 1 the final norm and the output layer;
-with tied embeddings stage S - 1 holds a copy of the word embedding as output.weight, and the two
-gradients are summed between the first and last stage (sync_tied_embedding_grads).
+Megatron's offset. Stage 0 also holds the embeddings, stage S - 1 the final norm, the output layer and the
+multi-token prediction layers (fmeg.models.mtp). Stage S - 1 holds a copy of the word embedding when it needs one
+(embedding_copy): as output.weight with tied embeddings, as mtp_embedding.weight for untied MTP layers' inputs;
+the two gradients are summed between the first and last stage (sync_tied_embedding_grads).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from fmeg.models import gpt, moe
+from fmeg.models import gpt, moe, mtp
 from fmeg.models.gpt import GPTConfig, Params
 from fmeg.parallel.pipeline.segments import Segment, compose, recompute_units
 from fmeg.parallel.tensor import NO_TP, TensorParallel
@@ -31,6 +32,14 @@ def stage_layers(config: GPTConfig, stage: int, num_stages: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def embedding_copy(config: GPTConfig) -> str | None:
+    """The path of the last stage's copy of the word embedding (on every layout, one stage included): the tied
+    output layer, or the multi-token prediction layers' input table when the output layer is untied."""
+    if config.tie_embeddings:
+        return "output.weight"
+    return "mtp_embedding.weight" if config.mtp_num_layers else None
+
+
 def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, Params]:
     """{stage: that stage's params} for all pp * vp stages."""
     check_pipeline(config, pp, vp)
@@ -43,17 +52,22 @@ def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, 
         if s == stages - 1:
             p["final_norm"] = params["final_norm"]
             p["output"] = {"weight": gpt.output_weight(params, config)}
+            if config.mtp_num_layers:
+                p["mtp"] = params["mtp"]
+                if not config.tie_embeddings:
+                    p["mtp_embedding"] = {"weight": params["embedding"]["word"]["weight"]}
         out[s] = p
     return out
 
 
 def stage_units(config: GPTConfig, stage: int, num_stages: int) -> list[str]:
-    """The units of gpt.init (its `only`) whose weights split() puts in the stage: the last stage's tied output
-    weight is the embedding's."""
+    """The units of gpt.init (its `only`) whose weights split() puts in the stage: the last stage's copy of the
+    word embedding is the embedding's."""
     first, last = stage == 0, stage == num_stages - 1
-    return ((["embedding"] if first or (last and config.tie_embeddings) else [])
+    return ((["embedding"] if first or (last and embedding_copy(config)) else [])
             + [f"layers.{i}" for i in stage_layers(config, stage, num_stages)]
-            + (["final_norm"] + ([] if config.tie_embeddings else ["output"]) if last else []))
+            + (["final_norm"] + ([] if config.tie_embeddings else ["output"])
+               + (["mtp"] if config.mtp_num_layers else []) if last else []))
 
 
 def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
@@ -63,6 +77,8 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
     full: Params = {"embedding": stage_trees[0]["embedding"],
                     "layers": [lp for s in range(stages) for lp in stage_trees[s]["layers"]],
                     "final_norm": stage_trees[stages - 1]["final_norm"]}
+    if config.mtp_num_layers:  # in gpt.init's order
+        full["mtp"] = stage_trees[stages - 1]["mtp"]
     if not config.tie_embeddings:
         full["output"] = stage_trees[stages - 1]["output"]
     return full
@@ -105,21 +121,32 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     segments = [Segment(lambda sub, x, batch: embedding(sub, batch), ("embedding",))] if stage == 0 else []
     segments += [layer(i) for i in range(len(layers))]
     if stage == num_stages - 1:
-        segments.append(Segment(head, ("final_norm", "output")))
+        segments.append(Segment(head, head_keys(config)))
     return segments
+
+
+def head_keys(config: GPTConfig) -> tuple[str, ...]:
+    """The last stage's parameters its loss segment differentiates: the final norm, the output layer, and the
+    multi-token prediction layers with their copy of the word embedding."""
+    extra = ("mtp",) + (("mtp_embedding",) if not config.tie_embeddings else ()) if config.mtp_num_layers else ()
+    return ("final_norm", "output") + extra
 
 
 def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
             per_token: bool = False) -> tuple[Callable, Callable, Callable]:
     """The three kinds of segment body: embedding(sub, batch), layer(layer_params, x, batch, index) and
-    head(sub, x, batch) -> the microbatch's loss."""
+    head(sub, x, batch) -> the microbatch's loss (with multi-token prediction: its value, and the gradient of the
+    objective, fmeg.models.mtp.with_objective)."""
+    def aux_of(batch: dict) -> moe.AuxLosses:
+        return moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
+                             batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"))
+
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:
-        aux = moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
-                            batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"))
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core, aux=aux,
-                                positions=batch.get("position_ids"), documents=batch.get("cu_seqlens"))
+                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core,
+                                aux=aux_of(batch), positions=batch.get("position_ids"),
+                                documents=batch.get("cu_seqlens"))
 
     def embedding(sub: Params, batch: dict) -> torch.Tensor:
         return span({"embedding": sub["embedding"], "layers": []}, None, batch)
@@ -129,8 +156,13 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
 
     def head(sub: Params, x: torch.Tensor, batch: dict) -> torch.Tensor:
         x = span({"layers": [], "final_norm": sub["final_norm"]}, x, batch, final=True)
-        return gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp,
-                               reduction="sum" if per_token else "mean")
+        reduction = "sum" if per_token else "mean"
+        main = gpt.output_loss(x, sub["output"]["weight"], batch, config.vocab_size, tp=tp, reduction=reduction)
+        if not config.mtp_num_layers:
+            return main
+        losses = mtp.depth_losses(sub, x, batch, config, tp=tp, key=batch.get("dropout_key"), aux=aux_of(batch),
+                                  recompute_core=recompute_core, reduction=reduction)
+        return mtp.with_objective(main, losses, config)
 
     return embedding, layer, head
 
@@ -170,27 +202,28 @@ def stage_fn(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel 
 
 def sync_tied_embedding_grads(grads: dict[int, Params], config: GPTConfig, num_stages: int,
                               embedding_group: Any = None) -> dict[int, Params]:
-    """Sum the word-embedding gradient of stage 0 and the output-copy gradient of the last stage, so both
-    copies get the same update (Megatron's embedding-group all-reduce). grads holds this rank's stages."""
-    if not config.tie_embeddings:
+    """Sum the word-embedding gradient of stage 0 and the gradient of the last stage's copy of it (embedding_copy),
+    so both copies get the same update (Megatron's embedding-group all-reduce). grads holds this rank's stages."""
+    copy = embedding_copy(config)
+    if copy is None:
         return grads
     first, last = 0, num_stages - 1
+    owner, leaf = copy.split(".")
     if first in grads and last in grads:  # both copies on this rank: no communication
-        total = grads[first]["embedding"]["word"]["weight"] + grads[last]["output"]["weight"]
-        grads[first]["embedding"]["word"]["weight"] = grads[last]["output"]["weight"] = total
+        total = grads[first]["embedding"]["word"]["weight"] + grads[last][owner][leaf]
+        grads[first]["embedding"]["word"]["weight"] = grads[last][owner][leaf] = total
     elif first in grads:
         word = grads[first]["embedding"]["word"]
         word["weight"] = embedding_group.all_reduce(word["weight"])
     elif last in grads:
-        out = grads[last]["output"]
-        out["weight"] = embedding_group.all_reduce(out["weight"])
+        grads[last][owner][leaf] = embedding_group.all_reduce(grads[last][owner][leaf])
     return grads
 
 
 def reference_loss_and_grads(params: Params, microbatches: list[dict], config: GPTConfig) -> tuple:
     """The single-device mean of the microbatch losses and its gradients (what a pipeline must equal)."""
     def mean_loss(p):
-        return sum(gpt.loss(p, mb, config, key=mb.get("dropout_key")) for mb in microbatches) / len(microbatches)
+        return sum(mtp.loss(p, mb, config, key=mb.get("dropout_key")) for mb in microbatches) / len(microbatches)
 
     grads, loss = torch.func.grad_and_value(mean_loss)(params)
     return loss, grads

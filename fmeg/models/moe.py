@@ -68,15 +68,17 @@ class AuxLosses:
 NO_AUX = AuxLosses()
 
 
-def moe_layers(config) -> tuple[bool, ...]:
+def moe_layers(config, mtp: bool = False) -> tuple[bool, ...]:
     """Which layers are MoE layers: Megatron's --moe-layer-freq, an int N (every N-th layer, from layer 0) or a
-    per-layer list of 0/1."""
+    per-layer list of 0/1. mtp: followed by the multi-token prediction layers' (numbered num_layers + k), which
+    are of the last decoder layer's kind, as megatron-core builds them."""
     if not config.num_experts:
-        return (False,) * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return tuple(i % freq == 0 for i in range(config.num_layers))
-    return tuple(bool(f) for f in freq)
+        decoder = (False,) * config.num_layers
+    elif isinstance(config.moe_layer_freq, int):
+        decoder = tuple(i % config.moe_layer_freq == 0 for i in range(config.num_layers))
+    else:
+        decoder = tuple(bool(f) for f in config.moe_layer_freq)
+    return decoder + decoder[-1:] * (config.mtp_num_layers or 0) if mtp else decoder
 
 
 def expert_ffn(config) -> int:
@@ -156,7 +158,7 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
 
 # Experts split their F over tp like the dense MLP (dims from the end); the router and shared gate replicate.
 # Expert parallelism splits every experts leaf along its leading (expert) dimension.
-EP_RULES = tuple((f"layers.*.mlp.experts.{leaf}", Partition(0, "ep"))
+EP_RULES = tuple((f"{layer}.mlp.experts.{leaf}", Partition(0, "ep")) for layer in ("layers.*", "mtp.*.layer")
                  for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
 TP_RULES = (
     ("layers.*.mlp.experts.fc1.weight", Partition(-2, "etp")), ("layers.*.mlp.experts.fc1.bias", Partition(-1, "etp")),

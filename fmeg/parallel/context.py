@@ -63,10 +63,12 @@ class ContextParallel:
         return 0 if self.group is None else self.group.rank
 
     def for_layer(self, index: int) -> ContextParallel:
-        """The comm type of layer `index` (a list gives each layer its own)."""
+        """The comm type of layer `index` (a list gives each layer its own; layers past it, multi-token
+        prediction's, take the last one's)."""
         if isinstance(self.comm_type, str):
             return self
-        return ContextParallel(self.group, self.comm_type[index], self.a2a_group, self.p2p_group, self.handles)
+        comm_type = self.comm_type[min(index, len(self.comm_type) - 1)]
+        return ContextParallel(self.group, comm_type, self.a2a_group, self.p2p_group, self.handles)
 
 
 NO_CP = ContextParallel()

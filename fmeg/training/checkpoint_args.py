@@ -38,6 +38,8 @@ def model_flags(model: dict) -> dict:
             "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
         flags["group_query_attention"], flags["num_query_groups"] = False, None
+    if model.get("mtp_num_layers"):
+        flags |= {name: model[name] for name in ("mtp_num_layers", "mtp_loss_scaling_factor")}
     if model.get("rope_scaling") is not None:
         (flags["rope_scaling_factor"], flags["rope_scaling_low_freq_factor"], flags["rope_scaling_high_freq_factor"],
          flags["rope_scaling_original_max_position_embeddings"]) = model["rope_scaling"]

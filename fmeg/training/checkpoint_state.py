@@ -5,8 +5,8 @@
     pieces = save_pieces(boxes, fully_parallel=True)      # what this rank writes (fmeg.checkpoint.write_rank)
     ckpt.read(load_requests(ckpt, boxes))                 # or fills the same views from a checkpoint
 
-A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's copy of a tied
-word embedding is the embedding itself, held elsewhere and never written). Its block is where this rank's
+A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's copy of the
+word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and never written). Its block is where this rank's
 tensor- and expert-parallel slice sits in the full tensor (sharding.block_of, the rules shard_params cuts by).
 The buffers (the compute weights, the fp32 master weights, Adam's moments) hold each leaf whole or, with the
 distributed optimizer, a slice of the flattened leaves: a slice is a few boxes of a leaf's block
@@ -57,7 +57,7 @@ class Placement:
     split_dims: tuple[int, ...]  # the dimensions expert and tensor parallelism split (cells are cut along them)
     whole: "Replicas"  # the ranks holding the block alike in a whole buffer
     sliced: "Replicas"  # the same in a distributed-optimizer slice
-    copy: bool = False  # the tied copy of the word embedding on the last stage: written from stage 0's
+    copy: bool = False  # the last stage's copy of the word embedding: written from stage 0's
     vocab: bool = False  # a vocabulary table: rows past a checkpoint's saved rows are padding (zeros)
 
 
@@ -86,7 +86,7 @@ def placement(stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConf
     if path.startswith("layers."):
         _, index, rest = path.split(".", 2)
         name = f"layers.{gp.stage_layers(config, stage, stages).start + int(index)}.{rest}"
-    copy = config.tie_embeddings and stage == stages - 1 and path == "output.weight"
+    copy = stage == stages - 1 and path == gp.embedding_copy(config)
     name = "embedding.word.weight" if copy else name
     coords = {"tp": (mesh.coord("tp"), layout.tp), "ep": (mesh.coord("ep"), layout.ep)}
     if layout.experts_apart:

@@ -111,7 +111,6 @@ MULTI_VALUED = {"--profile-ranks"}
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
 LATER_WORK = {
-    "--mtp-num-layers": ({"type": int}, (None, 0), "multi-token prediction (DeepSeek's MTP)"),
     "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
     "--rotary-interleaved": ({"action": "store_true"}, (False,), "interleaved rotary embeddings (Llama 4's)"),
     "--is-hybrid-model": ({"action": "store_true"}, (False,), "hybrid Mamba models (Nemotron-H)"),

@@ -168,10 +168,11 @@ def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
     from fmeg.training.expert_state import is_expert
 
     tp_rank, expert_tp_rank, last = mesh.coord("tp"), mesh.coord("expert_tp"), str(layout.num_stages - 1)
+    copy = gp.embedding_copy(config)
 
     def keep(path: str, leaf: torch.Tensor) -> bool:
         stage, _, rest = path.partition(".")
-        if stage == last and rest == "output.weight" and config.tie_embeddings:
+        if stage == last and rest == copy:
             return False
         rank = expert_tp_rank if layout.experts_apart and is_expert(rest) else tp_rank
         return not (partition_of(rest, gpt.TP_RULES) is None and rank != 0)
@@ -246,13 +247,13 @@ def initialized_state(config: gpt.GPTConfig, layout: Layout, mesh: Mesh, *, seed
 
 
 def embedding_or_output(layout: Layout):
-    """decoupled(path, leaf): the word embedding and the output layer (its tied copy included), the leaves
-    Megatron's --decoupled-lr applies to."""
+    """decoupled(path, leaf): the word embedding and the output layer (the copies of the embedding included), the
+    leaves Megatron's --decoupled-lr applies to."""
     last = str(layout.num_stages - 1)
 
     def decoupled(path: str, leaf: torch.Tensor) -> bool:
         stage, _, rest = path.partition(".")
-        return rest == "embedding.word.weight" or (stage == last and rest == "output.weight")
+        return rest == "embedding.word.weight" or (stage == last and rest in ("output.weight", "mtp_embedding.weight"))
 
     return decoupled
 
@@ -272,12 +273,13 @@ def _non_finite(grads: list[torch.Tensor], loss: torch.Tensor | None, mesh: Mesh
 
 
 def tied_paths(config: gpt.GPTConfig, layout: Layout, stages: Any) -> frozenset[str]:
-    """The flat paths ("stage.path") of this rank's tied-embedding copies (their gradients are summed over
-    the first and last stage after the data-parallel mean)."""
-    if not config.tie_embeddings:
+    """The flat paths ("stage.path") of this rank's copies of the word embedding (their gradients are summed over
+    the first and last stage after the data-parallel mean): gpt_pipeline.embedding_copy."""
+    copy = gp.embedding_copy(config)
+    if copy is None:
         return frozenset()
     last = layout.num_stages - 1
-    return frozenset(p for s, p in ((0, "0.embedding.word.weight"), (last, f"{last}.output.weight")) if s in stages)
+    return frozenset(p for s, p in ((0, "0.embedding.word.weight"), (last, f"{last}.{copy}")) if s in stages)
 
 
 def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, stages: Any) -> None:
@@ -286,7 +288,7 @@ def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, sta
     if not paths:
         return
     held: dict[int, Any] = {}
-    for path in paths:  # {stage: {"embedding": {"word": {"weight": g}}} or {"output": {"weight": g}}}
+    for path in paths:  # {stage: {"embedding": {"word": {"weight": g}}} or {"output": {"weight": g}}} (or mtp_embedding)
         stage, _, rest = path.partition(".")
         node = held.setdefault(int(stage), {})
         *parents, name = rest.split(".")
@@ -309,13 +311,14 @@ def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale:
     holding 1/cp of them seeds its part of the balance losses with the whole microbatch's count, so the curve is
     one rank's), and moe_metrics, this microbatch's row of a
     [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into, and with
-    the expert bias moe_counts, its row of a [microbatches, layers, experts] buffer of tokens per expert."""
-    device = microbatches[0]["tokens"].device
-    metrics = torch.zeros(len(microbatches), config.num_layers, len(moe.METRICS), device=device)
-    counts = torch.zeros(len(microbatches), config.num_layers, config.num_experts, device=device) \
+    the expert bias moe_counts, its row of a [microbatches, layers, experts] buffer of tokens per expert (layers:
+    the decoder's, then the multi-token prediction layers')."""
+    device, layers = microbatches[0]["tokens"].device, len(moe.moe_layers(config, mtp=True))
+    metrics = torch.zeros(len(microbatches), layers, len(moe.METRICS), device=device)
+    counts = torch.zeros(len(microbatches), layers, config.num_experts, device=device) \
         if config.moe_router_enable_expert_bias else None
     m = len(microbatches)
-    global_counts = torch.zeros(m, config.num_layers, config.num_experts, device=device) \
+    global_counts = torch.zeros(m, layers, config.num_experts, device=device) \
         if config.moe_router_load_balancing_type == "global_aux_loss" else None
     out = []
     for i, mb in enumerate(microbatches):
@@ -341,16 +344,22 @@ def update_expert_bias(state: Any, counts: torch.Tensor, config: gpt.GPTConfig, 
         group = mesh.group(name)
         total = group.all_reduce(total) if group is not None else total
     delta = config.moe_router_bias_update_rate * torch.sign(total.mean(dim=-1, keepdim=True) - total)
+    kinds = moe.moe_layers(config, mtp=True)
     for stage in state.params:
         for j, index in enumerate(gp.stage_layers(config, stage, layout.num_stages)):
-            if moe.moe_layers(config)[index]:
+            if kinds[index]:
                 state.add_(f"{stage}.layers.{j}.mlp.router.expert_bias", delta[index])
+        if stage == layout.num_stages - 1:  # the multi-token prediction layers'
+            for k in range(config.mtp_num_layers or 0):
+                if kinds[config.num_layers + k]:
+                    state.add_(f"{stage}.mtp.{k}.layer.mlp.router.expert_bias", delta[config.num_layers + k])
 
 
 def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict:
     """{Megatron's name: device tensor} of the auxiliary losses in use, as Megatron logs them: each layer's
-    value averaged over microbatches and data parallelism, then over the MoE layers (parts under sequence
-    parallelism and the layers of other pipeline stages summed over the tp-pp group first)."""
+    value averaged over microbatches and data parallelism, then over the MoE layers, the multi-token prediction
+    layers' included (parts under sequence parallelism and the layers of other pipeline stages summed over the
+    tp-pp group first)."""
     if metrics is None:
         return {}
     per_layer = metrics.mean(dim=0)
@@ -359,7 +368,7 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
         if group is not None:
             per_layer = group.all_reduce(per_layer)
     per_layer = per_layer / layout.dp
-    layers = torch.tensor(moe.moe_layers(config), device=per_layer.device)
+    layers = torch.tensor(moe.moe_layers(config, mtp=True), device=per_layer.device)
     mean = per_layer[layers].mean(dim=0)
     kind = config.moe_router_load_balancing_type
     used = {"load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind in ("aux_loss", "seq_aux_loss"),
@@ -371,6 +380,29 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
     if kind == "seq_aux_loss" and "load_balancing_loss" in named:  # megatron-core's name for the sequence-level loss
         named = {("seq_load_balancing_loss" if k == "load_balancing_loss" else k): v for k, v in named.items()}
     return named
+
+
+def with_mtp_metrics(microbatches: list[dict], config: gpt.GPTConfig) -> tuple[list[dict], torch.Tensor | None]:
+    """For multi-token prediction layers, the microbatches (copies) with mtp_metrics, their row of a
+    [microbatches, depths] buffer (returned) the last stage writes each depth's loss into (fmeg.models.mtp)."""
+    if not config.mtp_num_layers:
+        return microbatches, None
+    metrics = torch.zeros(len(microbatches), config.mtp_num_layers, device=microbatches[0]["tokens"].device)
+    return [{**mb, "mtp_metrics": metrics[i]} for i, mb in enumerate(microbatches)], metrics
+
+
+def mtp_loss_values(metrics: torch.Tensor | None, layout: Layout, mesh: Mesh) -> dict:
+    """{"mtp_1 loss": device tensor, ...}: each depth's loss as megatron-core logs it, averaged over microbatches and
+    data parallelism (each cp rank holds its share; other pipeline stages hold zeros)."""
+    if metrics is None:
+        return {}
+    per_depth = metrics.mean(dim=0)
+    for name in ("cp", "dp", "pp"):
+        group = mesh.group(name)
+        if group is not None:
+            per_depth = group.all_reduce(per_depth)
+    per_depth = per_depth / layout.dp
+    return {f"mtp_{k + 1} loss": per_depth[k] for k in range(per_depth.shape[0])}
 
 
 def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.GPTConfig, layout: Layout,
@@ -402,6 +434,7 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token, layout.cp) \
         if config.num_experts else (microbatches, (None, None))
+    microbatches, mtp_metrics = with_mtp_metrics(microbatches, config)
     # summed over dp x cp, divided by dp: each cp rank's gradient is its tokens' share, so the sum over cp of the
     # data-parallel mean
     sync = state.grad_sync(mesh.group("dp_cp"), bucket_numel=bucket_numel, overlap=overlap_grad_reduce,
@@ -443,4 +476,5 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     if moe_counts is not None:
         update_expert_bias(state, moe_counts, config, layout, mesh)
     return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter()),
-            "moe": aux_loss_values(moe_metrics, config, layout, mesh)}
+            "aux_losses": {**aux_loss_values(moe_metrics, config, layout, mesh),
+                           **mtp_loss_values(mtp_metrics, layout, mesh)}}

@@ -14,7 +14,9 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on dense layers,
     topk * the expert width + the shared expert's on MoE layers (the router's matmul is not counted). Multi-latent
     attention counts as any attention does: 6 x its projections' weights + 6 s N (dq + dr + dv) for the scores and
-    the values, per token and layer (Megatron's MLA count, less its norms' per-token terms)."""
+    the values, per token and layer (Megatron's MLA count, less its norms' per-token terms). Multi-token prediction
+    adds, as Megatron counts it, 6 (3h + 2h^2) per token and depth for its norms and eh_proj and one more output
+    layer per depth: Megatron leaves the depths' transformer layers out, and so does this count."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
     c, s = config, seq_len
@@ -30,8 +32,10 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     if moe:
         ffn += (expert_ffn(c) * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0)) * moe / L
     mlp = ffn / h * (1.5 if c.activation == "swiglu" else 1.0)
-    logits = c.padded_vocab_size / (2 * L * h)
-    return 12.0 * global_batch * s * L * h * h * (attention + mlp + logits)
+    depths = c.mtp_num_layers or 0
+    logits = c.padded_vocab_size / (2 * L * h) * (depths + 1)
+    mtp = depths * (3 * h + 2 * h * h) / (2 * L * h * h)  # Megatron's: their norms and eh_proj, not their layers
+    return 12.0 * global_batch * s * L * h * h * (attention + mlp + mtp + logits)
 
 
 def activation_units(config: GPTConfig) -> float:

@@ -147,7 +147,7 @@ class Trainer:
                  decoupled_lr) -> None:
         cfg, p = self.cfg, self.progress
         grad_norm = float(m["grad_norm"])
-        other = {name: float(value) for name, value in m.get("moe", {}).items()}
+        other = {name: float(value) for name, value in m.get("aux_losses", {}).items()}
         self.losses.append(loss)
         tokens_per_s = global_batch * cfg.data.seq_length / elapsed
         tflops = model_flops(cfg.model, global_batch, cfg.data.seq_length) / (elapsed * 1e12 * self.session.world)

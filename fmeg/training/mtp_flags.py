@@ -1,0 +1,33 @@
+"""Megatron's multi-token prediction flags (megatron/training/arguments.py: --mtp-num-layers,
+--mtp-loss-scaling-factor): their parser group, the GPTConfig fields they set, and their rules."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="DeepSeek-V3's multi-token prediction: this many extra layers, each predicting one token further")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the MTP losses' weight: their mean over the depths times this joins the objective")
+
+
+def model_fields(a: argparse.Namespace) -> dict:
+    """The GPTConfig fields of these flags (none without --mtp-num-layers)."""
+    if not a.mtp_num_layers:
+        return {}
+    return dict(mtp_num_layers=a.mtp_num_layers, mtp_loss_scaling_factor=a.mtp_loss_scaling_factor)
+
+
+def problems(a: argparse.Namespace) -> list[str]:
+    """One line for each multi-token prediction flag that cannot run."""
+    if a.mtp_num_layers is None or a.mtp_num_layers == 0:
+        return []
+    if a.mtp_num_layers < 0:
+        return [f"--mtp-num-layers must be positive, got {a.mtp_num_layers}"]
+    if a.position_embedding_type != "rope":
+        return [f"--mtp-num-layers needs --position-embedding-type rope (its layers on the last pipeline stage would "
+                f"need the first stage's {a.position_embedding_type} position table)"]
+    return []
