@@ -421,3 +421,25 @@ def test_global_aux_loss_counts_every_data_rank_averaged_over_the_steps_microbat
     first = moe.balance_losses(logits[0][0], moe_config(num_experts=4, moe_router_topk=2))["load_balancing_loss"]
     if world == 1:
         torch.testing.assert_close(parts[0, 0], first)
+
+
+def _forced_logits(mesh, logits, key):
+    from fmeg.parallel.tensor import TensorParallel
+
+    tp = TensorParallel(mesh.group("tp"), mesh.sequence_parallel)
+    return moe.random_logits(logits.chunk(tp.size, dim=1)[tp.rank], key, tp)
+
+
+def test_forced_load_balancing_routes_by_keyed_normal_logits_that_pass_the_gradient_through():
+    """--moe-router-force-load-balancing: standard normal logits keyed by each token's place (so a sequence-parallel
+    rank draws its rows of one device's), the router's logits still getting the gradient (megatron-core's RandomSTE)."""
+    from parallel_harness import run
+
+    logits = torch.randn(4, 64, 16, requires_grad=True)
+    forced = moe.random_logits(logits, 11)
+    assert abs(forced.mean().item()) < 0.05 and abs(forced.std().item() - 1.0) < 0.05
+    assert not torch.equal(forced, moe.random_logits(logits, 12))
+    forced.backward(torch.full_like(forced, 3.0))
+    assert torch.equal(logits.grad, torch.full_like(logits, 3.0))
+    shards = run("threads", 4, _forced_logits, logits.detach(), 11, sequence_parallel=True)
+    assert torch.equal(torch.cat(shards, dim=1), forced.detach())

@@ -145,6 +145,25 @@ def test_a_deepseek_v3_style_model_trains_saves_at_ep2_and_resumes_at_ep1_on_one
         assert (steps - steps.round()).abs().max() < 1e-3 and t.abs().max() <= 1e-2 + 1e-6
 
 
+@pytest.mark.parametrize("nproc, flags", [
+    (2, ["--expert-model-parallel-size", "2"]),
+    pytest.param(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], marks=pytest.mark.slow)],
+    ids=["ep2", "tp2_sp"])
+def test_forced_load_balancing_routes_as_one_rank_does(tmp_path, nproc, flags):
+    """Megatron's benchmarking switch --moe-router-force-load-balancing: random router logits, keyed by each token's
+    place, so the curve and the balance loss are one rank's at any layout; with random routing every expert gets
+    tokens, and the balance loss sits near its balanced value (1 for seq_aux_loss)."""
+    def run(name, n, extra):
+        records, _ = run_recipe(tmp_path, name, n, [*DEEPSEEK, "--moe-router-force-load-balancing", *extra])
+        return [(r["lm_loss"], r["seq_load_balancing_loss"]) for r in records if "lm_loss" in r]
+
+    single, other = run("single", 1, []), run("other", nproc, flags)
+    assert len(single) == len(other) == 20
+    for (a, x), (b, y) in zip(other, single):
+        assert abs(a - b) <= 1e-5 * abs(b) and abs(x - y) <= 1e-5 * abs(y), (other, single)
+    assert all(abs(balance - 1.0) < 0.5 for _, balance in single)
+
+
 GLOBAL = ["--moe-router-load-balancing-type", "global_aux_loss"]
 
 

@@ -105,6 +105,7 @@ class GPTConfig:
     moe_router_bias: bool = False  # a bias on the router's logits: megatron-core's router with --add-bias-linear
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "allgather"  # how tokens reach their experts' ranks (the same numbers)
+    moe_router_force_load_balancing: bool = False  # Megatron's benchmarking switch: random router logits
     # Multi-latent attention (fmeg.models.mla), named as Megatron's flags
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None  # None: queries straight from the hidden states

@@ -139,7 +139,8 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
     objective, fmeg.models.mtp.with_objective)."""
     def aux_of(batch: dict) -> moe.AuxLosses:
         return moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
-                             batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"))
+                             batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"),
+                             batch.get("router_key"))
 
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:

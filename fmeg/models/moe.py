@@ -40,7 +40,7 @@ from fmeg import ops
 from fmeg.ops import moe as moe_ops
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
-from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_param
+from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_param, token_positions
 
 Params = dict[str, Any]
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -63,6 +63,7 @@ class AuxLosses:
     global_counts: torch.Tensor | None = None
     one_hot: torch.Tensor | None = None
     seen: torch.Tensor | None = None
+    router_key: Any = None  # --moe-router-force-load-balancing: the microbatch's key of the random logits
 
 
 NO_AUX = AuxLosses()
@@ -180,6 +181,18 @@ def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = N
     if dtype is not None:
         return ops.linear(x_BSH.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     return ops.linear(x_BSH, weight, bias)
+
+
+def random_logits(logits_BSE: torch.Tensor, key: Any, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    """Megatron's --moe-router-force-load-balancing (a benchmarking switch): standard normal logits in place of the
+    router's, which still get the gradient (a straight-through estimator, as megatron-core's RandomSTE). Each is
+    keyed by its token's place in the whole [b, s, E] tensor, so every layout routes as one device does."""
+    b, s, e = logits_BSE.shape
+    held, whole = token_positions(s, tp, logits_BSE.device)
+    index = ((torch.arange(b, device=logits_BSE.device)[:, None] * whole + held)[:, :, None] * e
+             + torch.arange(e, device=logits_BSE.device))
+    noise = ops.normal(key, index).to(logits_BSE.dtype)
+    return noise + (logits_BSE - logits_BSE.detach())
 
 
 def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None
@@ -309,6 +322,8 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
         (tp.group if tp.sp else None)
     expert_tp = (tp.group, tp.rank, tp.size) if ep.tp_size is None else (ep.tp_group, ep.tp_rank, ep.tp_size)
     logits = router_logits(p, x_BSH, config, tp)
+    if config.moe_router_force_load_balancing:
+        logits = random_logits(logits, ops.fold_in(0 if aux.router_key is None else aux.router_key, index), tp)
     probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
     if aux.counts is not None:  # tokens per expert here, for the expert-bias update after the step
         kept = (probs != 0).to(logits.dtype).detach()

@@ -42,6 +42,13 @@ def uniform(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (h >> 8).float() * (1.0 / (1 << 24))
 
 
+def normal(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """fp32 standard normal values, one per element of `index` (Box-Muller on two keyed uniforms)."""
+    u1 = 1.0 - uniform(fold_in(key, 1), index)  # in (0, 1]: its log is finite
+    u2 = uniform(fold_in(key, 2), index)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * torch.pi * u2)
+
+
 def dropout(
     x: torch.Tensor, p: float, key: int | torch.Tensor, *, index: torch.Tensor | None = None
 ) -> torch.Tensor:

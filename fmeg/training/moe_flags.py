@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
                    help="how tokens reach their experts' ranks: all-gather / reduce-scatter, or uneven all-to-all")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="for benchmarking: random router logits (still trained through), so experts get even loads")
     for flag in IGNORED:
         g.add_argument(flag, action="store_true", help=f"accepted, ignored: {IGNORED[flag]}")
     for flag in IGNORED_SETTINGS:
@@ -120,7 +122,8 @@ def model_fields(a: argparse.Namespace) -> dict:
         moe_router_bias_update_rate=a.moe_router_bias_update_rate,
         # megatron-core's router has one with --add-bias-linear; an older fmeg checkpoint's router has none
         moe_router_bias=not a.disable_bias_linear and not getattr(a, "router_without_bias", False),
-        moe_token_dispatcher_type=a.moe_token_dispatcher_type)
+        moe_token_dispatcher_type=a.moe_token_dispatcher_type,
+        moe_router_force_load_balancing=a.moe_router_force_load_balancing)
 
 
 def problems(a: argparse.Namespace) -> list[str]:

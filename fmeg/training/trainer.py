@@ -68,6 +68,8 @@ class Trainer:
             mb = shard_batch({**self.session.to_device(mb), **host}, self.context)  # this cp rank's tokens
             if train and self.cfg.training.dropout:
                 mb["dropout_key"] = fold_in(self.cfg.training.seed, iteration, j * layout.dp + dp_rank)
+            if train and self.cfg.model.moe_router_force_load_balancing:  # the random router logits' key
+                mb["router_key"] = fold_in(self.cfg.training.seed, iteration, j * layout.dp + dp_rank, 1)
             out.append(mb)
         return out
 
