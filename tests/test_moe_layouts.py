@@ -146,7 +146,7 @@ def test_a_deepseek_v3_style_model_trains_saves_at_ep2_and_resumes_at_ep1_on_one
 
 
 @pytest.mark.parametrize("nproc, flags", [
-    (2, ["--expert-model-parallel-size", "2"]),
+    pytest.param(2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),  # tests/test_moe.py: the sp rows
     pytest.param(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], marks=pytest.mark.slow)],
     ids=["ep2", "tp2_sp"])
 def test_forced_load_balancing_routes_as_one_rank_does(tmp_path, nproc, flags):

@@ -536,8 +536,8 @@ def loss(params: Params, batch: dict[str, torch.Tensor], config: GPTConfig, *, k
     """Mean cross entropy over batch["labels"] where batch.get("loss_mask", 1) is nonzero.
 
     The language model's loss only: with multi-token prediction layers the training objective is
-    fmeg.models.mtp.loss. Equal to ops.cross_entropy(apply(...), labels, ...). On one rank the output projection and the loss
-    run as one fused op (ops.linear_cross_entropy); under tensor parallelism the loss is vocabulary-parallel
+    fmeg.models.mtp.loss. Equal to ops.cross_entropy(apply(...), labels, ...). On one rank the output projection and
+    the loss run as one fused op (ops.linear_cross_entropy); under tensor parallelism the loss is vocabulary-parallel
     and never gathers the logits.
     """
     x = hidden_states(params, batch["tokens"], config, key=key, tp=tp, positions=batch.get("position_ids"),

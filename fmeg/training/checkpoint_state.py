@@ -6,9 +6,9 @@
     ckpt.read(load_requests(ckpt, boxes))                 # or fills the same views from a checkpoint
 
 A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's copy of the
-word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and never written). Its block is where this rank's
-tensor- and expert-parallel slice sits in the full tensor (sharding.block_of, the rules shard_params cuts by).
-The buffers (the compute weights, the fp32 master weights, Adam's moments) hold each leaf whole or, with the
+word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and never written). Its block
+is where this rank's tensor- and expert-parallel slice sits in the full tensor (sharding.block_of, the rules
+shard_params cuts by). The buffers (the compute weights, the fp32 master weights, Adam's moments) hold each leaf whole or, with the
 distributed optimizer, a slice of the flattened leaves: a slice is a few boxes of a leaf's block
 (boxes.flat_boxes). The ranks holding the same block in the same kind of buffer are its replicas: the decoder's
 data- and context-parallel ranks (and the tensor-parallel ones for a leaf tp does not split), the experts'

@@ -9,7 +9,7 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-token prediction")
     g.add_argument("--mtp-num-layers", type=int, default=None,
-                   help="DeepSeek-V3's multi-token prediction: this many extra layers, each predicting one token further")
+                   help="DeepSeek-V3's multi-token prediction: this many extra layers, each one token further")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="the MTP losses' weight: their mean over the depths times this joins the objective")
 

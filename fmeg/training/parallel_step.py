@@ -288,7 +288,7 @@ def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, sta
     if not paths:
         return
     held: dict[int, Any] = {}
-    for path in paths:  # {stage: {"embedding": {"word": {"weight": g}}} or {"output": {"weight": g}}} (or mtp_embedding)
+    for path in paths:  # {stage: {"embedding": {"word": {"weight": g}}} or {"output" / "mtp_embedding": {"weight": g}}}
         stage, _, rest = path.partition(".")
         node = held.setdefault(int(stage), {})
         *parents, name = rest.split(".")
