@@ -11,6 +11,16 @@ from fmeg.models import gpt
 from fmeg.training.report import model_flops
 
 
+def step_flops(loss, config, batch_size: int = 2, seq: int = 8) -> int:
+    """torch's FLOP counter over one training step (forward and backward) of loss(params, batch, config), attention
+    by SDPA's math backend (its matmuls are ops the counter knows; CPU flash attention is not among them)."""
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        torch.func.grad(loss)(gpt.init(config, 0), batch, config)
+    return counter.get_total_flops()
+
+
 def test_gpt2_shapes_reduce_to_the_72_b_s_l_h2_form():
     c = gpt.GPTConfig.gpt2(vocab_size=50257, padded_vocab_size=50304, num_layers=24, hidden_size=2048,
                            num_heads=16, max_seq_len=2048)
@@ -27,13 +37,7 @@ def test_megatrons_formula_counts_every_matmul_of_a_training_step(style, groups,
     c = getattr(gpt.GPTConfig, style)(vocab_size=37, max_seq_len=16, num_layers=layers, hidden_size=32,
                                       num_heads=4, num_kv_heads=groups if style == "llama" else None)
     c = c.replace(vocab_size=37 + padding, padded_vocab_size=37 + padding)  # every row a real logit
-    params = gpt.init(c, 0)
-    tokens = torch.randint(0, c.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(0))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    # SDPA's math backend: its matmuls are ops the counter knows (CPU flash attention is not among them)
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        torch.func.grad(gpt.loss)(params, batch, c)
-    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, seq), rel=1e-12)
+    assert step_flops(gpt.loss, c, seq=seq) == pytest.approx(model_flops(c, 2, seq), rel=1e-12)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
@@ -44,12 +48,8 @@ def test_the_mla_terms_count_every_multi_latent_attention_matmul(q_lora_rank):
                             ffn_hidden_size=20, multi_latent_attention=True, q_lora_rank=q_lora_rank, kv_lora_rank=16,
                             qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10, qk_norm=True, rope_type="yarn",
                             rotary_scaling_factor=4.0, mscale_all_dim=1.0)
-    params = gpt.init(c, 0)
-    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        torch.func.grad(gpt.loss)(params, batch, c)
-    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8), rel=1e-12)
+    counted = step_flops(gpt.loss, c)
+    assert counted == pytest.approx(model_flops(c, 2, 8), rel=1e-12)
 
 
 @pytest.mark.parametrize("shared", [None, 12])
@@ -60,13 +60,9 @@ def test_megatrons_moe_terms_count_every_expert_matmul(shared):
     c = gpt.GPTConfig.llama(vocab_size=40, max_seq_len=16, num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=2,
                             ffn_hidden_size=20, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=5,
                             moe_layer_freq=(0, 1, 1), moe_shared_expert_intermediate_size=shared)
-    params = gpt.init(c, 0)
-    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        torch.func.grad(gpt.loss)(params, batch, c)
+    counted = step_flops(gpt.loss, c)
     router = 3 * 2 * (2 * 8) * c.hidden_size * c.num_experts * 2  # forward + backward, 2 MoE layers
-    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8) + router, rel=1e-12)
+    assert counted == pytest.approx(model_flops(c, 2, 8) + router, rel=1e-12)
 
 
 def test_the_activation_estimate_is_korthikantis_for_gpt2_and_grows_with_the_experts_a_token_visits():
@@ -101,12 +97,8 @@ def test_megatrons_mtp_terms_count_the_depths_projections_and_output_layers():
 
     c = gpt.GPTConfig.llama(vocab_size=40, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
                             ffn_hidden_size=20, mtp_num_layers=2)
-    params = gpt.init(c, 0)
-    tokens = torch.randint(0, c.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        torch.func.grad(mtp.loss)(params, batch, c)
+    counted = step_flops(mtp.loss, c)
     plain = c.replace(mtp_num_layers=None)
     layer = model_flops(plain.replace(num_layers=3), 2, 8) - model_flops(plain, 2, 8)
     norms = 6 * 2 * 8 * 2 * 3 * c.hidden_size
-    assert counter.get_total_flops() == pytest.approx(model_flops(c, 2, 8) - norms + 2 * layer, rel=1e-12)
+    assert counted == pytest.approx(model_flops(c, 2, 8) - norms + 2 * layer, rel=1e-12)
