@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import megatron_mtp
+import megatron_gpt
 from fmeg import tree
 from fmeg.models import gpt, mtp
 from fmeg.parallel.context import NO_CP
@@ -37,7 +37,7 @@ def test_mtp_equals_megatron_cores_multi_token_prediction(depths):
             if "norm" in path:
                 leaf.add_(0.2 * torch.randn(leaf.shape, generator=torch.Generator().manual_seed(len(path))))
     batch = batch_of(config)
-    want_lm, want_depths, want_grads = gloo(1).run(megatron_mtp.megatron_mtp, params, batch, config, tp=1)[0]
+    want_lm, want_depths, want_grads = gloo(1).run(megatron_gpt.megatron_gpt, params, batch, config, tp=1)[0]
     lm, grads = torch.func.grad_and_value(lambda p: mtp.loss(p, batch, config))(params)[::-1]
     assert abs(lm.item() - want_lm) < 1e-5
     assert mtp.values(params, batch, config) == pytest.approx(want_depths, abs=1e-5)

@@ -1,6 +1,6 @@
 """The GPT under tensor parallelism (with and without sequence parallelism) has the single-device loss
-and gradients, within fp32 rounding, for GPT-2, Llama (grouped-query), multi-latent attention and multi-token
-prediction styles."""
+and gradients, within fp32 rounding, for GPT-2, Llama (grouped-query), multi-latent attention, multi-token
+prediction and GPT-OSS (sinks, sliding windows, the clamped quick-GEGLU) styles."""
 
 import pytest
 import torch
@@ -27,6 +27,11 @@ CONFIGS = {
     "mtp": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
                                ffn_hidden_size=48, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, hidden_dropout=0.1,
                                attention_dropout=0.1),
+    "gpt_oss": gpt.GPTConfig.llama(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=8,
+                                   num_kv_heads=4, ffn_hidden_size=48, activation="quick_geglu", bias=True,
+                                   softmax_type="learnable", window_size=3, window_attn_skip_freq=2,
+                                   glu_linear_offset=1.0, activation_func_clamp_value=0.05, hidden_dropout=0.1,
+                                   attention_dropout=0.1),
 }
 
 
@@ -53,7 +58,7 @@ def check(backend, style, world, sp):
                 torch.testing.assert_close(leaf, tree.flatten(results[0][1])[path], msg=path)
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama", "mla", "mtp"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "mla", "mtp", "gpt_oss"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_gpt_under_tp_on_thread_ranks(style, world, sp):
@@ -61,7 +66,7 @@ def test_gpt_under_tp_on_thread_ranks(style, world, sp):
 
 
 @pytest.mark.parametrize("style, world, sp", [("gpt2", 2, True), ("llama", 4, False), ("llama", 2, True),
-                                               ("mla", 2, True), ("mtp", 2, True)])
+                                               ("mla", 2, True), ("mtp", 2, True), ("gpt_oss", 2, True)])
 def test_gpt_under_tp_on_gloo(style, world, sp):
     check("gloo", style, world, sp)
 

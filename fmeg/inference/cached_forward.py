@@ -47,24 +47,35 @@ def positions_and_mask(cache: KVCache, new: int) -> tuple[torch.Tensor, torch.Te
 
 
 def cached_attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, start: int, mask: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+                     v_cache: torch.Tensor, start: int, mask: torch.Tensor, tp: TensorParallel,
+                     window: int | None = None) -> torch.Tensor:
     """Self-attention of the new tokens over the cached ones and themselves; writes their k and v into the
-    cache at slots start .. start + new - 1."""
+    cache at slots start .. start + new - 1. window: the layer's sliding window (keys at most that many slots
+    before the query); sinks (config.softmax_type) in the softmax's denominator."""
     q, k, v = gpt.project_qkv(p, x_BSH, config, rope, tp)
     end = start + x_BSH.shape[1]
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
-    out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    if window is not None:
+        slots = torch.arange(start, end, device=mask.device)[:, None]
+        mask = mask & (torch.arange(end, device=mask.device) >= slots - window)
+    sinks = gpt.attention_sinks(p, config, q)
+    if sinks is not None:
+        out = ops.sink_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, sinks=sinks)
+    else:
+        out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
     return gpt.project_out(p, out, tp)
 
 
 def stage_forward(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, cache: KVCache, config: GPTConfig,
-                  *, final: bool = True, tp: TensorParallel = NO_TP, last_only: bool = False) -> tuple[Any, KVCache]:
+                  *, final: bool = True, tp: TensorParallel = NO_TP, last_only: bool = False,
+                  first_layer: int = 0) -> tuple[Any, KVCache]:
     """(logits [b, new, vocab_size] when final, else hidden states [b, new, h]; the advanced cache).
 
     tokens [b, new] are the new token ids (every stage needs only their shape and the cache's positions;
-    stage 0 embeds them). last_only: logits for the last new position only, [b, 1, vocab_size]."""
+    stage 0 embeds them). last_only: logits for the last new position only, [b, 1, vocab_size]. first_layer: the
+    global number of params["layers"][0] (a pipeline stage's; it picks the layers' sliding windows)."""
     if tp.sp:
         raise ValueError("generation runs without sequence parallelism")
     new = tokens.shape[1]
@@ -79,7 +90,8 @@ def stage_forward(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, 
         x = gpt.embed(params, tokens, config, positions, tp)
     for i, p in enumerate(params["layers"]):
         h = gpt.norm(p["attn_norm"], x, config, tp)
-        x = x + cached_attention(p["attn"], h, config, rope, cache.k[i], cache.v[i], cache.length, mask, tp)
+        x = x + cached_attention(p["attn"], h, config, rope, cache.k[i], cache.v[i], cache.length, mask, tp,
+                                 config.layer_window(first_layer + i))
         x = x + gpt.mlp(p["mlp"], gpt.norm(p["mlp_norm"], x, config, tp), config, tp)
     cache = cache.advanced(new)
     if not final:

@@ -76,7 +76,7 @@ class _Pipeline:
     def forward(self, tokens: torch.Tensor, cache, last_only: bool):
         x = None if self.rank == 0 else self.group.recv(self.rank - 1)
         out, cache = stage_forward(self.params, tokens, x, cache, self.config, final=self.last, tp=self.tp,
-                                   last_only=last_only)
+                                   last_only=last_only, first_layer=self.rank * len(self.params["layers"]))
         if not self.last:
             self.group.send(out, self.rank + 1)
             self.group.finish()

@@ -12,7 +12,8 @@ Parameter paths (leaves present depending on config):
     layers.{i}.attn.qkv.{weight,bias}   [G * (N/G + 2) * D, H]     Megatron's grouped q-k-v order
     layers.{i}.attn.proj.{weight,bias}  [H, N * D]
     layers.{i}.mlp_norm.{weight,bias}
-    layers.{i}.mlp.fc1.{weight,bias}    [F, H], or [2, F, H] (gate, up) for swiglu
+    layers.{i}.attn.sinks               [N]                        softmax_type "learnable"
+    layers.{i}.mlp.fc1.{weight,bias}    [F, H], or [2, F, H] (gate, up) for swiglu and quick_geglu
     layers.{i}.mlp.fc2.{weight,bias}    [H, F]
     final_norm.{weight,bias}
     output.weight                  [Vp, H]                         unless tie_embeddings
@@ -39,7 +40,7 @@ from einops import rearrange
 
 from fmeg import ops
 from fmeg.models import mla, moe
-from fmeg.models.gpt_config import ACTIVATIONS, NORMS, POSITIONS, GPTConfig  # noqa: F401 - part of gpt's interface
+from fmeg.models.gpt_config import ACTIVATIONS, GATED, NORMS, POSITIONS, GPTConfig  # noqa: F401 - gpt's interface
 from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
 from fmeg.parallel import collectives as C
 from fmeg.parallel import context
@@ -86,13 +87,15 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
     c, at = config, f"layers.{index}"
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
     qkv_rows = c.num_kv_heads * (c.heads_per_group + 2) * c.head_dim
-    fc1_shape = (2, c.ffn_hidden_size, c.hidden_size) if c.activation == "swiglu" else (c.ffn_hidden_size, c.hidden_size)
+    fc1_shape = (2, c.ffn_hidden_size, c.hidden_size) if c.activation in GATED else (c.ffn_hidden_size, c.hidden_size)
     if c.multi_latent_attention:
         attn = mla.init_attention(c, seed, f"{at}.attn", _normal, _linear_params, _norm_params)
     else:
         attn = {"qkv": _linear_params((qkv_rows, c.hidden_size), std, c.bias or c.qkv_bias, seed, f"{at}.attn.qkv"),
                 "proj": _linear_params((c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed,
                                        f"{at}.attn.proj")}
+    if c.softmax_type == "learnable":  # drawn as megatron-core draws its softmax_offset: the weights' init method
+        attn["sinks"] = _normal((c.num_heads,), std, seed, f"{at}.attn.sinks")
     if c.qk_norm and not c.multi_latent_attention:  # over each head's dimensions, shared by every head
         attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
     if moe.moe_layers(c, mtp=True)[index]:
@@ -178,17 +181,22 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
 
 def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
               tp: TensorParallel = NO_TP, key: Any = None, recompute_core: bool = False,
-              documents: torch.Tensor | None = None) -> torch.Tensor:
+              documents: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
     key, attention dropout masks each probability by its global (batch, head, query, key) position.
     recompute_core keeps only q, k and v of the attention core for backward (selective recomputation).
-    documents: the rows' packed documents as host cu_seqlens [b, s + 1] (ops.document_attention), or None."""
+    documents: the rows' packed documents as host cu_seqlens [b, s + 1] (ops.document_attention), or None.
+    window: this layer's sliding window (config.layer_window), or None; with it or with sinks (config.softmax_type)
+    the core is written out (sink_core)."""
     q, k, v = project_qkv(p, x_BSH, config, rope, tp)
     value_dim = v.shape[-1]
     if value_dim != q.shape[-1] and (documents is not None or tp.context.size > 1):
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))  # these cores take one head dimension
     offset = tp.rank * q.shape[1]
-    if tp.context.size > 1:  # the sequence split over cp ranks
+    sinks = attention_sinks(p, config, q)
+    if window is not None or sinks is not None:
+        core = sink_core(config, tp.context, key, offset, window, documents)
+    elif tp.context.size > 1:  # the sequence split over cp ranks
         core = context.core(tp.context, config.attention_dropout, key, offset, config.num_heads, documents)
     elif documents is not None:
         core = functools.partial(ops.document_attention, cu_seqlens=documents, dropout_p=config.attention_dropout,
@@ -196,8 +204,39 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
     else:
         core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
                                  head_offset=offset, total_heads=config.num_heads)
-    out = ops.recomputed(core, q, k, v) if recompute_core else core(q, k, v)
+    args = (q, k, v) if sinks is None else (q, k, v, sinks)
+    out = ops.recomputed(core, *args) if recompute_core else core(*args)
     return project_out(p, out[..., :value_dim], tp)
+
+
+def attention_sinks(p: Params, config: GPTConfig, q: torch.Tensor) -> torch.Tensor | None:
+    """The sink logits of the heads of q [b, N, s, d]: the learnable ones in p (this rank's, split over tp as the
+    heads are), zeros for off-by-one, None for the vanilla softmax."""
+    if config.softmax_type == "off-by-one":
+        return torch.zeros(q.shape[1], device=q.device)
+    return p.get("sinks")
+
+
+def sink_core(config: GPTConfig, cp: context.ContextParallel, key: Any, head_offset: int, window: int | None,
+              documents: torch.Tensor | None):
+    """core(q, k, v, sinks=None) of a layer with sinks or a sliding window (ops.sink_attention). Under context
+    parallelism each rank's queries attend to the whole sequence's keys and values, gathered as
+    --cp-comm-type all_gather gathers them (whatever the comm type: the windows and sinks are in the mask and the
+    softmax, which that core writes out)."""
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        seq = q.shape[2] * cp.size
+        q_pos = context.positions(seq, cp.size, cp.rank, q.device)
+        k_pos = torch.arange(seq, device=q.device)
+        if cp.size > 1:
+            k, v = context.whole_sequence(k, cp), context.whole_sequence(v, cp)
+        drop = None
+        if key is not None and config.attention_dropout > 0:
+            keyed = context.AttentionDropout(config.attention_dropout, key, head_offset, config.num_heads)
+            drop = functools.partial(keyed, seq=seq)
+        keep = ops.visible(q_pos, k_pos, window, documents)
+        return ops.sink_attention(q, k, v, keep, sinks=sinks, drop=drop, q_pos=q_pos, k_pos=k_pos)
+
+    return core
 
 
 def project_qkv(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
@@ -236,7 +275,7 @@ def rope_tables(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tenso
     """RoPE's cos and sin for these positions (Llama 3.1's frequency scaling, or YaRN's, when the config has it)."""
     c = config
     yarn = (c.rotary_scaling_factor, c.original_max_position_embeddings, c.beta_fast, c.beta_slow, c.mscale,
-            c.mscale_all_dim) if c.rope_type == "yarn" else None
+            c.mscale_all_dim, c.yarn_round_to_int) if c.rope_type == "yarn" else None
     return ops.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, c.rope_scaling, yarn)
 
 
@@ -256,7 +295,8 @@ def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
 def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP,
         aux: moe.AuxLosses = moe.NO_AUX, index: int = 0) -> torch.Tensor:
     """The layer's MLP: dense, or a mixture of experts where p has a router (fmeg.models.moe)."""
-    activation = functools.partial(ops.mlp_activation, activation=config.activation)
+    activation = functools.partial(ops.mlp_activation, activation=config.activation,
+                                   glu_linear_offset=config.glu_linear_offset, clamp=config.activation_func_clamp_value)
     if "router" in p:
         return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index)
     return dense_mlp(p, x_BSH, activation, tp)
@@ -280,7 +320,7 @@ def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | No
     attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
     attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp.for_layer(index), attn_key,
-                     recompute_core, documents)
+                     recompute_core, documents, config.layer_window(index))
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
     out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp, aux, index)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
@@ -408,7 +448,7 @@ def loss_tokens(batch: dict) -> torch.Tensor:
 TP_RULES = (
     ("embedding.word.weight", Partition(-2)), ("output.weight", Partition(-2)), ("mtp_embedding.weight", Partition(-2)),
     ("layers.*.attn.qkv.weight", Partition(-2)), ("layers.*.attn.qkv.bias", Partition(-1)),
-    ("layers.*.attn.proj.weight", Partition(-1)),
+    ("layers.*.attn.proj.weight", Partition(-1)), ("layers.*.attn.sinks", Partition(-1)),
     ("layers.*.mlp.fc1.weight", Partition(-2)), ("layers.*.mlp.fc1.bias", Partition(-1)),
     ("layers.*.mlp.fc2.weight", Partition(-1)),
 ) + moe.TP_RULES + mla.TP_RULES

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fmeg.models import mla, moe
+from fmeg.ops.activations import GATES
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
+GATED = tuple(GATES)  # fc1 gives [2, F]: gate and linear halves
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 POSITIONS = ("learned", "rope")
 
 
@@ -86,12 +89,19 @@ class GPTConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    yarn_round_to_int: bool = True  # megatron-core's correction_range_round_to_int (GPT-OSS's YaRN: False)
+    # GPT-OSS's attention and MLP, named as Megatron's flags
+    softmax_type: str = "vanilla"  # "off-by-one": a sink logit 0 in every softmax; "learnable": one per head
+    window_size: int | None = None  # sliding-window attention: each query sees itself and this many keys before it
+    window_attn_skip_freq: int | tuple[int, ...] | None = None  # every N-th layer full attention, or 1/0 per layer
+    glu_linear_offset: float = 0.0  # gated MLPs: act(gate) * (linear + offset)
+    activation_func_clamp_value: float | None = None  # gated MLPs: gate clamped above, linear half to [-c, c]
     # Multi-token prediction (fmeg.models.mtp): D extra layers after the decoder, on the last pipeline stage
     mtp_num_layers: int | None = None
     mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("rope_scaling", "moe_layer_freq"):
+        for name in ("rope_scaling", "moe_layer_freq", "window_attn_skip_freq"):
             if isinstance(getattr(self, name), list):  # as JSON metadata gives it back
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.padded_vocab_size is None:
@@ -116,6 +126,19 @@ class GPTConfig:
         if self.multi_latent_attention:
             return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window, or None for full attention: every layer's with an int skip frequency N
+        but each N-th (Megatron counts layers from 1), or as the 1/0 list says (layers past it, multi-token
+        prediction's, attend fully)."""
+        freq = self.window_attn_skip_freq
+        if self.window_size is None:
+            return None
+        if freq is None:
+            return self.window_size
+        if isinstance(freq, int):
+            return self.window_size if (index + 1) % freq else None
+        return self.window_size if index < len(freq) and freq[index] else None
 
     @property
     def heads_per_group(self) -> int:
@@ -175,6 +198,18 @@ def _validate(c: GPTConfig) -> None:
     need(0.0 <= c.attention_dropout < 1.0, "attention_dropout", f"must be in [0, 1), got {c.attention_dropout}")
     need(c.rope_type in ("rope", "yarn"), "rope_type", f"must be rope or yarn, got {c.rope_type!r}")
     need(c.rotary_scaling_factor > 0, "rotary_scaling_factor", f"must be positive, got {c.rotary_scaling_factor}")
+    need(c.softmax_type in SOFTMAX_TYPES, "softmax_type", f"must be one of {SOFTMAX_TYPES}, got {c.softmax_type!r}")
+    need(c.window_size is None or c.window_size >= 0, "window_size", f"must be >= 0, got {c.window_size}")
+    freq = c.window_attn_skip_freq
+    need(freq is None or (freq > 0 if isinstance(freq, int) else len(freq) == c.num_layers
+                          and set(freq) <= {0, 1}), "window_attn_skip_freq",
+         f"must be a positive int or one 0/1 per layer ({c.num_layers}), got {freq}")
+    need(c.activation_func_clamp_value is None or c.activation_func_clamp_value > 0, "activation_func_clamp_value",
+         f"must be positive, got {c.activation_func_clamp_value}")
+    need(c.activation in GATED or (c.glu_linear_offset == 0.0 and c.activation_func_clamp_value is None),
+         "glu_linear_offset", f"the offset and clamp act on gated MLPs ({GATED}), not {c.activation}")
+    need(not c.multi_latent_attention or (c.softmax_type == "vanilla" and c.window_size is None), "softmax_type",
+         "sinks and sliding windows are for standard attention, not multi-latent attention")
     if c.multi_latent_attention:
         mla.validate(c, need)
     if c.mtp_num_layers is not None:

@@ -138,7 +138,7 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
     seed, path) per leaf; output projections with Megatron's scaled std)."""
     c, e, f = config, config.num_experts, expert_ffn(config)
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
-    gated = c.activation == "swiglu"
+    gated = c.activation in ops.activations.GATES
     fc1_shape = (e, 2, f, c.hidden_size) if gated else (e, f, c.hidden_size)
     p = {"router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
          "experts": {"fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),

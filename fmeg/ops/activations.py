@@ -22,11 +22,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def mlp_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """The MLP's activation on fc1's output [..., F] (swiglu: [..., 2F], gate then up, giving [..., F])."""
-    if activation == "swiglu":
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x), GELU's sigmoid approximation (GPT-OSS's gate)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+GATES = {"swiglu": F.silu, "quick_geglu": quick_gelu}
+
+
+def mlp_activation(h: torch.Tensor, activation: str, glu_linear_offset: float = 0.0,
+                   clamp: float | None = None) -> torch.Tensor:
+    """The MLP's activation on fc1's output [..., F]; a gated one (swiglu, quick_geglu) takes [..., 2F], gate then
+    linear half, and gives gate_fn(gate) * (linear + glu_linear_offset), with the gate clamped above at clamp and
+    the linear half to [-clamp, clamp] when clamp is given (GPT-OSS's, megatron-core's unfused GLU)."""
+    if activation in GATES:
         gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
-        return swiglu(gate, up)
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        return GATES[activation](gate) * (up + glu_linear_offset)
     if activation == "gelu_tanh":
         return gelu_tanh(h)
     if activation == "squared_relu":  # Megatron's --squared-relu

@@ -36,7 +36,8 @@ from fmeg.parallel.context_layout import SEQ, AttentionDropout, chunks_of, load_
 from fmeg.parallel.ring_attention import blockwise, register_group
 
 __all__ = ["COMM_TYPES", "ContextParallel", "NO_CP", "AttentionDropout", "attention", "chunks_of", "core",
-           "hierarchical", "load_balanced_order", "positions", "shard_batch", "shard_sequence", "ulysses"]
+           "hierarchical", "load_balanced_order", "positions", "shard_batch", "shard_sequence", "ulysses",
+           "whole_sequence"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -100,6 +101,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     if cp.comm_type == "a2a+p2p":
         return hierarchical(q, k, v, cp, dropout, documents)
     return blockwise(q, k, v, cp.comm_type, cp.group, cp.handles[0], dropout, documents)
+
+
+def whole_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Every rank's chunks of x [b, heads, 2c, d] gathered, in the sequence's order [b, heads, s, d]; the backward
+    sums the ranks' gradients of them and keeps this rank's chunks (a reduce-scatter)."""
+    return x if cp.size == 1 else reorder(C.gather_from_sp(x, cp.group, SEQ), SEQ, cp.size)
 
 
 def core(cp: ContextParallel, dropout_p: float, key: Any, head_offset: int, total_heads: int,
