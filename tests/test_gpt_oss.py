@@ -75,8 +75,8 @@ def reference(q, k, v, window, sinks, documents):
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_sink_attention_sees_what_its_definition_says(data):
-    s, groups, per = data.draw(st.integers(1, 9)), data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 2]))
-    window = data.draw(st.one_of(st.none(), st.integers(0, 10)))
+    s, window = data.draw(st.integers(1, 9)), data.draw(st.one_of(st.none(), st.integers(0, 10)))
+    groups, per = data.draw(st.sampled_from([1, 2])), data.draw(st.sampled_from([1, 2]))
     cuts = sorted(data.draw(st.lists(st.integers(0, s), max_size=3)))
     documents = torch.tensor([[0, *cuts, s], [0, s, s, s, s][:len(cuts) + 2]])
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
@@ -132,3 +132,43 @@ def ops_greedy():
     from fmeg.inference import SamplingParams
 
     return SamplingParams(temperature=0.0)
+
+
+GPT_OSS_FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+                 "--num-query-groups", "2", "--normalization", "RMSNorm", "--quick-geglu", "--glu-linear-offset", "1.0",
+                 "--activation-func-clamp-value", "7.0", "--softmax-type", "learnable", "--window-size", "127,0",
+                 "--window-attn-skip-freq", "2", "--enable-gpt-oss", "--untie-embeddings-and-output-weights"]
+
+
+def test_megatrons_gpt_oss_flags_give_the_model_and_checkpoint_args_give_it_back():
+    import dataclasses
+
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.checkpoint_args import model_flags
+    from fmeg.training.run_config import model_config
+    from fmeg.training.validation import validate
+
+    a = parse_args(GPT_OSS_FLAGS, world_size=1)
+    assert validate(a, 1) == []
+    saved = model_config(a, 257)
+    assert (saved.activation, saved.glu_linear_offset, saved.activation_func_clamp_value) == ("quick_geglu", 1.0, 7.0)
+    assert (saved.softmax_type, saved.window_size, saved.window_attn_skip_freq) == ("learnable", 127, 2)
+    assert [saved.layer_window(i) for i in range(4)] == [127, None, 127, None]  # Megatron's layers 2 and 4 full
+    assert (saved.position, saved.rope_type, saved.rotary_scaling_factor, saved.original_max_position_embeddings,
+            saved.yarn_round_to_int) == ("rope", "yarn", 32.0, 131072, False)  # as Megatron's --enable-gpt-oss
+    b = parse_args(GPT_OSS_FLAGS[:6], world_size=1)
+    for name, value in model_flags(dataclasses.asdict(saved)).items():
+        setattr(b, name, value)
+    assert model_config(b, 257) == saved
+
+
+def test_rope_type_yarn_without_multi_latent_attention_is_named_as_ignored_as_megatron_ignores_it():
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.megatron_flags import ignored_flags
+    from fmeg.training.run_config import model_config
+    from fmeg.training.validation import validate
+
+    a = parse_args(["--rope-type", "yarn", "--position-embedding-type", "rope"], world_size=1)
+    assert validate(a, 1) == [] and model_config(a, 257).rope_type == "rope"
+    assert any(line.startswith("--rope-type yarn: megatron-core reads it with --multi-latent-attention only")
+               for line in ignored_flags(a))

@@ -16,5 +16,5 @@ from fmeg.ops.rope import apply_rope, rope_cos_sin
 __all__ = [
     "IGNORE_INDEX", "apply_rope", "causal_attention", "cross_entropy", "document_attention", "dropout", "embedding", "fold_in",
     "gelu", "gelu_tanh", "layer_norm", "mlp_activation", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "rms_norm",
-    "rope_cos_sin", "sink_attention", "swiglu", "visible", "token_cross_entropy", "uniform", "normal",
+    "rope_cos_sin", "sink_attention", "swiglu", "token_cross_entropy", "uniform", "normal", "visible",
 ]

@@ -17,7 +17,8 @@ from typing import Any
 from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, mla_flags, modelopt_flags, moe_flags, mtp_flags
+from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, modelopt_flags, moe_flags,
+                            mtp_flags)
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
                                          megatron_leniencies)
 
@@ -270,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     moe_flags.add_arguments(p)
     mla_flags.add_arguments(p)
     mtp_flags.add_arguments(p)
+    gpt_oss_flags.add_arguments(p)
     context_flags.add_arguments(p)
     fsdp_flags.add_arguments(p)
     modelopt_flags.add_arguments(p)

@@ -38,6 +38,13 @@ def model_flags(model: dict) -> dict:
             "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
         flags["group_query_attention"], flags["num_query_groups"] = False, None
+    flags |= {name: model.get(name, default) for name, default in (
+        ("softmax_type", "vanilla"), ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
+        ("window_attn_skip_freq", None))}
+    flags["quick_geglu"] = activation == "quick_geglu"
+    flags["window_size"] = None if model.get("window_size") is None else (model["window_size"], 0)
+    if model.get("rope_type") == "yarn" and not model.get("multi_latent_attention"):
+        flags["enable_gpt_oss"] = True  # the only flag that gives standard attention YaRN (its values: below)
     if model.get("mtp_num_layers"):
         flags |= {name: model[name] for name in ("mtp_num_layers", "mtp_loss_scaling_factor")}
     if model.get("rope_scaling") is not None:

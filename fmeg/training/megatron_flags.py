@@ -144,10 +144,12 @@ def ignored_flags(a: argparse.Namespace) -> list[str]:
 
 
 def activation(a: argparse.Namespace) -> str:
-    """Megatron's MLP activation for the flags: SwiGLU; else GELU with the tanh approximation (--openai-gelu,
-    or the default fused bias-GELU, which needs biases); else exact GELU."""
+    """Megatron's MLP activation for the flags: SwiGLU, quick-GEGLU; else GELU with the tanh approximation
+    (--openai-gelu, or the default fused bias-GELU, which needs biases); else exact GELU."""
     if a.swiglu:
         return "swiglu"
+    if a.quick_geglu:
+        return "quick_geglu"
     if a.squared_relu:
         return "squared_relu"
     fused_bias_gelu = not a.no_bias_gelu_fusion and not a.disable_bias_linear

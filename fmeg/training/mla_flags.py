@@ -53,9 +53,6 @@ def problems(a: argparse.Namespace) -> list[str]:
     """One line for each multi-latent attention flag that cannot run."""
     out = []
     if not a.multi_latent_attention:
-        if rope_type(a) == "yarn":
-            out.append("--rope-type yarn: YaRN for standard attention is not supported by fmeg yet (it applies with "
-                       "--multi-latent-attention); use rope or drop the flag")
         return out
     if a.position_embedding_type != "rope":
         out.append(f"--multi-latent-attention rotates its own rotary part: use --position-embedding-type rope, not "
@@ -75,4 +72,8 @@ def problems(a: argparse.Namespace) -> list[str]:
 
 
 def ignored(a: argparse.Namespace) -> list[str]:
-    return [f"{flag}: {why}" for flag, why in IGNORED.items() if getattr(a, flag.lstrip("-").replace("-", "_"))]
+    lines = [f"{flag}: {why}" for flag, why in IGNORED.items() if getattr(a, flag.lstrip("-").replace("-", "_"))]
+    if a.rope_type == "yarn" and not a.multi_latent_attention:
+        lines.append("--rope-type yarn: megatron-core reads it with --multi-latent-attention only; standard attention "
+                     "keeps plain RoPE (GPT-OSS's YaRN: --enable-gpt-oss)")
+    return lines

@@ -23,7 +23,7 @@ from fmeg.models import gpt
 from fmeg.training import loss_scale
 from fmeg.training.arguments import batch_geometry, lr_steps
 from fmeg.training.batch_schedule import global_batch_size, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, mla_flags, moe_flags, mtp_flags
+from fmeg.training import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
 from fmeg.training.megatron_flags import activation, ignored_flags
 from fmeg.training.parallel_step import Layout
 
@@ -47,7 +47,8 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         rope_scaling=(a.rope_scaling_factor, a.rope_scaling_low_freq_factor, a.rope_scaling_high_freq_factor,
                       a.rope_scaling_original_max_position_embeddings) if a.use_rope_scaling else None,
         **moe_flags.model_fields(a))
-    return gpt.GPTConfig(**(fields | mla_flags.model_fields(a) | mtp_flags.model_fields(a)))
+    extra = mla_flags.model_fields(a) | mtp_flags.model_fields(a) | gpt_oss_flags.model_fields(a)
+    return gpt.GPTConfig(**(fields | extra))
 
 
 def layout_from_args(a, world: int) -> Layout:

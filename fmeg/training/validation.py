@@ -17,7 +17,8 @@ import torch
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
 from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, mla_flags, modelopt_flags, moe_flags, mtp_flags
+from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, modelopt_flags, moe_flags,
+                            mtp_flags)
 from fmeg.training.megatron_flags import later_work_problems
 
 
@@ -121,6 +122,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     problems.extend(fsdp_flags.problems(a))
     problems.extend(mla_flags.problems(a))
     problems.extend(mtp_flags.problems(a))
+    problems.extend(gpt_oss_flags.problems(a))
     need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
     need(not a.no_position_embedding or a.position_embedding_type == "rope",
