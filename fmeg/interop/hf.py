@@ -1,7 +1,8 @@
 """Hugging Face transformers <-> fmeg: GPT2LMHeadModel, LlamaForCausalLM (Llama 2, 3.1 with its rope scaling,
 3.2 with tied embeddings), Qwen2ForCausalLM (Qwen2.5: a bias on q, k and v), Qwen3ForCausalLM (a norm on
 each head's queries and keys), and the mixtures of experts MixtralForCausalLM and Qwen3MoeForCausalLM (experts
-stacked as transformers 5 stacks them: gate_up_proj [E, 2F, H], down_proj [E, H, F]).
+stacked as transformers 5 stacks them: gate_up_proj [E, 2F, H], down_proj [E, H, F]) and GptOssForCausalLM
+(fmeg.interop.hf_gpt_oss).
 
     config, params = from_hf(hf_model)
     hf_model = to_hf(params, config)
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from fmeg import tree
+from fmeg.interop import hf_gpt_oss
 from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, repad_vocab, split_qkv
 from fmeg.models.moe import expert_ffn, moe_layers
 
@@ -33,7 +35,10 @@ def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
     if kind in _LLAMA_FAMILY:
         config = _llama_config(hf_model.config, kind)
         return config, tree.unflatten(_llama_params(state, config))
-    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel or one of "
+    if kind == "GptOssForCausalLM":
+        config = hf_gpt_oss.config_from(hf_model.config)
+        return config, tree.unflatten(hf_gpt_oss.params_from(state, config))
+    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel, GptOssForCausalLM or one of "
                      f"{', '.join(_LLAMA_FAMILY)}")
 
 
@@ -54,6 +59,8 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
             raise ValueError("to_hf: GPT-2 needs bias=True, num_kv_heads == num_heads and head dimension "
                              "hidden_size / num_heads")
         model, state = _new_model("GPT2", _gpt2_hf_config(config)), _gpt2_state(flat, config)
+    elif config.activation == "quick_geglu":
+        model, state = _new_model("GptOss", hf_gpt_oss.hf_config(config)), hf_gpt_oss.state_from(flat, config)
     elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
         if config.rotary_percent != 1.0:
             raise ValueError(f"to_hf: Llama rotates whole heads; got rotary_percent={config.rotary_percent}")

@@ -13,6 +13,12 @@ from fmeg import checkpoint
 from fmeg.models.saved_config import saved_model
 
 
+_MOE_ARCHITECTURE = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+                     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                     "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
+                     "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+
+
 def model_flags(model: dict) -> dict:
     """{flag dest: value} that give gpt.GPTConfig fields `model` (the inverse of run_config.model_config)."""
     activation = model.get("activation", "gelu")
@@ -38,13 +44,19 @@ def model_flags(model: dict) -> dict:
             "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
         flags["group_query_attention"], flags["num_query_groups"] = False, None
+    if model.get("num_experts"):  # the experts' shape and routing; training settings (balance losses, capacity,
+        # dispatcher) stay the flags'
+        flags |= {name: model[name] for name in _MOE_ARCHITECTURE if name in model}
     flags |= {name: model.get(name, default) for name, default in (
         ("softmax_type", "vanilla"), ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
         ("window_attn_skip_freq", None))}
     flags["quick_geglu"] = activation == "quick_geglu"
     flags["window_size"] = None if model.get("window_size") is None else (model["window_size"], 0)
     if model.get("rope_type") == "yarn" and not model.get("multi_latent_attention"):
-        flags["enable_gpt_oss"] = True  # the only flag that gives standard attention YaRN (its values: below)
+        from fmeg.training.gpt_oss_flags import YARN_FLAGS
+
+        flags["enable_gpt_oss"] = True  # the flag that gives standard attention YaRN, with the model's own values
+        flags |= {dest: model[field] for dest, field in YARN_FLAGS.items() if field in model}
     if model.get("mtp_num_layers"):
         flags |= {name: model[name] for name in ("mtp_num_layers", "mtp_loss_scaling_factor")}
     if model.get("rope_scaling") is not None:

@@ -5,6 +5,8 @@ parser group, the GPTConfig fields they set, and their rules.
 --enable-gpt-oss sets YaRN rotary embeddings (whatever --position-embedding-type says, as Megatron's model builder
 does) with the values that builder gives them: factor 32, original context 131072, beta_fast 32, beta_slow 1,
 mscale 1 and 0, the correction range not rounded. (Hugging Face's gpt-oss checkpoints say original context 4096.)
+The --yarn-* flags (Megatron-Bridge's names) override those values; --use-checkpoint-args sets them from an
+imported checkpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import argparse
 from fmeg.training.moe_flags import layer_freq
 
 GPT_OSS_YARN = dict(position="rope", rope_type="yarn", rotary_scaling_factor=32.0,
-                    original_max_position_embeddings=131072, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0, yarn_round_to_int=False)
+                    original_max_position_embeddings=131072, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                    mscale_all_dim=0.0, yarn_round_to_int=False)
+# {flag dest: the GPTConfig field it overrides}
+YARN_FLAGS = {"yarn_rotary_scaling_factor": "rotary_scaling_factor",
+              "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+              "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale",
+              "yarn_mscale_all_dim": "mscale_all_dim", "yarn_correction_range_round_to_int": "yarn_round_to_int"}
 
 
 def window(text: str) -> tuple[int, int]:
@@ -44,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="gated MLPs: the gate clamped above at C, the linear half to [-C, C]")
     g.add_argument("--enable-gpt-oss", action="store_true",
                    help="YaRN rotary embeddings with GPT-OSS's values, as Megatron's model builder sets them")
+    for dest, field in YARN_FLAGS.items():
+        flag = f"--{dest.replace('_', '-')}"
+        if field == "yarn_round_to_int":  # no Megatron flag: --use-checkpoint-args sets it
+            g.add_argument(flag, type=lambda t: t.lower() == "true", default=None, help=argparse.SUPPRESS)
+        else:
+            g.add_argument(flag, type=int if field == "original_max_position_embeddings" else float, default=None,
+                           help=f"with --enable-gpt-oss: YaRN's {field} (default {GPT_OSS_YARN[field]})")
 
 
 def model_fields(a: argparse.Namespace) -> dict:
@@ -52,7 +67,10 @@ def model_fields(a: argparse.Namespace) -> dict:
                   activation_func_clamp_value=a.activation_func_clamp_value)
     if a.window_size is not None:
         fields |= dict(window_size=a.window_size[0], window_attn_skip_freq=a.window_attn_skip_freq)
-    return fields | (GPT_OSS_YARN if a.enable_gpt_oss else {})
+    if not a.enable_gpt_oss:
+        return fields
+    given = {field: getattr(a, dest) for dest, field in YARN_FLAGS.items() if getattr(a, dest) is not None}
+    return fields | GPT_OSS_YARN | given
 
 
 def problems(a: argparse.Namespace) -> list[str]:
@@ -76,6 +94,9 @@ def problems(a: argparse.Namespace) -> list[str]:
             out.append(f"--window-attn-skip-freq gives {len(freq)} layers for --num-layers {a.num_layers}")
         elif isinstance(freq, int) and freq <= 0:
             out.append(f"--window-attn-skip-freq must be positive, got {freq}")
+    given = [f"--{dest.replace('_', '-')}" for dest in YARN_FLAGS if getattr(a, dest) is not None]
+    if given and not a.enable_gpt_oss:
+        out.append(f"{given[0]} sets YaRN's values for --enable-gpt-oss: add it, or drop the flag")
     if (a.softmax_type != "vanilla" or a.window_size is not None or a.enable_gpt_oss) and a.multi_latent_attention:
         out.append("--softmax-type, --window-size and --enable-gpt-oss are for standard attention, not "
                    "--multi-latent-attention")
