@@ -102,3 +102,21 @@ def assert_refused_in_one_line(monkeypatch, capsys, env: dict, flags: list[str],
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not dist.is_initialized()
+
+
+def greedy_at_tp1_and_tp2(hf_directory, tmp_path, prompt: str, tokens: int, vocab_size: int) -> list[list[int]]:
+    """recipes.convert_checkpoint import-hf of a transformers directory, then recipes.generate greedy on one rank and
+    at tp 2 (torchrun): the generated ids of each run."""
+    out = run_group([sys.executable, "-m", "recipes.convert_checkpoint", "import-hf", "--input", str(hf_directory),
+                     "--save", str(tmp_path / "ckpt")], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    args = ["-m", "recipes.generate", "--load", str(tmp_path / "ckpt"), "--prompt", prompt, "--tokens", str(tokens),
+            "--temperature", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size), "--json"]
+    rows = []
+    for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                         "--nproc-per-node=2"]):
+        extra = ["--tensor-model-parallel-size", "2"] if len(launcher) > 1 else []
+        out = run_group([*launcher, *args, *extra], timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows.append([json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][0]["tokens"])
+    return rows

@@ -9,6 +9,7 @@ import pytest
 
 from runner_harness import DROPOUT, run_recipe
 from test_mla_layouts import TP2_SP
+from test_mtp_layouts import PP2_VIRTUAL, assert_same
 
 OSS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--quick-geglu", "--glu-linear-offset",
        "1.0", "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable", "--window-size", "5,0",
@@ -16,7 +17,6 @@ OSS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--qui
        "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "32", "--num-experts", "4",
        "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2", *DROPOUT]
 KEYS = ("lm_loss", "load_balancing_loss")
-PP2_VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 LAYOUTS = [  # tests/test_parallel_gpt.py checks the GPT-OSS pieces under tp in the default suite
     pytest.param("cp2", 2, ["--context-parallel-size", "2"]),
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
@@ -32,13 +32,6 @@ LAYOUTS = [  # tests/test_parallel_gpt.py checks the GPT-OSS pieces under tp in 
 def curves(tmp_path, name, nproc, flags):
     records, _ = run_recipe(tmp_path, name, nproc, [*OSS, *flags])
     return {key: [r[key] for r in records if "lm_loss" in r] for key in KEYS}
-
-
-def assert_same(got, want, iterations=20):
-    for key in want:
-        assert len(got[key]) == len(want[key]) == iterations, key
-        for a, b in zip(got[key], want[key]):
-            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,6 @@
 sinks, alternating sliding windows, the clamped quick-GEGLU experts with biases and YaRN; the same greedy tokens at
 tp 1 and tp 2 (recipes.convert_checkpoint and recipes.generate); export then import bitwise."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,6 +9,7 @@ from fmeg import tree
 from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, to_hf
 from fmeg.models import gpt
+from runner_harness import greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,22 +71,10 @@ def test_gpt_oss_configs_transformers_cannot_hold_are_refused_in_one_line():
 def test_an_imported_gpt_oss_generates_transformers_tokens_at_tp1_and_tp2(tmp_path):
     hf = tiny_gpt_oss(seed=5)
     hf.save_pretrained(tmp_path / "gpt_oss")
-    out = subprocess.run([sys.executable, "-m", "recipes.convert_checkpoint", "import-hf", "--input",
-                          str(tmp_path / "gpt_oss"), "--save", str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    args = ["-m", "recipes.generate", "--load", str(tmp_path / "ckpt"), "--prompt", "5 17 42 8 60 3", "--tokens", "8",
-            "--temperature", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "97", "--json"]
-    rows = []
-    for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                         "--nproc-per-node=2"]):
-        extra = ["--tensor-model-parallel-size", "2"] if len(launcher) > 1 else []
-        out = subprocess.run([*launcher, *args, *extra], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        rows.append([json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][0])
+    rows = greedy_at_tp1_and_tp2(tmp_path / "gpt_oss", tmp_path, "5 17 42 8 60 3", 8, 97)
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([[5, 17, 42, 8, 60, 3]]), max_new_tokens=8, do_sample=False)[0, 6:].tolist()
-    assert rows[0]["tokens"] == rows[1]["tokens"] == theirs
+    assert rows[0] == rows[1] == theirs
 
 
 def test_an_imported_gpt_oss_comes_back_from_its_checkpoint_args():

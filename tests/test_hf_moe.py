@@ -9,6 +9,7 @@ from fmeg import tree
 from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, to_hf
 from fmeg.models import gpt
+from runner_harness import greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,27 +78,10 @@ def test_moe_configs_transformers_cannot_hold_are_refused_in_one_line():
 def test_an_imported_mixtral_generates_the_same_tokens_at_tp2_as_on_one_rank(tmp_path):
     """recipes.convert_checkpoint import-hf on a Mixtral directory, then recipes.generate greedy at tp 1 and at
     tp 2 (every rank routing all tokens, the experts' F split): the same tokens, and transformers' tokens."""
-    import json
-    import subprocess
-    import sys
-
     hf = tiny_moe("mixtral", seed=5)
-    hf.config.vocab_size = 97
     hf.save_pretrained(tmp_path / "mixtral")
-    out = subprocess.run([sys.executable, "-m", "recipes.convert_checkpoint", "import-hf", "--input",
-                          str(tmp_path / "mixtral"), "--save", str(tmp_path / "ckpt")], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    args = ["-m", "recipes.generate", "--load", str(tmp_path / "ckpt"), "--prompt", "5 17 42", "--tokens", "8",
-            "--temperature", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "97", "--json"]
-    rows = []
-    for launcher in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                         "--nproc-per-node=2"]):
-        extra = ["--tensor-model-parallel-size", "2"] if len(launcher) > 1 else []
-        out = subprocess.run([*launcher, *args, *extra], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        rows.append([json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][0])
-    assert rows[0]["tokens"] == rows[1]["tokens"] and len(rows[0]["tokens"]) == 8
+    rows = greedy_at_tp1_and_tp2(tmp_path / "mixtral", tmp_path, "5 17 42", 8, 97)
+    assert rows[0] == rows[1] and len(rows[0]) == 8
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([[5, 17, 42]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
-    assert rows[0]["tokens"] == theirs
+    assert rows[0] == theirs
