@@ -1,6 +1,8 @@
 """GPT-OSS imported from a tiny random transformers GptOssForCausalLM: the same logits (fp32, 1e-5) with learnable
 sinks, alternating sliding windows, the clamped quick-GEGLU experts with biases and YaRN; the same greedy tokens at
-tp 1 and tp 2 (recipes.convert_checkpoint and recipes.generate); export then import bitwise."""
+tp 1 and tp 2 (recipes.convert_checkpoint, recipes.generate, recipes.serve); export then import bitwise."""
+
+import json
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ def tiny_gpt_oss(seed: int = 0, window: int = 4):
     torch.manual_seed(seed)
     config = transformers.GptOssConfig(
         vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=window,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=window,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_local_experts=4,
         num_experts_per_tok=2, swiglu_limit=0.8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -30,6 +32,8 @@ def tiny_gpt_oss(seed: int = 0, window: int = 4):
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith("router.weight"):  # routers with decided preferences: no near-ties in the top-k
                 p.mul_(20.0)
+            if "embed_tokens" in name or "lm_head" in name:  # sharp logits: greedy tokens that do not repeat one id
+                p.mul_(30.0)
     return model.float().eval()
 
 
@@ -57,7 +61,7 @@ def test_greedy_generation_of_an_imported_gpt_oss_gives_transformers_tokens():
     ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    assert ours == theirs
+    assert ours == theirs and len(set(theirs)) > 2
 
 
 def test_gpt_oss_configs_transformers_cannot_hold_are_refused_in_one_line():
@@ -74,7 +78,16 @@ def test_an_imported_gpt_oss_generates_transformers_tokens_at_tp1_and_tp2(tmp_pa
     rows = greedy_at_tp1_and_tp2(tmp_path / "gpt_oss", tmp_path, "5 17 42 8 60 3", 8, 97)
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([[5, 17, 42, 8, 60, 3]]), max_new_tokens=8, do_sample=False)[0, 6:].tolist()
-    assert rows[0] == rows[1] == theirs
+    assert rows[0] == rows[1] == theirs and len(set(theirs)) > 2
+    from test_serve import Server  # recipes.serve answers an OpenAI completion with the same tokens
+
+    server = Server(str(tmp_path / "ckpt"), extra=["--tokenizer-type", "NullTokenizer", "--vocab-size", "97"])
+    try:
+        status, body = server.request("POST", "/v1/completions", {"prompt": "5 17 42 8 60 3", "max_tokens": 8,
+                                                                  "temperature": 0.0})
+    finally:
+        server.stop()
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == " ".join(map(str, theirs))
 
 
 def test_an_imported_gpt_oss_comes_back_from_its_checkpoint_args():
