@@ -89,6 +89,8 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--glu-linear-offset", "1.0"], "--glu-linear-offset and --activation-func-clamp-value act on gated MLPs"),
         (["--quick-geglu", "--activation-func-clamp-value", "0"], "--activation-func-clamp-value must be positive"),
         (["--quick-geglu", "--swiglu"], "--quick-geglu, --swiglu and --squared-relu are alternatives"),
+        (["--yarn-original-max-position-embeddings", "4096"],
+         "--yarn-original-max-position-embeddings sets YaRN's values for --enable-gpt-oss: add it"),
         (["--multi-latent-attention", "--position-embedding-type", "rope", "--softmax-type", "learnable"],
          "are for standard attention, not --multi-latent-attention"),
         (["--context-parallel-size", "0"], "--context-parallel-size must be positive, got 0"),
