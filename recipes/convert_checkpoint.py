@@ -13,7 +13,8 @@ consumed samples; --load of a Megatron directory in recipes.gpt_pretrain and rec
 
 consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
 the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
-export-hf, so neither output depends on the layout that saved. import-hf writes an iteration-0 checkpoint of one rank
+export-hf, so neither output depends on the layout that saved. DeepSeek-V3's multi-token prediction depths, which
+transformers' model does not hold, are read from and written to the safetensors files in DeepSeek's layout. import-hf writes an iteration-0 checkpoint of one rank
 (fresh optimizer state) that --load reshards into any layout; it reads config.json and safetensors weights only
 (fmeg.interop.hf_dir: a directory of pickled weights, a damaged file, a config.json that disagrees with the
 weights or a NaN weight is one line). No pickle is read or written.
@@ -113,14 +114,17 @@ def consolidate(args) -> None:
 
 
 def export_hf(args) -> None:
-    from fmeg.interop.hf import to_hf
+    from fmeg.interop.hf import mtp_files, to_hf
+    from fmeg.interop.hf_dir import add_weight_file
 
     config, params = load_full(args.load)
-    model = to_hf(params, config)
+    model, extra = to_hf(params, config), mtp_files(params, config)
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
     try:  # written beside, then renamed over the (absent or empty) output: nothing half-written stays
         model.save_pretrained(str(tmp), safe_serialization=True)
+        if extra:  # DeepSeek-V3's MTP depths, which transformers' model does not hold
+            add_weight_file(tmp, "model-mtp.safetensors", extra)
         tmp.replace(out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -130,11 +134,10 @@ def export_hf(args) -> None:
 
 
 def import_hf(args) -> None:
-    from fmeg.interop.hf import from_hf
-    from fmeg.interop.hf_dir import read_model_dir
+    from fmeg.interop.hf import read_dir
     from fmeg.training.parallel_step import init_state, shard_params
 
-    config, params = from_hf(read_model_dir(args.input))
+    config, params = read_dir(args.input)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
     save_single_rank(args.save, 0, state, config, {"imported_from": str(args.input)})

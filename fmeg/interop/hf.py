@@ -2,9 +2,12 @@
 3.2 with tied embeddings), Qwen2ForCausalLM (Qwen2.5: a bias on q, k and v), Qwen3ForCausalLM (a norm on
 each head's queries and keys), and the mixtures of experts MixtralForCausalLM and Qwen3MoeForCausalLM (experts
 stacked as transformers 5 stacks them: gate_up_proj [E, 2F, H], down_proj [E, H, F]) and GptOssForCausalLM
-(fmeg.interop.hf_gpt_oss).
+(fmeg.interop.hf_gpt_oss), and DeepseekV3ForCausalLM with its multi-token prediction depths
+(fmeg.interop.hf_deepseek_v3: transformers' model does not hold them; read_dir reads them from the files and
+mtp_files gives them back in DeepSeek's layout).
 
     config, params = from_hf(hf_model)
+    config, params = read_dir("hf_model/")          # a model directory, MTP depths included
     hf_model = to_hf(params, config)
 
 Both directions are pure renamings and reshapes of tensors (copies, never views of the other side's
@@ -18,17 +21,35 @@ from typing import Any
 import torch
 
 from fmeg import tree
-from fmeg.interop import hf_gpt_oss
+from fmeg.interop import hf_deepseek_v3, hf_dir, hf_gpt_oss
 from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, repad_vocab, split_qkv
 from fmeg.models.moe import expert_ffn, moe_layers
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
-    """(GPTConfig, params) holding the same function as a transformers causal LM."""
+def read_dir(input_dir: str) -> tuple[GPTConfig, Params]:
+    """from_hf of a transformers model directory (config.json and safetensors; fmeg.interop.hf_dir), with the
+    tensors the files hold beyond transformers' model: DeepSeek-V3's MTP depths."""
+    model, extra = hf_dir.read_model_dir(input_dir, extra_prefixes=_extra_prefixes)
+    return from_hf(model, extra)
+
+
+def _extra_prefixes(hf_config: Any) -> tuple[str, ...]:
+    return hf_deepseek_v3.mtp_prefixes(hf_config) if hf_config.model_type == "deepseek_v3" else ()
+
+
+def from_hf(hf_model: Any, extra: dict[str, torch.Tensor] | None = None) -> tuple[GPTConfig, Params]:
+    """(GPTConfig, params) holding the same function as a transformers causal LM; extra: the checkpoint's
+    tensors transformers' model does not hold (DeepSeek-V3's MTP depths, as read_dir reads them)."""
     kind = type(hf_model).__name__
     state = {k: v.detach().clone().float() for k, v in hf_model.state_dict().items()}
+    if kind == "DeepseekV3ForCausalLM":
+        extra = {k: v.detach().clone().float() for k, v in (extra or {}).items()}
+        depths, mtp = hf_deepseek_v3.mtp_params_from(extra, hf_model.config)
+        config = hf_deepseek_v3.config_from(hf_model.config, depths)
+        hf_deepseek_v3.check_shared_copies(extra, state, depths, config.num_layers)
+        return config, tree.unflatten(hf_deepseek_v3.params_from(state | mtp, config))
     if kind == "GPT2LMHeadModel":
         config = _gpt2_config(hf_model.config)
         return config, tree.unflatten(_gpt2_params(state, config))
@@ -38,17 +59,18 @@ def from_hf(hf_model: Any) -> tuple[GPTConfig, Params]:
     if kind == "GptOssForCausalLM":
         config = hf_gpt_oss.config_from(hf_model.config)
         return config, tree.unflatten(hf_gpt_oss.params_from(state, config))
-    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel, GptOssForCausalLM or one of "
+    raise ValueError(f"from_hf: unsupported model {kind}; expected GPT2LMHeadModel, GptOssForCausalLM, "
+                     f"DeepseekV3ForCausalLM or one of "
                      f"{', '.join(_LLAMA_FAMILY)}")
 
 
 def to_hf(params: Params, config: GPTConfig) -> Any:
     """A transformers model (GPT2LMHeadModel or LlamaForCausalLM, chosen by the config) with params loaded;
     its vocabulary is the real one (config.vocab_size: the padding rows are dropped)."""
-    params = repad_vocab(params, config, config.vocab_size)
-    flat = {k: v.detach().float() for k, v in tree.flatten(params).items()}
-    if config.norm_zero_centered:  # transformers' norms scale by their weight: store 1 + w
-        flat = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in flat.items()}
+    flat = _export_flat(params, config)
+    if config.mtp_num_layers and not config.multi_latent_attention:
+        raise ValueError("to_hf: of transformers' classes fmeg exports, only DeepseekV3ForCausalLM holds "
+                         "multi-token prediction depths (a model with --mtp-num-layers exports with MLA)")
     if config.position == "learned" and config.norm == "layernorm" and config.activation != "swiglu":
         if config.num_experts:
             raise ValueError("to_hf: transformers' GPT-2 has no experts; a mixture of experts exports as Mixtral or "
@@ -59,6 +81,9 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
             raise ValueError("to_hf: GPT-2 needs bias=True, num_kv_heads == num_heads and head dimension "
                              "hidden_size / num_heads")
         model, state = _new_model("GPT2", _gpt2_hf_config(config)), _gpt2_state(flat, config)
+    elif config.multi_latent_attention:
+        model = _new_model("DeepseekV3", hf_deepseek_v3.hf_config(config))
+        state = hf_deepseek_v3.state_from(flat, config)
     elif config.activation == "quick_geglu":
         model, state = _new_model("GptOss", hf_gpt_oss.hf_config(config)), hf_gpt_oss.state_from(flat, config)
     elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
@@ -73,6 +98,25 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
             f"activation={config.activation}")
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def mtp_files(params: Params, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """The MTP depths' tensors to write beside to_hf's model, in DeepSeek-V3's checkpoint layout (none without
+    depths)."""
+    if not config.mtp_num_layers:
+        return {}
+    hf_deepseek_v3.hf_config(config)  # the same refusals as to_hf
+    flat = _export_flat(params, config)
+    return hf_deepseek_v3.mtp_files_from(flat, config, hf_deepseek_v3.state_from(flat, config))
+
+
+def _export_flat(params: Params, config: GPTConfig) -> dict[str, torch.Tensor]:
+    """params flat in fp32, with the real vocabulary and transformers' norm weights (1 + w for zero-centred)."""
+    params = repad_vocab(params, config, config.vocab_size)
+    flat = {k: v.detach().float() for k, v in tree.flatten(params).items()}
+    if config.norm_zero_centered:
+        flat = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in flat.items()}
+    return flat
 
 
 def _new_model(family: str, hf_config: Any) -> Any:

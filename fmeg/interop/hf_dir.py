@@ -1,20 +1,22 @@
 """Read a transformers model directory (config.json and safetensors weights) or refuse it in one line.
 
-    model = read_model_dir("hf_model/")     # a transformers causal LM in fp32, every weight from the files
+    model, extra = read_model_dir("hf_model/")     # a transformers causal LM in fp32, every weight from the files
 
 What is read: config.json, and the weights as safetensors only (model.safetensors, or the shards that
 model.safetensors.index.json names), through transformers' from_pretrained with local files only. A directory
 holding only pickled weights (pytorch_model.bin, *.pt) is refused: nothing is ever unpickled. Every failure
 is a ValueError naming the file or the tensor: a damaged or truncated safetensors file, a config.json that
 disagrees with the weights (a weight missing, left over or of another shape: transformers would start it at
-random or drop it), and a weight holding NaN or inf.
+random or drop it), and a weight holding NaN or inf. Tensors the files hold that transformers' model has no
+place for but fmeg has (DeepSeek-V3's multi-token prediction depths, named by extra_prefixes) are read as they
+lie in the files and returned beside the model.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,8 +67,10 @@ def weight_files(root: Path) -> list[Path]:
     return files
 
 
-def _refuse_disagreement(root: Path, info: dict) -> None:
-    """One line naming the first weight that config.json and the files disagree on, if any."""
+def _refuse_disagreement(root: Path, info: dict, extra_prefixes: tuple[str, ...] = ()) -> None:
+    """One line naming the first weight that config.json and the files disagree on, if any (the names under
+    extra_prefixes are fmeg's to read)."""
+    info = {**info, "unexpected_keys": [k for k in info["unexpected_keys"] if not k.startswith(extra_prefixes)]}
     if info["mismatched_keys"]:
         name, saved, built = sorted(info["mismatched_keys"])[0]
         raise ValueError(f"--input {root}: config.json disagrees with the weights: {name} is {list(saved)} in the "
@@ -93,15 +97,18 @@ def refuse_non_finite(root: Path, model: Any) -> None:
                                  "fmeg imports finite weights only: download the file again or repair the weight")
 
 
-def read_model_dir(input_dir: str) -> Any:
-    """A transformers causal LM, in fp32, read from input_dir's config.json and safetensors files."""
+def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ...]] = lambda _: ()
+                   ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(a transformers causal LM in fp32, {name: tensor} of the files' tensors under extra_prefixes(its config)),
+    read from input_dir's config.json and safetensors files."""
     import transformers
+    from safetensors import safe_open
 
     root = Path(input_dir)
     if not _json_object(root / "config.json").get("model_type"):
         raise ValueError(f"--input {root / 'config.json'}: no model_type; use the config.json that came with the "
                          "weights")
-    weight_files(root)
+    files = weight_files(root)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its load report and progress bars: fmeg reports in one line
     transformers.logging.disable_progress_bar()
@@ -115,6 +122,32 @@ def read_model_dir(input_dir: str) -> Any:
     finally:
         transformers.logging.set_verbosity(verbosity)
         transformers.logging.enable_progress_bar()
-    _refuse_disagreement(root, info)
+    prefixes = extra_prefixes(model.config)
+    _refuse_disagreement(root, info, prefixes)
     refuse_non_finite(root, model)
-    return model.eval()
+    extra = {}
+    for path in files if prefixes else ():
+        with safe_open(str(path), framework="pt") as f:
+            extra |= {name: f.get_tensor(name).float() for name in f.keys() if name.startswith(prefixes)}
+    for name, value in extra.items():
+        if not torch.isfinite(value).all():
+            raise ValueError(f"--input {root}: weight {name} holds NaN or inf; fmeg imports finite weights only: "
+                             "download the file again or repair the weight")
+    return model.eval(), extra
+
+
+def add_weight_file(root: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write tensors into root/name beside save_pretrained's weights and name them in model.safetensors.index.json
+    (made from model.safetensors when save_pretrained wrote one file), so the directory lists every weight."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / name), metadata={"format": "pt"})
+    if (root / INDEX).exists():
+        index = _json_object(root / INDEX)
+    else:
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    index["weight_map"] |= {k: name for k in tensors}
+    index["metadata"]["total_size"] = sum((root / f).stat().st_size for f in set(index["weight_map"].values()))
+    (root / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,200 @@
+"""DeepSeek-V3 imported from a tiny random transformers DeepseekV3ForCausalLM: multi-latent attention (with and
+without q-lora) with YaRN, dense then DeepSeek-MoE layers (sigmoid router, expert bias, groups, routed scaling,
+shared experts) give transformers' logits (fp32, 1e-5) and greedy tokens, at tp 1 and tp 2 through
+recipes.convert_checkpoint and recipes.generate; the multi-token prediction depths stored after the last decoder
+layer (as DeepSeek-V3's and Kimi-K2's checkpoints store them) import into fmeg's MTP, whose depth losses equal
+transformers' own MtpLayer on the same weights, and export back to the same tensors."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fmeg import tree
+from fmeg.inference import SamplingParams, generate
+from fmeg.interop.hf import from_hf, mtp_files, read_dir, to_hf
+from fmeg.models import gpt, mtp
+from recipes import convert_checkpoint
+from runner_harness import greedy_at_tp1_and_tp2
+
+transformers = pytest.importorskip("transformers")
+VOCAB, LAYERS = 97, 3
+
+
+def tiny_config(q_lora_rank=24, mtp_depths=0):
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12,
+        qk_nope_head_dim=12, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        max_position_embeddings=64, num_mtp_layers=mtp_depths, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                            "rope_theta": 1e4, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                            "beta_fast": 32.0, "beta_slow": 1.0})
+
+
+def perturbed(module, sharp: bool = False):
+    """Norms and expert biases moved from their init (a misplaced one shows), routers with decided preferences
+    (no near-ties in the top-k), and with sharp, logits whose greedy tokens do not repeat one id."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            if name.endswith("gate.weight"):
+                p.mul_(20.0)
+            if sharp and ("embed_tokens" in name or "lm_head" in name):
+                p.mul_(30.0)
+        for name, b in module.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+    return module.float().eval()
+
+
+def tiny_deepseek_v3(seed: int = 0, q_lora_rank=24, mtp_depths=0, sharp=False):
+    torch.manual_seed(seed)
+    return perturbed(transformers.DeepseekV3ForCausalLM(tiny_config(q_lora_rank, mtp_depths)), sharp)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_imported_deepseek_v3_logits_equal_transformers_and_export_round_trips(q_lora_rank):
+    hf = tiny_deepseek_v3(q_lora_rank=q_lora_rank)
+    config, params = from_hf(hf)
+    assert (config.multi_latent_attention, config.q_lora_rank, config.moe_layer_freq) == (True, q_lora_rank,
+                                                                                          (0, 1, 1))
+    assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk_scaling_factor,
+            config.moe_shared_expert_intermediate_size, config.rope_type) == (4, 2, 2.5, 16, "yarn")
+    assert tree.flatten(params).keys() == tree.flatten(gpt.init(config, 0)).keys()
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    back = to_hf(params, config)
+    assert type(back) is type(hf)
+    config2, params2 = from_hf(back)
+    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
+                                                                        tree.tree_leaves(params)))
+
+
+def test_greedy_generation_of_an_imported_deepseek_v3_gives_transformers_tokens():
+    hf = tiny_deepseek_v3(seed=3, sharp=True)
+    config, params = from_hf(hf)
+    prompt = [5, 17, 42, 8, 60, 3, 9]
+    ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs and len(set(theirs)) > 2
+
+
+def mtp_layers(hf, depths: int):
+    """transformers' MtpLayer for each depth: a DeepseekV3DecoderLayer numbered after the decoder (an MoE layer,
+    as DeepSeek-V3's), random, perturbed as the model is."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    layers = [MtpLayer(hf.config, ds.DeepseekV3DecoderLayer, ds.DeepseekV3RMSNorm, LAYERS + k) for k in range(depths)]
+    with torch.no_grad():  # drawn as transformers' _init_weights draws a model's (MtpLayer alone leaves them empty)
+        for name, p in (named for layer in layers for named in layer.named_parameters()):
+            p.copy_(torch.ones_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
+    return [perturbed(layer) for layer in layers]
+
+
+def deepseek_layout(layer, hf, k: int) -> dict[str, torch.Tensor]:
+    """An MtpLayer's weights named and laid out as DeepSeek-V3's checkpoints hold depth k: model.layers.{L + k}.*,
+    one tensor per expert, with copies of the embedding and the output layer."""
+    at, out = f"model.layers.{LAYERS + k}", {}
+    for name, t in layer.state_dict().items():
+        name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{at}.mlp.experts.{e}.gate_proj.weight"] = gate[e].clone()
+                out[f"{at}.mlp.experts.{e}.up_proj.weight"] = up[e].clone()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{at}.mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[f"{at}.{name}"] = t.clone()
+    out[f"{at}.embed_tokens.weight"] = hf.model.embed_tokens.weight.detach().clone()
+    out[f"{at}.shared_head.head.weight"] = hf.lm_head.weight.detach().clone()
+    return out
+
+
+def transformers_depth_losses(hf, layers, tokens, labels) -> list[float]:
+    """Each depth's mean loss by transformers' modules: depth k embeds the tokens k places on, combines them with
+    the previous depth's states through its MtpLayer, and predicts the labels k places on (the last k places of
+    each row count nothing)."""
+    s = tokens.shape[1]
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    positions = torch.arange(s)[None]
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state
+        rope = hf.model.rotary_emb(hidden, positions)
+        losses = []
+        for k, layer in enumerate(layers, start=1):
+            ids = torch.nn.functional.pad(tokens[:, k:], (0, k))
+            hidden = layer(hf.model.embed_tokens(ids), hidden, rope, mask, positions, None)
+            logits = hf.lm_head(hidden)[:, :s - k]
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                            labels[:, k:].reshape(-1)).item())
+    return losses
+
+
+def test_mtp_depths_import_equal_transformers_mtp_layers_and_export_to_the_same_files(tmp_path):
+    from fmeg.interop.hf_dir import add_weight_file
+
+    hf = tiny_deepseek_v3(seed=2, mtp_depths=2)
+    layers = mtp_layers(hf, 2)
+    hf.save_pretrained(tmp_path / "ds")
+    files = {}
+    for k, layer in enumerate(layers):
+        files |= deepseek_layout(layer, hf, k)
+    add_weight_file(tmp_path / "ds", "model-mtp.safetensors", files)
+
+    assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "ds"), "--save", str(tmp_path / "ckpt")]) == 0
+    config, params = convert_checkpoint.load_full(str(tmp_path / "ckpt"))
+    assert config.mtp_num_layers == 2 and len(params["mtp"]) == 2
+    tokens = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    want = transformers_depth_losses(hf, layers, batch["tokens"], batch["labels"])
+    assert mtp.values(params, batch, config) == pytest.approx(want, rel=1e-5)
+
+    assert convert_checkpoint.main(["export-hf", "--load", str(tmp_path / "ckpt"), "--output",
+                                    str(tmp_path / "out")]) == 0
+    with safe_open(str(tmp_path / "out" / "model-mtp.safetensors"), framework="pt") as f:
+        exported = {name: f.get_tensor(name) for name in f.keys()}
+    assert exported.keys() == files.keys()
+    assert all(torch.equal(exported[name], files[name]) for name in files)
+    config2, params2 = read_dir(str(tmp_path / "out"))
+    assert config2 == config.replace(padded_vocab_size=VOCAB)
+    flat, flat2 = tree.flatten(params), tree.flatten(params2)
+    assert torch.equal(flat.pop("mtp_embedding.weight"), flat["embedding.word.weight"])  # the depths' copy
+    assert flat.keys() == flat2.keys() and all(torch.equal(flat[k], flat2[k]) for k in flat)
+    assert mtp_files(params2, config2).keys() == files.keys()
+
+
+def test_deepseek_v3_directories_fmeg_cannot_hold_are_refused_in_one_line(tmp_path):
+    from fmeg.interop.hf_dir import add_weight_file
+
+    hf = tiny_deepseek_v3(mtp_depths=2)
+    hf.save_pretrained(tmp_path / "ds")
+    add_weight_file(tmp_path / "ds", "model-mtp.safetensors", deepseek_layout(mtp_layers(hf, 1)[0], hf, 0))
+    with pytest.raises(ValueError, match="the files hold 1 of the 2 MTP depths"):
+        read_dir(str(tmp_path / "ds"))
+    unnormalised = tiny_config()
+    unnormalised.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob=False"):
+        from_hf(transformers.DeepseekV3ForCausalLM(unnormalised))
+    config = gpt.GPTConfig.llama(vocab_size=50, max_seq_len=16, num_layers=2, hidden_size=16, num_heads=4,
+                                 num_kv_heads=4,                                 multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+                                 v_head_dim=4)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM needs latent norms"):
+        to_hf(gpt.init(config, 0), config)
+
+
+@pytest.mark.slow  # MLA and experts at tp 2 are checked against one device in tests/test_parallel_gpt.py
+def test_an_imported_deepseek_v3_generates_transformers_tokens_at_tp1_and_tp2(tmp_path):
+    hf = tiny_deepseek_v3(seed=5, sharp=True)
+    hf.save_pretrained(tmp_path / "ds")
+    rows = greedy_at_tp1_and_tp2(tmp_path / "ds", tmp_path, "5 17 42 8 60 3", 8, VOCAB)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([[5, 17, 42, 8, 60, 3]]), max_new_tokens=8, do_sample=False)[0, 6:].tolist()
+    assert rows[0] == rows[1] == theirs and len(set(theirs)) > 2
