@@ -14,7 +14,8 @@ consumed samples; --load of a Megatron directory in recipes.gpt_pretrain and rec
 consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
 the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
 export-hf, so neither output depends on the layout that saved. DeepSeek-V3's multi-token prediction depths, which
-transformers' model does not hold, are read from and written to the safetensors files in DeepSeek's layout. import-hf writes an iteration-0 checkpoint of one rank
+transformers' model does not hold, are read from and written to the safetensors files in DeepSeek's layout.
+import-hf writes an iteration-0 checkpoint of one rank
 (fresh optimizer state) that --load reshards into any layout; it reads config.json and safetensors weights only
 (fmeg.interop.hf_dir: a directory of pickled weights, a damaged file, a config.json that disagrees with the
 weights or a NaN weight is one line). No pickle is read or written.

@@ -90,7 +90,10 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--quick-geglu", "--activation-func-clamp-value", "0"], "--activation-func-clamp-value must be positive"),
         (["--quick-geglu", "--swiglu"], "--quick-geglu, --swiglu and --squared-relu are alternatives"),
         (["--yarn-original-max-position-embeddings", "4096"],
-         "--yarn-original-max-position-embeddings sets YaRN's values for --enable-gpt-oss: add it"),
+         "--yarn-original-max-position-embeddings sets YaRN's values for --enable-gpt-oss or "
+         "--multi-latent-attention: add one"),
+        (["--multi-latent-attention", "--position-embedding-type", "rope", "--yarn-mscale", "1"],
+         "--yarn-mscale: multi-latent attention's YaRN takes --rotary-scaling-factor"),
         (["--multi-latent-attention", "--position-embedding-type", "rope", "--softmax-type", "learnable"],
          "are for standard attention, not --multi-latent-attention"),
         (["--context-parallel-size", "0"], "--context-parallel-size must be positive, got 0"),

@@ -149,7 +149,8 @@ def test_mtp_depths_import_equal_transformers_mtp_layers_and_export_to_the_same_
         files |= deepseek_layout(layer, hf, k)
     add_weight_file(tmp_path / "ds", "model-mtp.safetensors", files)
 
-    assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "ds"), "--save", str(tmp_path / "ckpt")]) == 0
+    assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "ds"), "--save",
+                                    str(tmp_path / "ckpt")]) == 0
     config, params = convert_checkpoint.load_full(str(tmp_path / "ckpt"))
     assert config.mtp_num_layers == 2 and len(params["mtp"]) == 2
     tokens = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
@@ -184,7 +185,8 @@ def test_deepseek_v3_directories_fmeg_cannot_hold_are_refused_in_one_line(tmp_pa
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
         from_hf(transformers.DeepseekV3ForCausalLM(unnormalised))
     config = gpt.GPTConfig.llama(vocab_size=50, max_seq_len=16, num_layers=2, hidden_size=16, num_heads=4,
-                                 num_kv_heads=4,                                 multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+                                 num_kv_heads=4, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=4,
+                                 qk_pos_emb_head_dim=4,
                                  v_head_dim=4)
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM needs latent norms"):
         to_hf(gpt.init(config, 0), config)
@@ -198,3 +200,19 @@ def test_an_imported_deepseek_v3_generates_transformers_tokens_at_tp1_and_tp2(tm
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([[5, 17, 42, 8, 60, 3]]), max_new_tokens=8, do_sample=False)[0, 6:].tolist()
     assert rows[0] == rows[1] == theirs and len(set(theirs)) > 2
+
+
+def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
+    """--use-checkpoint-args on an imported DeepSeek-V3 gives its attention, experts, router and MTP depths."""
+    import dataclasses
+
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.checkpoint_args import model_flags
+    from fmeg.training.run_config import model_config
+
+    config = from_hf(tiny_deepseek_v3())[0].replace(mtp_num_layers=2)
+    a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--hidden-dropout", "0",
+                    "--attention-dropout", "0"], world_size=1)
+    for name, value in model_flags(dataclasses.asdict(config)).items():
+        setattr(a, name, value)
+    assert model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size) == config

@@ -28,7 +28,8 @@ from fmeg.models.moe import expert_ffn, moe_layers
 
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 _ATTENTION = {"q": "q_proj", "q_down": "q_a_proj", "q_latent_norm": "q_a_layernorm", "q_up": "q_b_proj",
-              "kv_down": "kv_a_proj_with_mqa", "kv_latent_norm": "kv_a_layernorm", "kv_up": "kv_b_proj", "proj": "o_proj"}
+              "kv_down": "kv_a_proj_with_mqa", "kv_latent_norm": "kv_a_layernorm", "kv_up": "kv_b_proj",
+              "proj": "o_proj"}
 _MTP = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm"}
 _LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon
 

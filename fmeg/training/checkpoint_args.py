@@ -11,6 +11,7 @@ import json
 
 from fmeg import checkpoint
 from fmeg.models.saved_config import saved_model
+from fmeg.training import mla_flags
 
 
 _MOE_ARCHITECTURE = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
@@ -43,10 +44,13 @@ def model_flags(model: dict) -> dict:
         flags |= {name: model[name] for name in (
             "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
+        flags |= {dest: model[field] for dest, field in mla_flags.YARN_FLAGS.items() if field in model}
         flags["group_query_attention"], flags["num_query_groups"] = False, None
     if model.get("num_experts"):  # the experts' shape and routing; training settings (balance losses, capacity,
         # dispatcher) stay the flags'
         flags |= {name: model[name] for name in _MOE_ARCHITECTURE if name in model}
+        if model.get("moe_router_dtype"):  # an imported DeepSeek-V3 routes in fp32, as transformers' does
+            flags["moe_router_dtype"] = model["moe_router_dtype"]
     flags |= {name: model.get(name, default) for name, default in (
         ("softmax_type", "vanilla"), ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None),
         ("window_attn_skip_freq", None))}

@@ -5,7 +5,8 @@ parser group, the GPTConfig fields they set, and their rules.
 --enable-gpt-oss sets YaRN rotary embeddings (whatever --position-embedding-type says, as Megatron's model builder
 does) with the values that builder gives them: factor 32, original context 131072, beta_fast 32, beta_slow 1,
 mscale 1 and 0, the correction range not rounded. (Hugging Face's gpt-oss checkpoints say original context 4096.)
-The --yarn-* flags (Megatron-Bridge's names) override those values; --use-checkpoint-args sets them from an
+The --yarn-* flags (Megatron-Bridge's names) override those values (with --multi-latent-attention, the original
+context, betas and rounding of MLA's YaRN: fmeg.training.mla_flags); --use-checkpoint-args sets them from an
 imported checkpoint.
 """
 
@@ -95,8 +96,14 @@ def problems(a: argparse.Namespace) -> list[str]:
         elif isinstance(freq, int) and freq <= 0:
             out.append(f"--window-attn-skip-freq must be positive, got {freq}")
     given = [f"--{dest.replace('_', '-')}" for dest in YARN_FLAGS if getattr(a, dest) is not None]
-    if given and not a.enable_gpt_oss:
-        out.append(f"{given[0]} sets YaRN's values for --enable-gpt-oss: add it, or drop the flag")
+    mla_own = [flag for flag in given if flag in ("--yarn-rotary-scaling-factor", "--yarn-mscale",
+                                                   "--yarn-mscale-all-dim")]
+    if a.multi_latent_attention and mla_own:
+        out.append(f"{mla_own[0]}: multi-latent attention's YaRN takes --rotary-scaling-factor, --mscale and "
+                   "--mscale-all-dim")
+    elif given and not a.enable_gpt_oss and not a.multi_latent_attention:
+        out.append(f"{given[0]} sets YaRN's values for --enable-gpt-oss or --multi-latent-attention: add one, or "
+                   "drop the flag")
     if (a.softmax_type != "vanilla" or a.window_size is not None or a.enable_gpt_oss) and a.multi_latent_attention:
         out.append("--softmax-type, --window-size and --enable-gpt-oss are for standard attention, not "
                    "--multi-latent-attention")

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+# Megatron-Bridge's --yarn-* flags that MLA's YaRN also reads (megatron-core's MLATransformerConfig fields that
+# Megatron's own flags leave at their defaults: original context 4096, beta_fast 32, beta_slow 1, rounded), so that
+# an imported DeepSeek-V3 keeps its own under --use-checkpoint-args. {flag dest: GPTConfig field}
+YARN_FLAGS = {"yarn_original_max_position_embeddings": "original_max_position_embeddings",
+              "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+              "yarn_correction_range_round_to_int": "yarn_round_to_int"}
+
 IGNORED = {
     "--cache-mla-latents": "a choice of Megatron's dynamic inference engine (Flash MLA); fmeg's generation caches "
                            "the expanded keys and values",
@@ -46,7 +53,8 @@ def model_fields(a: argparse.Namespace) -> dict:
     return dict(multi_latent_attention=True, num_kv_heads=None, q_lora_rank=a.q_lora_rank,
                 kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_head_dim, qk_pos_emb_head_dim=a.qk_pos_emb_head_dim,
                 v_head_dim=a.v_head_dim, rope_type=rope_type(a), rotary_scaling_factor=a.rotary_scaling_factor,
-                mscale=a.mscale, mscale_all_dim=a.mscale_all_dim)
+                mscale=a.mscale, mscale_all_dim=a.mscale_all_dim,
+                **{field: getattr(a, dest) for dest, field in YARN_FLAGS.items() if getattr(a, dest, None) is not None})
 
 
 def problems(a: argparse.Namespace) -> list[str]:
