@@ -40,6 +40,7 @@ from einops import rearrange
 
 from fmeg import ops
 from fmeg.models import mla, moe
+from fmeg.models.mlp import dense_mlp
 from fmeg.models.gpt_config import ACTIVATIONS, GATED, NORMS, POSITIONS, GPTConfig  # noqa: F401 - gpt's interface
 from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
 from fmeg.parallel import collectives as C
@@ -300,12 +301,6 @@ def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = 
     if "router" in p:
         return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index)
     return dense_mlp(p, x_BSH, activation, tp)
-
-
-def dense_mlp(p: Params, x_BSH: torch.Tensor, activation, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """fc2(activation(fc1(x))), column- then row-parallel."""
-    h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp)
-    return row_parallel_linear(activation(h), p["fc2"]["weight"], p["fc2"].get("bias"), tp)
 
 
 def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *site: int) -> torch.Tensor:

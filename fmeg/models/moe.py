@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fmeg import ops
+from fmeg.models.mlp import dense_mlp
 from fmeg.ops import moe as moe_ops
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
@@ -416,9 +417,7 @@ def alltoall_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, expert
 
 def shared_expert(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel, activation) -> torch.Tensor:
     """The shared expert (a dense MLP every token goes through), gated by sigmoid(x . w) with a shared gate."""
-    from fmeg.models import gpt
-
-    y = gpt.dense_mlp(p["shared"], x_BSH, activation, tp)
+    y = dense_mlp(p["shared"], x_BSH, activation, tp)
     if "shared_gate" in p:
         gate = ops.linear(x_BSH, replicated_param(p["shared_gate"]["weight"], tp))
         y = y * torch.sigmoid(gate)
