@@ -102,3 +102,26 @@ def test_megatrons_mtp_terms_count_the_depths_projections_and_output_layers():
     layer = model_flops(plain.replace(num_layers=3), 2, 8) - model_flops(plain, 2, 8)
     norms = 6 * 2 * 8 * 2 * 3 * c.hidden_size
     assert counted == pytest.approx(model_flops(c, 2, 8) - norms + 2 * layer, rel=1e-12)
+
+
+def test_the_activation_estimate_counts_multi_latent_attentions_tensors_and_the_mtp_depths():
+    """MLA keeps q, k of N (dq + dr), v and the projection's input of N dv, and each latent twice (its norm's input
+    and its up-projection's) where standard attention keeps 4h + 2h + 2h; each MTP depth adds one layer and the
+    8h of its norms' and eh_proj's inputs on the last stage."""
+    import dataclasses
+
+    from fmeg.training.report import activation_units, memory_estimate
+
+    c = gpt.GPTConfig.llama(vocab_size=64, max_seq_len=32, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
+                            ffn_hidden_size=128, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=32,
+                            qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=16)
+    mlp = 3 + 4 * 128 / 64 * 1.5
+    assert activation_units(c) == 7 + (4 * (32 + 16) + 4 * 4 * 16 + 4 * 4 * 16) / 64 + mlp
+    assert activation_units(c.replace(q_lora_rank=None)) == activation_units(c) - 4 * 16 / 64
+    plain = c.replace(multi_latent_attention=False)
+    assert activation_units(plain) == 15 + mlp
+    one = memory_estimate(0, 0, c, micro_batch=2, seq_len=32, tp=1, pp=1, in_flight=1, activation_bytes=2)
+    layer = one["activations"] / 2
+    two = memory_estimate(0, 0, dataclasses.replace(c, mtp_num_layers=2), micro_batch=2, seq_len=32, tp=1, pp=1,
+                          in_flight=1, activation_bytes=2)
+    assert two["activations"] == pytest.approx(one["activations"] + 2 * (layer + 8 * 32 * 2 * 64))

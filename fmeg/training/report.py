@@ -43,16 +43,23 @@ def activation_units(config: GPTConfig) -> float:
     of the attention scores): Korthikanti et al. 2022's 34 for GPT-2's MLP of 4h, with the MLP's 19 taken apart as
     3 (its input, output dropout mask) + 4 F / h (the inputs of its activation and of fc2; x 1.5 with SwiGLU). An MoE
     layer keeps each of a token's topk copies (their rows, 2) through an expert of width F_e, and the shared expert
-    as a dense MLP; the router's [E] scores are left out."""
+    as a dense MLP; the router's [E] scores are left out. The attention's 15 are its two norms' inputs (4), its
+    input (2), q and k (4), v (2), the projection's input (2) and a dropout mask (1); multi-latent attention keeps
+    q and k of N (dq + dr) dimensions, v and the projection's input of N dv, and each latent it makes (kv, and q's
+    with q-lora) twice: as its norm's input and as its up-projection's."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
     c, h = config, config.hidden_size
+    attention = 15.0
+    if c.multi_latent_attention:
+        n, latents = c.num_heads, c.kv_lora_rank + (c.q_lora_rank or 0)
+        attention = 7 + (4 * latents + 4 * n * (c.qk_head_dim + c.qk_pos_emb_head_dim) + 4 * n * c.v_head_dim) / h
     gated = 1.5 if c.activation == "swiglu" else 1.0
     dense = 3 + 4 * c.ffn_hidden_size / h * gated
     experts = 3 + c.moe_router_topk * (2 + 4 * expert_ffn(c) / h * gated) + \
         4 * (c.moe_shared_expert_intermediate_size or 0) / h * gated if c.num_experts else dense
     moe = sum(moe_layers(c))
-    return 15 + (dense * (c.num_layers - moe) + experts * moe) / c.num_layers
+    return attention + (dense * (c.num_layers - moe) + experts * moe) / c.num_layers
 
 
 def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
@@ -60,10 +67,13 @@ def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micr
     """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
     rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer in 16-bit, / tp; units as
     activation_units says, 34 for GPT-2 shapes); context parallelism holds s / cp of the tokens, their scores
-    against the whole sequence."""
+    against the whole sequence. The last stage also holds each multi-token prediction depth: one more layer and
+    the 8 h of its two norms' inputs and its eh_proj's [2h] input."""
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
     per_layer_16bit = s * b * h * (activation_units(config) + 5 * a * s / h) / (tp * cp)
-    activations = per_layer_16bit * (activation_bytes / 2) * (config.num_layers / pp) * in_flight
+    depths = config.mtp_num_layers or 0
+    layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
+    activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
     weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
     return {"weights_and_grads": weights, "optimizer": float(state_bytes), "activations": activations,
             "total": weights + state_bytes + activations}
