@@ -6,6 +6,7 @@
     python bench/gpu_step.py --model 1.3b --profile     # also: one profiled step of each, kernels by time
     python bench/gpu_step.py --model host --device cpu --steps 30   # the host-time proxy, compiled, on a CPU
     python bench/gpu_step.py --sharding optim_grads_params     # also: the same step with sharded weights
+    python bench/gpu_step.py --model llama-1b --mla     # also: multi-latent attention against GQA at this width
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16 compute,
 fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank, each layer compiled
@@ -22,6 +23,10 @@ released after, and its gradients reduced into the owned slice per microbatch. W
 gather from: this row prices the mechanism (copies, storage resizes, per-unit bookkeeping), and the ratio
 sharded / runner shows what it costs. Whether the gathers overlap compute needs several GPUs on NCCL; the
 CPU figures at dp 4 are bench/fsdp_cpu.py's.
+
+--mla adds, for each model, the runner's step of a GQA model and of an MLA model at its width (bench/mla_step.py's
+shapes: DeepSeek-V3's MLA shrunk to the width, q latent 3h/4, kv latent h/2, YaRN; the model's depth, sequence,
+batch and vocabulary), side by side, and their ratio: the GPU figure of bench/mla_step.py's CPU one.
 """
 
 from __future__ import annotations
@@ -263,6 +268,41 @@ def bench(name: str, device: torch.device, steps: int, warmup: int, compile_: bo
     return {"model": name, "ratio": ratio, **{f"{k} ms": v * 1e3 for k, v in medians.items()}}
 
 
+def bench_mla(name: str, device: torch.device, steps: int, warmup: int, compile_: bool, peak: float | None) -> dict:
+    """The runner's step with GQA and with MLA at the model's width (bench/mla_step.py's shapes), alternating."""
+    from mla_step import configs
+
+    model, batch_size = MODELS[name]
+    pair = {k: c.replace(vocab_size=model.vocab_size, padded_vocab_size=model.padded_vocab_size)
+            for k, c in configs(model.hidden_size, model.num_heads, model.num_layers, model.max_seq_len).items()}
+    torch._dynamo.reset()
+    tokens = torch.randint(0, model.vocab_size, (batch_size, model.max_seq_len + 1), device=device)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    steps_of = {k: fmeg_step(c, device, compile_) for k, c in pair.items()}
+    times: dict[str, list[float]] = {k: [] for k in pair}
+    for i in range(warmup + steps):
+        for variant, step in steps_of.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            loss = float(step(batch))
+            assert math.isfinite(loss), f"{variant}: loss {loss}"
+            if i >= warmup:
+                times[variant].append(time.perf_counter() - t0)
+    print(f"\n{name} width, attention: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
+          f"seq {model.max_seq_len}, batch {batch_size}")
+    print(f"{'variant':<25} {'median ms':>10} {'TFLOP/s':>9} {'MFU':>7}")
+    medians = {}
+    for variant, ts in times.items():
+        medians[variant] = statistics.median(ts)
+        tflops = model_flops(pair[variant], batch_size, model.max_seq_len) / medians[variant] / 1e12
+        print(f"{'fmeg ' + variant:<25} {medians[variant] * 1e3:>10.1f} {tflops:>9.2f} "
+              f"{f'{tflops / peak:.1%}' if peak else 'n/a':>7}")
+    ratio = medians["mla"] / medians["gqa"]
+    print(f"step time MLA / GQA: {ratio:.2f}")
+    return {"model": f"{name} mla", "mla / gqa": ratio}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=list(MODELS), action="append",
@@ -275,13 +315,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profile", action="store_true", help="then profile one step of each (CUDA only)")
     p.add_argument("--sharding", choices=["optim", "optim_grads", "optim_grads_params"],
                    help="also time the runner's step with this data-parallel sharding (one rank)")
+    p.add_argument("--mla", action="store_true", help="also time MLA against GQA at each model's width")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)
     print(f"device {device}{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
           f"torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
-    return [bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding)
-            for m in a.model or ["gpt2-124m", "1.3b", "llama-1b"]]
+    models = a.model or ["gpt2-124m", "1.3b", "llama-1b"]
+    rows = [bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding) for m in models]
+    return rows + [bench_mla(m, device, a.steps, a.warmup, not a.no_compile, peak) for m in models if a.mla]
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ ROOT = Path(__file__).parents[1]
 
 def test_gpu_step_bench_smoke_run_on_cpu():
     out = subprocess.run([sys.executable, "bench/gpu_step.py", "--model", "tiny", "--device", "cpu", "--steps", "1",
-                          "--warmup", "1", "--no-compile", "--sharding", "optim_grads_params"], cwd=ROOT,
+                          "--warmup", "1", "--no-compile", "--sharding", "optim_grads_params", "--mla"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^fmeg runner +\d+\.\d", out.stdout, re.M)
     assert re.search(r"^nanoGPT-style peer +\d+\.\d", out.stdout, re.M)
     assert float(re.search(r"throughput ratio fmeg / peer: (\d+\.\d+)", out.stdout).group(1)) > 0
     assert float(re.search(r"step time optim_grads_params / runner: (\d+\.\d+)", out.stdout).group(1)) > 0
+    assert float(re.search(r"step time MLA / GQA: (\d+\.\d+)", out.stdout).group(1)) > 0
 
 
 def test_moe_step_bench_smoke_run_on_cpu():
