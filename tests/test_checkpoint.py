@@ -2,6 +2,7 @@
 to others, and corrupt, partial or mismatched checkpoints refused with one line naming the file."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -171,6 +172,26 @@ def test_no_load_optim_and_finetune_take_the_weights_only(tmp_path, uninterrupte
     assert "fine-tuning from" in stdout and "weights only" in stdout
     assert [(r["iteration"], r["consumed_samples"]) for r in tuned[:2]] == [(1, 8), (2, 16)] and len(tuned) == 20
     assert tuned[0]["lm_loss"] < uninterrupted[0] - 0.5  # iteration 1's samples, seen by trained weights
+
+
+def test_no_save_optim_writes_the_weights_only_which_resume_with_no_load_optim(tmp_path, uninterrupted):
+    """Megatron's --no-save-optim: the weights alone (in fp32, a third of the bytes: no Adam moments); resuming such a checkpoint
+    needs --no-load-optim (or --finetune), else one line says so, and with it iteration 11 sees the same weights
+    and samples as the uninterrupted run."""
+    from runner_harness import run_group
+
+    whole, light = tmp_path / "whole", tmp_path / "light"
+    for ckpt, extra in ((whole, []), (light, ["--no-save-optim"])):
+        run_layout(tmp_path, ckpt.name, 1, ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20",
+                                            *extra])
+    size = {c: sum(f.stat().st_size for f in (c / "iter_0000010").glob("*.safetensors")) for c in (whole, light)}
+    assert size[light] < 0.35 * size[whole]
+    refused = run_group([sys.executable, "-m", "recipes.gpt_pretrain", "--load", str(light), "--train-iters", "20",
+                         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+                         "16", "--global-batch-size", "8", "--micro-batch-size", "2"])
+    assert refused.returncode == 2 and "holds no optimizer state (saved with --no-save-optim)" in refused.stderr
+    fresh = run_layout(tmp_path, "no_optim", 1, ["--load", str(light), "--no-load-optim"])
+    assert len(fresh) == 10 and fresh[0] == uninterrupted[10]
 
 
 @pytest.mark.slow

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
     c.add_argument("--no-load-optim", action="store_true",
                    help="with --load: take the weights, iteration and samples, but start a fresh optimizer state")
+    c.add_argument("--no-save-optim", action="store_true",
+                   help="write the weights only (no master weights, moments or loss scale): such a checkpoint "
+                        "resumes with --no-load-optim or --finetune, as Megatron's")
     c.add_argument("--use-checkpoint-args", action="store_true",
                    help="with --load: take the model's flags (sizes, norms, activation, positions...) from the "
                         "checkpoint, as Megatron's; the run's other flags stay yours")

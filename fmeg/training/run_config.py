@@ -141,6 +141,7 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background (--async-save)
     fully_parallel_save: bool = True  # replicas share the writing of what they hold alike
     fully_parallel_load: bool = False  # replicas share the reading of what they hold alike, then exchange it
+    no_save_optim: bool = False  # write the weights only (--no-save-optim)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ class RunConfig:
                                    fim_settings(a), a.num_workers),
                    checkpoint=CheckpointConfig(a.save, a.save_interval, a.load, a.finetune, a.no_load_optim,
                                                a.keep_last, a.exit_on_missing_checkpoint, a.async_save,
-                                               a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load),
+                                               a.ckpt_fully_parallel_save, a.ckpt_fully_parallel_load,
+                                               a.no_save_optim),
                    logging=LoggingConfig(a.log_interval, a.log_params_norm, a.log_dir, a.tensorboard_dir,
                                          a.wandb_project or None, a.wandb_exp_name or None,
                                          a.wandb_save_dir or None, a.wandb_entity or None, a.logging_level),

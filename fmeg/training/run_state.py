@@ -126,7 +126,12 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
         layout_meta = cfg.layout.checkpoint_meta(cfg.precision.compute_dtype)
         same = ckpt.meta.get("layout") == layout_meta and \
             ckpt.meta["model"].get("padded_vocab_size") == cfg.model.padded_vocab_size
-        plan = policies.resume(ckpt.meta, finetune=ck.finetune and not own, no_load_optim=ck.no_load_optim and not own,
+        weights_only = ckpt.meta.get("optimizer_saved") is False  # written with --no-save-optim
+        if weights_only and not own and not (ck.finetune or ck.no_load_optim):
+            raise checkpoint.CheckpointError(f"--load {load}: {found.name} holds no optimizer state (saved with "
+                                             "--no-save-optim); resume it with --no-load-optim or --finetune")
+        plan = policies.resume(ckpt.meta, finetune=ck.finetune and not own,
+                               no_load_optim=weights_only or (ck.no_load_optim and not own),
                                in_samples=cfg.training.schedules_in_samples, scaler=cfg.precision.scaler,
                                layout_note="layout unchanged" if same else f"resharded from {ckpt.meta['layout']}",
                                path=str(found))
@@ -199,7 +204,8 @@ class Checkpointer:
             held = sum(b.numel() * b.element_size() for part in state.parts for b, _ in part.buffers().values())
             self.max_cell = checkpoint.cell_bytes_for(session.first_failure(False, held)[1] // session.world)
         fully = cfg.checkpoint.fully_parallel_save
-        boxes = regions(state, self.places)
+        kinds = ("params",) if cfg.checkpoint.no_save_optim else KINDS  # --no-save-optim: the weights only
+        boxes = regions(state, self.places, kinds)
         if self.writer or session.device.type != "cpu":
             if not self.host:
                 for p, kind in {(r.part, r.kind) for r in boxes if replicas(r) and (fully or not replicas(r).index)}:
@@ -210,8 +216,8 @@ class Checkpointer:
                 host.copy_(state.parts[p].buffers()[kind][0], non_blocking=True)
             if session.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            boxes = regions(state, self.places, buffers=self.host)
-        count = [count_piece(state.parts[0].count)] if session.rank == 0 else []
+            boxes = regions(state, self.places, kinds, buffers=self.host)
+        count = [count_piece(state.parts[0].count)] if session.rank == 0 and kinds == KINDS else []
         return save_pieces(boxes, fully, self.max_cell) + count
 
     def save(self, state, progress: policies.Progress) -> bool:
@@ -283,6 +289,7 @@ class Checkpointer:
                 "layout": cfg.layout.checkpoint_meta(cfg.precision.compute_dtype),
                 "model": dataclasses.asdict(cfg.model), "consumed_samples": progress.consumed,
                 "valid_consumed_samples": progress.valid_consumed, "scheduler_steps": progress.scheduled,
+                "optimizer_saved": not cfg.checkpoint.no_save_optim,
                 "loss_scale": dataclasses.asdict(progress.scaler) if progress.scaler else None,
                 "arguments": dict(cfg.arguments), "fmeg_version": __version__}
 
