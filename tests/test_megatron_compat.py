@@ -419,3 +419,24 @@ def test_gpt_sentencepiece_tokenizer_is_megatron_cores(tmp_path):
                                                         "--tokenizer-model", model, "--mock-data", "--train-iters", "3",
                                                         "--lr-warmup-iters", "1"])
     assert len(records) == 3 and "vocab 60 (padded to 128)" in stdout
+
+
+def test_lr_warmup_init_starts_the_warmup_where_megatron_cores_scheduler_does():
+    """The DeepSeek-V3 script's --lr-warmup-init: the warmup climbs from it, as megatron-core's scheduler's
+    init_lr, step by step through warmup and cosine decay."""
+    OptimizerParamScheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler").OptimizerParamScheduler
+    from types import SimpleNamespace
+
+    from fmeg.training.run_config import RunConfig
+
+    a = parse_args(["--lr", "3e-3", "--min-lr", "1e-4", "--lr-warmup-init", "1e-3", "--lr-warmup-iters", "5",
+                    "--lr-decay-style", "cosine", "--train-iters", "30"], world_size=1)
+    schedule = RunConfig.from_args(a, 1, 256).training.lr
+    groups = [{"params": [], "lr": 0.0, "weight_decay": 0.0}]
+    megatron = OptimizerParamScheduler(SimpleNamespace(param_groups=groups), init_lr=1e-3, max_lr=3e-3, min_lr=1e-4,
+                                       lr_warmup_steps=5, lr_decay_steps=30, lr_decay_style="cosine", start_wd=0.0,
+                                       end_wd=0.0, wd_incr_steps=30, wd_incr_style="constant")
+    for step in range(30):
+        assert schedule(step) == pytest.approx(groups[0]["lr"], rel=1e-12), step
+        megatron.step(increment=1)
+    assert schedule(0) == 1e-3

@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts from (default 0)")
     t.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm up over this fraction of the decay steps (replaces --lr-warmup-iters/-samples)")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")

@@ -231,7 +231,7 @@ def _training(a, world: int) -> TrainingConfig:
                           tuple(a.rampup_batch_size) if a.rampup_batch_size else None, steps)
     warmup, decay, in_samples = lr_steps(a)
     lr = optim.LRSchedule(max_lr=a.lr, min_lr=a.min_lr, warmup_steps=warmup, decay_steps=decay,
-                          style=a.lr_decay_style)
+                          style=a.lr_decay_style, init_lr=a.lr_warmup_init)
     decoupled = None if a.decoupled_lr is None else dataclasses.replace(
         lr, max_lr=a.decoupled_lr, min_lr=a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr)
     weight_decay = optim.WeightDecaySchedule(
