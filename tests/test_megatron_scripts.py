@@ -259,3 +259,66 @@ def test_the_mixtral_script_with_its_experts_trains_at_expert_parallelism_2(tmp_
     assert all(0.5 < r["load_balancing_loss"] < 2.0 for r in records)  # 1 when perfectly balanced
     assert "| load_balancing_loss: " in stdout and "ignored --moe-grouped-gemm:" in stdout
     assert "(experts: ep 2, tp 1)" in stdout and "ignored --moe-token-dispatcher-type" not in stdout
+
+
+def gpt_oss(ckpt: str, cache: str, train_samples: int, ep: int = 1) -> list[str]:
+    """examples/gpt_oss's training script (openai/gpt-oss-20b's shape), its arrays in their order, the mock-data
+    branch, without the FP8 flags of its MODEL_PARALLEL_ARGS (--fp8-format hybrid, --fp8-param-gather,
+    --fp8-amax-compute-algo, --fp8-amax-history-len); sizes shrunk where marked."""
+    return [
+        # MODEL_ARGS
+        "--no-masked-softmax-fusion", "--transformer-impl", "transformer_engine", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--no-rope-fusion", "--normalization", "RMSNorm",
+        "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "96",  # sizes: 12, 512, 2048
+        "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",  # sizes: 64, 8
+        "--seq-length", "32", "--max-position-embeddings", "32",  # sizes: 8192, 8192
+        "--use-mcore-models", "--rotary-percent", "1.0", "--rope-type", "rope", "--position-embedding-type", "rope",
+        "--rotary-base", "10000", "--no-bias-gelu-fusion", "--export-force-local-attention", "--no-bias-dropout-fusion",
+        "--quick-geglu", "--glu-linear-offset", "1.0", "--softmax-type", "learnable", "--window-attn-skip-freq", "2",
+        "--activation-func-clamp-value", "7.0", "--window-size", "8,0", "--enable-gpt-oss",  # size: 128,0
+        # MOE_ARGS
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", "1e-3", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        "--overlap-param-gather", "--overlap-grad-reduce", "--moe-ffn-hidden-size", "48",  # size: 2048
+        "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3", "--moe-permute-fusion",
+        # DATA_ARGS_LIST, mock branch
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",  # size: 128256
+        "--data-cache-path", cache, "--tiktoken-pattern", "v2", "--split", "'99,1,0'",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1.0e-5",  # size: 128
+        "--train-samples", str(train_samples), "--lr-decay-samples", "60",  # sizes: 1953125000, 1949218748
+        "--lr-decay-style", "cosine", "--min-lr", "1.0e-6", "--weight-decay", "0.1", "--lr-warmup-fraction", "0.05",
+        "--clip-grad", "1.0", "--bf16", "--use-flash-attn", "--attention-softmax-in-fp32",
+        "--accumulate-allreduce-grads-in-fp32", "--disable-bf16-reduced-precision-matmul", "--recompute-activations",
+        # MODEL_PARALLEL_ARGS (TP, EP, PP 1 as the script has them; ep shrunk from 1 to the test's where given)
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", str(ep), "--sequence-parallel", "--context-parallel-size", "1",
+        "--use-distributed-optimizer",
+        # LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "4", "--eval-interval", "50000000", "--eval-iters", "0",  # 10000
+        "--save", ckpt, "--tensorboard-dir", f"{ckpt}/tensorboard", "--moe-per-layer-logging", "--no-load-optim",
+        "--no-load-rng", "--log-throughput",
+    ]
+
+
+def test_the_gpt_oss_script_trains_saves_and_resumes_with_per_layer_moe_logging(tmp_path):
+    """Every flag of the GPT-OSS script but FP8 runs as in Megatron: sinks, alternating windows, the clamped GLU and
+    YaRN (--enable-gpt-oss), experts at ep 2 with z-loss; each MoE layer's balance losses are written apart
+    (--moe-per-layer-logging, their mean the logged one); it saves every 4 iterations and, given --load (which the
+    script leaves to the user), resumes its weights and iteration with a fresh optimizer (its --no-load-optim)."""
+    ckpt, cache = str(tmp_path / "ckpt"), str(tmp_path / "cache")
+    first, stdout = run_recipe(tmp_path, "first", 2, [*gpt_oss(ckpt, cache, 80, ep=2), "--exit-interval", "4"],
+                               common=[])
+    assert "world 2 = tp 1 x pp 1 (x1 virtual) x dp 2" in stdout and "(experts: ep 2, tp 1)" in stdout
+    assert "ignored --rope-type" not in stdout and "ignored --moe-per-layer-logging" not in stdout
+    assert [r["iteration"] for r in first] == list(range(1, 5))
+    for r in first:
+        for name in ("load_balancing_loss", "z_loss"):
+            layers = [r[f"{name}_layer_{i}"] for i in range(4)]
+            assert sum(layers) / 4 == pytest.approx(r[name], rel=1e-6)
+    second, stdout2 = run_recipe(tmp_path, "second", 2, [*gpt_oss(ckpt, cache, 80, ep=2), "--load", ckpt],
+                                 common=[])
+    assert "resumed from" in stdout2 and "(iteration 4," in stdout2 and "fresh optimizer state" in stdout2
+    assert [r["iteration"] for r in second] == list(range(5, 11))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"

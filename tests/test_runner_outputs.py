@@ -159,3 +159,12 @@ def test_step_batch_size_schedule_trains_with_megatrons_batch_at_each_step(tmp_p
         assert r["consumed_samples"] == consumed
     assert [r["global_batch_size"] for r in records] == [4] * 10 + [8] * 4
     assert "warning: --global-batch-size 8 is ignored with --step-batch-size-schedule" in stdout
+
+
+def test_tensorboard_and_wandb_take_the_aux_losses_and_their_per_layer_values_under_megatrons_names():
+    from fmeg.training.metrics import scalars
+
+    record = {"iteration": 3, "lm_loss": 2.0, "load_balancing_loss": 1.1, "seq_load_balancing_loss_layer_2": 1.2,
+              "z_loss_layer_0": 0.5, "mtp_1 loss": 2.5, "skipped": False, "timers_ms": {"data": 1.0}}
+    assert scalars(record) == {"lm loss": 2.0, "load_balancing_loss": 1.1, "moe/seq_load_balancing_loss_layer_2": 1.2,
+                               "moe/z_loss_layer_0": 0.5, "mtp_1 loss": 2.5}

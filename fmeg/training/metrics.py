@@ -30,10 +30,25 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+# the auxiliary losses under megatron-core's names, and their per-layer values under "moe/" (--moe-per-layer-logging)
+AUX_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "global_load_balancing_loss")
+
+
+def _display_name(key: str) -> str | None:
+    if key in SCALARS:
+        return SCALARS[key]
+    if key in AUX_LOSSES or (key.startswith("mtp_") and key.endswith(" loss")):
+        return key
+    if key.partition("_layer_")[0] in AUX_LOSSES:
+        return f"moe/{key}"
+    return None
+
+
 def scalars(record: dict) -> dict[str, float]:
     """The record's finite scalars under their display names."""
-    return {name: float(record[key]) for key, name in SCALARS.items()
-            if key in record and record[key] is not None and record[key] == record[key]}
+    named = {key: _display_name(key) for key in record}
+    return {name: float(record[key]) for key, name in named.items()
+            if name is not None and isinstance(record[key], (int, float)) and record[key] == record[key]}
 
 
 class JsonlSink:

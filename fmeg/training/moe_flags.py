@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather",
                    help="how tokens reach their experts' ranks: all-gather / reduce-scatter, or uneven all-to-all")
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="also write each MoE layer's balance losses (NAME_layer_I) to metrics.jsonl, TensorBoard and "
+                        "W&B (the log line keeps their means)")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="for benchmarking: random router logits (still trained through), so experts get even loads")
     for flag in IGNORED:

@@ -355,11 +355,13 @@ def update_expert_bias(state: Any, counts: torch.Tensor, config: gpt.GPTConfig, 
                     state.add_(f"{stage}.mtp.{k}.layer.mlp.router.expert_bias", delta[config.num_layers + k])
 
 
-def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict:
+def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout: Layout, mesh: Mesh,
+                    per_layer_out: dict | None = None) -> dict:
     """{Megatron's name: device tensor} of the auxiliary losses in use, as Megatron logs them: each layer's
     value averaged over microbatches and data parallelism, then over the MoE layers, the multi-token prediction
     layers' included (parts under sequence parallelism and the layers of other pipeline stages summed over the
-    tp-pp group first)."""
+    tp-pp group first). per_layer_out, when given, receives each MoE layer's value as megatron-core's
+    --moe-per-layer-logging names it ("load_balancing_loss_layer_3", layers counted from 0 as in its tracker)."""
     if metrics is None:
         return {}
     per_layer = metrics.mean(dim=0)
@@ -367,19 +369,21 @@ def aux_loss_values(metrics: torch.Tensor | None, config: gpt.GPTConfig, layout:
         group = mesh.group(name)
         if group is not None:
             per_layer = group.all_reduce(per_layer)
-    per_layer = per_layer / layout.dp
-    layers = torch.tensor(moe.moe_layers(config, mtp=True), device=per_layer.device)
-    mean = per_layer[layers].mean(dim=0)
     kind = config.moe_router_load_balancing_type
     used = {"load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind in ("aux_loss", "seq_aux_loss"),
             "z_loss": bool(config.moe_z_loss_coeff),
             "global_load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind == "global_aux_loss"}
-    if used["global_load_balancing_loss"]:  # its parts sum over every data rank to the batch's loss
-        mean = mean * torch.tensor([1.0, 1.0, float(layout.dp)], device=mean.device)
-    named = {name: mean[i] for i, name in enumerate(moe.METRICS) if used[name]}
-    if kind == "seq_aux_loss" and "load_balancing_loss" in named:  # megatron-core's name for the sequence-level loss
-        named = {("seq_load_balancing_loss" if k == "load_balancing_loss" else k): v for k, v in named.items()}
-    return named
+    # the global loss's parts sum over every data rank to the batch's loss; the others are data-parallel means
+    per_layer = per_layer * torch.tensor([1.0 / layout.dp, 1.0 / layout.dp, 1.0], device=per_layer.device) \
+        if used["global_load_balancing_loss"] else per_layer / layout.dp
+    if kind == "seq_aux_loss":  # megatron-core's name for the sequence-level loss
+        used = {("seq_load_balancing_loss" if k == "load_balancing_loss" else k): v for k, v in used.items()}
+    moe_indices = [i for i, is_moe in enumerate(moe.moe_layers(config, mtp=True)) if is_moe]
+    mean = per_layer[moe_indices].mean(dim=0)
+    if per_layer_out is not None:
+        per_layer_out |= {f"{name}_layer_{index}": per_layer[index, i] for index in moe_indices
+                          for i, name in enumerate(used) if used[name]}
+    return {name: mean[i] for i, name in enumerate(used) if used[name]}
 
 
 def with_mtp_metrics(microbatches: list[dict], config: gpt.GPTConfig) -> tuple[list[dict], torch.Tensor | None]:
@@ -475,6 +479,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     norm = state.step(mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr)
     if moe_counts is not None:
         update_expert_bias(state, moe_counts, config, layout, mesh)
+    per_layer: dict = {}
     return {"loss": loss, "grad_norm": norm, "skipped": False, "timers_ms": timers(time.perf_counter()),
-            "aux_losses": {**aux_loss_values(moe_metrics, config, layout, mesh),
-                           **mtp_loss_values(mtp_metrics, layout, mesh)}}
+            "aux_losses": {**aux_loss_values(moe_metrics, config, layout, mesh, per_layer),
+                           **mtp_loss_values(mtp_metrics, layout, mesh)},
+            "aux_losses_per_layer": per_layer}

@@ -155,6 +155,7 @@ class LoggingConfig:
     wandb_save_dir: str | None
     wandb_entity: str | None
     logging_level: int | None
+    moe_per_layer_logging: bool = False  # each MoE layer's balance losses into the sinks (not the log line)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class RunConfig:
                                                a.no_save_optim),
                    logging=LoggingConfig(a.log_interval, a.log_params_norm, a.log_dir, a.tensorboard_dir,
                                          a.wandb_project or None, a.wandb_exp_name or None,
-                                         a.wandb_save_dir or None, a.wandb_entity or None, a.logging_level),
+                                         a.wandb_save_dir or None, a.wandb_entity or None, a.logging_level,
+                                         a.moe_per_layer_logging),
                    runtime=RuntimeConfig(a.device, a.compile, a.distributed_timeout_minutes, a.overlap_grad_reduce,
                                          a.ddp_bucket_size, fsdp_flags.reshard_after_forward(a)),
                    world=world,

@@ -150,6 +150,8 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         grad_norm = float(m["grad_norm"])
         other = {name: float(value) for name, value in m.get("aux_losses", {}).items()}
+        per_layer = {name: float(value) for name, value in m.get("aux_losses_per_layer", {}).items()} \
+            if cfg.logging.moe_per_layer_logging else {}
         self.losses.append(loss)
         tokens_per_s = global_batch * cfg.data.seq_length / elapsed
         tflops = model_flops(cfg.model, global_batch, cfg.data.seq_length) / (elapsed * 1e12 * self.session.world)
@@ -157,7 +159,7 @@ class Trainer:
                    "weight_decay": weight_decay, "loss_scale": scale, "skipped": bool(m["skipped"]),
                    "consumed_samples": p.consumed, "global_batch_size": global_batch, "elapsed_ms": elapsed * 1e3,
                    "tokens_per_s": tokens_per_s, "tflops": tflops, "timers_ms": {"data": data_ms, **m["timers_ms"]},
-                   **({"params_norm": params_norm} if params_norm is not None else {}),
+                   **per_layer, **({"params_norm": params_norm} if params_norm is not None else {}),
                    **({"decoupled_lr": decoupled_lr} if decoupled_lr is not None else {})})
         self.display.step(iteration, elapsed, tokens_per_s)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.training.train_iters:
