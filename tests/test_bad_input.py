@@ -92,6 +92,10 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--yarn-original-max-position-embeddings", "4096"],
          "--yarn-original-max-position-embeddings sets YaRN's values for --enable-gpt-oss or "
          "--multi-latent-attention: add one"),
+        (["--recompute-modules", "mlp"], "--recompute-modules applies to --recompute-granularity selective"),
+        (["--recompute-activations", "--recompute-modules", "mla_up_proj"],
+         "--recompute-modules mla_up_proj recomputes multi-latent attention's up-projections"),
+        (["--recompute-activations", "--recompute-modules", "attn"], "--recompute-modules: invalid choice"),
         (["--multi-latent-attention", "--position-embedding-type", "rope", "--yarn-mscale", "1"],
          "--yarn-mscale: multi-latent attention's YaRN takes --rotary-scaling-factor"),
         (["--multi-latent-attention", "--position-embedding-type", "rope", "--softmax-type", "learnable"],

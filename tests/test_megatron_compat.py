@@ -65,12 +65,15 @@ def test_swiglu_ffn_size_is_megatrons_rounded_down(hidden):
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 has no effect without --bf16", lambda a: not a.grad_reduce_in_bf16),
     (["--grad-reduce-in-bf16", "--bf16"], None, lambda a: a.grad_reduce_in_bf16),
     (["--recompute-activations"], None, lambda a: a.recompute_granularity == "selective"),
+    (["--num-experts", "4", "--moe-layer-recompute"], "--moe-layer-recompute is deprecated (as in Megatron): read as "
+     "--recompute-granularity selective --recompute-modules core_attn moe",
+     lambda a: a.recompute_granularity == "selective" and a.recompute_modules == ["core_attn", "moe"]),
     (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
      "--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid",
      lambda a: not a.moe_router_pre_softmax),
 ], ids=["sp_at_tp1", "save_interval_without_save", "eval_iters_0", "no_load_optim_without_load",
         "finetune_without_load", "async_save_without_save", "single_quoted_split", "double_quoted_split", "grad_reduce_in_bf16_without_bf16",
-        "grad_reduce_in_bf16", "recompute_activations_is_selective",
+        "grad_reduce_in_bf16", "recompute_activations_is_selective", "moe_layer_recompute_is_recompute_modules_moe",
         "pre_softmax_with_sigmoid"])
 def test_where_megatron_adjusts_and_goes_on_fmeg_warns_once_and_goes_on(flags, notice, check):
     a = parse_args(flags, world_size=1)

@@ -96,3 +96,60 @@ def test_selective_recomputation_drops_the_attention_probabilities():
     none, selective = kept_after_forward(None, 0.1), kept_after_forward(("selective", None, None), 0.1)
     probabilities = 4 * 4 * 128 * 128 * 4 * 4  # one fp32 [b, n, s, s] tensor per layer, four layers
     assert none - selective > probabilities
+
+
+# Megatron's --recompute-modules on a model that has every piece they name: MLA with q-lora, a dense first layer,
+# then experts with a shared expert and a balance loss, and an MTP depth.
+MODULES_CONFIG = gpt.GPTConfig.llama(
+    vocab_size=64, max_seq_len=16, num_layers=3, hidden_size=32, num_heads=4, num_kv_heads=4, ffn_hidden_size=64,
+    hidden_dropout=0.1, attention_dropout=0.1, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+    qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, qk_norm=True, num_experts=4, moe_router_topk=2,
+    moe_ffn_hidden_size=16, moe_layer_freq=(0, 1, 1), moe_shared_expert_intermediate_size=16,
+    moe_aux_loss_coeff=1e-2, mtp_num_layers=1)
+
+
+def module_loss_and_grads(config, modules):
+    params = {0: gp.split(gpt.init(config, 0), config, 1)[0]}
+    recompute = ("selective", None, None) if modules else None
+    fns = {0: gp.stage_segments(config, 0, 1, recompute=recompute, modules=modules)}
+    actions = schedules.with_communication(schedules.one_f_one_b(1, 2))[0]
+    return execute.execute(actions, fns, params, microbatches(), None, 1)
+
+
+@pytest.mark.parametrize("module", gp.SELECTIVE_MODULES)
+def test_each_recompute_module_changes_no_number(module):
+    """Each of Megatron's --recompute-modules gives the loss and every gradient of no recomputation (the norms'
+    within rounding: their input's gradient sums its two paths in another order)."""
+    want_loss, want = module_loss_and_grads(MODULES_CONFIG, ())
+    loss, got = module_loss_and_grads(MODULES_CONFIG, (module,))
+    assert torch.equal(loss, want_loss)
+    for (path, a), b in zip(tree.items(got), tree.tree_leaves(want)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=path) if module == "layernorm" else \
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=path)
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"), reason="needs glibc's mallinfo2")
+def test_each_recompute_module_keeps_less_for_backward():
+    """Each module's recomputation leaves less alive after a forward than none, and all of them together less
+    than any one (a 64-wide MLA + MoE model, [4, 128] tokens)."""
+    c = MODULES_CONFIG.replace(max_seq_len=128, hidden_size=64, ffn_hidden_size=128, hidden_dropout=0.0,
+                               attention_dropout=0.1, mtp_num_layers=None)
+
+    def kept(modules) -> int:
+        params = gp.split(gpt.init(c, 0), c, 1)[0]
+        t = torch.randint(0, c.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
+        batch = {"tokens": t[:, :-1], "labels": t[:, 1:], "dropout_key": torch.tensor(3)}
+        segments = gp.stage_segments(c, 0, 1, recompute=("selective", None, None) if modules else None,
+                                     modules=modules)
+        before = live_heap_bytes()
+        alive = _forward(segments, params, None, batch)
+        measured = live_heap_bytes() - before
+        del alive
+        return measured
+
+    kept(())
+    none = kept(())
+    each = {m: kept((m,)) for m in gp.SELECTIVE_MODULES}
+    every = kept(gp.SELECTIVE_MODULES)
+    assert all(v < none for v in each.values()), (none, each)
+    assert every < min(each.values()), (every, each)

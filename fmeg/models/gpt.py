@@ -181,15 +181,16 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
 
 
 def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
-              tp: TensorParallel = NO_TP, key: Any = None, recompute_core: bool = False,
+              tp: TensorParallel = NO_TP, key: Any = None, recompute: frozenset[str] = frozenset(),
               documents: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard); with a
     key, attention dropout masks each probability by its global (batch, head, query, key) position.
-    recompute_core keeps only q, k and v of the attention core for backward (selective recomputation).
+    recompute: Megatron's --recompute-modules this layer recomputes; "core_attn" keeps only q, k and v of the
+    attention core for backward, "mla_up_proj" only MLA's latents (fmeg.models.mla).
     documents: the rows' packed documents as host cu_seqlens [b, s + 1] (ops.document_attention), or None.
     window: this layer's sliding window (config.layer_window), or None; with it or with sinks (config.softmax_type)
     the core is written out (sink_core)."""
-    q, k, v = project_qkv(p, x_BSH, config, rope, tp)
+    q, k, v = project_qkv(p, x_BSH, config, rope, tp, "mla_up_proj" in recompute)
     value_dim = v.shape[-1]
     if value_dim != q.shape[-1] and (documents is not None or tp.context.size > 1):
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))  # these cores take one head dimension
@@ -206,7 +207,7 @@ def attention(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | N
         core = functools.partial(ops.causal_attention, dropout_p=config.attention_dropout, key=key,
                                  head_offset=offset, total_heads=config.num_heads)
     args = (q, k, v) if sinks is None else (q, k, v, sinks)
-    out = ops.recomputed(core, *args) if recompute_core else core(*args)
+    out = ops.recomputed(core, *args) if "core_attn" in recompute else core(*args)
     return project_out(p, out[..., :value_dim], tp)
 
 
@@ -241,12 +242,13 @@ def sink_core(config: GPTConfig, cp: context.ContextParallel, key: Any, head_off
 
 
 def project_qkv(p: Params, x_BSH: torch.Tensor, config: GPTConfig, rope: tuple | None,
-                tp: TensorParallel = NO_TP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                tp: TensorParallel = NO_TP, recompute_up: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention's input projection: q [b, N, s, d] and k, v [b, G, s, d] for the heads held in p (column-
     parallel: this rank's N/t and G/t), RoPE applied to q and k when rope is given. Multi-latent attention's
-    (fmeg.models.mla) where p has its latent projections."""
+    (fmeg.models.mla) where p has its latent projections (recompute_up: its up-projections recomputed)."""
     if "kv_down" in p:
-        return mla.project_qkv(p, x_BSH, config, rope, lambda q, x: norm(q, x, config, tp), tp)
+        return mla.project_qkv(p, x_BSH, config, rope, lambda q, x: norm(q, x, config, tp), tp, recompute_up)
     d, per_group = config.head_dim, config.heads_per_group
     qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
@@ -294,12 +296,15 @@ def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
 
 
 def mlp(p: Params, x_BSH: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP,
-        aux: moe.AuxLosses = moe.NO_AUX, index: int = 0) -> torch.Tensor:
-    """The layer's MLP: dense, or a mixture of experts where p has a router (fmeg.models.moe)."""
+        aux: moe.AuxLosses = moe.NO_AUX, index: int = 0, recompute: frozenset[str] = frozenset()) -> torch.Tensor:
+    """The layer's MLP: dense, or a mixture of experts where p has a router (fmeg.models.moe). recompute: "mlp"
+    recomputes a dense MLP in backward; a mixture's are moe.moe_mlp's (Megatron's --recompute-modules)."""
     activation = functools.partial(ops.mlp_activation, activation=config.activation,
                                    glu_linear_offset=config.glu_linear_offset, clamp=config.activation_func_clamp_value)
     if "router" in p:
-        return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index)
+        return moe.moe_mlp(p, x_BSH, config, tp, activation=activation, aux=aux, index=index, recompute=recompute)
+    if "mlp" in recompute:
+        return ops.recomputed_with(lambda p, x: dense_mlp(p, x, activation, tp), p, x_BSH)
     return dense_mlp(p, x_BSH, activation, tp)
 
 
@@ -309,15 +314,22 @@ def _dropout(x: torch.Tensor, config: GPTConfig, key: Any, tp: TensorParallel, *
 
 
 def layer(p: Params, x_BSH: torch.Tensor, config: GPTConfig, *, rope: tuple | None = None, key: Any = None,
-          index: int = 0, tp: TensorParallel = NO_TP, recompute_core: bool = False,
+          index: int = 0, tp: TensorParallel = NO_TP, recompute: frozenset[str] = frozenset(),
           aux: moe.AuxLosses = moe.NO_AUX, documents: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(.)), hidden dropout on both and
-    attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention)."""
+    attention dropout inside attention (keys: fold_in(key, index, site), sites 0, 1 hidden and 2 attention).
+    recompute: the Megatron --recompute-modules recomputed in backward (SELECTIVE_MODULES; "layernorm": the
+    two norms)."""
+    def normed(q: Params, x: torch.Tensor) -> torch.Tensor:
+        if "layernorm" in recompute:
+            return ops.recomputed_with(lambda q, x: norm(q, x, config, tp), q, x)
+        return norm(q, x, config, tp)
+
     attn_key = None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
-    attn = attention(p["attn"], norm(p["attn_norm"], x_BSH, config, tp), config, rope, tp.for_layer(index), attn_key,
-                     recompute_core, documents, config.layer_window(index))
+    attn = attention(p["attn"], normed(p["attn_norm"], x_BSH), config, rope, tp.for_layer(index), attn_key,
+                     recompute, documents, config.layer_window(index))
     x_BSH = x_BSH + _dropout(attn, config, key, tp, index, 0)
-    out = mlp(p["mlp"], norm(p["mlp_norm"], x_BSH, config, tp), config, tp, aux, index)
+    out = mlp(p["mlp"], normed(p["mlp_norm"], x_BSH), config, tp, aux, index, recompute)
     return x_BSH + _dropout(out, config, key, tp, index, 1)
 
 
@@ -344,11 +356,11 @@ def hidden_states(params: Params, tokens: torch.Tensor, config: GPTConfig, *, po
 
 def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, config: GPTConfig, *,
                  first_layer: int = 0, final: bool = True, positions: torch.Tensor | None = None, key: Any = None,
-                 tp: TensorParallel = NO_TP, recompute_core: bool = False,
+                 tp: TensorParallel = NO_TP, recompute: frozenset[str] = frozenset(),
                  aux: moe.AuxLosses = moe.NO_AUX, documents: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous piece of the decoder: the embeddings when x is None, then params["layers"] (global layer
     numbers from first_layer, which key their dropout), then the final norm when final. The whole model is
-    one span; a pipeline stage is one span. recompute_core: selective recomputation of attention cores.
+    one span; a pipeline stage is one span. recompute: the modules selective recomputation recomputes (layer).
     positions: [s] or [b, s] (this rank's tokens'; reset per document with --reset-position-ids); documents:
     host cu_seqlens [b, s + 1] of the whole sequence, each packed document attending to itself only."""
     seq = tokens.shape[-1] * tp.context.size  # the whole sequence; this rank holds its context-parallel chunks
@@ -364,8 +376,8 @@ def decoder_span(params: Params, tokens: torch.Tensor, x: torch.Tensor | None, c
     if x is None:
         x = _dropout(embed(params, tokens, config, positions, tp), config, key, tp, -1, 0)
     for i, p in enumerate(params["layers"]):
-        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute_core=recompute_core,
-                  aux=aux, documents=documents)
+        x = layer(p, x, config, rope=rope, key=key, index=first_layer + i, tp=tp, recompute=recompute, aux=aux,
+                  documents=documents)
     return norm(params["final_norm"], x, config, tp) if final else x
 
 

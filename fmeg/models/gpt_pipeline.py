@@ -86,7 +86,8 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
 
 def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP,
                    recompute: tuple[str, str | None, int | None] | None = None,
-                   compile: str | None = None, per_token: bool = False, fused: bool = False) -> list[Segment]:
+                   compile: str | None = None, per_token: bool = False, fused: bool = False,
+                   modules: tuple[str, ...] = ("core_attn",)) -> list[Segment]:
     """The stage as a chain of segments (embeddings, each layer, final norm + loss), so that backward can
     hand over each piece's gradients as soon as they are final. Params may be tensor-parallel shards (tp);
     activations are [b, s, h] ([b, s/t, h] with sequence parallelism). batch holds tokens, labels and
@@ -94,7 +95,8 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     microbatch's loss, which the auxiliary losses' gradients take) and moe_metrics (where they write their values:
     fmeg.models.moe.AuxLosses). recompute = Megatron's (granularity, method, layers):
     ("full", method, layers) recomputes whole layers (segments.recompute_units), ("selective", None, None)
-    the attention cores. compile: a torch.compile backend ("inductor"; "aot_eager" traces without code
+    the modules Megatron's --recompute-modules names (modules: SELECTIVE_MODULES, the attention core by
+    default). compile: a torch.compile backend ("inductor"; "aot_eager" traces without code
     generation) that each piece runs under: regional compilation, one graph per kind of piece shared by
     every layer, collectives inside (torch.distributed groups: comm.TorchGroup; thread ranks do not
     trace), no graph break allowed. None runs eagerly. per_token: the head returns the sum of the token
@@ -105,7 +107,7 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     layers = stage_layers(config, stage, num_stages)
     granularity, method, count = recompute or (None, None, None)
     unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
-    selective = granularity == "selective"
+    selective = frozenset(modules) if granularity == "selective" else frozenset()
     if fused:
         if any(u is not None for u in unit_of):
             raise ValueError("fused stage segments cannot recompute whole layers (--recompute-granularity full)")
@@ -125,6 +127,10 @@ def stage_segments(config: GPTConfig, stage: int, num_stages: int, tp: TensorPar
     return segments
 
 
+# Megatron's --recompute-modules: the pieces of a layer selective recomputation can run again in backward
+SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
 def head_keys(config: GPTConfig) -> tuple[str, ...]:
     """The last stage's parameters its loss segment differentiates: the final norm, the output layer, and the
     multi-token prediction layers with their copy of the word embedding."""
@@ -132,7 +138,7 @@ def head_keys(config: GPTConfig) -> tuple[str, ...]:
     return ("final_norm", "output") + extra
 
 
-def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
+def _pieces(config: GPTConfig, tp: TensorParallel, recompute: frozenset[str],
             per_token: bool = False) -> tuple[Callable, Callable, Callable]:
     """The three kinds of segment body: embedding(sub, batch), layer(layer_params, x, batch, index) and
     head(sub, x, batch) -> the microbatch's loss (with multi-token prediction: its value, and the gradient of the
@@ -145,7 +151,7 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:
         return gpt.decoder_span(params, batch["tokens"], x, config, first_layer=first_layer, final=final,
-                                key=batch.get("dropout_key"), tp=tp, recompute_core=recompute_core,
+                                key=batch.get("dropout_key"), tp=tp, recompute=recompute,
                                 aux=aux_of(batch), positions=batch.get("position_ids"),
                                 documents=batch.get("cu_seqlens"))
 
@@ -162,28 +168,28 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool,
         if not config.mtp_num_layers:
             return main
         losses = mtp.depth_losses(sub, x, batch, config, tp=tp, key=batch.get("dropout_key"), aux=aux_of(batch),
-                                  recompute_core=recompute_core, reduction=reduction)
+                                  recompute=recompute, reduction=reduction)
         return mtp.with_objective(main, losses, config)
 
     return embedding, layer, head
 
 
 @functools.cache
-def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute_core: bool, per_token: bool,
+def _compiled_pieces(config: GPTConfig, tp: TensorParallel, recompute: frozenset[str], per_token: bool,
                      backend: str) -> tuple[Callable, ...]:
     """_pieces under torch.compile(fullgraph=True), made once per arguments so that every iteration and
     stage reuses the compiled graphs (the layer index becomes a symbolic int at the second layer, so all
     layers share one graph after the first)."""
     return tuple(torch.compile(fn, backend=backend, fullgraph=True)
-                 for fn in _pieces(config, tp, recompute_core, per_token))
+                 for fn in _pieces(config, tp, recompute, per_token))
 
 
 @functools.cache
-def _fused_stage(config: GPTConfig, tp: TensorParallel, recompute_core: bool, per_token: bool, backend: str | None,
+def _fused_stage(config: GPTConfig, tp: TensorParallel, recompute: frozenset[str], per_token: bool, backend: str | None,
                  first: bool, last: bool, first_layer: int) -> Callable:
     """The stage's pieces chained in one function (sub: the whole stage params), compiled as one graph when a
     backend is given; made once per arguments so that every iteration reuses the graph."""
-    embedding, layer, head = _pieces(config, tp, recompute_core, per_token)
+    embedding, layer, head = _pieces(config, tp, recompute, per_token)
 
     def stage(params: Params, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if first:

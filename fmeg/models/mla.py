@@ -93,23 +93,39 @@ def init_attention(config, seed: int, path: str, normal: Callable, linear_params
 
 
 def project_qkv(p: Params, x_BSH: torch.Tensor, config, rope: tuple | None, norm: Callable,
-                tp: TensorParallel = NO_TP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                tp: TensorParallel = NO_TP, recompute_up: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k [b, N, s, dq + dr] (q pre-multiplied by softmax_factor) and v [b, N, s, dv] for the heads held in p.
     rope: cos and sin tables of dr dimensions (rope_tables); norm(params, x): the model's norm of a latent, its
-    weight replicated over tp (gpt.norm)."""
-    c = config
+    weight replicated over tp (gpt.norm). recompute_up (Megatron's --recompute-modules mla_up_proj): the
+    up-projections and the rotation run again in backward, which keeps the latents instead of q, k and v."""
     if "q" in p:
-        q = column_parallel_linear(x_BSH, p["q"]["weight"], None, tp)
+        q_in, q_weight = x_BSH, p["q"]["weight"]
     else:
-        q_latent = ops.linear(x_BSH, replicated_param(p["q_down"]["weight"], tp))
+        q_in = ops.linear(x_BSH, replicated_param(p["q_down"]["weight"], tp))
         if "q_latent_norm" in p:
-            q_latent = norm(p["q_latent_norm"], q_latent)
-        q = column_parallel_linear(q_latent, p["q_up"]["weight"], None, tp)
+            q_in = norm(p["q_latent_norm"], q_in)
+        q_weight = p["q_up"]["weight"]
     latent, k_rot = ops.linear(x_BSH, replicated_param(p["kv_down"]["weight"], tp)).split(
-        [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
+        [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
     if "kv_latent_norm" in p:
         latent = norm(p["kv_latent_norm"], latent)
-    kv = column_parallel_linear(latent, p["kv_up"]["weight"], None, tp)
+
+    def up(q_in, latent, k_rot, q_weight, kv_weight):
+        return _up_and_rotate(q_in, latent, k_rot, q_weight, kv_weight, config, rope, tp)
+
+    args = (q_in, latent, k_rot, q_weight, p["kv_up"]["weight"])
+    return ops.recomputed(up, *args) if recompute_up else up(*args)
+
+
+def _up_and_rotate(q_in: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, q_weight: torch.Tensor,
+                   kv_weight: torch.Tensor, config, rope: tuple | None, tp: TensorParallel
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The heads' q, k and v from the query input (the hidden states or the normed q latent), the normed kv latent
+    and the shared rotary key part: the column-parallel up-projections, then RoPE."""
+    c = config
+    q = column_parallel_linear(q_in, q_weight, None, tp)
+    kv = column_parallel_linear(latent, kv_weight, None, tp)
     q = rearrange(q, "b s (n d) -> b n s d", d=q_head_dim(c))
     kv = rearrange(kv, "b s (n d) -> b n s d", d=c.qk_head_dim + c.v_head_dim)
     k_plain, v = kv.split([c.qk_head_dim, c.v_head_dim], dim=-1)

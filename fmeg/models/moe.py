@@ -308,9 +308,12 @@ def inject_gradient(x: torch.Tensor, loss: torch.Tensor, seed: torch.Tensor | fl
 
 
 def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, *, activation,
-            aux: AuxLosses = NO_AUX, index: int = 0) -> torch.Tensor:
+            aux: AuxLosses = NO_AUX, index: int = 0, recompute: frozenset[str] = frozenset()) -> torch.Tensor:
     """The MoE MLP on x [b, s, h] ([b, s/t, h] under sequence parallelism) -> the same shape; the auxiliary
-    losses' gradients join at the router's probabilities (see the module docstring)."""
+    losses' gradients join at the router's probabilities (see the module docstring). recompute (Megatron's
+    --recompute-modules): "moe" runs the dispatch, the experts and the shared experts again in backward (the
+    router's logits, its choices and the balance losses are kept: they are [tokens, E] and the losses' values are
+    logged once), "moe_act" the experts' activation only, "shared_experts" the shared experts."""
     ep = tp.experts
     replicated = tp.size > 1 and not tp.sp  # every tp rank holds (and routes) all the tokens
     if replicated and ep.size > 1:
@@ -339,17 +342,29 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
         if aux.metrics is not None:  # parts that sum over tp to the microbatch's value
             values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
             aux.metrics[index] = values / tp.size if replicated else values
-    # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
-    if config.moe_token_dispatcher_type == "alltoall" and not replicated and not torch.compiler.is_compiling():
-        if expert_tp[2] > 1:
-            raise ValueError("the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
-                             "(--expert-tensor-parallel-size 1)")
-        y = alltoall_experts(p["experts"], x_BSH, probs, experts, ep, activation)
-    else:
-        y = allgather_experts(p["experts"], x_BSH, probs, experts, dispatch, ep.rank, expert_tp, activation)
-    if "shared" in p:
-        y = y + shared_expert(p, x_BSH, config, tp, activation)
-    return y
+    expert_activation = (lambda h: ops.recomputed(activation, h)) if "moe_act" in recompute else activation
+    alltoall = config.moe_token_dispatcher_type == "alltoall" and not replicated
+    if alltoall and expert_tp[2] > 1:
+        raise ValueError("the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
+                         "(--expert-tensor-parallel-size 1)")
+
+    def experts_and_shared(q: Params, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
+        if alltoall and not torch.compiler.is_compiling():
+            y = alltoall_experts(q["experts"], x, probs, experts, ep, expert_activation)
+        else:
+            y = allgather_experts(q["experts"], x, probs, experts, dispatch, ep.rank, expert_tp, expert_activation)
+        if "shared" not in q:
+            return y
+        if "shared_experts" in recompute and "moe" not in recompute:
+            shared = {k: q[k] for k in ("shared", "shared_gate") if k in q}
+            return y + ops.recomputed_with(lambda s, x: shared_expert(s, x, config, tp, activation), shared, x)
+        return y + shared_expert(q, x, config, tp, activation)
+
+    held = {k: p[k] for k in ("experts", "shared", "shared_gate") if k in p}
+    if "moe" in recompute:
+        return ops.recomputed_with(experts_and_shared, held, x_BSH, probs)
+    return experts_and_shared(held, x_BSH, probs)
 
 
 def allgather_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, dispatch, ep_rank: int,

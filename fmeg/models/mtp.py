@@ -77,7 +77,7 @@ def combine(p: Params, embedded_BSH: torch.Tensor, hidden_BSH: torch.Tensor, con
 
 
 def depth_losses(params: Params, x_BSH: torch.Tensor, batch: dict, config, *, tp: TensorParallel = NO_TP,
-                 key: Any = None, aux: moe.AuxLosses = moe.NO_AUX, recompute_core: bool = False,
+                 key: Any = None, aux: moe.AuxLosses = moe.NO_AUX, recompute: frozenset[str] = frozenset(),
                  reduction: str = "mean") -> list[torch.Tensor]:
     """[loss_1, ..., loss_D] from the decoder's final-normed hidden states x (this rank's, [b, s/t, h] under sp),
     each as gpt.output_loss gives it (reduction "sum": the sum of the depth's counted token losses). params: the
@@ -97,7 +97,7 @@ def depth_losses(params: Params, x_BSH: torch.Tensor, batch: dict, config, *, tp
             embedded = hidden_dropout(embedded, config.hidden_dropout, ops.fold_in(key, -2 - k, 0), tp)
         x_BSH = combine(p, embedded, x_BSH, config, tp)
         x_BSH = gpt.layer(p["layer"], x_BSH, config, rope=rope, key=key, index=config.num_layers + k, tp=tp,
-                          recompute_core=recompute_core, aux=aux, documents=documents)
+                          recompute=recompute, aux=aux, documents=documents)
         x_BSH = gpt.norm(p["final_norm"], x_BSH, config, tp)
         shifted = {"labels": labels, "loss_mask": mask}
         loss = gpt.output_loss(x_BSH, out_weight, shifted, config.vocab_size, tp=tp, reduction=reduction)

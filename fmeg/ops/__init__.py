@@ -10,11 +10,11 @@ from fmeg.ops.linear_cross_entropy import linear_cross_entropy
 from fmeg.ops.norms import layer_norm, rms_norm
 from fmeg.ops.random import dropout, fold_in, normal, uniform
 from fmeg.ops.sink_attention import sink_attention, visible
-from fmeg.ops.recompute import recomputed
+from fmeg.ops.recompute import recomputed, recomputed_with
 from fmeg.ops.rope import apply_rope, rope_cos_sin
 
 __all__ = [
     "IGNORE_INDEX", "apply_rope", "causal_attention", "cross_entropy", "document_attention", "dropout", "embedding", "fold_in",
-    "gelu", "gelu_tanh", "layer_norm", "mlp_activation", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "rms_norm",
+    "gelu", "gelu_tanh", "layer_norm", "mlp_activation", "linear", "linear_cross_entropy", "masked_mean", "recomputed", "recomputed_with", "rms_norm",
     "rope_cos_sin", "sink_attention", "swiglu", "token_cross_entropy", "uniform", "normal", "visible",
 ]

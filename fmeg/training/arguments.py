@@ -16,6 +16,7 @@ from typing import Any
 
 from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
+from fmeg.models.gpt_pipeline import SELECTIVE_MODULES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
 from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, modelopt_flags, moe_flags,
                             mtp_flags)
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "recompute the first --recompute-num-layers layers of each pipeline stage")
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-activations", action="store_true", help="--recompute-granularity selective")
+    g.add_argument("--recompute-modules", nargs="*", default=None, choices=SELECTIVE_MODULES,
+                   help="with --recompute-granularity selective: the pieces of each layer run again in backward "
+                        "(default core_attn): core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="Megatron's deprecated spelling of --recompute-granularity selective --recompute-modules moe")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run each pipeline stage torch.compile'd as one graph (each layer, the embedding and the loss "
                         "head apart under --overlap-grad-reduce with dp > 1 or full recomputation; default: on "

@@ -79,6 +79,7 @@ IGNORED_SWITCHES.update({
     "--record-memory-history": "fmeg has no built-in memory profiler",
     "--use-pytorch-profiler": "fmeg has no built-in profiler; wrap the run in torch.profiler",
     "--run-workload-inspector-server": "fmeg has no workload inspector",
+    "--enable-experimental": "Megatron's switch for its experimental code paths; fmeg keeps none behind a switch",
 })
 IGNORED_SETTINGS.update({
     "--tensorboard-log-interval": "every iteration's scalars are written", "--tensorboard-queue-size": _TB,
@@ -98,6 +99,7 @@ IGNORED_SETTINGS.update({
     "--nccl-communicator-config-path": "fmeg's NCCL groups take torch's defaults",
     "--memory-snapshot-path": "fmeg has no built-in memory profiler",
     "--rerun-mode": "fmeg has no rerun state machine",
+    "--cross-entropy-fusion-impl": "picks the fused loss's kernel; fmeg's output projection and loss are one op",
     "--result-rejected-tracker-filename": "fmeg has no rerun state machine",
 })
 # Megatron flags that only act with a feature fmeg does not have yet (FP8):
@@ -162,6 +164,11 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
     notices = []
     if a.recompute_activations:
         a.recompute_granularity = "selective"  # as Megatron reads --recompute-activations
+    if a.moe_layer_recompute:  # Megatron's deprecated spelling, read as it reads it
+        a.recompute_granularity = "selective"
+        a.recompute_modules = [*(a.recompute_modules or ["core_attn"]), "moe"]
+        notices.append("--moe-layer-recompute is deprecated (as in Megatron): read as --recompute-granularity "
+                       f"selective --recompute-modules {' '.join(a.recompute_modules)}")
     if a.group_query_attention and a.num_query_groups is None:
         a.num_query_groups = 1  # Megatron's default with the switch on
     elif not a.group_query_attention and a.num_query_groups is not None:

@@ -13,8 +13,6 @@ IGNORED = {
     "--moe-permute-fusion": "fmeg fuses no kernels by hand", "--moe-router-fusion": "fmeg fuses no kernels by hand",
     "--moe-shared-expert-overlap": "an overlap policy", "--moe-use-legacy-grouped-gemm": "one grouped-matmul path",
     "--moe-enable-deepep": "DeepEP is a kernel of the flex dispatcher, which fmeg runs as alltoall",
-    "--moe-layer-recompute": "a memory policy (Megatron's deprecated spelling of --recompute-modules moe): fmeg "
-                             "recomputes attention cores (selective) or whole layers (full), not the MoE layer alone",
 }
 IGNORED_SETTINGS: dict[str, str] = {
     "--moe-flex-dispatcher-backend": "DeepEP and HybridEP are kernels of the flex dispatcher, which fmeg runs as "

@@ -38,6 +38,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
+    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recomputation recomputes
     sharding: str = "no_shard"  # what data-parallel ranks keep a slice of (flat_state.SHARDINGS); "optim": ZeRO-1
     micro_batch_size: int = 1
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
@@ -97,6 +98,8 @@ class Layout:
     def describe(self) -> str:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
         recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
+        if self.recompute and self.recompute[0] == "selective" and self.recompute_modules != ("core_attn",):
+            recompute += f" ({' '.join(self.recompute_modules)})"
         return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
                 + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
                    + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "") + ")"
@@ -433,8 +436,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     # (data-parallel overlap) or whole layers are recomputed.
     fused = compile is not None and not (overlap_grad_reduce and layout.dp > 1) and \
         (layout.recompute is None or layout.recompute[0] == "selective") and layout.sharding != "optim_grads_params"
-    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused)
-           for s in params}
+    fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused,
+                                layout.recompute_modules) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token, layout.cp) \
         if config.num_experts else (microbatches, (None, None))

@@ -59,6 +59,7 @@ def layout_from_args(a, world: int) -> Layout:
         if a.recompute_granularity else None
     dp, _ = batch_geometry(a, world)
     return Layout(tp, pp, chunks, dp, a.sequence_parallel, a.pipeline_schedule, recompute,
+                  recompute_modules=tuple(a.recompute_modules or ("core_attn",)),
                   sharding=fsdp_flags.sharding(a), micro_batch_size=a.micro_batch_size,
                   ep=a.expert_model_parallel_size, etp=a.expert_tensor_parallel_size, cp=a.context_parallel_size,
                   cp_comm_type=context_flags.comm_type(a), cp_a2a=context_flags.a2a_level(a))

@@ -272,6 +272,11 @@ def _can_make_directory_in(directory: Path) -> bool:
 def recompute_problems(a: argparse.Namespace) -> list[str]:
     """Megatron's rules for the recompute flags, one line each."""
     per_rank = a.num_layers // a.pipeline_model_parallel_size
+    if a.recompute_modules is not None and a.recompute_granularity != "selective":
+        return ["--recompute-modules applies to --recompute-granularity selective (or --recompute-activations)"]
+    if "mla_up_proj" in (a.recompute_modules or ()) and not a.multi_latent_attention:
+        return ["--recompute-modules mla_up_proj recomputes multi-latent attention's up-projections: add "
+                "--multi-latent-attention or drop it"]
     if a.recompute_granularity is None:
         given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
         return [f"--{f.replace('_', '-')} needs --recompute-granularity full" for f in given]
