@@ -18,6 +18,7 @@ from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.models.gpt_pipeline import SELECTIVE_MODULES
 from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
+from fmeg.training import pipeline_layout
 from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, modelopt_flags, moe_flags,
                             mtp_flags)
 from fmeg.training.megatron_flags import (IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, MULTI_VALUED,
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="the ranks left over by tensor and pipeline parallelism are data parallel")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron's layout string, e.g. 'Et|(tt|)*3tmL': what each (virtual) stage holds; fmeg "
+                        "takes the even ones (fmeg.training.pipeline_layout)")
     g.add_argument("--pipeline-schedule", default="1f1b", choices=["1f1b", "gpipe", "zero_bubble"],
                    help="schedule without virtual stages (interleaved 1F1B is used with them)")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -325,6 +329,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     elif args.train_iters is None:
         args.train_iters = 100
     args.notices = megatron_leniencies(args) + moe_flags.leniencies(args)
+    args.layout_problems = pipeline_layout.apply(args)  # validate() names them
     from fmeg.training.checkpoint_args import router_without_bias
 
     older = router_without_bias(args)

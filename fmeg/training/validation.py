@@ -76,6 +76,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if a.ffn_hidden_size is not None:
         need(a.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+    problems.extend(getattr(a, "layout_problems", []))
     vp_chunks = 1
     if a.num_layers_per_virtual_pipeline_stage is not None:
         need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")

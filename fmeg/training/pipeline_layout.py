@@ -1,0 +1,88 @@
+"""Megatron's --pipeline-model-parallel-layout: a string naming what each pipeline stage holds.
+
+    "Et*3|(tt|)*29,m|L"     stages split by "|", in forward order (all pp ranks' first virtual stage, then their
+                            second...); E the embedding, t a decoder layer, m a multi-token prediction layer, L the
+                            loss; X*N and (...)*N repeat; commas are cosmetic; a stage may be empty
+
+The number of stages is pp x the virtual stages per rank. fmeg's pipeline holds the same number of decoder layers
+on every stage, the embedding on the first and the MTP layers with the loss on the last: a layout that says so
+sets --num-layers-per-virtual-pipeline-stage; any other is refused in one line naming the stage that differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_TOKEN = re.compile(r"\s*(?:(?P<symbol>[EtmL|])|(?P<open>\()|(?P<close>\))|\*\s*(?P<times>\d+))")
+
+
+def expand(text: str) -> str:
+    """The layout with every repetition written out and the commas dropped ("Et*2|(t|)*2L" -> "Ett|t|t|L");
+    ValueError naming what it cannot read."""
+    text = text.replace(",", "")
+    pos, stack = 0, [[]]
+    while pos < len(text.rstrip()):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise ValueError(f"cannot read {text[pos:]!r}: use E, t, m, L, |, (...) and *N")
+        pos = m.end()
+        if m["symbol"]:
+            stack[-1].append(m["symbol"])
+        elif m["open"]:
+            stack.append([])
+        elif m["close"]:
+            if len(stack) == 1:
+                raise ValueError("a ')' closes no '('")
+            group = "".join(stack.pop())
+            stack[-1].append(group)
+        else:
+            if not stack[-1]:
+                raise ValueError(f"'*{m['times']}' repeats nothing")
+            stack[-1][-1] *= int(m["times"])
+    if len(stack) != 1:
+        raise ValueError("a '(' is not closed")
+    return "".join(stack[0])
+
+
+def stages(text: str) -> list[str]:
+    """Each stage's symbols, in forward order."""
+    return expand(text).split("|")
+
+
+def layers_per_stage(text: str, num_layers: int, mtp_layers: int, pp: int) -> int:
+    """The decoder layers of every stage of a layout fmeg's pipeline holds; ValueError naming what differs."""
+    held = stages(text)
+    if len(held) % pp:
+        raise ValueError(f"its {len(held)} stages are not a multiple of --pipeline-model-parallel-size {pp}")
+    counts = {symbol: "".join(held).count(symbol) for symbol in "EtmL"}
+    if counts["t"] != num_layers or counts["m"] != mtp_layers or counts["E"] != 1 or counts["L"] != 1:
+        raise ValueError(f"it holds {counts['E']} E, {counts['t']} t, {counts['m']} m and {counts['L']} L; the model "
+                         f"has one embedding, {num_layers} decoder layers, {mtp_layers} MTP layers and one loss")
+    if not held[0].startswith("E"):
+        raise ValueError("fmeg's pipeline keeps the embedding at the start of the first stage")
+    if not held[-1].endswith("m" * mtp_layers + "L"):
+        raise ValueError("fmeg's pipeline keeps the MTP layers and the loss at the end of the last stage")
+    per = num_layers // len(held)
+    uneven = [i for i, s in enumerate(held) if s.count("t") != per]
+    if uneven or num_layers % len(held):
+        i = uneven[0] if uneven else 0
+        raise ValueError(f"stage {i} holds {held[i].count('t')} decoder layers; fmeg's pipeline splits the "
+                         f"{num_layers} evenly over the {len(held)} stages (uneven stages are not supported yet)")
+    return per
+
+
+def apply(a: argparse.Namespace) -> list[str]:
+    """Set --num-layers-per-virtual-pipeline-stage from the layout (in place); its problems, one line each."""
+    text = a.pipeline_model_parallel_layout
+    if text is None:
+        return []
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        return ["--pipeline-model-parallel-layout sets the virtual stages: drop --num-layers-per-virtual-pipeline-stage"]
+    try:
+        per = layers_per_stage(text, a.num_layers, a.mtp_num_layers or 0, a.pipeline_model_parallel_size)
+    except ValueError as e:
+        return [f"--pipeline-model-parallel-layout {text!r}: {e}"]
+    if len(stages(text)) > a.pipeline_model_parallel_size:
+        a.num_layers_per_virtual_pipeline_stage = per
+    return []
