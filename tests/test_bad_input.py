@@ -93,6 +93,11 @@ def runner_cases() -> list[tuple[list[str], str]]:
          "--yarn-original-max-position-embeddings sets YaRN's values for --enable-gpt-oss or "
          "--multi-latent-attention: add one"),
         (["--recompute-modules", "mlp"], "--recompute-modules applies to --recompute-granularity selective"),
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 acts with --use-precision-aware-optimizer"),
+        (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp8"],
+         "--exp-avg-sq-dtype fp8: moments in fp16 or fp8 need Megatron's scaling"),
+        (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+         "--main-grads-dtype bf16: fmeg keeps fp32 main weights and gradients"),
         (["--recompute-activations", "--recompute-modules", "mla_up_proj"],
          "--recompute-modules mla_up_proj recomputes multi-latent attention's up-projections"),
         (["--recompute-activations", "--recompute-modules", "attn"], "--recompute-modules: invalid choice"),

@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights and gradients")
+    t.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Adam's moments stored in --exp-avg-dtype and --exp-avg-sq-dtype, stepped in fp32")
+    for flag, choices in (("--main-grads-dtype", ["fp32", "bf16"]), ("--main-params-dtype", ["fp32", "fp16"]),
+                          ("--exp-avg-dtype", ["fp32", "fp16", "bf16", "fp8"]),
+                          ("--exp-avg-sq-dtype", ["fp32", "fp16", "bf16", "fp8"])):
+        t.add_argument(flag, choices=choices, default="fp32", help="with --use-precision-aware-optimizer")
     t.add_argument("--fp16", action="store_true", help="fp16 compute with a dynamic loss scaler")
     t.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and reduce gradients in bf16 (default fp32), as Megatron")

@@ -71,7 +71,8 @@ class FlatState:
                  decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
                  decoupled: Callable[[str, torch.Tensor], bool] | None = None,
                  grad_dtype: torch.dtype = torch.float32, dp_group: Any = None, device: Any = None,
-                 reshard_after_forward: str = "true"):
+                 reshard_after_forward: str = "true",
+                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
         """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then zeros until
         assign() fills them, a unit at a time, or a checkpoint is read); counted(path, leaf): whether the leaf
         counts toward the global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
@@ -80,7 +81,9 @@ class FlatState:
         (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params); device: the buffers'
         (default: the params'); reshard_after_forward (optim_grads_params): "true" frees every gathered unit after
         its forward, "false" keeps every one until its backward, "auto" keeps the embedding and the head
-        (torch's fully_shard default: its root module's)."""
+        (torch's fully_shard default: its root module's). moment_dtypes: the dtypes Adam's two moments are stored
+        in (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype with --use-precision-aware-optimizer: bf16 halves
+        them; the step computes in fp32 and rounds them back)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -101,8 +104,8 @@ class FlatState:
         mixed = compute_dtype != torch.float32
         self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
-        self.mu = torch.zeros(owned, device=device)
-        self.nu = torch.zeros(owned, device=device)
+        self.mu = torch.zeros(owned, device=device, dtype=moment_dtypes[0])
+        self.nu = torch.zeros(owned, device=device, dtype=moment_dtypes[1])
         self.assign(params)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
         self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
@@ -294,12 +297,16 @@ class FlatState:
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
+        narrow = self.mu.dtype != torch.float32 or self.nu.dtype != torch.float32
         for (decoupled, decays), views in self._adam_views.items():
             group_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
-            # torch's fused AdamW (CPU and CUDA): decoupled decay, moments and master in one pass
-            torch._fused_adamw_(*views, [], self._adam_steps[(decoupled, decays)], lr=group_lr, beta1=b1, beta2=b2,
-                                weight_decay=weight_decay if decays else 0.0, eps=eps, amsgrad=False,
-                                maximize=False, grad_scale=grad_scale)
+            options = dict(lr=group_lr, beta1=b1, beta2=b2, weight_decay=weight_decay if decays else 0.0, eps=eps,
+                           amsgrad=False, maximize=False, grad_scale=grad_scale)
+            steps = self._adam_steps[(decoupled, decays)]
+            if narrow:
+                _adamw_with_narrow_moments(views, steps, options)
+            else:  # torch's fused AdamW (CPU and CUDA): decoupled decay, moments and master in one pass
+                torch._fused_adamw_(*views, [], steps, **options)
 
     def refresh(self, dp_group: Any) -> None:
         """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group; with
@@ -335,3 +342,19 @@ def clip_scale(norm: torch.Tensor, clip_grad: float) -> torch.Tensor | None:
     """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): no pass of its
     own, no host sync."""
     return ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
+
+
+NARROW_CHUNK = 1 << 22  # elements widened to fp32 at a time: the scratch a narrow-moment step needs
+
+
+def _adamw_with_narrow_moments(views: list[list[torch.Tensor]], steps: list[torch.Tensor], options: dict) -> None:
+    """The fused AdamW over moments stored in a narrower dtype (bf16), as Megatron's precision-aware optimizer
+    runs it: each chunk's moments widened to fp32, stepped with the fp32 master and gradient, rounded back."""
+    master, grad, mu, nu = views
+    for i in range(len(master)):
+        for a in range(0, master[i].numel(), NARROW_CHUNK):
+            part = slice(a, a + NARROW_CHUNK)
+            m, v = mu[i][part].float(), nu[i][part].float()
+            torch._fused_adamw_([master[i][part]], [grad[i][part]], [m], [v], [], [steps[i]], **options)
+            mu[i][part].copy_(m)
+            nu[i][part].copy_(v)

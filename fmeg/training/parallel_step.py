@@ -210,12 +210,14 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
                compute_dtype: torch.dtype = torch.float32,
                adam: tuple[float, float, float] = (0.9, 0.999, 1e-8),
                grad_dtype: torch.dtype = torch.float32, device: Any = None,
-               reshard_after_forward: str = "true") -> FlatState:
+               reshard_after_forward: str = "true",
+               moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)) -> FlatState:
     """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta tensors with the
     device to hold the state on: state.assign() or a checkpoint then fills it): the model's weights in the compute
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
     parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
-    Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16). Under expert
+    Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16), Adam's moments
+    stored in moment_dtypes (Megatron's precision-aware optimizer: bf16, stepped in fp32). Under expert
     parallelism the experts' leaves have a state of their own (fmeg.training.expert_state)."""
     if layout.experts_apart:
         from fmeg.training.expert_state import ExpertSplitState
@@ -223,11 +225,11 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
         return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, sharding=layout.sharding,
                                 dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
                                 decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
-                                reshard_after_forward=reshard_after_forward)
+                                reshard_after_forward=reshard_after_forward, moment_dtypes=moment_dtypes)
     return FlatState(params, counted_once(config, layout, mesh), sharding=layout.sharding, dp=mesh.size("dp_cp"),
                      dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), compute_dtype=compute_dtype, adam=adam,
                      decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
-                     reshard_after_forward=reshard_after_forward)
+                     reshard_after_forward=reshard_after_forward, moment_dtypes=moment_dtypes)
 
 
 def local_shapes(config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:

@@ -108,6 +108,7 @@ class PrecisionConfig:
     compute_dtype: torch.dtype
     grad_dtype: torch.dtype  # Megatron's: fp32 (bf16's default), bf16 (--grad-reduce-in-bf16), fp16 (fp16's)
     scaler: loss_scale.LossScale | None  # the loss scaler a fresh run starts with (fp16, or a static --loss-scale)
+    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)  # Adam's (precision-aware)
 
     @property
     def name(self) -> str:
@@ -263,4 +264,9 @@ def _precision(a) -> PrecisionConfig:
         scaler = loss_scale.initial(a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis)
     else:
         scaler = None
-    return PrecisionConfig(compute, grad, scaler)
+    moments = tuple(MOMENT_DTYPES[d] for d in (a.exp_avg_dtype, a.exp_avg_sq_dtype)) \
+        if a.use_precision_aware_optimizer else (torch.float32, torch.float32)
+    return PrecisionConfig(compute, grad, scaler, moments)
+
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what fmeg's precision-aware optimizer stores

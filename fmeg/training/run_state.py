@@ -37,7 +37,7 @@ class MissingCheckpoint(ValueError):
 def _options(cfg, session) -> dict:
     return {"compute_dtype": cfg.precision.compute_dtype, "adam": cfg.training.adam,
             "grad_dtype": cfg.precision.grad_dtype, "device": session.device,
-            "reshard_after_forward": cfg.runtime.reshard_after_forward}
+            "reshard_after_forward": cfg.runtime.reshard_after_forward, "moment_dtypes": cfg.precision.moment_dtypes}
 
 
 def new_state(cfg, session) -> FlatState:

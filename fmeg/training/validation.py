@@ -147,6 +147,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
     problems.extend(recompute_problems(a))
+    problems.extend(optimizer_precision_problems(a))
     need(not a.sequence_parallel or a.seq_length % tp == 0,
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
          "--sequence-parallel")
@@ -268,6 +269,29 @@ def _can_make_directory_in(directory: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def optimizer_precision_problems(a: argparse.Namespace) -> list[str]:
+    """Megatron's precision-aware optimizer flags: the dtypes act with --use-precision-aware-optimizer only, and
+    fmeg stores the moments in fp32 or bf16 (fp16 and fp8 moments need Megatron's per-tensor scaling) with fp32
+    main weights and gradients."""
+    given = {flag: getattr(a, flag) for flag in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+                                                 "exp_avg_sq_dtype") if getattr(a, flag) != "fp32"}
+    if given and not a.use_precision_aware_optimizer:
+        flag, value = next(iter(given.items()))
+        return [f"--{flag.replace('_', '-')} {value} acts with --use-precision-aware-optimizer (as in Megatron): add "
+                "it, or drop the flag"]
+    out = []
+    for flag in ("main_grads_dtype", "main_params_dtype"):
+        if flag in given:
+            out.append(f"--{flag.replace('_', '-')} {given[flag]}: fmeg keeps fp32 main weights and gradients (not yet "
+                       "narrower ones); use fp32" + (" (--grad-reduce-in-bf16 reduces them in bf16)"
+                                                    if flag == "main_grads_dtype" else ""))
+    for flag in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if given.get(flag) in ("fp16", "fp8"):
+            out.append(f"--{flag.replace('_', '-')} {given[flag]}: moments in fp16 or fp8 need Megatron's scaling, "
+                       "which fmeg does not have yet; use bf16 or fp32")
+    return out
 
 
 def recompute_problems(a: argparse.Namespace) -> list[str]:
