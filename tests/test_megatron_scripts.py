@@ -322,3 +322,80 @@ def test_the_gpt_oss_script_trains_saves_and_resumes_with_per_layer_moe_logging(
     assert "resumed from" in stdout2 and "(iteration 4," in stdout2 and "fresh optimizer state" in stdout2
     assert [r["iteration"] for r in second] == list(range(5, 11))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+
+def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
+    """Megatron-MoE-ModelZoo's DeepSeek-V3 pretraining command (pretrain_gpt.py's flags, in their order), without
+    its FP8 flags (--fp8-recipe, --fp8-format, --moe-router-padding-for-fp8); sizes shrunk where marked, its
+    uneven --pipeline-model-parallel-layout made even for 4 layers (fmeg's pipeline splits evenly), its tokenizer a
+    local directory (fmeg never downloads)."""
+    return [
+        "--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",  # sizes: 8, 32
+        "--context-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer",
+        "--use-mcore-models", "--sequence-parallel", "--use-flash-attn", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", str(train_samples),  # 4096, 65528000
+        "--no-save-optim", "--no-check-for-nan-in-loss-and-grad", "--cross-entropy-loss-fusion",
+        "--cross-entropy-fusion-impl", "te", "--manual-gc", "--manual-gc-interval", "10",
+        "--transformer-impl", "transformer_engine", "--seq-length", "32",  # size: 4096
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir, "--mock-data",
+        "--split", "99,1,0", "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--num-workers", "6",
+        "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "96",  # sizes: 61, 7168, 18432
+        "--num-attention-heads", "4", "--kv-channels", "16", "--max-position-embeddings", "64",  # 128, 128, 4096
+        "--position-embedding-type", "rope", "--rotary-base", "10000", "--make-vocab-size-divisible-by", "3232",
+        "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--multi-latent-attention", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--clip-grad", "1.0",
+        "--weight-decay", "0.1", "--qk-layernorm", "--lr-decay-samples", "584765624", "--lr-warmup-samples", "16",
+        "--lr-warmup-init", "3.9e-7", "--lr", "3.9e-7", "--min-lr", "3.9e-7", "--lr-decay-style", "cosine",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--num-experts", "8",  # size: 256
+        "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-ffn-hidden-size", "16",  # sizes: ([0]*3+[1]*58), 2048
+        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "seq_aux_loss",
+        "--moe-router-topk", "4", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep",  # size: 8
+        "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4",
+        "--moe-router-group-topk", "2", "--moe-router-num-groups", "4",  # sizes: 4, 8
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3", "--moe-router-dtype", "fp32",
+        "--moe-permute-fusion", "--q-lora-rank", "48", "--kv-lora-rank", "32",  # sizes: 1536, 512
+        "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",  # sizes: 128, 64, 128
+        "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0", "--mtp-num-layers", "1",
+        "--mtp-loss-scaling-factor", "0.1", "--eval-iters", "2", "--eval-interval", "10000000",  # size: 32
+        "--no-load-optim", "--no-load-rng", "--auto-detect-ckpt-format", "--save", ckpt,
+        "--save-interval", "10000000", "--dist-ckpt-strictness", "log_all", "--init-method-std", "0.02",
+        "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard", "--log-throughput",
+        "--log-interval", "1", "--logging-level", "40", "--tensorboard-dir", f"{ckpt}/tensorboard", "--bf16",
+        "--enable-experimental", "--recompute-granularity", "selective",
+        "--recompute-modules", "mla_up_proj", "moe", "mlp", "layernorm",
+        "--pipeline-model-parallel-layout", "Et|t|t|tmL",  # Et*2|(tt|)*22t|(tt|)*7mL
+        "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32", "--main-params-dtype", "fp32",
+        "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+    ]
+
+
+@pytest.mark.slow  # four ranks, twice; each feature it runs has its own default-suite test
+def test_the_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
+    """Every flag of the DeepSeek-V3 pretraining command but FP8 runs as in Megatron: MLA with YaRN, DeepSeek-MoE
+    routing with the expert bias at ep 2, MTP, pp 2 with two virtual stages from its layout string, selective
+    recomputation of its modules, bf16 moments, the flex dispatcher as alltoall; it saves the weights only
+    (--no-save-optim) and, given --load, resumes them with a fresh optimizer (its --no-load-optim)."""
+    pytest.importorskip("tokenizers")
+    from test_data_preprocess import bpe_files
+
+    from fmeg.data.tokenizers import GPT2BPETokenizer
+
+    tokenizer_dir = tmp_path / "deepseek_tokenizer"
+    tokenizer_dir.mkdir()
+    GPT2BPETokenizer(*map(str, bpe_files(tmp_path)))._tok.save(str(tokenizer_dir / "tokenizer.json"))
+    ckpt = str(tmp_path / "ckpt")
+    first, stdout = run_recipe(tmp_path, "first", 4, deepseek_v3(str(tokenizer_dir), ckpt, 32), common=[])
+    assert "world 4 = tp 1 x pp 2 (x2 virtual) x dp 2 (experts: ep 2, tp 1)" in stdout
+    assert "recompute selective (mla_up_proj moe mlp layernorm)" in stdout
+    assert "ignored --pipeline-model-parallel-layout" not in stdout and "ignored --recompute-modules" not in stdout
+    train = [r for r in first if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    assert all("mtp_1 loss" in r and "seq_load_balancing_loss" in r for r in train)
+    second, stdout2 = run_recipe(tmp_path, "second", 4, [*deepseek_v3(str(tokenizer_dir), ckpt, 64), "--load", ckpt],
+                                 common=[])
+    assert "resumed from" in stdout2 and "(iteration 4," in stdout2 and "fresh optimizer state" in stdout2
+    assert [r["iteration"] for r in second if "lm_loss" in r] == [5, 6, 7, 8]
+    metadata = json.loads((tmp_path / "ckpt" / "iter_0000008" / "metadata.json").read_text())
+    assert metadata["optimizer_saved"] is False

@@ -91,5 +91,3 @@ def test_the_runner_trains_saves_and_resumes_bf16_moments_on_their_curve(tmp_pat
     run_layout(tmp_path, "first", 2, [*flags, "--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"])
     resumed = run_layout(tmp_path, "second", 2, [*flags, "--load", str(ckpt)])
     assert resumed == whole[10:]
-    fp32_moments = run_layout(tmp_path, "fp32", 2, ["--bf16", "--use-distributed-optimizer"])
-    assert whole != fp32_moments and all(abs(a - b) < 2e-2 * b for a, b in zip(whole, fp32_moments))
