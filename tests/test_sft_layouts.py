@@ -90,3 +90,28 @@ def test_sft_padding_for_context_parallelism_changes_no_loss(tmp_path, chat):
     """Conversations of any length, padded to multiples of 4 at cp 2 and not at one rank: the same curve."""
     one = curve(tmp_path, "any_single", 1, chat[1])
     assert_same(curve(tmp_path, "any_cp2", 2, [*chat[1], "--context-parallel-size", "2"]), one)
+
+
+# Experts with both balance losses: their padded tokens are routed but left out of the losses (megatron-core's
+# padding_mask), so the losses, like the LM loss, do not depend on how much padding a layout adds.
+EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff",
+           "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-router-load-balancing-type", "seq_aux_loss"]
+
+
+def moe_curves(tmp_path, name, nproc, flags) -> dict[str, list[float]]:
+    records, _ = run_recipe(tmp_path, name, nproc, [*LLAMA, *EXPERTS, *flags])
+    train = [r for r in records if "lm_loss" in r]
+    return {k: [r[k] for r in train] for k in ("lm_loss", "seq_load_balancing_loss", "z_loss")}
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    pytest.param("cp2", ["--context-parallel-size", "2"], marks=pytest.mark.slow),
+])
+def test_sft_experts_leave_padding_out_of_their_balance_losses_at_any_layout(tmp_path, chat, name, flags):
+    """Conversations of any length (rows end in padding; cp 2 pads each conversation to a multiple of 4 as well):
+    the LM loss and both balance losses follow one rank's curve."""
+    one = moe_curves(tmp_path, "single", 1, chat[1])
+    other = moe_curves(tmp_path, name, 2, [*chat[1], *flags])
+    for key in one:
+        assert_same(other[key], one[key])

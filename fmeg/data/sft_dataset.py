@@ -1,11 +1,13 @@
 """SFT samples (--sft): the conversations of an SFTCorpus laid into rows of seq_len tokens, each its own document.
 
-A sample is {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"}, as GPTDataset's under
+A sample is {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "padding_mask"}, as GPTDataset's under
 --reset-position-ids --reset-attention-mask: its conversations one after another, each attending to itself only
 (cu_seqlens [s + 1], padded with s) with positions restarting at 0, each followed by padding up to a multiple
 of 2 x cp when cp > 1 (Megatron's granularity for context parallelism). Padding continues the positions of the
 document before it, joins that document, and is never trained on; the last document takes the row's padding.
-loss_mask is 1 where the label is a token of an answer or a conversation's closing end of document.
+loss_mask is 1 where the label is a token of an answer or a conversation's closing end of document; padding_mask
+is True where the input token is padding (megatron-core's padding_mask: experts route those tokens, but their
+balance losses and load counts leave them out).
 
 Which conversations a sample holds:
     default                 those of one line, as Megatron-LM's SFTDataset: a line that does not fit is cut at
@@ -79,26 +81,28 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = i % (len(self.group_starts) - 1)
         s, pad, step = self.seq_len, self.pad, self.granularity
-        tokens, trained, positions, ends, total = [], [], [], [], 0
+        tokens, trained, padded, positions, ends, total = [], [], [], [], [], 0
         for c in range(int(self.group_starts[g]), int(self.group_starts[g + 1])):
             ids, flags = self.corpus.tokens[c], self.corpus.trained[c]
             extra = -len(ids) % step
             tokens += [ids, np.full(extra, pad)]
             trained += [flags, np.zeros(extra, np.uint8)]
+            padded += [np.zeros(len(ids), bool), np.ones(extra, bool)]
             positions.append(np.arange(len(ids) + extra))
             total += len(ids) + extra
             ends.append(total)
             if total >= s + 1:  # cut: the row's last token, a label only, becomes padding
                 break
         tokens, trained = np.concatenate(tokens).astype(np.int64), np.concatenate(trained).astype(np.float32)
-        positions = np.concatenate(positions)
+        positions, padded = np.concatenate(positions), np.concatenate(padded)
         if total >= s + 1:
-            tokens, trained, positions = tokens[:s + 1], trained[:s + 1], positions[:s + 1]
-            tokens[s], trained[s] = pad, 0.0
+            tokens, trained, positions, padded = tokens[:s + 1], trained[:s + 1], positions[:s + 1], padded[:s + 1]
+            tokens[s], trained[s], padded[s] = pad, 0.0, True
         else:
             more = s + 1 - total
             tokens = np.concatenate([tokens, np.full(more, pad)])
             trained = np.concatenate([trained, np.zeros(more, np.float32)])
+            padded = np.concatenate([padded, np.ones(more, bool)])
             positions = np.concatenate([positions, positions[-1] + 1 + np.arange(more)])
         cu_seqlens = np.full(s + 1, s, dtype=np.int64)
         cu_seqlens[0] = 0
@@ -106,7 +110,7 @@ class SFTDataset(torch.utils.data.Dataset):
         return {"tokens": torch.from_numpy(tokens[:-1].copy()), "labels": torch.from_numpy(tokens[1:].copy()),
                 "loss_mask": torch.from_numpy(trained[1:].copy()),
                 "position_ids": torch.from_numpy(positions[:-1].astype(np.int64)),
-                "cu_seqlens": torch.from_numpy(cu_seqlens)}
+                "cu_seqlens": torch.from_numpy(cu_seqlens), "padding_mask": torch.from_numpy(padded[:-1].copy())}
 
 
 def build_sft_datasets(data_path: list[str] | str, split: str, seq_len: int, num_samples: list[int], tokenizer, *,

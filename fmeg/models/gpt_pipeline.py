@@ -146,7 +146,7 @@ def _pieces(config: GPTConfig, tp: TensorParallel, recompute: frozenset[str],
     def aux_of(batch: dict) -> moe.AuxLosses:
         return moe.AuxLosses(batch.get("loss_seed", 1.0), batch.get("moe_metrics"), batch.get("moe_counts"),
                              batch.get("moe_global_counts"), batch.get("moe_one_hot"), batch.get("moe_seen"),
-                             batch.get("router_key"))
+                             batch.get("router_key"), batch.get("padding_mask"))
 
     def span(params: Params, x: torch.Tensor | None, batch: dict, first_layer: int = 0,
              final: bool = False) -> torch.Tensor:

@@ -65,6 +65,7 @@ class AuxLosses:
     one_hot: torch.Tensor | None = None
     seen: torch.Tensor | None = None
     router_key: Any = None  # --moe-router-force-load-balancing: the microbatch's key of the random logits
+    padding: torch.Tensor | None = None  # [b, s] True at padded input positions (this rank's context chunk), or None
 
 
 NO_AUX = AuxLosses()
@@ -216,44 +217,70 @@ def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | N
     return probs.reshape(s, b, -1).transpose(0, 1), experts.reshape(s, b, -1).transpose(0, 1)
 
 
+def valid_tokens(padding_BS: torch.Tensor | None, tp: TensorParallel = NO_TP) -> torch.Tensor | None:
+    """[b, s] float, 1 for the tokens held here that are not padding (None without a padding mask); padding holds
+    this rank's context chunk, whose tp piece a rank holds under sequence parallelism."""
+    if padding_BS is None:
+        return None
+    if tp.sp and tp.size > 1:
+        padding_BS = padding_BS.chunk(tp.size, dim=SEQ_DIM)[tp.rank]
+    return (~padding_BS.bool()).float()
+
+
 def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP, aux: AuxLosses = NO_AUX,
-                   index: int = 0) -> dict[str, torch.Tensor]:
+                   index: int = 0, valid_BS: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """This rank's part of each auxiliary loss (coefficient not applied): under sequence and context parallelism
     (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole microbatch, as on one rank.
     global_aux_loss counts the tokens of every data rank (tp.experts.balance_group, megatron-core's tp-dp-cp group),
     averaged over the step's microbatches so far: the parts over every rank sum to the loss of the data-parallel
-    batch, so it depends on dp and the microbatches by its definition."""
+    batch, so it depends on dp and the microbatches by its definition. valid_BS (valid_tokens): megatron-core's
+    padding_mask, the padded tokens' scores and choices left out and the losses' token counts those of the
+    others (each sequence counting the sequences' mean for seq_aux_loss; the z-loss a mean over them: the whole
+    microbatch's, where megatron-core averages each rank's own mean, which would depend on the layout)."""
     out = {}
     b, s, e = logits_BSE.shape
     k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
     partition = [g for g in (tp.group if tp.sp else None, tp.context.group) if g is not None]
     parts = (tp.size if tp.sp else 1) * tp.context.size
+    valid = None if valid_BS is None else valid_BS.reshape(b * s, 1)
     if kind != "none" and config.moe_aux_loss_coeff > 0:
         scores, chosen = moe_ops.aux_scores(logits_BSE.reshape(b * s, e), k, config.moe_router_score_function)
+        if valid is not None:
+            scores, chosen = scores * valid.to(scores.dtype), chosen * valid.to(chosen.dtype)
         if kind == "aux_loss":
             counts = chosen.sum(dim=0)
             for group in partition:
                 counts = C.all_reduce_constant(counts, group)
-            out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * parts, k)
+            total = b * s * parts if valid is None else counts.sum() / k
+            out["load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, total, k)
         elif kind == "global_aux_loss":
             group = tp.experts.balance_group
             counts = C.all_reduce_constant(chosen.sum(dim=0), group)
+            ranks = 1 if group is None else group.size
+            total = b * s * ranks if valid is None else counts.sum() / k  # this microbatch's, as megatron-core's
             if aux.global_counts is not None:  # this microbatch's row, then the running average over the step's
                 rows = aux.global_counts[:, index]
                 rows.copy_(torch.where(aux.one_hot[:, None] > 0, counts.to(rows.dtype), rows))
                 seen = aux.seen.to(counts.dtype)
                 counts = (seen[:, None] * rows.to(counts.dtype)).sum(dim=0) / seen.sum()
-            ranks = 1 if group is None else group.size
-            out["global_load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, b * s * ranks, k)
+            out["global_load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, total, k)
         else:  # seq_aux_loss: per sequence, over its whole length (its pieces gathered: the order does not matter)
             scores = scores.reshape(b, s, e)
             chosen = chosen.reshape(b, s, e)
             for group in partition:
                 scores = C.gather_from_sp(scores, group, SEQ_DIM)
                 chosen = C.all_gather_constant(chosen, group, SEQ_DIM)
-            out["load_balancing_loss"] = moe_ops.sequence_aux_loss(scores, chosen, k) / parts  # each holds all of it
+            per_sequence = None if valid is None else chosen.sum() / (k * b)
+            out["load_balancing_loss"] = moe_ops.sequence_aux_loss(scores, chosen, k, per_sequence) / parts
     if config.moe_z_loss_coeff:
-        out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e)) / parts
+        if valid is None:
+            out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e)) / parts
+        else:  # this rank's share of the mean over every unpadded token of the microbatch (one rank's: megatron-core's)
+            held = valid[:, 0].sum()
+            whole = held
+            for group in partition:
+                whole = C.all_reduce_constant(whole, group)
+            out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e), valid[:, 0]) * held / whole.clamp(min=1.0)
     return out
 
 
@@ -329,11 +356,14 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     if config.moe_router_force_load_balancing:
         logits = random_logits(logits, ops.fold_in(0 if aux.router_key is None else aux.router_key, index), tp)
     probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
+    valid = valid_tokens(aux.padding, tp)
     if aux.counts is not None:  # tokens per expert here, for the expert-bias update after the step
         kept = (probs != 0).to(logits.dtype).detach()
+        if valid is not None:  # padded tokens are routed but not counted (megatron-core's padding_mask)
+            kept = kept * valid[..., None].to(kept.dtype)
         aux.counts[index] = torch.zeros(logits.shape[-1], dtype=aux.counts.dtype, device=logits.device).index_add(
             0, experts.reshape(-1), kept.reshape(-1).to(aux.counts.dtype))
-    losses = balance_losses(logits, config, tp, aux, index)
+    losses = balance_losses(logits, config, tp, aux, index, valid)
     coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff,
               "global_load_balancing_loss": config.moe_aux_loss_coeff}
     if losses:

@@ -24,6 +24,7 @@ sequence and take this rank's chunks back; each rank's loss is its tokens' share
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ def depth_losses(params: Params, x_BSH: torch.Tensor, batch: dict, config, *, tp
     last stage's (or the whole model's). Each depth's mean (this rank's share under cp) is written to
     batch["mtp_metrics"][k] when the batch has that buffer."""
     cp, documents = tp.context, batch.get("cu_seqlens")
+    aux = dataclasses.replace(aux, padding=None)  # megatron-core's MTP block routes without the padding mask
     tokens, labels = batch["tokens"], batch["labels"]
     mask = batch.get("loss_mask")
     mask = torch.ones(labels.shape, device=labels.device) if mask is None else mask

@@ -103,16 +103,21 @@ def switch_aux_loss(scores_TE: torch.Tensor, tokens_per_expert: torch.Tensor, to
     return (scores_TE.sum(dim=0) * tokens_per_expert).sum() * (e / (topk * total_tokens * total_tokens))
 
 
-def sequence_aux_loss(scores_BSE: torch.Tensor, map_BSE: torch.Tensor, topk: int) -> torch.Tensor:
-    """DeepSeek's sequence-level balance loss: the switch loss of each sequence, averaged over sequences."""
+def sequence_aux_loss(scores_BSE: torch.Tensor, map_BSE: torch.Tensor, topk: int,
+                      tokens_per_sequence: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek's sequence-level balance loss: the switch loss of each sequence, averaged over sequences.
+    tokens_per_sequence: the tokens a sequence counts (default its length; with padding, megatron-core's mean of
+    the sequences' unpadded tokens, the padded ones' scores and choices being zero)."""
     _, s, e = scores_BSE.shape
-    fraction = map_BSE.sum(dim=1) * (e / (s * topk))
-    return (fraction * scores_BSE.mean(dim=1)).sum(dim=-1).mean()
+    count = s if tokens_per_sequence is None else tokens_per_sequence
+    fraction = map_BSE.sum(dim=1) * (e / (count * topk))
+    return (fraction * scores_BSE.sum(dim=1) / count).sum(dim=-1).mean()
 
 
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared."""
-    return torch.logsumexp(_at_least_fp32(logits_TE), dim=-1).square().mean()
+def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared (over the valid ones: 1 / 0 each)."""
+    z = torch.logsumexp(_at_least_fp32(logits_TE), dim=-1).square()
+    return z.mean() if valid_T is None else (z * valid_T).sum() / valid_T.sum().clamp(min=1.0)
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:

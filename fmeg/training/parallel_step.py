@@ -309,12 +309,13 @@ def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, sta
 
 
 def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale: float, per_token: bool,
-                    cp: int = 1) -> tuple[list[dict], tuple[torch.Tensor, torch.Tensor | None]]:
+                    cp: int = 1, cp_group: Any = None) -> tuple[list[dict], tuple[torch.Tensor, torch.Tensor | None]]:
     """For a mixture of experts, the microbatches (copies) with what their auxiliary losses need: loss_seed, the
     backward seed of their sum (loss scale / microbatches; with per-token losses, loss scale times the number of
     the microbatch's tokens, loss-masked or not, as megatron-core's router scales them: each of the cp ranks
     holding 1/cp of them seeds its part of the balance losses with the whole microbatch's count, so the curve is
-    one rank's), and moe_metrics, this microbatch's row of a
+    one rank's; with a padding_mask, its unpadded tokens, summed over cp_group, as megatron-core's router counts
+    them), and moe_metrics, this microbatch's row of a
     [microbatches, layers, len(moe.METRICS)] buffer (returned) the layers write their values into, and with
     the expert bias moe_counts, its row of a [microbatches, layers, experts] buffer of tokens per expert (layers:
     the decoder's, then the multi-token prediction layers')."""
@@ -331,6 +332,9 @@ def with_aux_losses(microbatches: list[dict], config: gpt.GPTConfig, loss_scale:
         # (the loss mask does not enter), which the division by the global batch's loss tokens then cancels
         seed = torch.tensor(loss_scale * (mb["tokens"].numel() * cp if per_token else 1.0 / len(microbatches)),
                             device=device)
+        if per_token and mb.get("padding_mask") is not None:
+            unpadded = (~mb["padding_mask"].bool()).sum().to(device=device, dtype=seed.dtype)
+            seed = loss_scale * (cp_group.all_reduce(unpadded) if cp_group is not None else unpadded)
         step = {}
         if global_counts is not None:  # microbatch i writes row i and averages rows 0..i
             order = torch.arange(m, device=device)
@@ -441,7 +445,8 @@ def train_iteration(state: FlatState, microbatches: list[dict], *, config: gpt.G
     fns = {s: gp.stage_segments(config, s, layout.num_stages, tp, layout.recompute, compile, per_token, fused,
                                 layout.recompute_modules) for s in params}
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
-    microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token, layout.cp) \
+    microbatches, (moe_metrics, moe_counts) = with_aux_losses(microbatches, config, loss_scale, per_token, layout.cp,
+                                                              mesh.group("cp")) \
         if config.num_experts else (microbatches, (None, None))
     microbatches, mtp_metrics = with_mtp_metrics(microbatches, config)
     # summed over dp x cp, divided by dp: each cp rank's gradient is its tokens' share, so the sum over cp of the

@@ -28,9 +28,10 @@ from fmeg.training.sample_loader import SampleLoader
 
 def collate(samples: list[dict], data) -> dict:
     """The microbatch of samples: tokens, labels and loss_mask, with each row's position_ids under
-    --reset-position-ids and its cu_seqlens under --reset-attention-mask (data: the run's DataConfig)."""
+    --reset-position-ids, its cu_seqlens under --reset-attention-mask and its padding_mask under --sft (data: the
+    run's DataConfig)."""
     keys = ("tokens", "labels", "loss_mask") + ("position_ids",) * data.reset_position_ids + \
-        ("cu_seqlens",) * data.reset_attention_mask
+        ("cu_seqlens",) * data.reset_attention_mask + ("padding_mask",) * data.sft
     return {k: torch.stack([s[k] for s in samples]) for k in keys}
 
 
