@@ -216,3 +216,29 @@ def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
     for name, value in model_flags(dataclasses.asdict(config)).items():
         setattr(a, name, value)
     assert model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size) == config
+
+
+def test_a_kimi_k2_directory_imports_as_deepseek_v3_and_an_fp8_one_is_refused_in_one_line(tmp_path):
+    """Kimi-K2's config.json names model_type kimi_k2 (with its own modelling code, which fmeg never runs) and the
+    legacy rope_scaling: it imports as the DeepseekV3ForCausalLM it is. The released FP8 weights (a
+    quantization_config) are one line saying to convert them first."""
+    import json
+
+    hf = tiny_deepseek_v3(seed=6)
+    hf.save_pretrained(tmp_path / "kimi")
+    fields = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    rope = fields.pop("rope_parameters")
+    fields |= {"model_type": "kimi_k2", "rope_theta": rope.pop("rope_theta"),
+               "rope_scaling": {**rope, "type": rope.pop("rope_type")},
+               "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(fields))
+    config, params = read_dir(str(tmp_path / "kimi"))
+    assert config == from_hf(hf)[0]
+    tokens = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt.apply(params, tokens, config), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(fields))
+    assert convert_checkpoint.main(["import-hf", "--input", str(tmp_path / "kimi"), "--save",
+                                    str(tmp_path / "ckpt")]) == 2
+    assert not (tmp_path / "ckpt").exists()

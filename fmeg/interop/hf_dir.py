@@ -97,6 +97,26 @@ def refuse_non_finite(root: Path, model: Any) -> None:
                                  "fmeg imports finite weights only: download the file again or repair the weight")
 
 
+# model types whose checkpoints ship their own modelling code (never run here) for a class transformers has
+SAME_AS = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: DeepseekV3ForCausalLM with its own model_type
+
+
+def _config_transformers_holds(fields: dict, root: Path) -> Any:
+    """transformers' config for a model type it does not know but holds under another name (SAME_AS), else None
+    (from_pretrained reads config.json itself)."""
+    import transformers
+
+    holder = SAME_AS.get(fields["model_type"])
+    if holder is None:
+        return None
+    skipped = ("model_type", "auto_map", "architectures", "transformers_version", "torch_dtype", "dtype")
+    try:
+        return transformers.AutoConfig.for_model(holder, **{k: v for k, v in fields.items() if k not in skipped})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--input {root / 'config.json'}: not a {holder} configuration as its model_type "
+                         f"{fields['model_type']!r} implies ({' '.join(str(e).split())[:200]})") from None
+
+
 def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ...]] = lambda _: ()
                    ) -> tuple[Any, dict[str, torch.Tensor]]:
     """(a transformers causal LM in fp32, {name: tensor} of the files' tensors under extra_prefixes(its config)),
@@ -105,9 +125,16 @@ def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ..
     from safetensors import safe_open
 
     root = Path(input_dir)
-    if not _json_object(root / "config.json").get("model_type"):
+    fields = _json_object(root / "config.json")
+    if not fields.get("model_type"):
         raise ValueError(f"--input {root / 'config.json'}: no model_type; use the config.json that came with the "
                          "weights")
+    quantized = fields.get("quantization_config")
+    if isinstance(quantized, dict) and quantized:
+        raise ValueError(f"--input {root}: its weights are quantized ({quantized.get('quant_method', 'see')} "
+                         "quantization_config, as DeepSeek-V3 and Kimi-K2 are released in FP8 blocks); fmeg imports "
+                         "bf16 or fp32 weights: convert them first (DeepSeek-V3's inference/fp8_cast_bf16.py)")
+    config = _config_transformers_holds(fields, root)
     files = weight_files(root)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its load report and progress bars: fmeg reports in one line
@@ -115,7 +142,7 @@ def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ..
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(root), local_files_only=True, use_safetensors=True, output_loading_info=True,
-            ignore_mismatched_sizes=True, dtype=torch.float32)
+            ignore_mismatched_sizes=True, dtype=torch.float32, **({"config": config} if config else {}))
     except (ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"--input {root}: transformers cannot build the model from it: "
                          f"{' '.join(str(e).split())[:300]}") from None
