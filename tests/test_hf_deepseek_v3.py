@@ -14,7 +14,7 @@ from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, mtp_files, read_dir, to_hf
 from fmeg.models import gpt, mtp
 from recipes import convert_checkpoint
-from runner_harness import greedy_at_tp1_and_tp2
+from runner_harness import assert_same_logits_and_round_trip, greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 VOCAB, LAYERS = 97, 3
@@ -63,15 +63,7 @@ def test_imported_deepseek_v3_logits_equal_transformers_and_export_round_trips(q
     assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_topk_scaling_factor,
             config.moe_shared_expert_intermediate_size, config.rope_type) == (4, 2, 2.5, 16, "yarn")
     assert tree.flatten(params).keys() == tree.flatten(gpt.init(config, 0)).keys()
-    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
-    back = to_hf(params, config)
-    assert type(back) is type(hf)
-    config2, params2 = from_hf(back)
-    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
-                                                                        tree.tree_leaves(params)))
+    assert_same_logits_and_round_trip(hf, config, params, VOCAB, 1)
 
 
 def test_greedy_generation_of_an_imported_deepseek_v3_gives_transformers_tokens():

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from fmeg import tree
 from fmeg.inference import SamplingParams, generate
-from fmeg.interop.hf import from_hf, to_hf
+from fmeg.interop.hf import from_hf
 from fmeg.models import gpt
+from runner_harness import assert_same_logits_and_round_trip
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,15 +57,7 @@ def test_imported_logits_equal_transformers_and_export_round_trips(family, group
     config, params = from_hf(hf)
     assert (config.qk_norm, config.qkv_bias, config.rope_scaling is not None, config.tie_embeddings) == (
         family == "qwen3", family == "qwen2.5", family.startswith("llama"), family in ("llama3.2", "qwen2.5"))
-    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
-    back = to_hf(params, config)
-    assert type(back) is type(hf)
-    config2, params2 = from_hf(back)
-    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
-                                                                        tree.tree_leaves(params)))
+    assert_same_logits_and_round_trip(hf, config, params, 97, seed)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

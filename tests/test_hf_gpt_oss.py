@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 
-from fmeg import tree
 from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, to_hf
 from fmeg.models import gpt
-from runner_harness import greedy_at_tp1_and_tp2
+from runner_harness import assert_same_logits_and_round_trip, greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,15 +42,7 @@ def test_imported_gpt_oss_logits_equal_transformers_and_export_round_trips():
     assert (config.softmax_type, config.window_size, config.window_attn_skip_freq) == ("learnable", 3, (1, 0, 1))
     assert (config.activation, config.activation_func_clamp_value, config.yarn_round_to_int) == ("quick_geglu", 0.8,
                                                                                                  False)
-    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
-    back = to_hf(params, config)
-    assert type(back) is type(hf)
-    config2, params2 = from_hf(back)
-    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
-                                                                        tree.tree_leaves(params)))
+    assert_same_logits_and_round_trip(hf, config, params, 97, 1)
 
 
 def test_greedy_generation_of_an_imported_gpt_oss_gives_transformers_tokens():

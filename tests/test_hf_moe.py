@@ -5,11 +5,10 @@ first layer (mlp_only_layers)."""
 import pytest
 import torch
 
-from fmeg import tree
 from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, to_hf
 from fmeg.models import gpt
-from runner_harness import greedy_at_tp1_and_tp2
+from runner_harness import assert_same_logits_and_round_trip, greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,15 +44,7 @@ def test_imported_moe_logits_equal_transformers_and_export_round_trips(family, n
     assert config.num_experts == 4 and config.moe_router_topk == 2
     assert gpt.moe.moe_layers(config) == ((True,) * 3 if family == "mixtral" else (False, True, True))
     assert config.moe_router_pre_softmax == (not norm_topk_prob)
-    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours, theirs = gpt.apply(params, tokens, config), hf(tokens).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
-    back = to_hf(params, config)
-    assert type(back) is type(hf)
-    config2, params2 = from_hf(back)
-    assert config2 == config and all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params2),
-                                                                        tree.tree_leaves(params)))
+    assert_same_logits_and_round_trip(hf, config, params, 97, 1)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
