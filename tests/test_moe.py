@@ -226,14 +226,16 @@ def plain_objective(params, batch, config):
 
 
 def lm_and_balance(params, batch, config):
-    """(the LM loss, every layer's coefficient-weighted balance losses summed), each MoE layer a loop over experts."""
+    """(the LM loss, every layer's coefficient-weighted balance losses summed), each MoE layer a loop over experts
+    (its balance losses leaving out the batch's padding_mask, when it has one)."""
     extra = []
+    valid = moe.valid_tokens(batch.get("padding_mask"))
 
-    def loop_moe(p, x, config, tp, *, activation, aux, index):
+    def loop_moe(p, x, config, tp, *, activation, aux, index, recompute=frozenset()):
         b, s, h = x.shape
         logits = moe.router_logits(p, x, config)
         probs, experts = moe.route_tokens(logits, config)
-        losses = moe.balance_losses(logits, config)
+        losses = moe.balance_losses(logits, config, valid_BS=valid)
         extra.append(sum({"load_balancing_loss": config.moe_aux_loss_coeff,
                           "z_loss": config.moe_z_loss_coeff or 0.0}[n] * v for n, v in losses.items()))
         fc1, fc2 = p["experts"]["fc1"], p["experts"]["fc2"]
@@ -300,6 +302,40 @@ def test_per_token_loss_scales_each_balance_loss_by_all_its_microbatchs_tokens_a
     for path, grad in tree.items(got):
         torch.testing.assert_close(grad, tree.flatten(want)[path], rtol=1e-4, atol=1e-6, msg=path)
     assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
+
+
+def test_per_token_loss_with_padding_seeds_each_balance_loss_with_its_unpadded_tokens():
+    """--calculate-per-token-loss with a padding_mask (--sft's): megatron-core's router scales its balance losses by
+    the tokens it counted, the unpadded ones, so the objective is (sum of the token losses + sum over microbatches
+    of unpadded tokens x balance losses over them) / loss tokens."""
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
+    config = moe_config(moe_z_loss_coeff=1e-2)
+    params = gpt.init(config, 0)
+    microbatches = []
+    for seed, cut in ((0, 6), (1, 3)):
+        mb = batch_for(config, seed=seed)
+        padding = torch.zeros(mb["tokens"].shape, dtype=torch.bool)
+        padding[1, cut:] = True
+        microbatches.append({**mb, "loss_mask": (~padding).float(), "padding_mask": padding})
+    tokens = sum(gpt.loss_tokens(mb) for mb in microbatches)
+
+    def objective(p):
+        total = 0.0
+        for mb in microbatches:
+            lm, balance = lm_and_balance(p, mb, config)
+            total = total + gpt.loss_tokens(mb) * lm + (~mb["padding_mask"]).sum() * balance
+        return total / tokens
+
+    want = torch.func.grad(objective)(params)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
+    train_iteration(state, microbatches, config=config, layout=layout, mesh=mesh, lr=0.0, weight_decay=0.0,
+                    clip_grad=0.0, per_token=True)
+    got = state.flat.views(state.main_grad())[0]
+    for path, grad in tree.items(got):
+        torch.testing.assert_close(grad, tree.flatten(want)[path], rtol=1e-4, atol=1e-6, msg=path)
 
 
 @pytest.mark.parametrize("backend, world, balance", [("threads", 2, "aux_loss"), ("threads", 4, "aux_loss"),
