@@ -373,14 +373,14 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
             values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
             aux.metrics[index] = values / tp.size if replicated else values
     expert_activation = (lambda h: ops.recomputed(activation, h)) if "moe_act" in recompute else activation
-    alltoall = config.moe_token_dispatcher_type == "alltoall" and not replicated
+    # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
+    alltoall = config.moe_token_dispatcher_type == "alltoall" and not replicated and not torch.compiler.is_compiling()
     if alltoall and expert_tp[2] > 1:
         raise ValueError("the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
                          "(--expert-tensor-parallel-size 1)")
 
     def experts_and_shared(q: Params, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
-        if alltoall and not torch.compiler.is_compiling():
+        if alltoall:
             y = alltoall_experts(q["experts"], x, probs, experts, ep, expert_activation)
         else:
             y = allgather_experts(q["experts"], x, probs, experts, dispatch, ep.rank, expert_tp, expert_activation)
