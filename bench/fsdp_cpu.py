@@ -10,7 +10,8 @@ init peak is the resident high-water mark (VmHWM) while it is built, less the re
 whole model's fp32 size that building it whole on each rank would add. The step peak is the high-water mark over
 the timed steps, reset after the state is built, less the resident size just before the steps' first
 allocation; the state figure is the persistent buffers' bytes. Prints a table and each strategy's ratios to
-no_shard, measured in the same run.
+no_shard, measured in the same run. The last row is the distributed optimizer with Megatron's precision-aware
+optimizer's bf16 moments (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import time
 
 import torch
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# (row, sharding, Adam's moments' dtype)
+STRATEGIES = (("no_shard", "no_shard", torch.float32), ("optim", "optim", torch.float32),
+              ("optim_grads", "optim_grads", torch.float32), ("optim_grads_params", "optim_grads_params", torch.float32),
+              ("optim, bf16 moments", "optim", torch.bfloat16))
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,7 +50,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int) -> dict:
+def rank_program(mesh, sharding: str, moments: torch.dtype, sizes: dict, microbatches: int, steps: int) -> dict:
     from fmeg.models import gpt
     from fmeg.training.parallel_step import Layout, initialized_state, train_iteration
 
@@ -56,7 +60,8 @@ def rank_program(mesh, sharding: str, sizes: dict, microbatches: int, steps: int
     layout = Layout(dp=mesh.size("dp"), sharding=sharding)
     _reset_peak()
     start = _status_kb("VmRSS")
-    state = initialized_state(config, layout, mesh, seed=0, compute_dtype=torch.bfloat16, device="cpu")
+    state = initialized_state(config, layout, mesh, seed=0, compute_dtype=torch.bfloat16, device="cpu",
+                              moment_dtypes=(moments, moments))
     init_mb = (_status_kb("VmHWM") - start) / 1024
     g = torch.Generator().manual_seed(mesh.coord("dp"))
     batches = []
@@ -93,13 +98,13 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     sizes = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq")}
     rows = {}
-    for sharding in STRATEGIES:
+    for row, sharding, moments in STRATEGIES:
         pool = GlooRanks(4, timeout=1800)
         try:
-            results = pool.run(rank_program, sharding, sizes, a.microbatches, a.steps, tp=1)
+            results = pool.run(rank_program, sharding, moments, sizes, a.microbatches, a.steps, tp=1)
         finally:
             pool.close()
-        rows[sharding] = {k: max(r[k] for r in results) for k in results[0]}
+        rows[row] = {k: max(r[k] for r in results) for k in results[0]}
     n = rows["no_shard"]["params"]
     print(f"dp 4 on gloo, {n / 1e6:.0f}M parameters, bf16 + fp32 master, {a.microbatches} microbatches of "
           f"1 x {a.seq} per rank, {os.cpu_count()} cores; median of {a.steps} steps; max over ranks")
