@@ -33,6 +33,9 @@ LAYOUTS = [  # all -m slow; tests/test_parallel_gpt.py checks MLA under tp in th
                  marks=pytest.mark.slow),
     pytest.param("recompute_selective_compiled", 1, ["--recompute-granularity", "selective", "--compile"],
                  marks=pytest.mark.slow),
+    pytest.param("recompute_modules_tp2_sp_compiled", 2, [  # the DeepSeek-V3 script's modules, and the rest
+        *TP2_SP, "--recompute-activations", "--recompute-modules", "mla_up_proj", "moe", "mlp", "layernorm",
+        "core_attn", "moe_act", "shared_experts", "--compile"], marks=pytest.mark.slow),
 ]
 
 
