@@ -104,9 +104,10 @@ def moe_curves(tmp_path, name, nproc, flags) -> dict[str, list[float]]:
     return {k: [r[k] for r in train] for k in ("lm_loss", "seq_load_balancing_loss", "z_loss")}
 
 
+@pytest.mark.slow  # the padding's semantics are checked against megatron-core's router in tests/test_moe_padding.py
 @pytest.mark.parametrize("name, flags", [
     ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    pytest.param("cp2", ["--context-parallel-size", "2"], marks=pytest.mark.slow),
+    ("cp2", ["--context-parallel-size", "2"]),
 ])
 def test_sft_experts_leave_padding_out_of_their_balance_losses_at_any_layout(tmp_path, chat, name, flags):
     """Conversations of any length (rows end in padding; cp 2 pads each conversation to a multiple of 4 as well):
