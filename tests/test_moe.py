@@ -274,9 +274,6 @@ def test_per_token_loss_scales_each_balance_loss_by_all_its_microbatchs_tokens_a
     routed (activation.shape[0], masked or not), and the step divides every gradient by the global batch's loss
     tokens; so the objective is (sum of the token losses + sum over microbatches of tokens x balance losses) /
     loss tokens. Seeding the aux losses with the loss-masked count instead moved the router's gradient by 8e-2."""
-    from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
-
     config = moe_config(moe_z_loss_coeff=1e-2)
     params = gpt.init(config, 0)
     g = torch.Generator().manual_seed(1)
@@ -284,13 +281,24 @@ def test_per_token_loss_scales_each_balance_loss_by_all_its_microbatchs_tokens_a
     for seed, keep in ((0, 0.8), (1, 0.3)):
         mb = batch_for(config, seed=seed)
         microbatches.append({**mb, "loss_mask": (torch.rand(mb["tokens"].shape, generator=g) < keep).float()})
+    got = assert_per_token_step_has_the_gradient_of(params, microbatches, config,
+                                                    lambda mb: mb["tokens"].numel())
+    assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
+
+
+def assert_per_token_step_has_the_gradient_of(params, microbatches, config, balance_tokens):
+    """The runner's per-token step's gradient (returned) equals that of (sum of the token losses + sum over
+    microbatches of balance_tokens(mb) x its balance losses) / loss tokens."""
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches)
 
     def objective(p):
         total = 0.0
         for mb in microbatches:
             lm, balance = lm_and_balance(p, mb, config)
-            total = total + gpt.loss_tokens(mb) * lm + mb["tokens"].numel() * balance
+            total = total + gpt.loss_tokens(mb) * lm + balance_tokens(mb) * balance
         return total / tokens
 
     want = torch.func.grad(objective)(params)
@@ -301,7 +309,7 @@ def test_per_token_loss_scales_each_balance_loss_by_all_its_microbatchs_tokens_a
     got = state.flat.views(state.main_grad())[0]
     for path, grad in tree.items(got):
         torch.testing.assert_close(grad, tree.flatten(want)[path], rtol=1e-4, atol=1e-6, msg=path)
-    assert tree.flatten(got)["layers.1.mlp.router.weight"].abs().sum() > 0
+    return got
 
 
 @pytest.mark.parametrize("backend, world, balance", [("threads", 2, "aux_loss"), ("threads", 4, "aux_loss"),
