@@ -140,3 +140,15 @@ def assert_same_logits_and_round_trip(hf, config, params, vocab_size: int, seed:
     config2, params2 = from_hf(back)
     flat, flat2 = tree.flatten(params), tree.flatten(params2)
     assert config2 == config and flat.keys() == flat2.keys() and all(torch.equal(flat[k], flat2[k]) for k in flat)
+
+
+def greedy_tokens_of_both(hf, config, params, prompt: list[int], tokens: int = 12) -> tuple[list[int], list[int]]:
+    """(fmeg's greedy continuation of prompt by an imported model, transformers' own), tokens each."""
+    import torch
+
+    from fmeg.inference import SamplingParams, generate
+
+    ours = generate(params, [prompt], config, max_new_tokens=tokens, sampling=SamplingParams(temperature=0.0)).tokens[0]
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)[0, len(prompt):].tolist()
+    return ours, theirs

@@ -10,11 +10,10 @@ import torch
 from safetensors import safe_open
 
 from fmeg import tree
-from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, mtp_files, read_dir, to_hf
 from fmeg.models import gpt, mtp
 from recipes import convert_checkpoint
-from runner_harness import assert_same_logits_and_round_trip, greedy_at_tp1_and_tp2
+from runner_harness import assert_same_logits_and_round_trip, greedy_tokens_of_both, greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 VOCAB, LAYERS = 97, 3
@@ -70,9 +69,7 @@ def test_greedy_generation_of_an_imported_deepseek_v3_gives_transformers_tokens(
     hf = tiny_deepseek_v3(seed=3, sharp=True)
     config, params = from_hf(hf)
     prompt = [5, 17, 42, 8, 60, 3, 9]
-    ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    ours, theirs = greedy_tokens_of_both(hf, config, params, prompt)
     assert ours == theirs and len(set(theirs)) > 2
 
 

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmeg import tree
-from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf
 from fmeg.models import gpt
-from runner_harness import assert_same_logits_and_round_trip
+from runner_harness import assert_same_logits_and_round_trip, greedy_tokens_of_both
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,9 +64,7 @@ def test_greedy_generation_gives_transformers_tokens(family):
     hf = tiny(family, 4, 2, 16, 2, 3)
     config, params = from_hf(hf)
     prompt = [5, 17, 42, 8, 60]
-    ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    ours, theirs = greedy_tokens_of_both(hf, config, params, prompt)
     assert ours == theirs
 
 

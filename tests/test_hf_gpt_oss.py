@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from fmeg.inference import SamplingParams, generate
 from fmeg.interop.hf import from_hf, to_hf
 from fmeg.models import gpt
-from runner_harness import assert_same_logits_and_round_trip, greedy_at_tp1_and_tp2
+from runner_harness import assert_same_logits_and_round_trip, greedy_tokens_of_both, greedy_at_tp1_and_tp2
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,9 +48,7 @@ def test_greedy_generation_of_an_imported_gpt_oss_gives_transformers_tokens():
     hf = tiny_gpt_oss(seed=3)
     config, params = from_hf(hf)
     prompt = [5, 17, 42, 8, 60, 3, 9]
-    ours = generate(params, [prompt], config, max_new_tokens=12, sampling=SamplingParams(temperature=0.0)).tokens[0]
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    ours, theirs = greedy_tokens_of_both(hf, config, params, prompt)
     assert ours == theirs and len(set(theirs)) > 2
 
 
