@@ -11,8 +11,12 @@ FAMILY is one of FAMILIES below: the same models tests/test_megatron_checkpoint.
 
 import argparse
 import contextlib
+import enum
+import importlib
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ FAMILIES["gpt2_moe"] = dict(FAMILIES["gpt2"], num_moe_experts=4, moe_router_topk
 FAMILIES["llama_bench"] = dict(FAMILIES["llama"], num_layers=8, hidden_size=512, num_attention_heads=8,
                                num_query_groups=4, ffn_hidden_size=1536)  # bench/megatron_checkpoint.py's
 VOCAB, SEQ = 128, 32
+ARGS = Path(__file__).parent / "data" / "megatron_args"
 
 
 def model(family: str, tp: int, pp: int, ep: int):
@@ -80,27 +85,42 @@ def model(family: str, tp: int, pp: int, ep: int):
     return m
 
 
-def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> argparse.Namespace:
-    from megatron.core.transformer.enums import AttnBackend
+def _decoded(value):
+    """A value of tests/data/megatron_args/*.json as Megatron-LM's parser made it: its enums of the same classes
+    (one that this megatron-core lacks is made under Megatron's name, so that its pickle names the same class)."""
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "dtype" in value:
+        return getattr(torch, value["dtype"])
+    if "tuple" in value:
+        return tuple(_decoded(v) for v in value["tuple"])
+    if "dict" in value:
+        return {k: _decoded(v) for k, v in value["dict"].items()}
+    module_name, qualname = value["enum"].split(":")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, qualname):
+        setattr(module, qualname, enum.Enum(qualname, {value["name"]: _decoded(value["value"])},
+                                            module=module_name, qualname=qualname))
+    cls = getattr(module, qualname)
+    torch.serialization.add_safe_globals([cls])  # as Megatron-LM's megatron.core.safe_globals registers it
+    return cls(_decoded(value["value"]))
 
-    f = FAMILIES[family]
-    return argparse.Namespace(
-        num_layers=f["num_layers"], hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
-        group_query_attention=f["num_query_groups"] != f["num_attention_heads"], num_query_groups=f["num_query_groups"],
-        ffn_hidden_size=f["ffn_hidden_size"], kv_channels=f["hidden_size"] // f["num_attention_heads"],
-        num_experts=f.get("num_moe_experts"), moe_ffn_hidden_size=f.get("moe_ffn_hidden_size"),
-        normalization=f["normalization"], swiglu=f["gated_linear_unit"], qk_layernorm=f["qk_layernorm"],
-        position_embedding_type="learned_absolute" if family.startswith("gpt2") else "rope",
-        untie_embeddings_and_output_weights=not family.startswith("gpt2"), padded_vocab_size=VOCAB,
-        add_bias_linear=f["add_bias_linear"], bias_gelu_fusion=False, openai_gelu=False, rotary_base=10000,
-        norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05,
-        max_position_embeddings=SEQ, seq_length=SEQ, make_vocab_size_divisible_by=128,
-        moe_router_topk=f.get("moe_router_topk"), moe_router_score_function=f.get("moe_router_score_function"),
-        moe_shared_expert_intermediate_size=f.get("moe_shared_expert_intermediate_size"),
-        moe_router_enable_expert_bias=f.get("moe_router_enable_expert_bias", False),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        consumed_train_samples=iteration * 8, consumed_valid_samples=0, params_dtype=torch.float32,
-        attention_backend=AttnBackend.auto, iteration=iteration)
+
+def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> argparse.Namespace:
+    """The Namespace Megatron-LM's own parser made from the family's launch script (captured in
+    tests/data/megatron_args), at this layout and iteration as its training loop leaves it."""
+    captured = ARGS / f"{family.removesuffix('_bench')}.json"
+    args = argparse.Namespace(**{k: _decoded(v) for k, v in json.loads(captured.read_text())["args"].items()})
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        setattr(args, dest, FAMILIES[family][dest])  # llama_bench: the bench's sizes
+    args.kv_channels = args.hidden_size // args.num_attention_heads
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.expert_model_parallel_size, args.world_size = ep, tp * pp * ep  # the tests' ranks: ep is data parallel
+    args.data_parallel_size = ep
+    args.consumed_train_samples, args.consumed_valid_samples, args.iteration = iteration * 8, 0, iteration
+    return args
 
 
 def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> None:
@@ -120,6 +140,8 @@ def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> N
 
 def logits(directory: str, family: str, tokens_file: str, out_file: str) -> None:
     from megatron.core import dist_checkpointing
+
+    megatron_args(family, 1, 1, 1, 0)  # the classes Megatron-LM's args name, known to torch.load as there
 
     m = model(family, 1, 1, 1)
     loaded = dist_checkpointing.load({"model": m.sharded_state_dict()}, directory)

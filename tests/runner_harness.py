@@ -7,6 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 COMMON = ["--train-iters", "20", "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers", "4",
           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--log-interval", "100",
@@ -152,3 +155,49 @@ def greedy_tokens_of_both(hf, config, params, prompt: list[int], tokens: int = 1
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)[0, len(prompt):].tolist()
     return ours, theirs
+
+
+class Server:
+    """recipes.serve on a free port of 127.0.0.1 (torchrun for several ranks), in a process group of its own."""
+
+    def __init__(self, checkpoint, nproc=1, extra=(), launcher="torch.distributed.run"):
+        from fmeg.parallel.spmd import free_port
+
+        self.port = free_port()
+        launcher = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        self.proc = subprocess.Popen(launcher + ["-m", "recipes.serve", "--load", checkpoint, "--port",
+                                                 str(self.port), *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # stop() ends torchrun and its workers together
+        deadline = time.time() + 400  # a loaded 2-core machine starts torchrun and two ranks slowly
+        while time.time() < deadline:  # the banner comes once the port is bound
+            line = self.proc.stdout.readline()
+            if "serving" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise AssertionError("the server did not start")
+
+    def request(self, method, path, body):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()

@@ -19,7 +19,7 @@ from fmeg.models import gpt  # noqa: E402
 from fmeg.training.checkpoint_state import read_params  # noqa: E402
 from fmeg.training.parallel_step import Layout, shard_params  # noqa: E402
 from fmeg import tree  # noqa: E402
-from runner_harness import run_group  # noqa: E402
+from runner_harness import Server, run_group  # noqa: E402
 from test_checkpoint_layouts import mesh_of  # noqa: E402
 
 PROGRAM = str(Path(__file__).parent / "megatron_core_run.py")
@@ -158,20 +158,62 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_pickles_naming_any_other_class_are_refused_and_run_nothing(tmp_path_factory, tmp_path):
+def test_megatron_lms_own_args_are_read_as_inert_records(tmp_path_factory):
+    """common.pt as Megatron-LM main writes it: its parser's Namespace (tests/data/megatron_args) holds
+    signal.Signals, megatron-core's enums and torch dtypes; each class is an inert stand-in, the fields kept."""
+    from fmeg.interop.megatron import saved_args
+    from fmeg.interop.megatron.safe_pickle import MegatronValue
+
+    args = saved_args(latest(megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)))
+    assert isinstance(args.exit_signal, MegatronValue) and args.exit_signal.qualified == "signal.Signals"
+    assert args.exit_signal.args == (15,)
+    assert args.attention_backend.qualified == "megatron.core.transformer.enums.AttnBackend"
+    assert args.params_dtype is torch.bfloat16 and args.num_layers == 4 and args.tensor_model_parallel_size == 2
+    assert len(vars(args)) > 800  # every dest of Megatron-LM's parser
+
+
+def _plain_args(root: Path):
+    """The args of a checkpoint under root less its inert records, to be pickled again."""
+    import argparse
+
+    from fmeg.interop.megatron import saved_args
+    from fmeg.interop.megatron.safe_pickle import MegatronValue
+
+    args = vars(saved_args(latest(root)))
+    return argparse.Namespace(**{k: v for k, v in args.items() if not isinstance(v, MegatronValue)})
+
+
+def test_crafted_pickles_run_nothing(tmp_path_factory, tmp_path):
+    """os.system named anywhere in common.pt is an inert record: as its args the file is refused in one line,
+    inside the args it loads and runs nothing; .metadata's allowlist refuses it."""
+    from fmeg.interop.megatron import saved_args
+
     source = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
     marker = tmp_path / "ran"
     common = tmp_path / "common"
     shutil.copytree(source, common)
-    iteration = latest(common)
-    torch.save({"args": None, "iteration": 3, "hook": _RunsCode(marker)}, iteration / "common.pt")
-    assert "common.pt: refused, its pickle names posix.system" in _refused(tmp_path, common)
+    args = _plain_args(source)
+    torch.save({"args": _RunsCode(marker), "iteration": 3}, latest(common) / "common.pt")
+    assert "its args are posix.system(" in _refused(tmp_path, common)
+    args.exit_signal, args.hook = _RunsCode(marker), [_RunsCode(marker)]
+    torch.save({"args": args, "iteration": 3, "hook": _RunsCode(marker)}, latest(common) / "common.pt")
+    assert saved_args(latest(common)).hook[0].qualified == "posix.system"
     metadata = tmp_path / "metadata"
     shutil.copytree(source, metadata)
     # a hand-written protocol-0 pickle: os.system("touch <marker>")
     (latest(metadata) / ".metadata").write_bytes(f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode())
     assert ".metadata: refused, it names posix.system" in _refused(tmp_path, metadata)
     assert not marker.exists()
+
+
+def test_a_string_where_megatron_writes_a_number_is_named(tmp_path_factory, tmp_path):
+    source = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    args = _plain_args(source)
+    args.num_layers = "4"
+    torch.save({"args": args, "iteration": 3}, latest(damaged) / "common.pt")
+    assert "args.num_layers is the str '4' where Megatron writes a number" in _refused(tmp_path, damaged)
 
 
 def test_damaged_files_and_another_model_are_one_line_naming_them(tmp_path_factory, tmp_path):
@@ -286,17 +328,66 @@ def test_an_exports_args_give_back_its_model():
             assert back == config.replace(padded_vocab_size=back.padded_vocab_size), (config, back)
 
 
-def test_generate_reads_a_megatron_directory_at_tp_2(tmp_path_factory, tmp_path):
-    """recipes.generate --load of Megatron's directory (the model from its args) at tp 2: the greedy next token of
-    a prompt is the argmax of megatron-core's own logits for it."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_and_serve_give_megatron_cores_logprobs(tmp_path_factory, tmp_path, tp):
+    """recipes.generate and recipes.serve --load of Megatron's directory (the model from Megatron-LM's own args)
+    at tp 1 and tp 2: the greedy tokens are the argmax of megatron-core's logits for the text so far, and their
+    logprobs, and the served prompt's (Megatron's scoring request), are megatron-core's to 1e-5."""
     import json
 
     root = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
-    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
-    want = int(megatron_logits(latest(root), "llama", tokens, tmp_path)[0, -1].argmax())
-    out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                     "recipes.generate", "--load", str(root), "--tensor-model-parallel-size", "2", "--tokenizer-type",
-                     "NullTokenizer", "--vocab-size", "128", "--prompt", " ".join(map(str, tokens[0].tolist())),
-                     "--tokens", "1", "--top-k", "1", "--ignore-eod", "--json", "--device", "cpu"])
+    prompt = torch.randint(0, 127, (1, 12), generator=torch.Generator().manual_seed(3))
+    flags = ["--load", str(root), "--tensor-model-parallel-size", str(tp), "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "127", "--device", "cpu"]  # the args' --vocab-size: 127 ids
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"] if tp > 1 else []
+    text = " ".join(map(str, prompt[0].tolist()))
+    out = run_group([sys.executable, *launcher, "-m", "recipes.generate", *flags, "--prompt", text,
+                     "--tokens", "4", "--top-k", "1", "--ignore-eod", "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["tokens"] == [want]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    whole = torch.cat([prompt, torch.tensor([answer["tokens"]])], dim=1)
+    logits = megatron_logits(latest(root), "llama", whole, tmp_path)[0, :, :127]  # less the padded row
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    want = logprobs[:-1].gather(1, whole[0, 1:, None])[:, 0]
+    assert answer["tokens"] == logprobs[11:-1].argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(answer["logprobs"][-4:], dtype=torch.float64), want[-4:],
+                               rtol=0, atol=1e-5)
+    server = Server(str(root), nproc=tp, extra=flags[2:])
+    try:
+        status, body = server.request("PUT", "/api", {"prompts": [text], "tokens_to_generate": 0,
+                                                      "logprobs": True})
+    finally:
+        server.stop()
+    assert status == 200, body
+    torch.testing.assert_close(torch.tensor(json.loads(body)["logprobs"][0], dtype=torch.float64), want[:11],
+                               rtol=0, atol=1e-5)
+
+
+def test_use_checkpoint_args_reads_a_megatron_directorys_args(tmp_path_factory, tmp_path):
+    """--use-checkpoint-args with --load of Megatron's directory: the model comes from Megatron-LM's own args in
+    its common.pt (no model flag given), and training goes on from its iteration at tp 2."""
+    root = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    model = {"--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention",
+             "--num-query-groups", "--ffn-hidden-size", "--normalization", "--swiglu", "--position-embedding-type",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--rotary-base"}
+    flags, skip = [], 0
+    for i, flag in enumerate(FLAGS):  # FLAGS less the model's: each of those flags and its value, if any
+        if skip:
+            skip -= 1
+        elif flag in model:
+            skip = int(i + 1 < len(FLAGS) and not FLAGS[i + 1].startswith("--"))
+        else:
+            flags.append(flag)
+    out = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                     "recipes.gpt_pretrain", *flags, "--log-dir", str(tmp_path / "log"), "--load", str(root),
+                     "--use-checkpoint-args", "--tensor-model-parallel-size", "2"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "(iteration 3, 24 samples" in out.stdout
+    one, _ = _curve(tmp_path, "one", 1, ["--load", str(root)])
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    two = [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r]
+    assert [i for i, _ in two] == [4, 5, 6, 7, 8]
+    for (_, a), (_, b) in zip(one, two):
+        assert abs(a - b) <= 1e-5 * abs(b), (one, two)

@@ -7,58 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from fmeg.inference import SamplingParams, generate
-from fmeg.parallel.spmd import free_port
 from recipes.convert_checkpoint import load_full
+from runner_harness import Server
 
 pytest.importorskip("flask")
-
-
-class Server:
-    def __init__(self, checkpoint, nproc=1, extra=(), launcher="torch.distributed.run"):
-        self.port = free_port()
-        launcher = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}"] \
-            if nproc > 1 else [sys.executable]
-        self.proc = subprocess.Popen(launcher + ["-m", "recipes.serve", "--load", checkpoint, "--port",
-                                                 str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)  # stop() ends torchrun and its workers together
-        deadline = time.time() + 400  # a loaded 2-core machine starts torchrun and two ranks slowly
-        while time.time() < deadline:  # the banner comes once the port is bound
-            line = self.proc.stdout.readline()
-            if "serving" in line:
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        self.stop()
-        raise AssertionError("the server did not start")
-
-    def request(self, method, path, body):
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,11 @@ continues an imported or earlier model without repeating its architecture.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from fmeg import checkpoint
+from fmeg.interop import megatron
 from fmeg.models.saved_config import saved_model
 from fmeg.training import mla_flags
 
@@ -86,6 +88,16 @@ def router_without_bias(args: argparse.Namespace) -> str | None:
             "megatron-core's have); the run keeps them without one")
 
 
+def _megatron_model(found) -> dict:
+    """The model fields a Megatron torch_dist iteration's args (its common.pt) describe."""
+    from fmeg.interop.megatron.model_args import config_from_args
+
+    try:
+        return dataclasses.asdict(config_from_args(megatron.saved_args(found)))
+    except ValueError as e:
+        raise checkpoint.CheckpointError(f"{found / 'common.pt'}: {e}") from None
+
+
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     """Set the model's flags from the newest checkpoint under --load; a one-line problem, or None."""
     try:
@@ -95,10 +107,13 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     if found is None:
         return f"--use-checkpoint-args: --load {args.load} holds no checkpoint to read the model from"
     try:
-        model = json.loads((found / "metadata.json").read_text())["model"]
+        model = _megatron_model(found) if megatron.is_torch_dist(found) else \
+            json.loads((found / "metadata.json").read_text())["model"]
         saved_model(model, str(found))
         for dest, value in model_flags(model).items():
             setattr(args, dest, value)
+    except checkpoint.CheckpointError as e:
+        return f"--use-checkpoint-args: {e}"
     except (OSError, ValueError, KeyError) as e:
         return f"--use-checkpoint-args: {found}/metadata.json: unreadable ({e})"
     if args.seq_length > args.max_position_embeddings and model.get("position") != "rope":

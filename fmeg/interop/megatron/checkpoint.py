@@ -23,7 +23,7 @@ import torch
 from fmeg import tree
 from fmeg.checkpoint import CheckpointError, Request
 from fmeg.checkpoint.boxes import Box
-from fmeg.interop.megatron import gpt_keys
+from fmeg.interop.megatron import gpt_keys, model_args
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
 from fmeg.interop.megatron.torch_dist import TorchDistDir
 
@@ -79,6 +79,9 @@ class MegatronCheckpoint:
         flags that differ, with both values. Shapes are checked again tensor by tensor as they are read."""
         if self.args is None:
             return
+        damaged = model_args.damaged_dest(self.args)
+        if damaged:
+            raise CheckpointError(f"{self.path / 'common.pt'}: {damaged}; the file is damaged")
         diff = [f"{flag} {theirs} there, {ours} in the flags" for flag, theirs, ours in _compared(self.args, config)
                 if theirs is not None and theirs != ours]
         if diff:

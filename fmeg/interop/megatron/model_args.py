@@ -37,12 +37,32 @@ MODEL_DESTS = (
 _LISTS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # nargs="+" in Megatron: one value per layer kind
 
 
+def damaged_dest(args: Any) -> str | None:
+    """The first model-defining dest whose value is not of the kind Megatron's parser gives it (a str where it
+    writes a number, say), as a phrase; None when all are."""
+    from fmeg.training.arguments import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    for dest in MODEL_DESTS:
+        value, action = getattr(args, dest, None), actions.get(dest)
+        if value is None or action is None or action.nargs not in (None, 0):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if action.type in (int, float) and not number or action.nargs == 0 and not isinstance(value, bool):
+            kind = "a number" if action.type in (int, float) else "True or False"
+            return f"args.{dest} is the {type(value).__name__} {value!r:.40} where Megatron writes {kind}"
+    return None
+
+
 def config_from_args(args: Any, vocab_size: int | None = None) -> gpt.GPTConfig:
     """The model a Megatron checkpoint's args describe. vocab_size: the tokenizer's; None takes the args'
     vocab_size (NullTokenizer runs record it), else its padded_vocab_size (every row an id)."""
     from fmeg.training.arguments import parse_args
     from fmeg.training.run_config import model_config
 
+    damaged = damaged_dest(args)
+    if damaged:
+        raise ValueError(f"{damaged}: the checkpoint's args are damaged")
     a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1"])
     for dest in MODEL_DESTS:
         value = getattr(args, dest, None)

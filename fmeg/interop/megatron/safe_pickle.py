@@ -5,10 +5,11 @@
 
 `.metadata` is a plain pickle of PyTorch distributed checkpoint's metadata dataclasses: it is read by an
 unpickler that resolves only those classes (and torch.Size, the dtypes, a layout lookup); any other global is a
-MegatronCheckpointError naming it. `common.pt` is a torch.save file: torch.load reads it with weights_only=True,
-which admits tensors and plain containers; argparse.Namespace (Megatron's args) is admitted as well, and
-megatron-core's enums in the args (AttnBackend and the like) become inert MegatronValue records: nothing of
-Megatron is imported or called. Anything else a pickle names is refused before a byte of it is unpickled.
+MegatronCheckpointError naming it. `common.pt` is a torch.save archive: its data.pkl is read by an unpickler
+that turns every class it names into an inert MegatronValue stand-in (Megatron-LM's args hold signal.Signals,
+megatron-core's enums, dataclasses of its configs; a crafted file may name anything): nothing a pickle names is
+imported, constructed or called. Only torch's dtypes are looked up by name, and tensors are rebuilt by fmeg from
+the archive's storage records.
 saved_tensor reads a chunk's own data.pkl as the layout of its tensor (storage record, dtype, offset, size,
 stride), resolving only the rebuild function and the storage types to stand-ins, so that a rank reads only the
 bytes of the rows it needs.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import io
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,48 +70,132 @@ def read_dcp_metadata(path: Path) -> Any:
 
 
 class MegatronValue:
-    """An inert stand-in for a megatron-core class named in Megatron's args (an enum, mostly): its name and the
-    arguments it was pickled with, for display only."""
+    """An inert stand-in for a global that common.pt's pickle names: built from what the pickle gives it and
+    nothing else (no code of the class it stands for runs). `qualified` is the name it stands for."""
 
-    def __init__(self, *args: Any) -> None:
-        self.args = args
+    qualified = ""
+
+    # __new__ rather than __init__: a pickle's NEWOBJ calls only __new__, its REDUCE calls the class
+    def __new__(cls, *args: Any, **kwargs: Any) -> "MegatronValue":
+        self = super().__new__(cls)
+        self.args, self.kwargs, self.state, self.items = args, kwargs, None, {}
+        return self
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:
+        self.items[len(self.items)] = value
+
+    def extend(self, values: Any) -> None:
+        for value in values:
+            self.append(value)
+
     def __repr__(self) -> str:
-        return f"{type(self).__qualname__}{self.args!r}"
+        return f"{self.qualified}{self.args!r}"
 
 
-def _stand_in(qualified: str) -> type:
-    return type(qualified.rsplit(".", 1)[-1], (MegatronValue,), {"__module__": "fmeg.interop.megatron.stand_in"})
+def _stand_in(module: str, name: str) -> type:
+    return type(name.rsplit(".", 1)[-1], (MegatronValue,), {"qualified": f"{module}.{name}",
+                                                            "__module__": "fmeg.interop.megatron.stand_in"})
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    # protocol 2's form of bytes: _codecs.encode(str, "latin1"); any other codec is refused
+    if encoding != "latin1" or not isinstance(text, str):
+        raise pickle.UnpicklingError("names _codecs.encode with another codec")
+    return text.encode("latin1")
+
+
+class _CommonUnpickler(pickle.Unpickler):
+    """common.pt's data.pkl: every global becomes an inert stand-in, except the torch dtypes (values looked up by
+    name), bytes' latin-1 form, and the tensor rebuild, which reads the archive's own storage record."""
+
+    def __init__(self, file: io.BytesIO, storage: Any) -> None:
+        super().__init__(file)
+        self.storage = storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuilt_tensor
+        return _stand_in(module, name)
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        kind, dtype, key, _location, numel = pid
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"holds a persistent id {kind!r}")
+        return self.storage(str(key), dtype, int(numel))
+
+
+def _rebuilt_tensor(storage: torch.Tensor, offset: int, size: Any, stride: Any, *_: Any) -> torch.Tensor:
+    try:
+        return storage.as_strided(tuple(size), tuple(stride), int(offset)).clone()
+    except RuntimeError as e:
+        raise pickle.UnpicklingError(f"holds a tensor outside its storage ({e})") from None
+
+
+def _archive_reader(archive: zipfile.ZipFile) -> tuple[bytes, Any]:
+    """data.pkl's bytes and a function from (storage key, dtype, numel) to that storage's elements."""
+    names = archive.namelist()
+    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise ValueError("no torch.save archive (no data.pkl)")
+    prefix = pkl[0][: -len("data.pkl")]
+    if f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder") != b"little":
+        raise ValueError("a big-endian archive")
+
+    def storage(key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        data = archive.read(f"{prefix}data/{key}")
+        if len(data) != numel * dtype.itemsize:
+            raise pickle.UnpicklingError(f"storage {key} holds {len(data)} bytes, not {numel} {dtype}")
+        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+    return archive.read(pkl[0]), storage
+
+
+def _namespace(value: Any) -> Any:
+    """argparse.Namespace's stand-in as a Namespace of its fields (values stay as read)."""
+    if isinstance(value, MegatronValue) and value.qualified == "argparse.Namespace" and \
+            isinstance(value.state, dict) and all(isinstance(k, str) for k in value.state):
+        return argparse.Namespace(**value.state)
+    return value
 
 
 def read_common(path: Path) -> dict:
-    """common.pt's dict (args, iteration, checkpoint_version, ...), read with weights_only=True."""
+    """common.pt's dict (args, iteration, checkpoint_version, ...). Every class its pickle names is an inert
+    MegatronValue (Megatron-LM's args hold signal.Signals, megatron-core's enums and more); the args Namespace
+    comes back as an argparse.Namespace of what was pickled, tensors as tensors read from the archive."""
     if not path.is_file():
         raise MegatronCheckpointError(f"{path}: missing; a Megatron torch_dist iteration holds its args and "
                                       "iteration there")
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception as e:  # noqa: BLE001 - any failure to parse the archive is a damaged file
-        raise MegatronCheckpointError(f"{path}: unreadable ({type(e).__name__}: {e}); the file is damaged")
-    allowed: list = []
-    for name in names:
-        if name == "argparse.Namespace":
-            allowed.append(argparse.Namespace)
-        elif name.startswith("megatron."):
-            allowed.append((_stand_in(name), name))
-        else:
-            raise MegatronCheckpointError(f"{path}: refused, its pickle names {name}, which Megatron's common "
-                                          "state never holds; nothing was run (a damaged or crafted file)")
-    try:
-        with torch.serialization.safe_globals(allowed):
-            common = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch's restricted loader refuses in many types
-        raise MegatronCheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        with zipfile.ZipFile(path) as archive:
+            data, storage = _archive_reader(archive)
+            common = _CommonUnpickler(io.BytesIO(data), storage).load()
+    except pickle.UnpicklingError as e:
+        raise MegatronCheckpointError(f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)")
+    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError,
+            zipfile.BadZipFile, RecursionError, MemoryError) as e:
+        raise MegatronCheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is "
+                                      "damaged")
     if not isinstance(common, dict):
         raise MegatronCheckpointError(f"{path}: holds a {type(common).__name__}, not Megatron's common state dict")
+    common = {key: _namespace(value) for key, value in common.items()}
+    args = common.get("args")
+    if args is not None and not isinstance(args, argparse.Namespace):
+        raise MegatronCheckpointError(f"{path}: its args are {args!r:.80}, not Megatron's argument Namespace; "
+                                      "nothing was run (a damaged or crafted file)")
     return common
 
 
