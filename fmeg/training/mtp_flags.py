@@ -27,6 +27,10 @@ def problems(a: argparse.Namespace) -> list[str]:
         return []
     if a.mtp_num_layers < 0:
         return [f"--mtp-num-layers must be positive, got {a.mtp_num_layers}"]
+    if a.seq_length and a.mtp_num_layers >= a.seq_length > 0:
+        # depth k shifts the targets k places left: from depth --seq-length on, no place of a sample has one
+        return [f"--mtp-num-layers {a.mtp_num_layers}: depths from {a.seq_length} on would have no target in a "
+                f"--seq-length {a.seq_length} sample; use at most {a.seq_length - 1}"]
     if a.position_embedding_type != "rope":
         return [f"--mtp-num-layers needs --position-embedding-type rope (its layers on the last pipeline stage would "
                 f"need the first stage's {a.position_embedding_type} position table)"]

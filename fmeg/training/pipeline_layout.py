@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import re
 
+# far more symbols than any model has layers: a repetition past it is refused before it is written out
+MAX_SYMBOLS = 100_000
 _TOKEN = re.compile(r"\s*(?:(?P<symbol>[EtmL|])|(?P<open>\()|(?P<close>\))|\*\s*(?P<times>\d+))")
 
 
@@ -39,6 +41,9 @@ def expand(text: str) -> str:
         else:
             if not stack[-1]:
                 raise ValueError(f"'*{m['times']}' repeats nothing")
+            if len(stack[-1][-1]) * int(m["times"]) > MAX_SYMBOLS:
+                raise ValueError(f"'{stack[-1][-1][:20]}'*{m['times'][:20]} writes out more than {MAX_SYMBOLS} "
+                                 "symbols, more than any model has layers")
             stack[-1][-1] *= int(m["times"])
     if len(stack) != 1:
         raise ValueError("a '(' is not closed")

@@ -147,6 +147,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
     problems.extend(recompute_problems(a))
+    problems.extend(unused_flag_problems(a))
     problems.extend(optimizer_precision_problems(a))
     need(not a.sequence_parallel or a.seq_length % tp == 0,
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
@@ -291,6 +292,29 @@ def optimizer_precision_problems(a: argparse.Namespace) -> list[str]:
         if given.get(flag) in ("fp16", "fp8"):
             out.append(f"--{flag.replace('_', '-')} {given[flag]}: moments in fp16 or fp8 need Megatron's scaling, "
                        "which fmeg does not have yet; use bf16 or fp32")
+    return out
+
+
+# flags that only mean something beside another: {dest given: (what it needs, the flag that gives it)}
+_NEEDS = {**{dest: ("multi_latent_attention", "--multi-latent-attention")
+             for dest in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
+          **{dest: ("fim_data", "--fim-data")
+             for dest in ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix")},
+          "window_attn_skip_freq": ("window_size", "--window-size")}
+
+
+def unused_flag_problems(a: argparse.Namespace) -> list[str]:
+    """Flags given that would change nothing, one line each (a silent no-op hides a mistaken command)."""
+    given = set(getattr(a, "given", ()))
+    out = [f"--{dest.replace('_', '-')} applies to {flag}, which is not given: add it or drop this flag"
+           for dest, (need, flag) in _NEEDS.items() if dest in given and not getattr(a, need)]
+    experts = [m for m in a.recompute_modules or () if m in ("moe", "moe_act")]
+    if experts and not a.num_experts and "recompute_modules" in given:
+        out.append(f"--recompute-modules {experts[0]} recomputes the experts, and the model has none "
+                   "(--num-experts): drop it")
+    if "shared_experts" in (a.recompute_modules or ()) and not a.moe_shared_expert_intermediate_size:
+        out.append("--recompute-modules shared_experts recomputes the shared experts, and the model has none "
+                   "(--moe-shared-expert-intermediate-size): drop it")
     return out
 
 
