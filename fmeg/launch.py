@@ -15,7 +15,8 @@ runs torchrun's own code (same flags, same rendezvous, same worker environment) 
 
 With torchrun's --max-restarts N, a job that loses a rank (killed, or stopped and found silent by the others
 after --distributed-timeout-minutes) is restarted whole, up to N times, and the runner resumes from the newest
-complete checkpoint under --save (fmeg.training.run_state). Each restart is one line on stdout. Workers that
+complete checkpoint under --save (fmeg.training.run_state). Each restart is one line on stdout naming its cause;
+a worker that refused its input (exit 2) is never restarted, since it would meet the same input. Workers that
 are stopped (SIGSTOP) when the group is taken down are killed at once rather than after torchrun's 30 s grace.
 """
 
@@ -71,7 +72,20 @@ def argument_problems(args) -> list[str]:
         problems.append(f"--master-port {args.master_port}: a port is a number from 1 to 65535")
     if args.node_rank < 0:
         problems.append(f"--node-rank {args.node_rank}: must be >= 0")
+    if args.max_restarts < 0:
+        problems.append(f"--max-restarts {args.max_restarts}: must be >= 0 (0: no restart)")
     return problems
+
+
+def cause(failures: dict) -> tuple[int, object]:
+    """(rank, failure) that explains a failed group: a rank killed by a signal the agent did not send, else
+    one that exited with a code of its own, else the first (the agent ends the others with SIGTERM)."""
+    def rank_of(item):
+        code = item[1].exitcode
+        own = 0 if code < 0 and code != -signal.SIGTERM else 1 if code > 0 else 2
+        return own, item[1].timestamp, item[0]
+
+    return min(failures.items(), key=rank_of)
 
 
 def _cuda() -> bool:
@@ -98,15 +112,17 @@ def _watch_restarts() -> None:
 
     def monitored(self, group):
         self._fmeg_result = monitor(self, group)
+        failures = getattr(self._fmeg_result, "failures", None) or {}
+        if any(f.exitcode == 2 for f in failures.values()):
+            self._remaining_restarts = 0  # a refusal of the input: a restart would meet it again
         return self._fmeg_result
 
     def restarting(self, group):
         failures = getattr(getattr(self, "_fmeg_result", None), "failures", None) or {}
         spec = group.spec
         why = "a worker failed"
-        if failures:  # the cause: a rank killed by a signal the agent did not send, else the first to fail
-            rank, failure = min(failures.items(), key=lambda item: (
-                not (item[1].exitcode < 0 and item[1].exitcode != -signal.SIGTERM), item[1].timestamp, item[0]))
+        if failures:
+            rank, failure = cause(failures)
             why = f"rank {rank} " + (f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else
                                      f"exited with code {failure.exitcode}")
         print(f"restarting the workers ({spec.max_restarts - self._remaining_restarts} of {spec.max_restarts}): "
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = cause(e.failures) if e.failures else e.get_first_failure()
         if failure.exitcode < 0:
             print(f"error: rank {rank} was killed by {failure.signal_name()}; the other ranks were stopped",
                   file=sys.stderr)

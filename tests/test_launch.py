@@ -34,6 +34,16 @@ def assert_one_line(proc, needle, code=2, timeout=400):
     return out
 
 
+def test_a_refused_input_is_not_restarted(tmp_path):
+    """--max-restarts 2 with a bad flag: the refusal is final (one line, exit 2), no restart line, no other
+    cause named (the agent's SIGTERM to the slower rank is not one)."""
+    proc = subprocess.Popen([*LAUNCH, "--nproc-per-node=2", "--max-restarts", "2", "-m", "recipes.gpt_pretrain",
+                             "--adam-beta1", "2", "--log-dir", str(tmp_path / "log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out = assert_one_line(proc, "--adam-beta1 must be in [0, 1), got 2.0")
+    assert "restarting" not in out and "SIGTERM" not in out
+
+
 def test_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
     """A flag error, a YAML error and a missing tokenizer file: rank 0 prints one line, every rank exits 2,
     and the launcher exits 2 with nothing of its own, before any log or checkpoint exists."""
@@ -205,7 +215,8 @@ LAUNCHER_BAD = [(["--nproc-per-node", "0"], "--nproc-per-node 0: give a positive
                 (["--nproc-per-node", "abc"], "--nproc-per-node abc: give a positive number"),
                 (["--master-port", "99999"], "--master-port 99999: a port is a number from 1 to 65535"),
                 (["--nnodes", "0"], "--nnodes 0: give a positive number of nodes"),
-                (["--nnodes", "3:2"], "--nnodes 3:2: give a positive number of nodes")] + \
+                (["--nnodes", "3:2"], "--nnodes 3:2: give a positive number of nodes"),
+                (["--max-restarts", "-1"], "--max-restarts -1: must be >= 0")] + \
     ([(["--nproc-per-node", "gpu"], "--nproc-per-node gpu: no GPU is visible")]
      if not __import__("torch").cuda.is_available() else [])
 
