@@ -85,8 +85,12 @@ def check_paths(args) -> None:
         for name in sizes:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-        if (Path(args.save) / "latest_checkpointed_iteration.txt").exists():
+        save = Path(args.save)
+        if (save / "latest_checkpointed_iteration.txt").exists():
             raise ValueError(f"--save {args.save} already holds a Megatron checkpoint; choose a new directory")
+        if save.exists() and (not save.is_dir() or any(save.iterdir())):
+            raise ValueError(f"--save {args.save} exists and is not an empty directory; choose a new directory "
+                             "(conversions never overwrite)")
         return
     out = Path(args.output)
     if not out.parent.is_dir():
@@ -146,9 +150,13 @@ def import_hf(args) -> None:
 
 
 def export_megatron(args) -> None:
-    from fmeg.interop.megatron.export import megatron_tensors, write_torch_dist
+    from fmeg.interop.megatron.export import layout_problem, megatron_tensors, write_torch_dist
 
     config, params, meta = load_checkpoint(args.load)
+    problem = layout_problem(config, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                             args.expert_model_parallel_size)
+    if problem:
+        raise ValueError(problem)
     megatron_args = args_for(config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                              ep=args.expert_model_parallel_size,
                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

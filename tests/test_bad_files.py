@@ -140,6 +140,40 @@ def test_export_hf_of_an_moe_transformers_has_no_class_for_is_one_line(tmp_path,
                                         "transformers' GPT-2 has no experts")
 
 
+def test_export_megatron_at_a_layout_megatron_cannot_load_is_one_line(tmp_path, monkeypatch, moe_checkpoint):
+    shutil.copytree(moe_checkpoint, tmp_path / "ck")
+    assert_one_line_exit_2_nothing_left(tmp_path, monkeypatch, "convert_checkpoint",
+                                        ["export-megatron", "--load", f"{T}/ck", "--save", f"{T}/out",
+                                         "--expert-model-parallel-size", "3"],
+                                        "--expert-model-parallel-size 3 does not divide the model's --num-experts 4")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="RLIMIT_FSIZE stands for a full disk on Linux")
+@pytest.mark.parametrize("limit", [100, 4096])
+def test_export_megatron_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, limit):
+    """The file-size limit makes the OS refuse a write past `limit` bytes, as a full disk does, inside DCP's
+    writer: one line, exit 2, no directory left."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from test_checkpoint import save_one
+
+    save_one(tmp_path / "ck", 1)
+
+    def full_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = subprocess.run([sys.executable, "-m", "recipes.convert_checkpoint", "export-megatron", "--load",
+                          str(tmp_path / "ck"), "--save", str(tmp_path / "out")], preexec_fn=full_disk,
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "nothing was written" in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
+
+
 METADATA_CASES = [  # (field path, value, needle)
     (("model", "num_layers"), "2", "model field num_layers is '2' (str), not int"),
     (("model", "hidden_dropout"), "0.1", "model field hidden_dropout is '0.1' (str), not float"),

@@ -124,6 +124,15 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--export-model-type", "MambaModel"], "--export-model-type MambaModel: Mamba models are not supported"),
         (["--finetune-hf-dataset", "Magpie-Align/Magpie-Llama-3.1-Pro-MT-300K-Filtered"],
          "reads no Hugging Face Hub dataset (no download inside a run); write its conversations as JSONL"),
+        # the audit of issue 49: a hang, depths without targets, flags that would change nothing
+        (["--pipeline-model-parallel-layout", "(t|)*999999999"], "writes out more than 100000 symbols"),
+        (["--mtp-num-layers", "40", "--seq-length", "32", "--position-embedding-type", "rope"],
+         "--mtp-num-layers 40: depths from 32 on would have no target in a --seq-length 32 sample"),
+        (["--kv-lora-rank", "16"], "--kv-lora-rank applies to --multi-latent-attention, which is not given"),
+        (["--fim-rate", "0.2"], "--fim-rate applies to --fim-data, which is not given"),
+        (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq applies to --window-size, which is not given"),
+        (["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+         "--recompute-modules moe recomputes the experts, and the model has none"),
     ]
 
 
@@ -178,6 +187,13 @@ def recipe_cases() -> list[tuple[str, list[str], str]]:
            ("convert_checkpoint", ["export-hf", "--load", f"{T}/ck", "--output", f"{T}/ck"], "not an empty directory"),
            ("convert_checkpoint", ["import-hf", "--input", f"{T}/none", "--save", f"{T}/out"], "--input"),
            ("convert_checkpoint", ["import-hf", "--input", f"{T}", "--save", f"{T}/ck"], "already holds a checkpoint"),
+           ("convert_checkpoint", ["export-megatron", "--load", f"{T}/ck", "--save", f"{T}"],
+            "exists and is not an empty directory"),
+           ("convert_checkpoint", ["export-megatron", "--load", f"{T}/ck", "--save", f"{T}/out",
+                                   "--tensor-model-parallel-size", "3"],
+            "--tensor-model-parallel-size 3 does not divide the model's --num-attention-heads 4"),
+           ("convert_checkpoint", ["export-megatron", "--load", f"{T}/ck", "--save", f"{T}/out",
+                                   "--expert-model-parallel-size", "2"], "the model has no experts"),
            ("convert_checkpoint", ["bogus"], "invalid choice: 'bogus'"),
            ("convert_checkpoint", ["consolidate", "--lod", "x", "--output", "y"], "--load"),
            ("convert_checkpoint", [], "the following arguments are required: command"),

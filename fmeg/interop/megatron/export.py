@@ -94,6 +94,25 @@ def _writer_class():
     return Writer
 
 
+def layout_problem(config: gpt.GPTConfig, tp: int, pp: int, ep: int) -> str | None:
+    """Why megatron-core could not build this model at tp / pp / ep (its divisibility rules), or None."""
+    c = config
+    rules = [(c.num_heads, tp, "--num-attention-heads", "--tensor-model-parallel-size"),
+             (c.num_kv_heads, tp, "the query groups (--num-query-groups)", "--tensor-model-parallel-size"),
+             (c.ffn_hidden_size, tp, "--ffn-hidden-size", "--tensor-model-parallel-size"),
+             (c.num_layers, pp, "--num-layers", "--pipeline-model-parallel-size")]
+    if c.num_experts:
+        rules += [(c.num_experts, ep, "--num-experts", "--expert-model-parallel-size"),
+                  (c.moe_ffn_hidden_size or c.ffn_hidden_size, tp, "--moe-ffn-hidden-size",
+                   "--tensor-model-parallel-size (Megatron's default expert tp)")]
+    elif ep > 1:
+        return f"--expert-model-parallel-size {ep}: the model has no experts"
+    for size, parts, what, flag in rules:
+        if size % parts:
+            return f"{flag} {parts} does not divide the model's {what} {size}; megatron-core could not load it"
+    return None
+
+
 def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: Any) -> Path:
     """Write `tensors` (megatron_tensors) and `args` as Megatron's checkpoint of iteration args.iteration under
     root; returns the iteration directory. Refuses a root that already holds a checkpoint."""
@@ -101,14 +120,17 @@ def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: A
 
     _Writer = _writer_class()
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = Path(root)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ValueError(f"--save {root} exists and is not an empty directory; choose a new directory "
+                         "(conversions never overwrite)")
     tracker = root / "latest_checkpointed_iteration.txt"
-    if tracker.exists():
-        raise ValueError(f"--save {root} already holds a Megatron checkpoint; choose a new directory")
     final = root / f"iter_{args.iteration:07d}"
     tmp = root / f".{final.name}.tmp"
+    made = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -120,8 +142,15 @@ def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: A
         (tmp / "metadata.json").write_text(json.dumps(METADATA_JSON))
         tmp.rename(final)
         tracker.write_text(str(args.iteration))
-    except OSError as e:
+    except (OSError, CheckpointException) as e:
+        # DCP wraps each rank's OSError (a full disk) in a CheckpointException: either way nothing stays
+        if isinstance(e, CheckpointException) and e.failures:
+            e = next(iter(e.failures.values()))
+            e = e[0] if isinstance(e, tuple) else e  # (the rank's exception, its frames)
         shutil.rmtree(tmp, ignore_errors=True)
+        tracker.unlink(missing_ok=True)
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
         raise ValueError(f"--save {root}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
                          "written") from None
     return final
