@@ -169,16 +169,56 @@ def test_deepseek_v3_directories_fmeg_cannot_hold_are_refused_in_one_line(tmp_pa
     add_weight_file(tmp_path / "ds", "model-mtp.safetensors", deepseek_layout(mtp_layers(hf, 1)[0], hf, 0))
     with pytest.raises(ValueError, match="the files hold 1 of the 2 MTP depths"):
         read_dir(str(tmp_path / "ds"))
-    unnormalised = tiny_config()
-    unnormalised.norm_topk_prob = False
-    with pytest.raises(ValueError, match="norm_topk_prob=False"):
-        from_hf(transformers.DeepseekV3ForCausalLM(unnormalised))
+    lone = tiny_config()
+    lone.n_group, lone.topk_group = 8, 4
+    with pytest.raises(ValueError, match="n_group 8 with 1 experts a group"):
+        config_from_hf(lone)
     config = gpt.GPTConfig.llama(vocab_size=50, max_seq_len=16, num_layers=2, hidden_size=16, num_heads=4,
                                  num_kv_heads=4, multi_latent_attention=True, kv_lora_rank=8, qk_head_dim=4,
                                  qk_pos_emb_head_dim=4,
                                  v_head_dim=4)
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM needs latent norms"):
         to_hf(gpt.init(config, 0), config)
+
+
+def config_from_hf(hf_config):
+    from fmeg.interop.hf_deepseek_v3 import config_from
+
+    return config_from(hf_config)
+
+
+# transformers' routing: a group ranked by its best two scores, top-k weights normalised by norm_topk_prob
+ROUTING_RULES = {"groups taking one expert each": dict(num_experts_per_tok=2, n_group=4, topk_group=2),
+                 "three experts from two groups": dict(num_experts_per_tok=3, n_group=4, topk_group=2),
+                 "top-k weights unnormalised": dict(norm_topk_prob=False),
+                 "one group": dict(n_group=1, topk_group=1)}
+
+
+@pytest.mark.parametrize("rule", ROUTING_RULES)
+def test_transformers_routing_rules_import_as_transformers_computes_them(rule):
+    """Any valid DeepseekV3Config imports and computes what transformers does: its logits (1e-5), its export
+    round trip, its greedy tokens; where megatron-core's rule differs (groups ranked by their top-k / topk_group,
+    top-k always normalised), that rule gives other logits, and export to Megatron is refused in one line."""
+    from fmeg.interop.megatron.model_args import args_for
+
+    hf_config = tiny_config()
+    for name, value in ROUTING_RULES[rule].items():
+        setattr(hf_config, name, value)
+    torch.manual_seed(4)
+    hf = perturbed(transformers.DeepseekV3ForCausalLM(hf_config), sharp=True)
+    config, params = from_hf(hf)
+    assert_same_logits_and_round_trip(hf, config, params, VOCAB, 1)
+    ours, theirs = greedy_tokens_of_both(hf, config, params, [5, 17, 42, 8, 60, 3, 9])
+    assert ours == theirs
+    if rule == "one group":  # no group to rank, and top-k normalised: the rules agree
+        assert config.moe_router_group_score_topk is None and config.moe_router_norm_topk
+        return
+    if rule != "three experts from two groups":  # 3 / 2 experts a group: megatron-core has no such rule
+        megatrons = config.replace(moe_router_group_score_topk=None, moe_router_norm_topk=True)
+        tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+        assert not torch.allclose(gpt.apply(params, tokens, megatrons), gpt.apply(params, tokens, config))
+    with pytest.raises(ValueError, match="which megatron-core's router does not compute"):
+        args_for(config)
 
 
 @pytest.mark.slow  # MLA and experts at tp 2 are checked against one device in tests/test_parallel_gpt.py
@@ -192,19 +232,21 @@ def test_an_imported_deepseek_v3_generates_transformers_tokens_at_tp1_and_tp2(tm
 
 
 def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
-    """--use-checkpoint-args on an imported DeepSeek-V3 gives its attention, experts, router and MTP depths."""
+    """--use-checkpoint-args on an imported DeepSeek-V3 gives its attention, experts, router (transformers'
+    routing rules too) and MTP depths."""
     import dataclasses
 
     from fmeg.training.arguments import parse_args
     from fmeg.training.checkpoint_args import model_flags
     from fmeg.training.run_config import model_config
 
-    config = from_hf(tiny_deepseek_v3())[0].replace(mtp_num_layers=2)
-    a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--hidden-dropout", "0",
-                    "--attention-dropout", "0"], world_size=1)
-    for name, value in model_flags(dataclasses.asdict(config)).items():
-        setattr(a, name, value)
-    assert model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size) == config
+    default = from_hf(tiny_deepseek_v3())[0].replace(mtp_num_layers=2)
+    for config in (default, default.replace(moe_router_topk=2, moe_router_norm_topk=False)):  # transformers' rules
+        a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--hidden-dropout",
+                        "0", "--attention-dropout", "0"], world_size=1)
+        for name, value in model_flags(dataclasses.asdict(config)).items():
+            setattr(a, name, value)
+        assert model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size) == config
 
 
 def test_a_kimi_k2_directory_imports_as_deepseek_v3_and_an_fp8_one_is_refused_in_one_line(tmp_path):

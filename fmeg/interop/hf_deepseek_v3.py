@@ -19,6 +19,7 @@ What maps to what (layer i of L; N heads):
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -51,11 +52,8 @@ def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
          hf.rms_norm_eps != _LATENT_NORM_EPS),
         (f"num_key_value_heads {hf.num_key_value_heads} != num_attention_heads (MLA has a key per head)",
          hf.num_key_value_heads != hf.num_attention_heads),
-        ("norm_topk_prob=False with top-k > 1 (a sigmoid router normalises its top-k, as megatron-core's)",
-         not hf.norm_topk_prob and hf.num_experts_per_tok > 1),
-        (f"groups taking {hf.num_experts_per_tok // max(hf.topk_group or 1, 1)} experts each (transformers ranks "
-         "groups by their best two, megatron-core by top-k / topk_group)",
-         (hf.n_group or 1) > 1 and hf.num_experts_per_tok != 2 * hf.topk_group),
+        (f"n_group {hf.n_group} with {hf.n_routed_experts // max(hf.n_group or 1, 1)} experts a group (transformers "
+         "ranks a group by its best two)", (hf.n_group or 1) > 1 and hf.n_routed_experts // hf.n_group < 2),
         ("no shared experts", not hf.n_shared_experts),
         (f"first_k_dense_replace {hf.first_k_dense_replace} leaves no mixture-of-experts layer",
          hf.first_k_dense_replace >= hf.num_hidden_layers)) if bad]
@@ -86,6 +84,9 @@ def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
         moe_router_num_groups=hf.n_group if (hf.n_group or 1) > 1 else None,
         moe_router_group_topk=hf.topk_group if (hf.n_group or 1) > 1 else None,
+        # transformers' rules, which megatron-core's meet only where top-k / topk_group is 2
+        moe_router_group_score_topk=2 if (hf.n_group or 1) > 1 else None,
+        moe_router_norm_topk=bool(hf.norm_topk_prob),
         moe_router_topk_scaling_factor=None if hf.routed_scaling_factor == 1.0 else float(hf.routed_scaling_factor),
         mtp_num_layers=mtp_depths or None)
 
@@ -108,7 +109,8 @@ def hf_config(c: GPTConfig) -> Any:
          or not c.moe_router_enable_expert_bias or c.moe_router_bias),
         ("shared experts a whole number of experts wide, ungated", not shared or shared % expert_ffn(c)
          or c.moe_shared_expert_gate),
-        ("groups taking two experts each", groups > 1 and c.moe_router_topk != 2 * c.moe_router_group_topk),
+        ("groups ranked by their best two scores", groups > 1 and (c.moe_router_group_score_topk or
+                                                                   c.moe_router_topk // c.moe_router_group_topk) != 2),
         ("whole rotary heads, YaRN or none, full attention", c.rotary_percent != 1.0 or c.rope_scaling is not None
          or c.softmax_type != "vanilla" or c.window_size is not None)) if bad]
     if problems:
@@ -129,7 +131,8 @@ def hf_config(c: GPTConfig) -> Any:
         routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0, kv_lora_rank=c.kv_lora_rank,
         q_lora_rank=c.q_lora_rank, qk_rope_head_dim=c.qk_pos_emb_head_dim, v_head_dim=c.v_head_dim,
         qk_nope_head_dim=c.qk_head_dim, n_group=groups, topk_group=c.moe_router_group_topk or 1,
-        num_experts_per_tok=c.moe_router_topk, first_k_dense_replace=dense, norm_topk_prob=True,
+        num_experts_per_tok=c.moe_router_topk, first_k_dense_replace=dense,
+        norm_topk_prob=c.moe_router_norm_topk,
         max_position_embeddings=c.max_seq_len, initializer_range=c.init_std, rms_norm_eps=c.norm_eps,
         tie_word_embeddings=c.tie_embeddings, rope_parameters=rope, rope_interleave=True, attention_bias=False,
         num_mtp_layers=c.mtp_num_layers or 0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -204,6 +207,10 @@ def state_from(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tens
     return s
 
 
+class ImportNotice(UserWarning):
+    """Something an import leaves out of what config.json announces, said on one line by the command."""
+
+
 def mtp_prefixes(hf: Any) -> tuple[str, ...]:
     """The checkpoint's name prefixes of the MTP depths a DeepseekV3Config announces (num_nextn_predict_layers)."""
     layers, depths = hf.num_hidden_layers, getattr(hf, "num_mtp_layers", 0) or 0
@@ -222,6 +229,12 @@ def mtp_params_from(files: dict[str, torch.Tensor], hf: Any) -> tuple[int, dict[
     if 0 < len(present) < len(prefixes):
         raise ValueError(f"from_hf: the files hold {len(present)} of the {len(prefixes)} MTP depths config.json's "
                          "num_nextn_predict_layers announces; use the config.json that came with the weights")
+    if prefixes and not present:
+        # transformers' own save_pretrained writes no MTP depth and keeps the config's (default 1): import the
+        # model it holds, and say what is left out
+        warnings.warn(f"config.json announces {len(prefixes)} MTP depths (num_nextn_predict_layers) and the files "
+                      "hold none (transformers saves none): imported without multi-token prediction",
+                      ImportNotice, stacklevel=2)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in files.items():

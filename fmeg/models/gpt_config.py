@@ -60,6 +60,12 @@ class GPTConfig:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    # how many of a group's best scores rank it (None: megatron-core's topk // group_topk; 2: transformers'
+    # DeepSeek-V3), and whether a sigmoid router's top-k weights are divided by their sum (transformers'
+    # norm_topk_prob; megatron-core always divides): imported models keep their own rules, and
+    # --use-checkpoint-args carries them (fmeg.training.moe_flags: hidden flags, no Megatron one)
+    moe_router_group_score_topk: int | None = None
+    moe_router_norm_topk: bool = True
     moe_router_dtype: str | None = None  # "fp32" or "fp64": the router's matmul in that dtype
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0

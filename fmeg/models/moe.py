@@ -120,9 +120,18 @@ def validate(config, need) -> None:
              "group-limited routing needs both moe_router_num_groups and moe_router_group_topk")
         need(e % groups == 0, "moe_router_num_groups", f"{groups} must divide num_experts={e}")
         need(group_topk <= groups, "moe_router_group_topk", f"{group_topk} exceeds moe_router_num_groups={groups}")
-        need(k % group_topk == 0 and k // group_topk <= e // groups, "moe_router_group_topk",
-             f"moe_router_topk={k} must be a multiple of {group_topk}, with at most {e // groups} (experts per "
-             "group) taken from each group")
+        ranked_by = config.moe_router_group_score_topk
+        if ranked_by is None:
+            need(k % group_topk == 0 and k // group_topk <= e // groups, "moe_router_group_topk",
+                 f"moe_router_topk={k} must be a multiple of {group_topk}, with at most {e // groups} (experts "
+                 "per group) taken from each group")
+        else:
+            need(1 <= ranked_by <= e // groups, "moe_router_group_score_topk",
+                 f"must be in [1, {e // groups}] (experts per group), got {ranked_by}")
+            need(k <= group_topk * (e // groups), "moe_router_topk",
+                 f"{k} exceeds the {group_topk * (e // groups)} experts of moe_router_group_topk={group_topk} groups")
+    need(config.moe_router_norm_topk or config.moe_router_score_function == "sigmoid", "moe_router_norm_topk",
+         "False applies to the sigmoid score function only (softmax weights are normalised by their softmax)")
     need(not config.moe_router_pre_softmax or config.moe_router_score_function == "softmax",
          "moe_router_pre_softmax", "applies to the softmax score function only")
     need(config.moe_router_dtype in (None, "fp32", "fp64"), "moe_router_dtype",
@@ -209,7 +218,8 @@ def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | N
         logits_BSE.transpose(0, 1).reshape(s * b, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
         pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
         group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
-        expert_bias=None if expert_bias is None else expert_bias.detach())
+        expert_bias=None if expert_bias is None else expert_bias.detach(),
+        group_score_topk=config.moe_router_group_score_topk, normalize=config.moe_router_norm_topk)
     if config.moe_expert_capacity_factor is not None:
         keep = moe_ops.capacity_keep(probs, experts, e, config.moe_expert_capacity_factor,
                                      config.moe_token_drop_policy)

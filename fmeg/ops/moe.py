@@ -12,7 +12,8 @@ router (megatron/core/transformer/moe/moe_utils.py) so that its flags mean the s
 - sigmoid scores (DeepSeek-V3): sigmoid of the logits; the top-k is chosen on sigmoid + expert_bias (the
   bias steers the choice only) and the chosen scores are normalised to sum to 1 when k > 1.
 - group-limited routing: experts in num_groups equal groups; a token first picks group_topk groups by the sum
-  of each group's top (k / group_topk) scores, then its k experts inside them.
+  of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3: its top 2), then its
+  k experts inside them.
 - scaling_factor multiplies the final probabilities.
 
 Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm where the
@@ -35,13 +36,17 @@ DROP_POLICIES = ("probs", "position")
 
 def route(logits_TE: torch.Tensor, *, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
           num_groups: int | None = None, group_topk: int | None = None, scaling_factor: float | None = None,
-          expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [T, k] in at least fp32, experts [T, k] int64): each token's k experts and their weights."""
+          expert_bias: torch.Tensor | None = None, group_score_topk: int | None = None,
+          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, k] in at least fp32, experts [T, k] int64): each token's k experts and their weights.
+    group_score_topk: how many of a group's best scores rank it (None: topk // group_topk, megatron-core's);
+    normalize: a sigmoid router's top-k weights divided by their sum (transformers' norm_topk_prob)."""
     logits = _at_least_fp32(logits_TE)
+    per_group = group_score_topk or (topk // group_topk if group_topk else None)
 
     def top(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if group_topk:
-            scores = _mask_to_groups(scores, topk, num_groups, group_topk)
+            scores = _mask_to_groups(scores, per_group, num_groups, group_topk)
         return torch.topk(scores, k=topk, dim=-1)
 
     if score_function == "softmax":
@@ -57,7 +62,7 @@ def route(logits_TE: torch.Tensor, *, topk: int, score_function: str = "softmax"
             probs = scores.gather(-1, experts)
         else:
             probs, experts = top(scores)
-        if topk > 1:
+        if topk > 1 and normalize:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
@@ -66,11 +71,11 @@ def route(logits_TE: torch.Tensor, *, topk: int, score_function: str = "softmax"
     return probs, experts
 
 
-def _mask_to_groups(scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> torch.Tensor:
-    """scores with -inf outside each token's group_topk best groups (ranked by their top k/group_topk sum)."""
+def _mask_to_groups(scores_TE: torch.Tensor, per_group: int, num_groups: int, group_topk: int) -> torch.Tensor:
+    """scores with -inf outside each token's group_topk best groups (ranked by the sum of their per_group best)."""
     t, e = scores_TE.shape
     grouped = scores_TE.view(t, num_groups, e // num_groups)
-    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
     chosen = torch.topk(group_scores, k=group_topk, dim=-1).indices
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
     return scores_TE.masked_fill(~allowed.repeat_interleave(e // num_groups, dim=1), float("-inf"))

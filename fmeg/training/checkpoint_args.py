@@ -19,7 +19,8 @@ from fmeg.training import mla_flags
 _MOE_ARCHITECTURE = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
                      "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                      "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
-                     "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+                     "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_router_group_score_topk",
+                     "moe_router_norm_topk")
 
 
 def model_flags(model: dict) -> dict:

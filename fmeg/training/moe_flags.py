@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-num-groups", type=int, default=None)
     g.add_argument("--moe-router-group-topk", type=int, default=None)
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    # an imported DeepSeek-V3's routing rules (transformers'), which --use-checkpoint-args sets: no Megatron flag
+    g.add_argument("--moe-router-group-score-topk", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--moe-router-norm-topk", type=lambda t: t.lower() == "true", default=True, help=argparse.SUPPRESS)
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"],
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
@@ -113,6 +116,7 @@ def model_fields(a: argparse.Namespace) -> dict:
         moe_router_pre_softmax=a.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=a.moe_router_topk_scaling_factor,
         moe_router_num_groups=a.moe_router_num_groups, moe_router_group_topk=a.moe_router_group_topk,
+        moe_router_group_score_topk=a.moe_router_group_score_topk, moe_router_norm_topk=a.moe_router_norm_topk,
         moe_router_dtype=a.moe_router_dtype, moe_router_load_balancing_type=a.moe_router_load_balancing_type[0],
         moe_aux_loss_coeff=a.moe_aux_loss_coeff[0], moe_z_loss_coeff=a.moe_z_loss_coeff,
         moe_expert_capacity_factor=a.moe_expert_capacity_factor, moe_token_drop_policy=a.moe_token_drop_policy,

@@ -93,6 +93,11 @@ def args_for(config: gpt.GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, ma
                          f"layers {'have' if bias else 'have no'} biases; megatron-core has no such model (an MoE "
                          "checkpoint of an fmeg before routers took --add-bias-linear's bias: train on without it "
                          "or with --disable-bias-linear)")
+    group_rule = c.moe_router_group_score_topk not in (None, c.moe_router_topk // (c.moe_router_group_topk or 1))
+    if c.num_experts and (group_rule or not c.moe_router_norm_topk and c.moe_router_topk > 1):
+        raise ValueError("the model routes by transformers' DeepSeek-V3 rules (groups ranked by their best "
+                         f"{c.moe_router_group_score_topk}, top-k weights normalised: {c.moe_router_norm_topk}), "
+                         "which megatron-core's router does not compute; export it with export-hf")
     moe = {} if not c.num_experts else dict(
         num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
         moe_layer_freq=c.moe_layer_freq, moe_router_topk=c.moe_router_topk,
