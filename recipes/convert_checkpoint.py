@@ -28,6 +28,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from safetensors.torch import save_file
 from fmeg import checkpoint, tree
 from fmeg.cli import OneLineParser
 from fmeg.interop import megatron
+from fmeg.interop.hf_deepseek_v3 import ImportNotice
 from fmeg.interop.megatron.model_args import args_for, config_from_args
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
@@ -211,8 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         check_paths(args)
-        {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf, "export-megatron": export_megatron,
-         "import-megatron": import_megatron}[args.command](args)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", ImportNotice)
+            {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf,
+             "export-megatron": export_megatron, "import-megatron": import_megatron}[args.command](args)
+        for w in said:
+            if issubclass(w.category, ImportNotice):
+                print(f"warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,12 +33,32 @@ def _mixtral(root: Path) -> None:
     transformers.MixtralForCausalLM(config).save_pretrained(root)
 
 
+def _gpt_oss(root: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                       num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8)
+    transformers.GptOssForCausalLM(config).save_pretrained(root)
+
+
+def _deepseek_v3(root: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=12, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None)
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(root)
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_dirs")
-    _llama(root / "llama")
-    _mixtral(root / "mixtral")
-    return {"llama": root / "llama", "mixtral": root / "mixtral"}
+    makers = {"llama": _llama, "mixtral": _mixtral, "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3}
+    for name, make in makers.items():
+        make(root / name)
+    return {name: root / name for name in makers}
 
 
 def _edit_config(path: Path, **changes) -> None:
@@ -85,6 +105,8 @@ def _missing_shard(path: Path) -> None:
 
 
 IMPORT_CASES = [  # (model, damage, needle)
+    ("gpt_oss", lambda p: _edit_config(p, layer_types=["sliding_attention", "full_attention"]),
+     "config.json: transformers refuses it: `num_hidden_layers` (4) must be equal to the number of `layer_types`"),
     ("llama", _truncate, "model.safetensors: not a readable safetensors file"),
     ("llama", _bad_header, "model.safetensors: not a readable safetensors file"),
     ("mixtral", lambda p: _edit_config(p, num_local_experts=8), "config.json disagrees with the weights: "
@@ -111,12 +133,23 @@ def test_import_hf_of_a_damaged_directory_is_one_line(tmp_path, monkeypatch, hf_
                                         ["import-hf", "--input", f"{T}/hf", "--save", f"{T}/out"], needle)
 
 
-def test_the_undamaged_directories_import(tmp_path, hf_dirs):
+def test_the_undamaged_directories_import(tmp_path, hf_dirs, capsys):
+    """Each imports; DeepSeek-V3 as transformers saves it (its config's default MTP depth, no MTP weights)
+    imports without multi-token prediction and says so in one line."""
+    from fmeg.checkpoint import Checkpoint, latest
     from recipes import convert_checkpoint
 
     for model in hf_dirs:
         assert convert_checkpoint.main(["import-hf", "--input", str(hf_dirs[model]), "--save",
                                         str(tmp_path / model)]) == 0
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+        if model == "deepseek_v3":
+            assert said == ["warning: config.json announces 1 MTP depths (num_nextn_predict_layers) and the files "
+                            "hold none (transformers saves none): imported without multi-token prediction"]
+            with Checkpoint.open(latest(tmp_path / model)) as ckpt:
+                assert ckpt.meta["model"]["mtp_num_layers"] is None
+        else:
+            assert said == []
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,15 @@ def _config_transformers_holds(fields: dict, root: Path) -> Any:
                          f"{fields['model_type']!r} implies ({' '.join(str(e).split())[:200]})") from None
 
 
+def _config_errors() -> tuple[type, ...]:
+    """huggingface_hub's validation error for a config's fields (not a ValueError), where it exists."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ...]] = lambda _: ()
                    ) -> tuple[Any, dict[str, torch.Tensor]]:
     """(a transformers causal LM in fp32, {name: tensor} of the files' tensors under extra_prefixes(its config)),
@@ -143,6 +152,10 @@ def read_model_dir(input_dir: str, extra_prefixes: Callable[[Any], tuple[str, ..
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             str(root), local_files_only=True, use_safetensors=True, output_loading_info=True,
             ignore_mismatched_sizes=True, dtype=torch.float32, **({"config": config} if config else {}))
+    except _config_errors() as e:  # config.json's own fields (layer_types too short, say) fail validation
+        raise ValueError(f"--input {root / 'config.json'}: transformers refuses it: "
+                         f"{' '.join(str(e.__cause__ or e).split())[:300]}; use the config.json that came with "
+                         "the weights") from None
     except (ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"--input {root}: transformers cannot build the model from it: "
                          f"{' '.join(str(e).split())[:300]}") from None
