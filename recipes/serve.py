@@ -1,4 +1,5 @@
-"""Serve a checkpoint over HTTP: Megatron's `PUT /api` and OpenAI's `POST /v1/completions`.
+"""Serve a checkpoint over HTTP: Megatron's `PUT /api` and OpenAI's `POST /v1/completions` and
+`POST /v1/chat/completions` (recipes/serve_chat.py; the checkpoint's SFTTokenizer renders the messages).
 
     python -m recipes.serve --load checkpoints/gpt --port 5000
     torchrun --nproc-per-node 2 -m recipes.serve --load checkpoints/gpt --tensor-model-parallel-size 2
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 from fmeg.cli import OneLineParser
 from recipes.generate import LoadedModel, TextStream, cut_at_stop, flag_problems, load_model, model_flags, refuse
-from recipes.serve_api import BadRequest, Job, megatron_job, openai_job, parse_json
+from recipes import serve_chat
+from recipes.serve_api import BadRequest, Job, chat_job, megatron_job, openai_job, parse_json
 from recipes.serve_ranks import (KEEP_ALIVE_S, STOP_SERVING, STOP_SIGNALS, Broadcast, follow, follower_stop,
                                  interrupt, plan, run_plan)
 
@@ -110,8 +112,8 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         prompt_logprobs, prompt_top = [] if job.logprobs else None, []
         return run_plan(model, p, prompt_logprobs, prompt_top), prompt_logprobs, prompt_top
 
-    def run(job: Job) -> tuple[dict, list[Completion], list | None, list]:
-        p = plan(job, model)
+    def run(job: Job, p: dict | None = None) -> tuple[dict, list[Completion], list | None, list]:
+        p = p or plan(job, model)
         with lock:
             steps, prompt_logprobs, prompt_top = start(job, p, request.remote_addr)
             rows = [Completion(tokenizer, job.stop, p["eod"]) for _ in p["prompts"]]
@@ -161,7 +163,9 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         head = {"id": ident, "object": "text_completion", "created": created, "model": name}
         if job.stream:
-            return Response(sse(job, plan(job, model), head, request.remote_addr), mimetype="text/event-stream")
+            prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
+            chunks = CompletionChunks(head, tokenizer, job, prompt)
+            return Response(sse(job, plan(job, model), chunks, request.remote_addr), mimetype="text/event-stream")
         p, rows, prompt_logprobs, prompt_top = run(job)
         choices = []
         for i, (prompt, ids, row) in enumerate(zip(job.prompts, p["prompts"], rows)):
@@ -177,29 +181,43 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         return {**head, "choices": choices,
                 "usage": {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}}
 
-    def sse(job: Job, p: dict, head: dict, who: str) -> Iterator[str]:
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        body = parse_json(request.get_data())
+        if not serve_chat.has_template(tokenizer):
+            raise BadRequest("this server's tokenizer has no chat template: serve a model with --tokenizer-type "
+                             "SFTTokenizer --tokenizer-model DIR (a Hugging Face directory with its chat template)")
+        job = chat_job(body, tokenizer.chat_prompt, model.config.max_seq_len)
+        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": name}
+        p = plan(job, model)
+        if job.stream:
+            chunks = serve_chat.ChatChunks(head, tokenizer, p["eod"], job.logprobs, job.usage_chunk)
+            return Response(sse(job, p, chunks, request.remote_addr), mimetype="text/event-stream")
+        p, rows, _, _ = run(job, p)
+        return serve_chat.answer(head, tokenizer, rows[0], p["eod"], job.logprobs, len(p["prompts"][0]),
+                                 openai_reason(rows[0].finish))
+
+    def sse(job: Job, p: dict, chunks: Any, who: str) -> Iterator[str]:
+        """Server-sent events of one streamed row, each step's chunks as `chunks` (a completion's or a
+        chat's) shapes them; with include_usage a last chunk with the usage, then [DONE]."""
         with lock:  # held until the stream ends, or the client leaves and the generator is closed
             steps, _, _ = start(job, p, who)
             row = Completion(tokenizer, job.stop, p["eod"])
-            prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
             try:
-                if job.echo:
-                    yield f"data: {json.dumps(chunk(head, prompt, None, None, job.usage_chunk))}\n\n"
+                for c in chunks.opening():
+                    yield f"data: {json.dumps(c)}\n\n"
                 for step in steps:
                     if step.ids[0] is None:
                         continue
                     top = step.top[0] if step.top else None
                     piece = row.add(step.ids[0], step.logprobs[0], step.finished[0], top)
-                    lp = {"tokens": [tokenizer.decode([step.ids[0]])], "token_logprobs": [step.logprobs[0]],
-                          "top_logprobs": [{tokenizer.decode([i]): v for i, v in top}] if top else None,
-                          "text_offset": None} if job.logprobs else None
                     finish = openai_reason(row.finish) if row.finish else None
-                    if piece or finish or lp:
-                        yield f"data: {json.dumps(chunk(head, piece, finish, lp, job.usage_chunk))}\n\n"
+                    for c in chunks.step(piece, finish, step.ids[0], step.logprobs[0], top):
+                        yield f"data: {json.dumps(c)}\n\n"
                 if job.usage_chunk:  # OpenAI's include_usage: a last chunk with no choices and the usage
                     used, made = len(p["prompts"][0]), len(row.ids)
                     usage = {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                    yield f"data: {json.dumps({**chunks.head, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # a client that left early: the other ranks are mid-generation, so finish it with them
                 for _ in steps:
@@ -208,10 +226,26 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     return app
 
 
-def chunk(head: dict, text: str, finish: str | None, logprobs: dict | None = None, usage: bool = False) -> dict:
-    """One streamed chunk; with include_usage each carries "usage": null, as OpenAI's do."""
-    return {**head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
-            **({"usage": None} if usage else {})}
+class CompletionChunks:
+    """The chunks of a streamed completion: the prompt first with echo, then each step's text and logprobs."""
+
+    def __init__(self, head: dict, tokenizer: Any, job: Job, prompt: str):
+        self.head, self.tokenizer, self.job, self.prompt = head, tokenizer, job, prompt
+
+    def chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        # with include_usage every chunk carries "usage": null, as OpenAI's do
+        return {**self.head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+                **({"usage": None} if self.job.usage_chunk else {})}
+
+    def opening(self) -> list[dict]:
+        return [self.chunk(self.prompt, None)] if self.job.echo else []
+
+    def step(self, piece: str, finish: str | None, token: int, logprob: float, top: list | None) -> list[dict]:
+        decode = self.tokenizer.decode
+        lp = {"tokens": [decode([token])], "token_logprobs": [logprob],
+              "top_logprobs": [{decode([i]): v for i, v in top}] if top else None,
+              "text_offset": None} if self.job.logprobs else None
+        return [self.chunk(piece, finish, lp)] if piece or finish or lp else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +298,8 @@ def _main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         broadcast.send(STOP_SERVING)
         return 2
-    print(f"serving {a.load} on http://{a.host}:{server.port} (PUT /api, POST /v1/completions); "
+    print(f"serving {a.load} on http://{a.host}:{server.port} (PUT /api, POST /v1/completions, "
+          f"POST /v1/chat/completions); "
           f"tp {a.tensor_model_parallel_size} x pp {a.pipeline_model_parallel_size}", flush=True)
     for s in STOP_SIGNALS:  # a clean stop: the other ranks are told to finish
         signal.signal(s, interrupt)

@@ -7,6 +7,12 @@ Megatron's `PUT /api` (tools/run_text_generation_server.py):
     -> {"text": [prompt + completion], "tokens": [prompt ids + new ids], "segments": [[piece per token]],
         "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}     (logprobs when asked)
     a bad request: HTTP 400 {"message": reason}, which Megatron's tools/text_generation_cli.py prints
+OpenAI's `POST /v1/chat/completions`:
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..." | [{"type": "text", "text": ...}]}],
+     "max_completion_tokens" | "max_tokens": the rest of the context, "temperature", "top_p", "stop",
+     "logprobs": false, "top_logprobs": 0..20, "seed", "stream", "stream_options", "n": 1, ...}
+    the messages rendered by the model's chat template (with the generation prompt, as --sft renders them),
+    then run as a completion of those token ids
 OpenAI's `POST /v1/completions`:
     {"prompt": "..." | ["..."] | [ids] | [[ids]], "max_tokens": 16, "temperature": 1.0, "top_p": 1.0,
      "stop": "..." | [...], "logprobs": null | 0..20, "echo": false, "seed": null, "stream": false, "n": 1, ...}
@@ -27,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fmeg.inference import SamplingParams
 
@@ -207,3 +213,57 @@ def openai_job(body: dict) -> Job:
     return Job(prompts, tokens, SamplingParams(float(temperature), top_k, 0.0 if top_p == 1.0 else float(top_p)),
                seed, logprobs is not None, stop, echo=flags["echo"], stream=flags["stream"],
                usage_chunk=options.get("include_usage", False), top_logprobs=logprobs or 0)
+
+
+CHAT_FIELDS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
+               "logprobs", "top_logprobs", "seed", "stream", "stream_options", "n", "user", "presence_penalty",
+               "frequency_penalty", "logit_bias"}
+_NO_TOOLS = "tool and function calling is not implemented in fmeg; leave it out"
+CHAT_UNSUPPORTED = {"tools": _NO_TOOLS, "tool_choice": _NO_TOOLS, "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
+                    "parallel_tool_calls": _NO_TOOLS,
+                    "response_format": "structured outputs are not implemented in fmeg; leave it out",
+                    "audio": "fmeg's models read and write text only", "modalities": "fmeg's models are text only",
+                    "prediction": "predicted outputs are not implemented in fmeg; leave it out"}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _message(i: int, m: Any) -> dict:
+    """One chat message as the chat template takes it: its role and its text (text parts joined)."""
+    _check(isinstance(m, dict), f"messages[{i}] must be an object with a role and a content")
+    _check(set(m) <= {"role", "content", "name"}, f"messages[{i}] holds {sorted(set(m) - {'role', 'content', 'name'})}"
+           "; fmeg takes role, content and name")
+    role, content = m.get("role"), m.get("content")
+    _check(role in CHAT_ROLES, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if isinstance(content, list):
+        _check(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content), f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}}")
+        content = "".join(p["text"] for p in content)
+    _check(isinstance(content, str), f"messages[{i}].content must be a string or a list of text parts")
+    _check_text([content], f"messages[{i}].content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def chat_job(body: dict, render: Callable[[list[dict]], list[int]], context: int) -> Job:
+    """An OpenAI `POST /v1/chat/completions` request: its messages rendered to token ids by render (the chat
+    template with the generation prompt; a ValueError of it is the request's problem), then checked and run as
+    a completion of them (openai_job), with at most the rest of the model's context positions to generate."""
+    body = {k: v for k, v in body.items() if v is not None}
+    _unknown(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
+    _check("messages" in body, "messages is required")
+    messages = body["messages"]
+    _check(isinstance(messages, list) and 0 < len(messages), "messages must be a non-empty list of messages")
+    messages = [_message(i, m) for i, m in enumerate(messages)]
+    logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
+    _check(isinstance(logprobs, bool), "logprobs must be a boolean")
+    _check(top is None or (_is_int(top) and 0 <= top <= MAX_LOGPROBS and logprobs),
+           f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, with logprobs: true")
+    try:
+        ids = render(messages)
+    except ValueError as e:
+        raise BadRequest(f"messages: the model's chat template refuses them ({' '.join(str(e).split())[:200]})")
+    _check(len(ids) < context, f"messages are {len(ids)} tokens, which leaves none of the model's {context} "
+           "positions to answer in")
+    tokens = body.get("max_completion_tokens", body.get("max_tokens", context - len(ids)))
+    passed = {k: body[k] for k in CHAT_FIELDS - {"messages", "max_tokens", "max_completion_tokens", "logprobs",
+                                                 "top_logprobs"} if k in body}
+    return openai_job({**passed, "prompt": ids, "max_tokens": tokens, "logprobs": (top or 0) if logprobs else None})

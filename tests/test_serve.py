@@ -183,6 +183,11 @@ def test_the_largest_seed_samples_on_every_prompt(server):
     assert status == 200, body
 
 
+def test_chat_needs_a_tokenizer_with_a_chat_template(server):
+    status, body = server.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "this server's tokenizer has no chat template" in json.loads(body)["error"]["message"]
+
+
 def test_scoring_request_returns_the_prompts_logprobs_as_megatron(server):
     """Megatron's scoring request: tokens_to_generate 0 with logprobs gives the prompt's log-probabilities
     (every token but the first), the same as a generating request reports for its prompt."""

@@ -4,6 +4,7 @@ token ids and the tokens a fine-tuned model is trained on.
     tok = SFTTokenizer("hf_dir")                                   # the directory's own chat template
     tok = SFTTokenizer("hf_dir", "nemotron-h-aligned")             # one of Megatron's named formats
     ids, trained = tok.tokenize_conversation(messages)             # trained[i]: token i is part of an answer
+    ids = tok.chat_prompt(messages)                                # what a model answers (recipes.serve's chat)
 
 ids are transformers' apply_chat_template(messages, tokenize=True) (the rendered text, no special tokens added);
 trained marks each token that overlaps an assistant answer's span (chat_template.assistant_spans), as
@@ -64,6 +65,11 @@ class SFTTokenizer(HuggingFaceTokenizer):
                 k += 1
             trained.append(k < len(spans) and begin < spans[k][1] and end > spans[k][0])
         return list(encoding.ids), trained
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The ids a model answers: the conversation rendered with the template's generation prompt (transformers'
+        apply_chat_template(messages, add_generation_prompt=True, tokenize=True)). ChatTemplateError as above."""
+        return list(self._tok.encode(self._render(messages, True), add_special_tokens=False).ids)
 
 
 def _json(path: Path) -> dict:
