@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="the ranks left over by tensor and pipeline parallelism are data parallel")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="N virtual stages per pipeline rank (sets --num-layers-per-virtual-pipeline-stage)")
     g.add_argument("--pipeline-model-parallel-layout", default=None,
                    help="Megatron's layout string, e.g. 'Et|(tt|)*3tmL': what each (virtual) stage holds; fmeg "
                         "takes the even ones (fmeg.training.pipeline_layout)")
@@ -276,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --load: stop (exit 2) instead of starting afresh when it holds no checkpoint")
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
+    lg.add_argument("--eval-global-batch-size", type=int, default=None,
+                    help="Megatron's validation batch: the global batch (the only one fmeg takes)")
     lg.add_argument("--eval-iters", type=int, default=2, help="global batches per validation")
     lg.add_argument("--log-interval", type=int, default=10)
     lg.add_argument("--log-params-norm", action="store_true",

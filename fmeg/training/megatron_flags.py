@@ -108,7 +108,56 @@ _FP8 = "has no effect without --fp8-format (fmeg has no FP8 yet)"
 IGNORED_SETTINGS.update({flag: _FP8 for flag in (
     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-recipe", "--fp8-margin")})
 IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
-MULTI_VALUED = {"--profile-ranks"}
+# The flags of Megatron-LM main's GPT functional-test configurations and example scripts (issue 49's walk of
+# them, tests/test_megatron_flag_sets.py) that choose a kernel, an overlap, a memory or a checkpoint-writing
+# policy, or a rank order: none changes a number fmeg computes.
+_OVERLAP = "an overlap policy of Megatron's kernels"
+_GRAPHS = "fmeg captures no CUDA graphs by hand (torch.compile decides)"
+_FSDP_BUFFERS = "a buffer and NCCL-registration policy of Megatron-FSDP"
+IGNORED_SWITCHES.update({
+    "--apply-query-key-layer-scaling": "divides q.k by the layer number and the softmax multiplies it back: the "
+                                       "same softmax (a guard against fp16 overflow in Megatron's fused kernel)",
+    "--ddp-average-in-collective": "where the data-parallel mean is divided (in the collective or before it): the "
+                                   "same mean",
+    "--defer-embedding-wgrad-compute": _OVERLAP, "--delay-wgrad-compute": _OVERLAP,
+    "--overlap-p2p-communication-warmup-flush": _OVERLAP, "--overlap-moe-expert-parallel-comm": _OVERLAP,
+    "--disable-gloo-process-groups": "fmeg creates only the process groups it uses (gloo ones only on CPU)",
+    "--te-rng-tracker": "Transformer Engine's RNG tracker: fmeg's dropout is counter-based",
+    "--test-mode": "Megatron's extra self-checks of its functional tests",
+    "--use-transformer-engine-op-fuser": "fmeg fuses no kernels by hand",
+    "--fine-grained-activation-offloading": "a memory policy: activations stay on the device (--recompute-* "
+                                            "trades memory for compute instead)",
+    "--async-ckpt-use-cpu-shm": "--async-save writes from its own copy in host memory",
+    "--verify-integrity": "fmeg always checks each checkpoint cell's crc32 as it reads it",
+    "--override-opt_param-scheduler": "the schedules' shape always comes from the flags, as this flag asks",
+    "--use-tp-pp-dp-mapping": "a rank order for Megatron's topology; fmeg keeps tp-cp-ep-dp-pp, and the loss "
+                              "does not depend on the order",
+    "--fsdp-manual-registration": _FSDP_BUFFERS, "--fsdp-db-use-persist-buf-on-alloc-fail": _FSDP_BUFFERS,
+    "--megatron-fsdp-max-pool-double-buffer": _FSDP_BUFFERS,
+})
+IGNORED_SETTINGS.update({
+    "--async-strategy": "--async-save writes on a thread each rank starts once",
+    "--cuda-graph-impl": _GRAPHS, "--cuda-graph-modules": _GRAPHS, "--cuda-graph-warmup-steps": _GRAPHS,
+    "--tp-comm-overlap-cfg": "an overlap policy of Transformer Engine's kernels", "--wgrad-deferral-limit": _OVERLAP,
+    "--microbatch-group-size-per-virtual-pipeline-stage": "how many microbatches the interleaved schedule runs "
+                                                          "on a virtual stage in a row: an order, the same numbers",
+    "--offload-modules": "a memory policy: activations stay on the device",
+    "--error-injection-rate": "fmeg has no rerun state machine (these inject faults to test it)",
+    "--error-injection-type": "fmeg has no rerun state machine (these inject faults to test it)",
+})
+MULTI_VALUED = {"--profile-ranks", "--cuda-graph-modules", "--offload-modules"}
+IGNORED_SWITCHES["--first-last-layers-bf16"] = _FP8
+# settings of features still to come, which the feature's own flag (LATER_WORK) refuses
+_MUON = "has no effect without --optimizer muon (fmeg has only Adam yet)"
+IGNORED_SETTINGS.update({flag: _MUON for flag in ("--muon-momentum", "--muon-scale-mode", "--muon-extra-scale-factor")})
+IGNORED_SWITCHES["--no-use-layer-wise-param-layout"] = _MUON
+IGNORED_SETTINGS["--mup-base-hidden-size"] = "has no effect without --use-mup (fmeg has no muP yet)"
+_VARIANT = "has no effect without --experimental-attention-variant (fmeg has no gated delta net or sparse " \
+           "attention yet)"
+IGNORED_SETTINGS.update({flag: _VARIANT for flag in (
+    "--linear-attention-freq", "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-num-key-heads",
+    "--linear-num-value-heads", "--linear-value-head-dim", "--dsa-indexer-head-dim", "--dsa-indexer-loss-coeff",
+    "--dsa-indexer-n-heads", "--dsa-indexer-topk")})
 
 # Megatron flags of features fmeg does not have yet: {flag: (argparse keywords, the values that mean "off",
 # the feature)}. The "off" values run; any other stops the run with one line naming the feature.
@@ -117,6 +166,18 @@ LATER_WORK = {
     "--rotary-interleaved": ({"action": "store_true"}, (False,), "interleaved rotary embeddings (Llama 4's)"),
     "--is-hybrid-model": ({"action": "store_true"}, (False,), "hybrid Mamba models (Nemotron-H)"),
     "--hybrid-override-pattern": ({"default": None}, (None,), "hybrid Mamba models (Nemotron-H)"),
+    "--optimizer": ({"choices": ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
+                     "default": "adam"}, ("adam",), "an optimizer other than Adam"),
+    "--use-mup": ({"action": "store_true"}, (False,), "muP (maximal update parametrisation)"),
+    "--experimental-attention-variant": ({"default": None}, (None,),
+                                         "Megatron's experimental attention (gated delta net, sparse attention)"),
+    "--attention-output-gate": ({"action": "store_true"}, (False,), "a gate on attention's output (Qwen3-Next's)"),
+    "--apply-wd-to-qk-layernorm": ({"action": "store_true"}, (False,), "weight decay on the q/k norms"),
+    "--decoder-first-pipeline-num-layers": ({"type": int, "default": None}, (None,), "an uneven split of layers over pipeline stages"),
+    "--decoder-last-pipeline-num-layers": ({"type": int, "default": None}, (None,), "an uneven split of layers over pipeline stages"),
+    "--account-for-embedding-in-pipeline-split": ({"action": "store_true"}, (False,), "an uneven split of layers over pipeline stages"),
+    "--account-for-loss-in-pipeline-split": ({"action": "store_true"}, (False,), "an uneven split of layers over pipeline stages"),
+    "--per-split-data-args-path": ({"default": None}, (None,), "a data path per split (--train-data-path ...)"),
 }
 # The Mamba layers' sizes: they mean something only in a hybrid model, which --is-hybrid-model refuses.
 IGNORED_SETTINGS.update({flag: "has no effect without --is-hybrid-model (fmeg has no Mamba layers yet)" for flag in (

@@ -7,6 +7,7 @@
 The number of stages is pp x the virtual stages per rank. fmeg's pipeline holds the same number of decoder layers
 on every stage, the embedding on the first and the MTP layers with the loss on the last: a layout that says so
 sets --num-layers-per-virtual-pipeline-stage; any other is refused in one line naming the stage that differs.
+--num-virtual-stages-per-pipeline-rank N sets it too: each rank's layers split into N equal virtual stages.
 """
 
 from __future__ import annotations
@@ -77,8 +78,27 @@ def layers_per_stage(text: str, num_layers: int, mtp_layers: int, pp: int) -> in
     return per
 
 
+def _virtual_stages(a: argparse.Namespace) -> list[str]:
+    """--num-virtual-stages-per-pipeline-rank N as the layers per virtual stage it means (in place)."""
+    n, pp = a.num_virtual_stages_per_pipeline_rank, a.pipeline_model_parallel_size
+    if a.num_layers_per_virtual_pipeline_stage is not None or a.pipeline_model_parallel_layout is not None:
+        return ["--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage and "
+                "--pipeline-model-parallel-layout are alternatives; give one"]
+    if a.num_layers <= 0 or pp <= 0 or a.num_layers % pp:
+        return []  # validate() names the layers that do not split over pp
+    per_rank = a.num_layers // pp
+    if n < 1 or per_rank % n:
+        return [f"--num-virtual-stages-per-pipeline-rank {n} must divide the {per_rank} decoder layers of each "
+                "pipeline rank (fmeg's stages hold equal numbers of layers)"]
+    if n > 1:
+        a.num_layers_per_virtual_pipeline_stage = per_rank // n
+    return []
+
+
 def apply(a: argparse.Namespace) -> list[str]:
     """Set --num-layers-per-virtual-pipeline-stage from the layout (in place); its problems, one line each."""
+    if a.num_virtual_stages_per_pipeline_rank is not None:
+        return _virtual_stages(a)
     text = a.pipeline_model_parallel_layout
     if text is None:
         return []

@@ -148,6 +148,9 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
     problems.extend(recompute_problems(a))
     problems.extend(unused_flag_problems(a))
+    need(a.eval_global_batch_size in (None, gbs),  # Megatron's default: the final global batch
+         f"--eval-global-batch-size {a.eval_global_batch_size}: a validation batch other than the final global batch "
+         f"({gbs}) is not supported by fmeg yet; drop the flag")
     problems.extend(optimizer_precision_problems(a))
     need(not a.sequence_parallel or a.seq_length % tp == 0,
          f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "

@@ -1,6 +1,6 @@
 """Megatron-LM's own args Namespace for the test families, kept as data (run by hand, not by the tests).
 
-    MLM=/path/to/Megatron-LM python tests/data/megatron_args/capture.py     # rewrites the *.json beside it
+    MLM=/path/to/Megatron-LM [MLM_COMMIT=sha] python tests/data/megatron_args/capture.py     # rewrites the *.json beside it
 
 Each family's flags are those of a Megatron-LM launch script, sizes shrunk to the models that
 tests/megatron_core_run.py builds in megatron-core (and parallel sizes 1: the writer sets the layout it saves
@@ -169,7 +169,8 @@ def main() -> None:
     typing.override = getattr(typing, "override", lambda f: f)
     sys.meta_path.insert(0, _WithoutTriton())
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    commit = subprocess.run(["git", "-C", str(MLM), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    commit = os.environ.get("MLM_COMMIT") or \
+        subprocess.run(["git", "-C", str(MLM), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     for family, (script, argv) in FAMILIES.items():
         args = megatron_args(argv)
         record = {"megatron_lm": commit.strip() or "unknown", "script": script, "argv": argv,
