@@ -271,3 +271,22 @@ def test_naming_the_default_format_says_that_the_answers_alone_are_trained_on():
     notices = parse_args(["--sft", "--sft-tokenizer-prompt-format", "default"], world_size=1).notices
     assert any(n.startswith("--sft-tokenizer-prompt-format default: the loss counts the answers only") for n in notices)
     assert not any("prompt-format" in n for n in parse_args(["--sft"], world_size=1).notices)
+
+
+def test_a_conversation_longer_than_the_sequence_is_cut_with_one_warning(tmp_path):
+    """The README's promise, as a run shows it: a conversation longer than --seq-length is cut, and the run
+    says so in one warning line at start (with and without --sft-sequence-packing)."""
+    from runner_harness import run_recipe
+
+    tokenizer = chat_tokenizer_dir(tmp_path, "chatml")
+    long = [{"role": "user", "content": "tell me " * 40}, {"role": "assistant", "content": "ok " * 40}]
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [[long]] + [[short]] * 30)
+    for packing in ([], ["--sft-sequence-packing"]):
+        _, stdout = run_recipe(tmp_path, f"sft{len(packing)}", 1, [
+            "--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(tokenizer), "--data-path",
+            str(data), "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "--train-iters", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--data-cache-path", str(tmp_path / "cache"), *packing], common=[])
+        said = [line for line in stdout.splitlines() if "cut at --seq-length 32" in line]
+        assert len(said) == 1 and said[0].startswith(f"warning: --data-path {data}: 1 of the train split's"), said
