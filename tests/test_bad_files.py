@@ -191,9 +191,15 @@ def test_export_megatron_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_pat
     import subprocess
     import sys
 
-    from test_checkpoint import save_one
+    from fmeg.models import gpt
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.checkpoint_state import save_single_rank
+    from fmeg.training.parallel_step import Layout, init_state, shard_params
 
-    save_one(tmp_path / "ck", 1)
+    config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
+    mesh, layout = Mesh.single(), Layout()
+    state = init_state(shard_params(gpt.init(config, 0), config, layout, mesh), config, layout, mesh)
+    save_single_rank(tmp_path / "ck", 1, state, config, {})
 
     def full_disk():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
