@@ -136,20 +136,23 @@ def client(server):
     )
 
 
+def ask(server, question: str, **options):
+    """The official client's greedy chat completion of one question, at most 12 tokens."""
+    return client(server).chat.completions.create(
+        model="qwen3-sft",
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=12,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_chat_completion_is_transformers_greedy_answer_streamed_or_not(
     fine_tuned, chat_server, question
 ):
     text, logprobs, finish = transformers_answer(fine_tuned, question, 12)
-    messages = [{"role": "user", "content": question}]
-    answer = client(chat_server).chat.completions.create(
-        model="qwen3-sft",
-        messages=messages,
-        temperature=0,
-        max_tokens=12,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    answer = ask(chat_server, question, logprobs=True, top_logprobs=2)
     choice = answer.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == (
         "assistant",
@@ -163,14 +166,7 @@ def test_chat_completion_is_transformers_greedy_answer_streamed_or_not(
         for entry in choice.logprobs.content
     )
     assert answer.usage.completion_tokens == len(logprobs) + (finish == "stop")
-    stream = client(chat_server).chat.completions.create(
-        model="qwen3-sft",
-        messages=messages,
-        temperature=0,
-        max_tokens=12,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = ask(chat_server, question, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -184,13 +180,7 @@ def test_a_stop_string_and_the_models_list(fine_tuned, chat_server):
     text, _, _ = transformers_answer(fine_tuned, QUESTIONS[0], 12)
     cut = text[: max(1, len(text) // 2)]
     stop = text[len(cut) : len(cut) + 2] or text[-1]
-    answer = client(chat_server).chat.completions.create(
-        model="qwen3-sft",
-        temperature=0,
-        max_tokens=12,
-        messages=[{"role": "user", "content": QUESTIONS[0]}],
-        stop=[stop],
-    )
+    answer = ask(chat_server, QUESTIONS[0], stop=[stop])
     assert answer.choices[0].message.content == text[: text.index(stop)]
     assert answer.choices[0].finish_reason == "stop"
     assert [m.id for m in client(chat_server).models.list()] == ["qwen3-sft"]
