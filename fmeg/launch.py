@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = cause(e.failures) if e.failures else e.get_first_failure()
+        rank, failure = e.get_first_failure()  # the first to fail: ranks after it were stopped by the agent
         if failure.exitcode < 0:
             print(f"error: rank {rank} was killed by {failure.signal_name()}; the other ranks were stopped",
                   file=sys.stderr)
