@@ -1,0 +1,51 @@
+"""recipes.gpt_pretrain's flags as users know them stay: every flag of the parser before issue 50's redesign
+(tests/data/flags_before_redesign.json) is still there, under the same names, with the same default,
+choices, number of values and kind, shown in --help or hidden as before. New flags may join.
+
+    python tests/test_flags_stay.py --write     # the snapshot, taken once before the redesign
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SNAPSHOT = Path(__file__).parent / "data" / "flags_before_redesign.json"
+
+
+def describe(parser: argparse.ArgumentParser) -> dict:
+    """{flag: what a user sees of it} for each option of the parser."""
+    out = {}
+    for a in parser._actions:
+        if not a.option_strings or isinstance(a, argparse._HelpAction):
+            continue
+        out[a.option_strings[0]] = {
+            "aliases": a.option_strings[1:],
+            "dest": a.dest,
+            "switch": a.nargs == 0,
+            "default": a.default,
+            "choices": None if a.choices is None else list(a.choices),
+            "nargs": a.nargs,
+            "type": getattr(a.type, "__name__", None) if a.type in (int, float) else None,
+            "shown": a.help != argparse.SUPPRESS,
+        }
+    return out
+
+
+def current() -> dict:
+    from fmeg.training.arguments import build_parser
+
+    return json.loads(json.dumps(describe(build_parser())))  # as JSON gives it back: tuples as lists
+
+
+def test_every_flag_from_before_the_redesign_is_there_as_it_was():
+    before, now = json.loads(SNAPSHOT.read_text()), current()
+    missing = sorted(set(before) - set(now))
+    assert not missing, f"flags gone: {missing}"
+    changed = {flag: (was, now[flag]) for flag, was in before.items() if now[flag] != was}
+    assert not changed, "\n".join(f"{f}: {a} -> {b}" for f, (a, b) in sorted(changed.items()))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    SNAPSHOT.write_text(json.dumps(current(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {SNAPSHOT}: {len(current())} flags")
