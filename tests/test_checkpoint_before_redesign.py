@@ -1,0 +1,42 @@
+"""Checkpoints written by fmeg before issue 50's redesign (tests/data/before_redesign, with write.py's command)
+resume on the curve that fmeg resumed them on: a dense GPT at tp 2 x pp 2 with bf16 and the distributed
+optimizer, and MLA + experts + an MTP depth at dp 2 x ep 2. Bitwise on the CPU and torch they were recorded
+with; elsewhere within float32 rounding (another CPU may sum in another order)."""
+
+import json
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner_harness import run_recipe
+
+DATA = Path(__file__).parent / "data" / "before_redesign"
+CURVES = json.loads((DATA / "curves.json").read_text())
+
+
+def this_cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@pytest.mark.parametrize("name", ["dense_tp2_pp2_bf16_zero", "mla_moe_mtp_ep2"])
+def test_a_checkpoint_from_before_the_redesign_resumes_on_its_curve(tmp_path, name):
+    run = CURVES[name]
+    shutil.copytree(DATA / name, tmp_path / name)
+    flags = [*run["flags"], "--load", str(tmp_path / name)]
+    records, stdout = run_recipe(tmp_path, "log", run["nproc"], flags, common=[])
+    assert "resumed from" in stdout and "iteration 3" in stdout
+    want = run["resumed"]
+    got = [{k: r[k] for k in w} for r, w in zip([r for r in records if "lm_loss" in r], want)]
+    assert [r["iteration"] for r in got] == [w["iteration"] for w in want] == [4, 5, 6]
+    if (CURVES["cpu"], CURVES["torch"]) == (this_cpu(), torch.__version__):
+        assert got == want
+    else:
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, rel=1e-6)
