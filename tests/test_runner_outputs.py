@@ -20,7 +20,7 @@ import pytest
 from runner_harness import COMMON, run_recipe
 
 LOG_LINE = re.compile(r"^ iteration +\d+/ +\d+ \| consumed samples: +\d+ \| elapsed time per iteration \(ms\): "
-                      r"[\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: [\d.E+-]+ \| global "
+                      r"[\d.]+ \| (throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| )?learning rate: [\d.E+-]+ \| global "
                       r"batch size: +\d+ \| lm loss: [\d.E+-]+ \| loss scale: [\d.]+ \| grad norm: [\d.]+ \| number "
                       r"of skipped iterations: +\d+ \| number of nan iterations: +\d+ \|$")
 
@@ -168,3 +168,18 @@ def test_tensorboard_and_wandb_take_the_aux_losses_and_their_per_layer_values_un
               "z_loss_layer_0": 0.5, "mtp_1 loss": 2.5, "skipped": False, "timers_ms": {"data": 1.0}}
     assert scalars(record) == {"lm loss": 2.0, "load_balancing_loss": 1.1, "moe/seq_load_balancing_loss_layer_2": 1.2,
                                "moe/z_loss_layer_0": 0.5, "mtp_1 loss": 2.5}
+
+
+def test_the_final_line_counts_this_run_and_a_cpu_logs_no_tflops(tmp_path):
+    """After a resume, done: counts this run's iterations and samples, and the totals apart (it mixed this
+    run's iterations with all samples); a CPU's log line leaves out TFLOP/s per GPU, which means nothing there
+    (every CPU line said 0.0)."""
+    flags = ["--train-iters", "4", "--save", str(tmp_path / "ck"), "--save-interval", "4", "--log-interval", "1"]
+    _, first = run_recipe(tmp_path, "first", 1, flags)
+    assert "done: 4 iterations, 32 samples in " in first and "in all)" not in first
+    flags = ["--train-iters", "6", "--load", str(tmp_path / "ck"), "--log-interval", "1"]
+    _, second = run_recipe(tmp_path, "second", 1, flags)
+    done = next(line for line in second.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: 2 iterations, 16 samples in ") and "(iteration 6, 48 samples in all)" in done
+    logged = [line for line in first.splitlines() + second.splitlines() if line.startswith(" iteration")]
+    assert len(logged) == 6 and not any("TFLOP/s" in line for line in logged)

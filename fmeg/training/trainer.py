@@ -41,6 +41,7 @@ class Trainer:
         self.cfg, self.session, self.state, self.progress = cfg, session, state, progress
         self.train_data, self.valid_data, self.checkpointer = train_data, valid_data, checkpointer
         self.started_at, self.records, self.losses, self.signalled = started_at, [], [], False
+        self.start = progress  # where this run began: the final line counts this run apart from the totals
         self.context = model_parallel(cfg.layout, session.mesh).context
         self.loader = SampleLoader(cfg.data.num_workers, self.host_microbatch)
         logs = session.last_rank
@@ -164,8 +165,10 @@ class Trainer:
                    **({"decoupled_lr": decoupled_lr} if decoupled_lr is not None else {})})
         self.display.step(iteration, elapsed, tokens_per_s)
         if iteration % cfg.logging.log_interval == 0 or iteration == cfg.training.train_iters:
+            # TFLOP/s per GPU as Megatron prints it; a CPU's figure means nothing next to a GPU's
+            shown = tflops if self.session.device.type == "cuda" else None
             line = megatron_log_line(iteration=iteration, train_iters=cfg.training.train_iters,
-                                     consumed_samples=p.consumed, elapsed_ms=elapsed * 1e3, tflops=tflops, lr=lr,
+                                     consumed_samples=p.consumed, elapsed_ms=elapsed * 1e3, tflops=shown, lr=lr,
                                      global_batch_size=global_batch, lm_loss=loss, grad_norm=grad_norm,
                                      loss_scale=scale, params_norm=params_norm, skipped=p.skipped, nans=p.nans,
                                      other_losses=other)
@@ -217,7 +220,9 @@ class Trainer:
             device = self.session.device
             gpu = f", of {device} {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB" \
                 if device.type == "cuda" else ""
-            print(f"done: {len(self.losses)} iterations, {p.consumed} samples in {seconds:.1f} s; lm loss "
+            resumed = f" (iteration {p.iteration}, {p.consumed} samples in all)" if self.start.iteration else ""
+            print(f"done: {len(self.losses)} iterations, {p.consumed - self.start.consumed} samples in "
+                  f"{seconds:.1f} s{resumed}; lm loss "
                   f"{self.losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)}); "
                   f"{p.skipped} skipped, {p.nans} NaN; peak memory of this process {peak_mb:.0f} MB{gpu}", flush=True)
         for sink in self.sinks:
