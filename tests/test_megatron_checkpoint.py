@@ -30,7 +30,8 @@ CONFIGS = {
     "llama": LLAMA,
     "qwen3_moe": LLAMA.replace(qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                                moe_shared_expert_intermediate_size=48, moe_router_score_function="sigmoid",
-                               moe_router_enable_expert_bias=True),
+                               moe_router_enable_expert_bias=True,
+                               moe_aux_loss_coeff=1e-2),  # the Mixtral script's, in its args
     "gpt2": LLAMA.replace(num_layers=2, num_kv_heads=4, ffn_hidden_size=256, norm="layernorm", activation="gelu",
                           position="learned", bias=True, tie_embeddings=True),
 }

@@ -82,9 +82,12 @@ QWEN3_MOE = [
     "--log-interval", "1", "--save-interval", "100", "--eval-interval", "100", "--eval-iters", "10",
     "--save", "ckpt", "--load", "ckpt", "--tensorboard-dir", "tb", "--no-load-optim",
     "--no-load-rng", *_SHORT]
-# examples/gpt3/train_gpt3_175b_distributed.sh (GPT-2's BPE files as the tokenizer, its fp16)
+# examples/gpt3/train_gpt3_175b_distributed.sh (GPT-2's BPE files as the tokenizer, its fp16),
+# with --no-bias-gelu-fusion and no dropout, as megatron_core_run's model runs: erf GELU, no dropout
 GPT3_175B = [
-    *_MODEL["gpt2"], "--attention-backend", "auto", "--train-iters", "100", "--weight-decay", "0.1",
+    *_MODEL["gpt2"], "--no-bias-gelu-fusion", "--hidden-dropout", "0.0",
+    "--attention-dropout", "0.0",
+    "--attention-backend", "auto", "--train-iters", "100", "--weight-decay", "0.1",
     "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
     "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
     "--lr-decay-iters", "80", "--mock-data", *_NULL_VOCAB, "--split", "949,50,1",
