@@ -1,5 +1,5 @@
 """Serve a checkpoint over HTTP: Megatron's `PUT /api` and OpenAI's `POST /v1/completions` and
-`POST /v1/chat/completions` (recipes/serve_chat.py; the checkpoint's SFTTokenizer renders the messages).
+`POST /v1/chat/completions` (recipes/serve_openai.py; the checkpoint's SFTTokenizer renders the messages).
 
     python -m recipes.serve --load checkpoints/gpt --port 5000
     torchrun --nproc-per-node 2 -m recipes.serve --load checkpoints/gpt --tensor-model-parallel-size 2
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from fmeg.cli import OneLineParser
+from recipes import serve_openai
 from recipes.generate import LoadedModel, TextStream, cut_at_stop, flag_problems, load_model, model_flags, refuse
-from recipes import serve_chat
 from recipes.serve_api import BadRequest, Job, chat_job, megatron_job, openai_job, parse_json
 from recipes.serve_ranks import (KEEP_ALIVE_S, STOP_SERVING, STOP_SIGNALS, Broadcast, follow, follower_stop,
                                  interrupt, plan, run_plan)
@@ -69,32 +69,6 @@ class Completion:
     @property
     def final_text(self) -> str:
         return cut_at_stop(self.full, self.stops)
-
-
-def openai_logprobs(tokenizer: Any, job: Job, prompt_ids: list[int], prompt_lps: list | None, prompt_top: list | None,
-                    row: Completion, prompt_chars: int) -> dict:
-    """OpenAI's legacy `choices[].logprobs`: each token's text, its logprob, the job's top_logprobs likeliest
-    tokens ({text: logprob}, or None without logprobs N) and its character offset in the prompt + completion;
-    with echo (prompt_lps given) the prompt's tokens come first, its first token's logprob and top null."""
-    def top(pairs: list | None) -> dict | None:
-        return None if pairs is None else {tokenizer.decode([i]): lp for i, lp in pairs}
-
-    ids, lps, tops = list(row.ids), list(row.logprobs), [top(t) for t in row.top] if job.top_logprobs else \
-        [None] * len(row.ids)
-    if prompt_lps is not None:
-        prompt_tops = [None] + [top(t) for t in prompt_top] if prompt_top else [None] * len(prompt_ids)
-        ids, lps, tops = prompt_ids + ids, [None] + prompt_lps + lps, prompt_tops + tops
-    pieces = [tokenizer.decode([t]) for t in ids]
-    offsets, at = [], 0 if prompt_lps is not None else prompt_chars
-    for piece in pieces:
-        offsets.append(at)
-        at += len(piece)
-    return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": tops if job.top_logprobs else None,
-            "text_offset": offsets}
-
-
-def openai_reason(finish: str | None) -> str:
-    return "length" if finish == "length" else "stop"
 
 
 def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
@@ -164,7 +138,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
         head = {"id": ident, "object": "text_completion", "created": created, "model": name}
         if job.stream:
             prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
-            chunks = CompletionChunks(head, tokenizer, job, prompt)
+            chunks = serve_openai.CompletionChunks(head, tokenizer, job, prompt)
             return Response(sse(job, plan(job, model), chunks, request.remote_addr), mimetype="text/event-stream")
         p, rows, prompt_logprobs, prompt_top = run(job)
         choices = []
@@ -172,10 +146,10 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
             logprobs = None
             if job.logprobs:
-                logprobs = openai_logprobs(tokenizer, job, ids, prompt_logprobs[i] if job.echo else None,
+                logprobs = serve_openai.openai_logprobs(tokenizer, job, ids, prompt_logprobs[i] if job.echo else None,
                                            prompt_top[i] if job.echo and prompt_top else None, row, len(text))
             choices.append({"text": (text if job.echo else "") + row.final_text, "index": i, "logprobs": logprobs,
-                            "finish_reason": openai_reason(row.finish)})
+                            "finish_reason": serve_openai.openai_reason(row.finish)})
         used = sum(len(ids) for ids in p["prompts"])
         made = sum(len(row.ids) for row in rows)
         return {**head, "choices": choices,
@@ -184,18 +158,18 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     @app.post("/v1/chat/completions")
     def chat_completions():
         body = parse_json(request.get_data())
-        if not serve_chat.has_template(tokenizer):
+        if not serve_openai.has_template(tokenizer):
             raise BadRequest("this server's tokenizer has no chat template: serve a model with --tokenizer-type "
                              "SFTTokenizer --tokenizer-model DIR (a Hugging Face directory with its chat template)")
         job = chat_job(body, tokenizer.chat_prompt, model.config.max_seq_len)
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": name}
         p = plan(job, model)
         if job.stream:
-            chunks = serve_chat.ChatChunks(head, tokenizer, p["eod"], job.logprobs, job.usage_chunk)
+            chunks = serve_openai.ChatChunks(head, tokenizer, p["eod"], job.logprobs, job.usage_chunk)
             return Response(sse(job, p, chunks, request.remote_addr), mimetype="text/event-stream")
         p, rows, _, _ = run(job, p)
-        return serve_chat.answer(head, tokenizer, rows[0], p["eod"], job.logprobs, len(p["prompts"][0]),
-                                 openai_reason(rows[0].finish))
+        return serve_openai.answer(head, tokenizer, rows[0], p["eod"], job.logprobs, len(p["prompts"][0]),
+                                 serve_openai.openai_reason(rows[0].finish))
 
     def sse(job: Job, p: dict, chunks: Any, who: str) -> Iterator[str]:
         """Server-sent events of one streamed row, each step's chunks as `chunks` (a completion's or a
@@ -211,7 +185,7 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
                         continue
                     top = step.top[0] if step.top else None
                     piece = row.add(step.ids[0], step.logprobs[0], step.finished[0], top)
-                    finish = openai_reason(row.finish) if row.finish else None
+                    finish = serve_openai.openai_reason(row.finish) if row.finish else None
                     for c in chunks.step(piece, finish, step.ids[0], step.logprobs[0], top):
                         yield f"data: {json.dumps(c)}\n\n"
                 if job.usage_chunk:  # OpenAI's include_usage: a last chunk with no choices and the usage
@@ -224,28 +198,6 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
                     pass
 
     return app
-
-
-class CompletionChunks:
-    """The chunks of a streamed completion: the prompt first with echo, then each step's text and logprobs."""
-
-    def __init__(self, head: dict, tokenizer: Any, job: Job, prompt: str):
-        self.head, self.tokenizer, self.job, self.prompt = head, tokenizer, job, prompt
-
-    def chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-        # with include_usage every chunk carries "usage": null, as OpenAI's do
-        return {**self.head, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
-                **({"usage": None} if self.job.usage_chunk else {})}
-
-    def opening(self) -> list[dict]:
-        return [self.chunk(self.prompt, None)] if self.job.echo else []
-
-    def step(self, piece: str, finish: str | None, token: int, logprob: float, top: list | None) -> list[dict]:
-        decode = self.tokenizer.decode
-        lp = {"tokens": [decode([token])], "token_logprobs": [logprob],
-              "top_logprobs": [{decode([i]): v for i, v in top}] if top else None,
-              "text_offset": None} if self.job.logprobs else None
-        return [self.chunk(piece, finish, lp)] if piece or finish or lp else []
 
 
 def main(argv: list[str] | None = None) -> int:

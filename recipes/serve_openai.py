@@ -1,5 +1,5 @@
-"""OpenAI's chat completions as recipes.serve answers them: a finished answer, and the chunks of a
-streamed one.
+"""OpenAI's responses as recipes.serve shapes them: completions' logprobs and stream chunks, and
+chat completions' answers and stream chunks.
 
     POST /v1/chat/completions {"messages": [...], "stream": false}
     -> {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": text},
@@ -17,6 +17,87 @@ logprobs.
 from __future__ import annotations
 
 from typing import Any
+
+from recipes.serve_api import Job
+
+
+def openai_logprobs(
+    tokenizer: Any,
+    job: Job,
+    prompt_ids: list[int],
+    prompt_lps: list | None,
+    prompt_top: list | None,
+    row: Any,
+    prompt_chars: int,
+) -> dict:
+    """OpenAI's legacy `choices[].logprobs` of a row (recipes.serve.Completion): each token's text,
+    its logprob, the job's top_logprobs likeliest tokens ({text: logprob}, or None without logprobs
+    N) and its character offset in the prompt + completion; with echo (prompt_lps given) the
+    prompt's tokens come first, its first token's logprob and top null."""
+
+    def top(pairs: list | None) -> dict | None:
+        return None if pairs is None else {tokenizer.decode([i]): lp for i, lp in pairs}
+
+    ids, lps, tops = (
+        list(row.ids),
+        list(row.logprobs),
+        [top(t) for t in row.top] if job.top_logprobs else [None] * len(row.ids),
+    )
+    if prompt_lps is not None:
+        prompt_tops = (
+            [None] + [top(t) for t in prompt_top] if prompt_top else [None] * len(prompt_ids)
+        )
+        ids, lps, tops = prompt_ids + ids, [None] + prompt_lps + lps, prompt_tops + tops
+    pieces = [tokenizer.decode([t]) for t in ids]
+    offsets, at = [], 0 if prompt_lps is not None else prompt_chars
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {
+        "tokens": pieces,
+        "token_logprobs": lps,
+        "top_logprobs": tops if job.top_logprobs else None,
+        "text_offset": offsets,
+    }
+
+
+def openai_reason(finish: str | None) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+class CompletionChunks:
+    """The chunks of a streamed completion: the prompt first with echo, then each step's text and
+    logprobs."""
+
+    def __init__(self, head: dict, tokenizer: Any, job: Job, prompt: str):
+        self.head, self.tokenizer, self.job, self.prompt = head, tokenizer, job, prompt
+
+    def chunk(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+        # with include_usage every chunk carries "usage": null, as OpenAI's do
+        return {
+            **self.head,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+            **({"usage": None} if self.job.usage_chunk else {}),
+        }
+
+    def opening(self) -> list[dict]:
+        return [self.chunk(self.prompt, None)] if self.job.echo else []
+
+    def step(
+        self, piece: str, finish: str | None, token: int, logprob: float, top: list | None
+    ) -> list[dict]:
+        decode = self.tokenizer.decode
+        lp = (
+            {
+                "tokens": [decode([token])],
+                "token_logprobs": [logprob],
+                "top_logprobs": [{decode([i]): v for i, v in top}] if top else None,
+                "text_offset": None,
+            }
+            if self.job.logprobs
+            else None
+        )
+        return [self.chunk(piece, finish, lp)] if piece or finish or lp else []
 
 
 def has_template(tokenizer: Any) -> bool:
