@@ -20,6 +20,7 @@ from fmeg.models import gpt
 from fmeg.parallel.context import ContextParallel, shard_sequence
 from fmeg.parallel.spmd import GlooRanks
 from fmeg.parallel.tensor import TensorParallel
+from fmeg.training.report import memory_estimate
 
 
 def model(seq: int) -> gpt.GPTConfig:
@@ -75,7 +76,10 @@ def main() -> None:
             for cp in a.cps:
                 mb = pools[cp].run(rank_program, seq, a.comm_type, "memory", cp=cp)[0] / 2**20
                 base = base or mb
-                print(f"  seq {seq:6d}  cp {cp}: {mb:9.1f} MB   x{mb / base:.3f} of cp 1 (1/cp = {1 / cp:.3f})")
+                # the start line's estimate of the same (fmeg.training.report), fp32, one microbatch
+                said = memory_estimate(0, 0, model(seq), 1, seq, 1, 1, 1, cp=cp)["activations"] / 2**20
+                print(f"  seq {seq:6d}  cp {cp}: {mb:9.1f} MB   x{mb / base:.3f} of cp 1 (1/cp = {1 / cp:.3f})"
+                      f"   start line's estimate {said:.1f} MB ({said / mb:.2f}x)")
         one = pools[1].run(rank_program, a.time_seq, a.comm_type, "time", cp=1)[0]
         two = max(pools[2].run(rank_program, a.time_seq, a.comm_type, "time", cp=2))
         print(f"step time at seq {a.time_seq} (forward-backward, one thread per rank): cp 1 {one * 1e3:.0f} ms, "

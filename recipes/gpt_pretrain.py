@@ -34,7 +34,7 @@ from fmeg.data.tokenizers import tokenizer_from_flags  # noqa: E402
 from fmeg.training.arguments import parse_args  # noqa: E402
 from fmeg.training.validation import validate  # noqa: E402
 from fmeg.training.metrics import wandb_missing  # noqa: E402
-from fmeg.training.report import memory_estimate  # noqa: E402
+from fmeg.training.report import holds_attention_scores, memory_estimate  # noqa: E402
 from fmeg.training.run_config import RunConfig  # noqa: E402
 from fmeg.training.run_state import Checkpointer, MissingCheckpoint, build_or_restore  # noqa: E402
 from fmeg.training.session import Session  # noqa: E402
@@ -120,8 +120,10 @@ def announce(cfg: RunConfig, session: Session, state) -> None:
         print(f"ignored {line}", flush=True)
     for line in cfg.notices:
         print(f"warning: {line}", flush=True)
-    print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items()),
-          flush=True)
+    scores = "with" if holds_attention_scores(model) else "without"
+    print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
+          + f" (activations of {in_flight} microbatch{'es' if in_flight > 1 else ''} in flight, {scores} attention "
+          "scores, Korthikanti's count)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

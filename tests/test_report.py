@@ -70,7 +70,8 @@ def test_the_activation_estimate_is_korthikantis_for_gpt2_and_grows_with_the_exp
 
     from fmeg.training.report import activation_units, memory_estimate
 
-    gpt2 = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=32, num_layers=2, hidden_size=32, num_heads=4)
+    gpt2 = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=32, num_layers=2, hidden_size=32, num_heads=4,
+                              attention_dropout=0.1)  # Megatron's default: the scores are held
     assert activation_units(gpt2) == 34
     est = memory_estimate(0, 0, gpt2, micro_batch=2, seq_len=32, tp=2, pp=1, in_flight=1, activation_bytes=2)
     assert est["activations"] == 2 * (32 * 2 * 32 * (34 + 5 * 4 * 32 / 32) / 2)
@@ -125,3 +126,32 @@ def test_the_activation_estimate_counts_multi_latent_attentions_tensors_and_the_
     two = memory_estimate(0, 0, dataclasses.replace(c, mtp_num_layers=2), micro_batch=2, seq_len=32, tp=1, pp=1,
                           in_flight=1, activation_bytes=2)
     assert two["activations"] == pytest.approx(one["activations"] + 2 * (layer + 8 * 32 * 2 * 64))
+
+
+def test_the_attention_scores_count_only_where_training_holds_them():
+    """Korthikanti's 5 a s / h term is the [b, heads, s, s] scores: fmeg holds them under attention dropout
+    (explicit probabilities) and with sinks or a window; SDPA's fused kernels keep none. At seq 4096 and cp 4
+    without dropout the estimate overstated a run's activations several times before."""
+    from fmeg.training.report import activation_units, holds_attention_scores, memory_estimate
+
+    c = gpt.GPTConfig.llama(vocab_size=64, max_seq_len=4096, num_layers=4, hidden_size=128, num_heads=4,
+                            num_kv_heads=4, ffn_hidden_size=256)
+    dropped = c.replace(attention_dropout=0.1)
+    assert not holds_attention_scores(c) and holds_attention_scores(dropped)
+    assert holds_attention_scores(c.replace(softmax_type="learnable"))
+    assert holds_attention_scores(c.replace(window_size=128))
+    fused, explicit = (memory_estimate(0, 0, m, 1, 4096, 1, 1, 1, cp=4)["activations"] for m in (c, dropped))
+    s, b, h, a = 4096, 1, 128, 4
+    assert fused == s * b * h * activation_units(c) / 4 * 2 * 4  # 4 layers, fp32 (2 x 16-bit)
+    assert explicit == fused + s * b * h * (5 * a * s / h) / 4 * 2 * 4
+
+
+def test_the_start_line_says_what_the_memory_estimate_counts(tmp_path):
+    from runner_harness import run_recipe
+
+    _, stdout = run_recipe(tmp_path, "plain", 1, ["--train-iters", "1", "--hidden-dropout", "0",
+                                                  "--attention-dropout", "0"], common=[
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--global-batch-size", "2", "--micro-batch-size", "1"])
+    line = next(line for line in stdout.splitlines() if line.startswith("theoretical memory"))
+    assert line.endswith("(activations of 1 microbatch in flight, without attention scores, Korthikanti's count)")

@@ -62,15 +62,24 @@ def activation_units(config: GPTConfig) -> float:
     return attention + (dense * (c.num_layers - moe) + experts * moe) / c.num_layers
 
 
+def holds_attention_scores(config: GPTConfig) -> bool:
+    """Whether training keeps each layer's [b, heads, s, s] attention probabilities: with attention dropout
+    (dropped by a counter-based mask on explicit probabilities) or with sinks or a sliding window
+    (ops.sink_attention); scaled_dot_product_attention's fused kernels keep none."""
+    return config.attention_dropout > 0 or config.softmax_type != "vanilla" or config.window_size is not None
+
+
 def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
                     tp: int, pp: int, in_flight: int, activation_bytes: int = 4, cp: int = 1) -> dict[str, float]:
     """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
     rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer in 16-bit, / tp; units as
-    activation_units says, 34 for GPT-2 shapes); context parallelism holds s / cp of the tokens, their scores
-    against the whole sequence. The last stage also holds each multi-token prediction depth: one more layer and
+    activation_units says, 34 for GPT-2 shapes). The 5 a s / h term is the attention scores, counted only where
+    fmeg holds them (holds_attention_scores): fused attention keeps none. Context parallelism holds s / cp of
+    the tokens, their scores against the whole sequence. The last stage also holds each multi-token prediction depth: one more layer and
     the 8 h of its two norms' inputs and its eh_proj's [2h] input."""
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
-    per_layer_16bit = s * b * h * (activation_units(config) + 5 * a * s / h) / (tp * cp)
+    scores = 5 * a * s / h if holds_attention_scores(config) else 0.0
+    per_layer_16bit = s * b * h * (activation_units(config) + scores) / (tp * cp)
     depths = config.mtp_num_layers or 0
     layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
     activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
