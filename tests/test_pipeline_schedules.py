@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fmeg.parallel.pipeline import (Action, ScheduleError, format_schedule, gpipe, interleaved_1f1b, one_f_one_b,
-                                    parse_schedule, simulate, validate, with_communication, zero_bubble_h1)
-from fmeg.parallel.pipeline.simulate import timeline_text
+                                    parse_schedule, simulate, timeline_text, validate, with_communication,
+                                    zero_bubble_h1)
 
 pps, mbs, chunks = st.integers(1, 8), st.integers(1, 32), st.integers(1, 4)
 
@@ -160,7 +160,7 @@ def test_text_chart_shows_every_rank():
 
 def test_png_chart_is_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from fmeg.parallel.pipeline.draw import draw_timeline
+    from fmeg.parallel.pipeline import draw_timeline
 
     path = draw_timeline(simulate(zero_bubble_h1(4, 8)), tmp_path / "zb.png", "ZB-H1")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
