@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from fmeg import checkpoint, tree
 from fmeg.cli import OneLineParser
 from fmeg.interop import megatron
-from fmeg.interop.hf_deepseek_v3 import ImportNotice
+from fmeg.interop.hf_dir import ImportNotice
 from fmeg.interop.megatron.model_args import args_for, config_from_args
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fmeg.interop.hf_dir import ImportNotice
 from fmeg.models.gpt import GPTConfig
 from fmeg.models.moe import expert_ffn, moe_layers
 
@@ -205,10 +206,6 @@ def state_from(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Tens
         s |= _layer_state(f, f"model.layers.{i}", f"layers.{i}", pattern[i])
     s["lm_head.weight"] = f["embedding.word.weight"] if c.tie_embeddings else f["output.weight"]
     return s
-
-
-class ImportNotice(UserWarning):
-    """Something an import leaves out of what config.json announces, said on one line by the command."""
 
 
 def mtp_prefixes(hf: Any) -> tuple[str, ...]:

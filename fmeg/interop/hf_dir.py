@@ -24,6 +24,11 @@ PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 INDEX = "model.safetensors.index.json"
 
 
+class ImportNotice(UserWarning):
+    """Something an import leaves out of what config.json announces (recipes.convert_checkpoint prints each
+    on one line); the import goes on."""
+
+
 def _json_object(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
