@@ -90,17 +90,21 @@ def check_paths(args) -> None:
         save = Path(args.save)
         if (save / "latest_checkpointed_iteration.txt").exists():
             raise ValueError(f"--save {args.save} already holds a Megatron checkpoint; choose a new directory")
-        if save.exists() and (not save.is_dir() or any(save.iterdir())):
-            raise ValueError(f"--save {args.save} exists and is not an empty directory; choose a new directory "
-                             "(conversions never overwrite)")
+        refuse_filled("--save", save)
         return
     out = Path(args.output)
     if not out.parent.is_dir():
         raise ValueError(f"--output {out}: no directory {out.parent}; create it first")
     if args.command == "consolidate" and out.exists():
         raise ValueError(f"--output {out} exists; choose a new file name (conversions never overwrite)")
-    if args.command == "export-hf" and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--output {out} exists and is not an empty directory; choose a new directory "
+    if args.command == "export-hf":
+        refuse_filled("--output", out)
+
+
+def refuse_filled(flag: str, directory: Path) -> None:
+    """A ValueError unless directory is absent or empty: conversions never overwrite."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"{flag} {directory} exists and is not an empty directory; choose a new directory "
                          "(conversions never overwrite)")
 
 
