@@ -133,6 +133,11 @@ def runner_cases() -> list[tuple[list[str], str]]:
         (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq applies to --window-size, which is not given"),
         (["--recompute-granularity", "selective", "--recompute-modules", "moe"],
          "--recompute-modules moe recomputes the experts, and the model has none"),
+        (["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "3"],
+         "--num-virtual-stages-per-pipeline-rank 3 must divide the 4 decoder layers of each pipeline rank"),
+        (["--global-batch-size", "8", "--eval-global-batch-size", "7"],
+         "--eval-global-batch-size 7: a validation batch other than the final global batch (8)"),
+        (["--optimizer", "muon"], "--optimizer muon: an optimizer other than Adam is not supported by fmeg yet"),
     ]
 
 
