@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from fmeg.ops.precision import upcast
 
 Tree = Any
 
@@ -87,7 +86,8 @@ def num_params(tree: Tree) -> int:
 
 def global_norm(tree: Tree) -> torch.Tensor:
     """L2 norm over every leaf, accumulated in at least fp32."""
-    leaves = [upcast(leaf) for leaf in tree_leaves(tree)]
+    # each leaf at least in fp32 (bf16/fp16 promoted; fp32 and fp64 kept, no copy)
+    leaves = [leaf.to(torch.promote_types(leaf.dtype, torch.float32)) for leaf in tree_leaves(tree)]
     if not leaves:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))

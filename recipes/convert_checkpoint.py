@@ -39,7 +39,8 @@ from fmeg import checkpoint, tree
 from fmeg.cli import OneLineParser
 from fmeg.interop import megatron
 from fmeg.interop.hf_dir import ImportNotice
-from fmeg.interop.megatron.model_args import args_for, config_from_args
+from fmeg.interop.megatron.model_args import args_for
+from fmeg.training.checkpoint_args import megatron_model
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.parallel.mesh import Mesh
@@ -59,7 +60,7 @@ def load_checkpoint(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTCo
     if path is None:
         raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
     if megatron.is_torch_dist(path):
-        config = config_from_args(megatron.saved_args(path), vocab_size)
+        config = megatron_model(megatron.saved_args(path), vocab_size)
         opened = megatron.MegatronCheckpoint.open(path, config)
         opened.check(config)
     else:

@@ -33,7 +33,7 @@ from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_f
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
 from fmeg.interop import megatron
-from fmeg.interop.megatron.model_args import config_from_args
+from fmeg.training.checkpoint_args import megatron_model
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel
@@ -161,7 +161,7 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
         margs = megatron.saved_args(path)
         tokenizer = _tokenizer(a, {k: v for k in _TOKENIZER_ARGS if (v := getattr(margs, k, None))},
                                getattr(margs, "vocab_size", None))
-        saved_config = config_from_args(margs, tokenizer.vocab_size)
+        saved_config = megatron_model(margs, tokenizer.vocab_size)
         config = saved_config.replace(padded_vocab_size=padded_vocab_size(saved_config.vocab_size, tp))
         opened = megatron.MegatronCheckpoint.open(path, config)
         opened.check(config)

@@ -318,14 +318,15 @@ def test_fmegs_checkpoint_exported_gives_megatron_cores_logits(tmp_path):
 
 def test_an_exports_args_give_back_its_model():
     """model_args: the args an export writes, read as Megatron's flags, are the model that wrote them."""
-    from fmeg.interop.megatron.model_args import args_for, config_from_args
+    from fmeg.interop.megatron.model_args import args_for
+    from fmeg.training.checkpoint_args import megatron_model
 
     for config in [*CONFIGS.values(), LLAMA.replace(rope_scaling=(8.0, 1.0, 4.0, 8192), qkv_bias=True),
                    CONFIGS["gpt2"].replace(activation="gelu_tanh"), LLAMA.replace(bias=True, activation="gelu_tanh"),
                    CONFIGS["qwen3_moe"].replace(moe_router_topk_scaling_factor=2.5, moe_shared_expert_gate=True,
                                                 moe_aux_loss_coeff=1e-2, moe_router_topk=1)]:
         for tp in (1, 2, 8):
-            back = config_from_args(args_for(config, tp=tp), config.vocab_size)
+            back = megatron_model(args_for(config, tp=tp), config.vocab_size)
             assert back == config.replace(padded_vocab_size=back.padded_vocab_size), (config, back)
 
 
@@ -392,3 +393,17 @@ def test_use_checkpoint_args_reads_a_megatron_directorys_args(tmp_path_factory, 
     assert [i for i, _ in two] == [4, 5, 6, 7, 8]
     for (_, a), (_, b) in zip(one, two):
         assert abs(a - b) <= 1e-5 * abs(b), (one, two)
+
+
+def test_the_dest_kinds_checked_on_reading_are_the_parsers():
+    """model_args.damaged_dest keeps its own table of what Megatron writes for each model dest (interop sits
+    below the flags); it agrees with the parser's switches and numbers."""
+    from fmeg.interop.megatron import model_args
+    from fmeg.training.arguments import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    for dest in model_args.MODEL_DESTS:
+        action = actions[dest]
+        switch, number = action.nargs == 0, action.type in (int, float) and action.nargs is None
+        assert (dest in model_args._SWITCHES) == switch, dest
+        assert (dest not in model_args._SWITCHES | model_args._UNCHECKED) == number, dest

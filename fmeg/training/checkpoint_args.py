@@ -12,6 +12,8 @@ import json
 
 from fmeg import checkpoint
 from fmeg.interop import megatron
+from fmeg.interop.megatron import model_args
+from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.training import mla_flags
 
@@ -89,12 +91,28 @@ def router_without_bias(args: argparse.Namespace) -> str | None:
             "megatron-core's have); the run keeps them without one")
 
 
+def model_from_dests(dests: dict, vocab_size: int) -> gpt.GPTConfig:
+    """The model Megatron's model-defining dests give, read as fmeg reads those flags (the other flags at
+    their defaults)."""
+    from fmeg.training.arguments import parse_args
+    from fmeg.training.run_config import model_config
+
+    args = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1"])
+    for dest, value in dests.items():
+        setattr(args, dest, value)
+    return model_config(args, vocab_size)
+
+
+def megatron_model(args: argparse.Namespace, vocab_size: int | None = None) -> gpt.GPTConfig:
+    """The model a Megatron checkpoint's args (the Namespace in its common.pt) describe; vocab_size as
+    fmeg.interop.megatron.model_args.config_from_args takes it."""
+    return model_args.config_from_args(args, model_from_dests, vocab_size)
+
+
 def _megatron_model(found) -> dict:
     """The model fields a Megatron torch_dist iteration's args (its common.pt) describe."""
-    from fmeg.interop.megatron.model_args import config_from_args
-
     try:
-        return dataclasses.asdict(config_from_args(megatron.saved_args(found)))
+        return dataclasses.asdict(megatron_model(megatron.saved_args(found)))
     except ValueError as e:
         raise checkpoint.CheckpointError(f"{found / 'common.pt'}: {e}") from None
 

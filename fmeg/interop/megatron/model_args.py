@@ -5,14 +5,14 @@
 
 Megatron's Namespace holds its flags by their dest names (num_layers, add_bias_linear, ...). config_from_args
 starts from fmeg's defaults, takes each model-defining dest the checkpoint holds, and builds the model as the
-flags would (fmeg.training.run_config.model_config): one reading of Megatron's flags. args_for writes the same
+flags would (through the function fmeg.training passes in): one reading of Megatron's flags. args_for writes the same
 dests back, so that config_from_args(args_for(config)) == config.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,50 +35,63 @@ MODEL_DESTS = (
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_enable_expert_bias",
     "moe_router_bias_update_rate")
 _LISTS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # nargs="+" in Megatron: one value per layer kind
+# The kind of value Megatron's parser writes for each dest that is not a number: a switch's True or False, or
+# a choice, a layer pattern or a list (not checked here; reading the model names a bad one).
+_SWITCHES = frozenset({
+    "apply_layernorm_1p", "swiglu", "squared_relu", "openai_gelu", "untie_embeddings_and_output_weights",
+    "qk_layernorm", "add_qkv_bias", "use_rope_scaling", "moe_router_pre_softmax",
+    "moe_pad_expert_input_to_capacity", "moe_shared_expert_gate", "moe_router_enable_expert_bias"})
+_UNCHECKED = frozenset({
+    "position_embedding_type", "normalization", "moe_layer_freq", "moe_router_score_function",
+    "moe_router_dtype", "moe_token_drop_policy", *_LISTS})
+
+# A function that builds fmeg's model from Megatron's model-defining dests (fmeg's own reading of the flags,
+# which the layer above interop owns) and the vocabulary size.
+ModelFromDests = Callable[[dict[str, Any], int], gpt.GPTConfig]
 
 
 def damaged_dest(args: Any) -> str | None:
     """The first model-defining dest whose value is not of the kind Megatron's parser gives it (a str where it
     writes a number, say), as a phrase; None when all are."""
-    from fmeg.training.arguments import build_parser
-
-    actions = {a.dest: a for a in build_parser()._actions}
     for dest in MODEL_DESTS:
-        value, action = getattr(args, dest, None), actions.get(dest)
-        if value is None or action is None or action.nargs not in (None, 0):
+        value = getattr(args, dest, None)
+        if value is None or dest in _UNCHECKED:
             continue
+        switch = dest in _SWITCHES
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if action.type in (int, float) and not number or action.nargs == 0 and not isinstance(value, bool):
-            kind = "a number" if action.type in (int, float) else "True or False"
+        if (not switch and not number) or (switch and not isinstance(value, bool)):
+            kind = "True or False" if switch else "a number"
             return f"args.{dest} is the {type(value).__name__} {value!r:.40} where Megatron writes {kind}"
     return None
 
 
-def config_from_args(args: Any, vocab_size: int | None = None) -> gpt.GPTConfig:
-    """The model a Megatron checkpoint's args describe. vocab_size: the tokenizer's; None takes the args'
-    vocab_size (NullTokenizer runs record it), else its padded_vocab_size (every row an id)."""
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.run_config import model_config
-
+def config_from_args(args: Any, model_from_dests: ModelFromDests, vocab_size: int | None = None
+                     ) -> gpt.GPTConfig:
+    """The model a Megatron checkpoint's args describe, built by model_from_dests (fmeg's reading of the
+    flags: fmeg.training.checkpoint_args.megatron_model passes it). vocab_size: the tokenizer's; None takes
+    the args' vocab_size (NullTokenizer runs record it), else its padded_vocab_size (every row an id)."""
     damaged = damaged_dest(args)
     if damaged:
         raise ValueError(f"{damaged}: the checkpoint's args are damaged")
-    a = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1"])
+    dests = {}
     for dest in MODEL_DESTS:
         value = getattr(args, dest, None)
         if value is not None:
-            setattr(a, dest, [value] if dest in _LISTS and not isinstance(value, (list, tuple)) else value)
+            listed = dest in _LISTS and not isinstance(value, (list, tuple))
+            dests[dest] = [value] if listed else value
     if not getattr(args, "group_query_attention", False):
-        a.num_query_groups = None
-    a.disable_bias_linear = not getattr(args, "add_bias_linear", True)
-    a.no_bias_gelu_fusion = not getattr(args, "bias_gelu_fusion", True)
-    if a.kv_channels and a.kv_channels * a.num_attention_heads == a.hidden_size:
-        a.kv_channels = None  # Megatron records the default head size; fmeg leaves it implied
-    a.padded_vocab_size = getattr(args, "padded_vocab_size", None)
-    vocab = vocab_size or getattr(args, "vocab_size", None) or a.padded_vocab_size
-    if not vocab or not a.num_layers:
+        dests["num_query_groups"] = None
+    dests["disable_bias_linear"] = not getattr(args, "add_bias_linear", True)
+    dests["no_bias_gelu_fusion"] = not getattr(args, "bias_gelu_fusion", True)
+    heads, kv_channels = dests.get("num_attention_heads"), dests.get("kv_channels")
+    if kv_channels and heads and kv_channels * heads == dests.get("hidden_size"):
+        # Megatron records the default head size; fmeg leaves it implied
+        dests["kv_channels"] = None
+    dests["padded_vocab_size"] = getattr(args, "padded_vocab_size", None)
+    vocab = vocab_size or getattr(args, "vocab_size", None) or dests["padded_vocab_size"]
+    if not vocab or not dests.get("num_layers"):
         raise ValueError("the Megatron checkpoint's args name no vocabulary size or no layers")
-    return model_config(a, vocab)
+    return model_from_dests(dests, vocab)
 
 
 def args_for(config: gpt.GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
