@@ -35,7 +35,8 @@ def test_the_in_place_step_equals_the_pure_adamw_with_clipping(clip):
     grads = state.flat.views(state.grad.clone())
     opt, adam = optim.adamw(), None
     for i in range(3):  # three steps: the moments and bias correction carry over
-        want_g, want_norm = optim.clip_by_global_norm(grads, clip)
+        want_g, clipped = optim.clip_by_global_norm(clip).update(grads, None)
+        want_norm = clipped.norm
         adam = adam or opt.init(params)
         updates, adam = opt.update(want_g, adam, params, lr=torch.tensor(1e-2), weight_decay=torch.tensor(0.1))
         params = optim.apply_updates(params, updates)

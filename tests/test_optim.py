@@ -36,7 +36,7 @@ def test_adamw_matches_torch_adamw_with_megatron_decay_mask(seed, betas, lr, wd)
         torch_opt.step()
         updates, state = opt.update(g, state, params, lr=torch.tensor(lr), weight_decay=torch.tensor(wd))
         params = optim.apply_updates(params, updates)
-    assert state.count.item() == 6
+    assert state[0].count.item() == 6
     for k, v in tree.flatten(params).items():
         torch.testing.assert_close(v, ref[k].detach(), rtol=1e-5, atol=1e-6, msg=k)
 
@@ -66,20 +66,23 @@ def test_adamw_state_is_a_pytree_of_tensors_and_nothing_is_mutated():
     opt.update(grads[0], state, params, lr=0.1, weight_decay=0.1)
     assert all(isinstance(x, torch.Tensor) for x in tree.tree_leaves(state))
     assert all(torch.equal(a, b) for a, b in zip(tree.tree_leaves(params), tree.tree_leaves(before)))
-    assert all(not x.any() for x in tree.tree_leaves(state.mu))
-    assert set(tree.flatten(state)) >= {"count", "mu.layers.0.w", "nu.norm.weight"}
+    assert all(not x.any() for x in tree.tree_leaves(state[0].mu))
+    assert set(tree.flatten(state[0])) >= {"count", "mu.layers.0.w", "nu.norm.weight"}
 
 
 @given(st.integers(0, 1000), st.floats(0.01, 10.0))
 def test_clip_by_global_norm_matches_formula(seed, max_norm):
     _, (g,) = params_and_grads(seed, 1)
     norm = math.sqrt(sum((t.double() ** 2).sum().item() for t in tree.tree_leaves(g)))
-    clipped, got_norm = optim.clip_by_global_norm(g, max_norm)
+    clip = optim.clip_by_global_norm(max_norm)
+    clipped, state = clip.update(g, clip.init(g))
+    got_norm = state.norm
     assert got_norm.item() == pytest.approx(norm, rel=1e-6)
     coeff = min(1.0, max_norm / (norm + 1e-6))
     for a, b in zip(tree.tree_leaves(clipped), tree.tree_leaves(g)):
         torch.testing.assert_close(a, b * coeff)
-    unclipped, _ = optim.clip_by_global_norm(g, None)
+    unclip = optim.clip_by_global_norm(None)
+    unclipped, _ = unclip.update(g, unclip.init(g))
     assert unclipped is g
 
 
@@ -135,3 +138,42 @@ def test_weight_decay_increment(style, step, want):
 def test_bad_schedules_are_refused_naming_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
         optim.LRSchedule(**{**S, **kwargs})
+
+
+@given(st.integers(0, 1000), st.sampled_from([(0.9, 0.999, 1e-8), (0.8, 0.95, 1e-5)]),
+       st.floats(1e-4, 1e-1), st.floats(0.0, 0.3), st.sampled_from([0.0, 0.5, 100.0]),
+       st.sampled_from([None, 3e-2]), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_adamws_pytree_and_flat_forms_make_the_same_updates(seed, betas, lr, wd, clip, decoupled_lr, moments):
+    """One AdamW: its chain of transforms over a pytree and its flat form (torch's fused kernel stepping
+    flat buffers in place, clipped by grad_scale) agree over three steps, with Megatron's decay mask, a
+    decoupled learning rate for one leaf and moments stored in fp32 or bf16."""
+    b1, b2, eps = betas
+    params, grads = params_and_grads(seed, 3)
+    opt = optim.adamw(b1, b2, eps, moment_dtypes=(moments, moments),
+                      decoupled=lambda path, leaf: path == "norm.weight")
+    hyper = dict(lr=torch.tensor(lr), weight_decay=torch.tensor(wd), decoupled_lr=decoupled_lr)
+    clip_tx = optim.clip_by_global_norm(clip)
+    state = opt.init(params)
+    leaves = list(tree.items(params))
+    flat = {name: torch.cat([p.reshape(-1) for _, p in leaves]) for name in ("master",)}
+    sizes = [p.numel() for _, p in leaves]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    mu, nu = torch.zeros(sum(sizes), dtype=moments), torch.zeros(sum(sizes), dtype=moments)
+    step = torch.zeros(())
+    for g in grads:
+        clipped, _ = clip_tx.update(g, None)
+        updates, state = opt.update(clipped, state, params, **hyper)
+        params = optim.apply_updates(params, updates)
+        grad = torch.cat([x.reshape(-1) for x in tree.tree_leaves(g)])
+        norm = grad.norm()
+        step += 1
+        for (path, p), a, n in zip(leaves, starts, sizes):
+            views = [[t[a:a + n]] for t in (flat["master"], grad, mu, nu)]
+            opt.flat.step_(views, [step], opt.flat.group(path, p), lr=lr, weight_decay=wd,
+                           decoupled_lr=decoupled_lr, grad_scale=optim.clip_scale(norm, clip))
+    got = torch.cat([x.reshape(-1) for x in tree.tree_leaves(params)])
+    torch.testing.assert_close(flat["master"], got, rtol=1e-5, atol=1e-6)
+    want_mu = torch.cat([x.reshape(-1) for x in tree.tree_leaves(state[0].mu)])
+    assert want_mu.dtype == mu.dtype == moments
+    torch.testing.assert_close(mu.float(), want_mu.float(), rtol=1e-2 if moments == torch.bfloat16 else 1e-5,
+                               atol=1e-6)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from fmeg import tree
-from fmeg.training.flat_state import FlatState, clip_scale
+from fmeg import optim, tree
+from fmeg.training.flat_state import FlatState
 
 
 def is_expert(path: str) -> bool:
@@ -187,7 +187,7 @@ class ExpertSplitState:
         group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts).sqrt()
-        scale = clip_scale(norm, clip_grad)
+        scale = optim.clip_scale(norm, clip_grad)
         for part, group in zip(self.parts, ("dp_cp", "expert_dp")):
             part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
             part.refresh(mesh.group(group))

@@ -1,6 +1,6 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
-    state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16, adam=betas_eps)
+    state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16, optimizer=adamw())
     state.assign(unit)                   # weights of the leaves given (others meta): the model built a unit at a time
     state.params, state.opt_state        # {stage: tree} views of the buffers
     with state.use(stage, ("layers.3",)):   # a segment's weights readable (gathered when sharded)
@@ -29,9 +29,9 @@ inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8), 
 half-precision grad saves 2 (or 2 / dp) and its fp32 copy costs 4 / dp (4 whole).
 The step is the same few whole-buffer ops whatever the number of leaves: the global norm (one foreach norm
 over the owned pieces of the leaves, each parameter counted once), then torch's fused AdamW kernel over the
-owned slice, one call per (learning rate, weight decay or not) group, with the clip as its grad_scale (a
-device tensor: no host sync, no pass of its own) and the decoupled weight decay inside it, and the refresh
-of the compute weights from the master (optim and optim_grads: an all-gather).
+owned slice (fmeg.optim.adamw's flat form), one call per (learning rate, weight decay or not) group, with the
+clip as its grad_scale (a device tensor: no host sync, no pass of its own) and the decoupled weight decay inside
+it, and the refresh of the compute weights from the master (optim and optim_grads: an all-gather).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg import tree
-from fmeg.optim import AdamState, default_decay_mask
+from fmeg import optim
 from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
@@ -67,30 +67,28 @@ def unit_of(path: str) -> str:
 
 class FlatState:
     def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, sharding: str,
-                 dp: int, dp_rank: int, compute_dtype: torch.dtype, adam: tuple[float, float, float],
-                 decay_mask: Callable[[str, torch.Tensor], bool] = default_decay_mask,
-                 decoupled: Callable[[str, torch.Tensor], bool] | None = None,
+                 dp: int, dp_rank: int, compute_dtype: torch.dtype,
+                 optimizer: optim.GradientTransformation | None = None,
                  grad_dtype: torch.dtype = torch.float32, dp_group: Any = None, device: Any = None,
-                 reshard_after_forward: str = "true",
-                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
+                 reshard_after_forward: str = "true"):
         """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then zeros until
         assign() fills them, a unit at a time, or a checkpoint is read); counted(path, leaf): whether the leaf
-        counts toward the global norm here (tensor-parallel replicas and the tied output copy count once); decoupled(path, leaf):
-        whether the leaf takes step()'s decoupled_lr (Megatron's --decoupled-lr: embedding and output);
-        grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced over dp
+        counts toward the global norm here (tensor-parallel replicas and the tied output copy count once);
+        optimizer: the optimizer stepped in place, by its flat form (default optim.adamw(): its decay mask, its
+        decoupled leaves, its moments' dtypes); grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced over dp
         (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params); device: the buffers'
         (default: the params'); reshard_after_forward (optim_grads_params): "true" frees every gathered unit after
         its forward, "false" keeps every one until its backward, "auto" keeps the embedding and the head
-        (torch's fully_shard default: its root module's). moment_dtypes: the dtypes Adam's two moments are stored
-        in (Megatron's --exp-avg-dtype and --exp-avg-sq-dtype with --use-precision-aware-optimizer: bf16 halves
-        them; the step computes in fp32 and rounds them back)."""
+        (torch's fully_shard default: its root module's)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
         self.zero = sharding != "no_shard"
         self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
         self.shard_params = sharding == "optim_grads_params"
-        self.flat, self.adam = FlatBuffer.of(params, dp), adam
+        self.flat = FlatBuffer.of(params, dp)
+        self.optimizer = optimizer = optimizer or optim.adamw()
+        moment_dtypes = optimizer.flat.moment_dtypes
         size = self.flat.padded // dp
         self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
         self.dp_rank = dp_rank
@@ -119,7 +117,7 @@ class FlatState:
         self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
                                          dtype=torch.float64, device=device)
         master = self.master
-        self._groups = self._adam_groups(pieces, decay_mask, decoupled)
+        self._groups = self._adam_groups(pieces)
         self._adam_views = {group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
                             for group, runs in self._groups.items()}  # made once: the step slices nothing
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
@@ -171,13 +169,12 @@ class FlatState:
             self.grad32.copy_(self._owned(self.grad))
         return self._owned_grad
 
-    def _adam_groups(self, pieces: list, decay_mask: Callable, decoupled: Callable | None
-                     ) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
+    def _adam_groups(self, pieces: list) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
         """{(decoupled learning rate?, weight decay?): [(start, end)]}: the owned pieces cut into maximal runs
         of neighbouring leaves that share both, each group one fused AdamW call."""
         runs: list[list] = []
         for path, leaf, a, b in pieces:
-            group = (bool(decoupled and decoupled(path, leaf)), bool(decay_mask(path, leaf)))
+            group = self.optimizer.flat.group(path, leaf)
             if runs and runs[-1][2] == group and runs[-1][1] == a:
                 runs[-1][1] = b
             else:
@@ -206,7 +203,7 @@ class FlatState:
     def opt_state(self) -> dict:
         """{"adam": AdamState(count, mu, nu), "main"?: ...}: trees of views, or {"shard": slice} with ZeRO-1."""
         as_tree = (lambda t: {"shard": t}) if self.zero else self.flat.views
-        state = {"adam": AdamState(self.count, as_tree(self.mu), as_tree(self.nu))}
+        state = {"adam": optim.AdamState(self.count, as_tree(self.mu), as_tree(self.nu))}
         if self.main is not None:
             state["main"] = as_tree(self.main)
         return state
@@ -275,7 +272,7 @@ class FlatState:
         the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
         mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
         norm = self.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)).sqrt()
-        self.update(clip_scale(norm, clip_grad), lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+        self.update(optim.clip_scale(norm, clip_grad), lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
         self.refresh(mesh.group("dp_cp"))
         return norm
 
@@ -292,21 +289,13 @@ class FlatState:
 
     def update(self, grad_scale: torch.Tensor | None, *, lr: float, weight_decay: float,
                decoupled_lr: float | None = None) -> None:
-        """AdamW on the owned slice, the gradient divided by grad_scale (the clip) inside the fused kernel."""
-        b1, b2, eps = self.adam
+        """The optimizer's flat form on the owned slice, the gradient divided by grad_scale (the clip)."""
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
-        narrow = self.mu.dtype != torch.float32 or self.nu.dtype != torch.float32
-        for (decoupled, decays), views in self._adam_views.items():
-            group_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
-            options = dict(lr=group_lr, beta1=b1, beta2=b2, weight_decay=weight_decay if decays else 0.0, eps=eps,
-                           amsgrad=False, maximize=False, grad_scale=grad_scale)
-            steps = self._adam_steps[(decoupled, decays)]
-            if narrow:
-                _adamw_with_narrow_moments(views, steps, options)
-            else:  # torch's fused AdamW (CPU and CUDA): decoupled decay, moments and master in one pass
-                torch._fused_adamw_(*views, [], steps, **options)
+        for group, views in self._adam_views.items():
+            self.optimizer.flat.step_(views, self._adam_steps[group], group, lr=lr, weight_decay=weight_decay,
+                                      decoupled_lr=decoupled_lr, grad_scale=grad_scale)
 
     def refresh(self, dp_group: Any) -> None:
         """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group; with
@@ -336,25 +325,3 @@ class FlatState:
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""
         return [self.main_grad()]
-
-
-def clip_scale(norm: torch.Tensor, clip_grad: float) -> torch.Tensor | None:
-    """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): no pass of its
-    own, no host sync."""
-    return ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
-
-
-NARROW_CHUNK = 1 << 22  # elements widened to fp32 at a time: the scratch a narrow-moment step needs
-
-
-def _adamw_with_narrow_moments(views: list[list[torch.Tensor]], steps: list[torch.Tensor], options: dict) -> None:
-    """The fused AdamW over moments stored in a narrower dtype (bf16), as Megatron's precision-aware optimizer
-    runs it: each chunk's moments widened to fp32, stepped with the fp32 master and gradient, rounded back."""
-    master, grad, mu, nu = views
-    for i in range(len(master)):
-        for a in range(0, master[i].numel(), NARROW_CHUNK):
-            part = slice(a, a + NARROW_CHUNK)
-            m, v = mu[i][part].float(), nu[i][part].float()
-            torch._fused_adamw_([master[i][part]], [grad[i][part]], [m], [v], [], [steps[i]], **options)
-            mu[i][part].copy_(m)
-            nu[i][part].copy_(v)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fmeg import tree
+from fmeg import optim, tree
 from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.data_parallel import GradSync
@@ -219,17 +219,18 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16), Adam's moments
     stored in moment_dtypes (Megatron's precision-aware optimizer: bf16, stepped in fp32). Under expert
     parallelism the experts' leaves have a state of their own (fmeg.training.expert_state)."""
+    b1, b2, eps = adam
+    options = dict(compute_dtype=compute_dtype, grad_dtype=grad_dtype, device=device,
+                   reshard_after_forward=reshard_after_forward,
+                   optimizer=optim.adamw(b1, b2, eps, moment_dtypes=moment_dtypes,
+                                         decoupled=embedding_or_output(layout)))
     if layout.experts_apart:
         from fmeg.training.expert_state import ExpertSplitState
 
         return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, sharding=layout.sharding,
-                                dp=layout.dp, compute_dtype=compute_dtype, adam=adam,
-                                decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
-                                reshard_after_forward=reshard_after_forward, moment_dtypes=moment_dtypes)
+                                dp=layout.dp, **options)
     return FlatState(params, counted_once(config, layout, mesh), sharding=layout.sharding, dp=mesh.size("dp_cp"),
-                     dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), compute_dtype=compute_dtype, adam=adam,
-                     decoupled=embedding_or_output(layout), grad_dtype=grad_dtype, device=device,
-                     reshard_after_forward=reshard_after_forward, moment_dtypes=moment_dtypes)
+                     dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), **options)
 
 
 def local_shapes(config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:
