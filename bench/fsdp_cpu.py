@@ -52,7 +52,8 @@ def _reset_peak() -> None:
 
 def rank_program(mesh, sharding: str, moments: torch.dtype, sizes: dict, microbatches: int, steps: int) -> dict:
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, initialized_state, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import initialized_state, train_iteration
 
     torch.set_num_threads(1)
     config = gpt.GPTConfig.gpt2(vocab_size=sizes["vocab"], max_seq_len=sizes["seq"], num_layers=sizes["layers"],

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, initialized_state, train_iteration
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import initialized_state, train_iteration
 from fmeg.training.report import model_flops
 
 MODELS = {  # (config, batch)

@@ -39,7 +39,7 @@ def main() -> None:
     from fmeg.interop.megatron.model_args import config_from_args
     from fmeg.parallel.mesh import Mesh
     from fmeg.training.checkpoint_state import read_params
-    from fmeg.training.parallel_step import Layout
+    from fmeg.parallel.layout import Layout
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         tp, pp = SAVED

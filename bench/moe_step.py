@@ -22,7 +22,8 @@ import torch
 from fmeg.models import gpt
 from fmeg.ops import moe as moe_ops
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
 SHAPES = {  # (hidden, layers, heads, expert ffn, experts, topk, batch, seq)
     "cpu": (256, 4, 8, 512, 8, 2, 4, 256),

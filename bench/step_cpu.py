@@ -51,7 +51,8 @@ def hf_step_fn(model, batch):
 
 def fmeg_step_fn(params, config, batch, compiled: bool):
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)

@@ -45,7 +45,7 @@ from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.checkpoint_state import read_params, save_single_rank
-from fmeg.training.parallel_step import Layout
+from fmeg.parallel.layout import Layout
 
 
 def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:

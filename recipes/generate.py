@@ -39,7 +39,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel
 from fmeg.models.saved_config import saved_model
 from fmeg.training.checkpoint_state import read_params
-from fmeg.training.parallel_step import Layout
+from fmeg.parallel.layout import Layout
 from fmeg.training.session import first_problem
 
 

@@ -167,7 +167,8 @@ def zero_state_bytes(mesh, config, compute_dtype):
     """Optimizer-state bytes on this rank with ZeRO-1, and the parameter count it covers."""
     from fmeg import tree
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, init_state, shard_params
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params
 
     layout = Layout(dp=mesh.size("dp"), sharding="optim")
     params = shard_params(gpt.init(config, 0), config, layout, mesh)
@@ -210,7 +211,8 @@ def compiled_training(mesh, config, layout_kwargs, microbatches, iterations, com
     from torch._dynamo.utils import counters
 
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
     torch._dynamo.reset()
     counters.clear()
@@ -235,7 +237,8 @@ def generation(mesh, config, seed, prompts, max_new_tokens, sampling, seeds):
     """This rank's part of generate() on the mesh's tp x pp layout: (tokens, logprobs), the same on every rank."""
     from fmeg.inference import generate
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, shard_params
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import shard_params
 
     layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"))
     params = shard_params(gpt.init(config, seed), config, layout, mesh)[mesh.coord("pp")]
@@ -406,7 +409,8 @@ def sharded_training(mesh, config, layout_kwargs, microbatches, iterations, dtyp
     taking its microbatches of the global batch; returns (losses, grad norms, persistent bytes per parameter,
     validation [loss sum, tokens] after training or None)."""
     from fmeg.models import gpt
-    from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import evaluate, init_state, shard_params, train_iteration
 
     layout = Layout(tp=mesh.size("tp"), pp=mesh.size("pp"), dp=mesh.size("dp"),
                     sequence_parallel=mesh.sequence_parallel, **layout_kwargs)
@@ -431,7 +435,7 @@ def sharded_grad_sync_mean(mesh, grads_per_rank, replicated, bucket_numel, order
     from fmeg import tree
     from fmeg.parallel.sharded_grads import ShardedGradSync
     from fmeg.parallel.zero import FlatBuffer
-    from fmeg.training.flat_state import unit_of
+    from fmeg.state.flat import unit_of
 
     group = mesh.group("dp")
     mine = grads_per_rank[mesh.coord("dp")]

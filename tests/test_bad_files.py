@@ -194,7 +194,8 @@ def test_export_megatron_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_pat
     from fmeg.models import gpt
     from fmeg.parallel.mesh import Mesh
     from fmeg.training.checkpoint_state import save_single_rank
-    from fmeg.training.parallel_step import Layout, init_state, shard_params
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params
 
     config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
     mesh, layout = Mesh.single(), Layout()

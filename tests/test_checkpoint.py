@@ -12,7 +12,8 @@ from fmeg import checkpoint, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.checkpoint_state import placements, read_params, regions, save_single_rank
-from fmeg.training.parallel_step import Layout, init_state, shard_params
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params
 from fmeg.training.run_state import check_model, read_state
 from runner_harness import run_layout, run_recipe
 

@@ -14,7 +14,7 @@ from fmeg import checkpoint
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.checkpoint_state import read_params
-from fmeg.training.parallel_step import Layout
+from fmeg.parallel.layout import Layout
 from fmeg.training.run_state import read_state
 from runner_harness import run_recipe
 from test_checkpoint import _Cfg, one_rank_state

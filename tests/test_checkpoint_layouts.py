@@ -17,9 +17,10 @@ from fmeg.data.tokenizers import padded_vocab_size
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.checkpoint_state import count_piece, held_zeros, placements, regions, save_pieces
-from fmeg.training.expert_state import split_experts
-from fmeg.training.flat_state import SHARDINGS
-from fmeg.training.parallel_step import Layout, init_state, shard_params
+from fmeg.state.experts import split_experts
+from fmeg.state.flat import SHARDINGS
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params
 from fmeg.training.run_state import read_state
 
 BASE = gpt.GPTConfig.gpt2(vocab_size=50, max_seq_len=16, num_layers=4, hidden_size=16, num_heads=4)

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fmeg import optim, tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, init_state, shard_params
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params
 
 
 def config(layers):
@@ -93,3 +94,17 @@ def test_a_bf16_gradient_buffer_steps_as_its_fp32_copy_would():
     assert torch.equal(fp32_grads.norm, bf16_grads.norm)
     assert torch.equal(fp32_grads.main, bf16_grads.main) and torch.equal(fp32_grads.weights, bf16_grads.weights)
     assert bf16_grads.bytes_per_parameter() == pytest.approx(18 - 2 + 4, rel=1e-3)
+
+
+def test_both_states_implement_the_one_protocol_and_share_what_loops_over_parts():
+    """FlatState and ExpertSplitState are TrainingStates; the experts' state defines none of the methods
+    that are the same call on each part (fmeg.state.protocol.Parts holds them once)."""
+    from fmeg.state import ExpertSplitState, FlatState, Parts, TrainingState
+
+    declared = {name for name in dir(TrainingState) if not name.startswith("_")}
+    for cls in (FlatState, ExpertSplitState):
+        assert declared <= set(dir(cls)), (cls, declared - set(dir(cls)))
+    looped = {name for name in vars(Parts) if not name.startswith("_")} - {"parts"}
+    assert looped and not looped & set(vars(ExpertSplitState)), looped & set(vars(ExpertSplitState))
+    _, state, _ = state_with_grads(1)
+    assert isinstance(state, TrainingState)

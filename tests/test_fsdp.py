@@ -16,8 +16,9 @@ import torch
 import spmd_programs as P
 from fmeg.models import gpt
 from fmeg.parallel.spmd import run_threads
-from fmeg.training.flat_state import SHARDINGS
-from fmeg.training.parallel_step import Layout, init_state, initialized_state, shard_params
+from fmeg.state.flat import SHARDINGS
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, initialized_state, shard_params
 from runner_harness import assert_same_curve, run_group, run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=96, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
@@ -113,7 +114,8 @@ INIT_MEMORY = """
 import json, torch
 from fmeg.models import gpt
 from fmeg.parallel.spmd import run_threads
-from fmeg.training.parallel_step import Layout, initialized_state
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import initialized_state
 
 def status_kb(field):
     with open("/proc/self/status") as f:

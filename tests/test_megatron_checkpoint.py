@@ -17,7 +17,8 @@ from fmeg.checkpoint import CheckpointError, latest  # noqa: E402
 from fmeg.interop.megatron import MegatronCheckpoint  # noqa: E402
 from fmeg.models import gpt  # noqa: E402
 from fmeg.training.checkpoint_state import read_params  # noqa: E402
-from fmeg.training.parallel_step import Layout, shard_params  # noqa: E402
+from fmeg.parallel.layout import Layout  # noqa: E402
+from fmeg.training.parallel_step import shard_params  # noqa: E402
 from fmeg import tree  # noqa: E402
 from runner_harness import Server, run_group  # noqa: E402
 from test_checkpoint_layouts import mesh_of  # noqa: E402

@@ -230,7 +230,8 @@ def test_kv_channels_sets_the_head_dimension_as_transformers_head_dim():
 
 def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
     config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4,
                                 tie_embeddings=False)
@@ -275,7 +276,8 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
     tokens) over the whole global batch, whatever the microbatches' token counts; the default averages the
     microbatch means, which weighs a token of a sparsely masked microbatch more."""
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, evaluate, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import evaluate, init_state, shard_params, train_iteration
 
     config = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
     mesh, layout = Mesh.single(), Layout()

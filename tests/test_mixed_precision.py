@@ -12,7 +12,8 @@ from fmeg import tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.training import loss_scale
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 from runner_harness import run_layout, run_recipe
 
 CONFIG = gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)

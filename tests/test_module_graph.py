@@ -9,7 +9,7 @@ FMEG = Path(__file__).resolve().parent.parent / "fmeg"
 MODELS = FMEG / "models"
 
 # fmeg's packages (and top-level modules), lowest first: each may import only those before it.
-LAYERS = ("tree", "ops", "parallel", "models", "optim", "data", "checkpoint", "inference", "interop",
+LAYERS = ("tree", "ops", "parallel", "models", "optim", "state", "data", "checkpoint", "inference", "interop",
           "log_line", "cli", "training", "launch")
 
 

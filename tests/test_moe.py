@@ -290,7 +290,8 @@ def assert_per_token_step_has_the_gradient_of(params, microbatches, config, bala
     """The runner's per-token step's gradient (returned) equals that of (sum of the token losses + sum over
     microbatches of balance_tokens(mb) x its balance losses) / loss tokens."""
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches)
 

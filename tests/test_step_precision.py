@@ -11,7 +11,8 @@ from torch.utils.flop_counter import flop_registry
 
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
 
 class MatmulFlopsByDtype(TorchDispatchMode):

@@ -9,7 +9,8 @@ from fmeg import optim, tree
 from fmeg.data.token_file import random_windows
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.parallel_step import Layout, init_state, shard_params, train_iteration
+from fmeg.parallel.layout import Layout
+from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 
 MESH, LAYOUT = Mesh.single(), Layout()
 

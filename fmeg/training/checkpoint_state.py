@@ -34,7 +34,7 @@ from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
 from fmeg.models.vocab import VOCAB_TABLES
 from fmeg.parallel.sharding import block_of, partition_of, splits
-from fmeg.training.expert_state import is_expert
+from fmeg.state.experts import is_expert
 
 KINDS = ("params", "main", "mu", "nu")  # the compute weights, the fp32 master weights, Adam's moments
 REPLICA_GROUPS = ("dp_cp", "expert_dp")  # the groups holding a state part's whole buffers alike (dense, experts)
@@ -217,7 +217,7 @@ def save_single_rank(root: Any, iteration: int, state: Any, config: gpt.GPTConfi
     from fmeg.checkpoint import finalize, temporary_dir, write_rank
     from fmeg.checkpoint.load import FORMAT
     from fmeg.parallel.mesh import Mesh
-    from fmeg.training.parallel_step import Layout
+    from fmeg.parallel.layout import Layout
 
     mesh, layout = Mesh.single(), Layout()
     pieces = save_pieces(regions(state, placements(state, config, layout, mesh)), True)

@@ -2,7 +2,7 @@
 
 --use-megatron-fsdp takes --data-parallel-sharding-strategy (Megatron reads the strategy only then);
 --use-torch-fsdp2 is torch's fully_shard, which keeps a slice of everything: optim_grads_params. Without either,
---use-distributed-optimizer is ZeRO-1 (optim). The sharding is fmeg.training.flat_state's.
+--use-distributed-optimizer is ZeRO-1 (optim). The sharding is fmeg.state.flat's.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def reshard_after_forward(a: argparse.Namespace) -> str:
-    """true | false | auto: which gathered units are freed after their forward (fmeg.training.flat_state)."""
+    """true | false | auto: which gathered units are freed after their forward (fmeg.state.flat)."""
     if not a.use_torch_fsdp2:
         return "true"  # Megatron-FSDP frees every unit after its forward
     return "false" if a.torch_fsdp2_no_reshard_after_forward else a.torch_fsdp2_reshard_after_forward.lower()

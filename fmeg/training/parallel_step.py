@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,95 +18,14 @@ import torch
 from fmeg import optim, tree
 from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
-from fmeg.parallel.data_parallel import GradSync
+from fmeg.parallel.layout import Layout
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
 from fmeg.parallel.context import ContextParallel
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
-from fmeg.training.flat_state import FlatState
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    chunks: int = 1  # virtual pipeline stages per rank
-    dp: int = 1
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
-    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recomputation recomputes
-    sharding: str = "no_shard"  # what data-parallel ranks keep a slice of (flat_state.SHARDINGS); "optim": ZeRO-1
-    micro_batch_size: int = 1
-    ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
-    etp: int | None = None  # the experts' tensor parallelism (None: tp)
-    cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
-    cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
-    cp_a2a: int = 1  # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
-
-    @property
-    def zero(self) -> bool:
-        """Whether the optimizer state is sliced over data parallelism (the distributed optimizer, or more)."""
-        return self.sharding != "no_shard"
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def experts_apart(self) -> bool:
-        """Whether the experts are laid out apart from the dense leaves (expert parallelism, or their own tp)."""
-        return self.ep > 1 or self.expert_tp != self.tp
-
-    @property
-    def cp_comm_types(self) -> tuple[str, ...]:
-        return (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.chunks
-
-    def microbatches(self, global_batch: int) -> int:
-        """Microbatches each data-parallel rank runs for a global batch."""
-        return global_batch // (self.micro_batch_size * self.dp)
-
-    def sizes(self) -> dict[str, int]:
-        experts = {"ep": self.ep, "etp": self.expert_tp,
-                   "edp": self.dp * self.tp * self.cp // (self.ep * self.expert_tp)} \
-            if self.experts_apart else {}
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts, **({"cp": self.cp} if self.cp > 1 else {})}
-
-    def coords(self, mesh: Mesh) -> dict[str, int]:
-        """This rank's coordinates as checkpoints record them (its place in the experts' grid only when the
-        experts are laid out apart)."""
-        experts = {"ep": mesh.coord("ep"), "etp": mesh.coord("expert_tp"), "edp": mesh.coord("expert_dp")} \
-            if self.experts_apart else {}
-        return {**{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}, **experts,
-                **({"cp": mesh.coord("cp")} if self.cp > 1 else {})}
-
-    def checkpoint_meta(self, dtype: torch.dtype) -> dict:
-        """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
-        return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
-                **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
-                "dtype": str(dtype).removeprefix("torch."),
-                **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
-                **({"cp": self.cp} if self.cp > 1 else {})}
-
-    def describe(self) -> str:
-        """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
-        recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
-        if self.recompute and self.recompute[0] == "selective" and self.recompute_modules != ("core_attn",):
-            recompute += f" ({' '.join(self.recompute_modules)})"
-        return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
-                + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
-                   + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "") + ")"
-                   if self.cp > 1 else "")
-                + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
-                + (", sequence parallel" if self.sequence_parallel else "")
-                + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
-                + (f", recompute {recompute}" if recompute else ""))
+from fmeg.state.flat import FlatState
 
 
 def local_stages(layout: Layout, pp_rank: int) -> list[int]:
@@ -168,7 +86,7 @@ def evaluate(params: dict[int, Any], microbatches: list[dict], *, config: gpt.GP
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
     """keep(path, leaf) for the norm: False for the tied output copy and, off tensor-parallel rank 0, for
     leaves replicated over tp, so that every parameter is counted exactly once."""
-    from fmeg.training.expert_state import is_expert
+    from fmeg.state.experts import is_expert
 
     tp_rank, expert_tp_rank, last = mesh.coord("tp"), mesh.coord("expert_tp"), str(layout.num_stages - 1)
     copy = gp.embedding_copy(config)
@@ -188,7 +106,7 @@ def global_norm(values: dict[int, Any], config: gpt.GPTConfig, layout: Layout, m
     data-parallel rank): tensor-parallel shards summed over tp, replicated leaves and the tied output copy
     counted once, stages summed over pp (one all-reduce over the tp-pp group); under expert parallelism the
     experts' squares are summed over tp x ep x pp instead."""
-    from fmeg.training.expert_state import is_expert
+    from fmeg.state.experts import is_expert
 
     keep = counted_once(config, layout, mesh)
     dense = experts = torch.zeros((), dtype=torch.float64)
@@ -215,17 +133,17 @@ def init_state(params: dict[int, Any], config: gpt.GPTConfig, layout: Layout, me
     """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta tensors with the
     device to hold the state on: state.assign() or a checkpoint then fills it): the model's weights in the compute
     dtype, fp32 master weights when computing in bf16 / fp16, and AdamW's moments, for all local
-    parameters or, with the distributed optimizer, this data-parallel slice (fmeg.training.flat_state).
+    parameters or, with the distributed optimizer, this data-parallel slice (fmeg.state.flat).
     Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16), Adam's moments
     stored in moment_dtypes (Megatron's precision-aware optimizer: bf16, stepped in fp32). Under expert
-    parallelism the experts' leaves have a state of their own (fmeg.training.expert_state)."""
+    parallelism the experts' leaves have a state of their own (fmeg.state.experts)."""
     b1, b2, eps = adam
     options = dict(compute_dtype=compute_dtype, grad_dtype=grad_dtype, device=device,
                    reshard_after_forward=reshard_after_forward,
                    optimizer=optim.adamw(b1, b2, eps, moment_dtypes=moment_dtypes,
                                          decoupled=embedding_or_output(layout)))
     if layout.experts_apart:
-        from fmeg.training.expert_state import ExpertSplitState
+        from fmeg.state.experts import ExpertSplitState
 
         return ExpertSplitState(params, counted_once(config, layout, mesh), mesh, sharding=layout.sharding,
                                 dp=layout.dp, **options)

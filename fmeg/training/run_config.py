@@ -4,7 +4,7 @@
     cfg = RunConfig.from_args(a, world, tokenizer.vocab_size)    # nothing reads `a` after this
 
 Groups follow Megatron's own configuration groups: the model (gpt.GPTConfig), the parallel layout
-(parallel_step.Layout: the one description of tp, pp, virtual chunks, dp and microbatches that the step,
+(fmeg.parallel.layout.Layout: the one description of tp, pp, virtual chunks, dp and microbatches that the step,
 the checkpoints and the logs use), training and its schedules, precision, data, checkpointing and logging.
 """
 
@@ -25,7 +25,7 @@ from fmeg.training.arguments import batch_geometry, lr_steps
 from fmeg.training.batch_schedule import global_batch_size, parse_step_schedule
 from fmeg.training import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
 from fmeg.training.megatron_flags import activation, ignored_flags
-from fmeg.training.parallel_step import Layout
+from fmeg.parallel.layout import Layout
 
 
 def model_config(a, vocab_size: int) -> gpt.GPTConfig:

@@ -26,7 +26,7 @@ from fmeg.models import gpt, saved_config
 from fmeg.training import policies
 from fmeg.training.checkpoint_state import (KINDS, REPLICA_GROUPS, count_piece, load_requests,
                                             placements, regions, replicas, save_pieces, saved_count)
-from fmeg.training.flat_state import FlatState
+from fmeg.state.flat import FlatState
 from fmeg.training.parallel_step import init_state, initialized_state, local_shapes
 
 

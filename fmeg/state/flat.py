@@ -47,6 +47,7 @@ from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
+from fmeg.state.protocol import step_parts
 
 # What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy): nothing, the
 # optimizer state (ZeRO-1, --use-distributed-optimizer), also the gradients, also the compute weights.
@@ -66,6 +67,8 @@ def unit_of(path: str) -> str:
 
 
 class FlatState:
+    """The training-state protocol (fmeg.state.protocol) over one set of flat buffers."""
+
     def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, sharding: str,
                  dp: int, dp_rank: int, compute_dtype: torch.dtype,
                  optimizer: optim.GradientTransformation | None = None,
@@ -272,9 +275,8 @@ class FlatState:
         the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
         mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
         norm = self.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)).sqrt()
-        self.update(optim.clip_scale(norm, clip_grad), lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
-        self.refresh(mesh.group("dp_cp"))
-        return norm
+        return step_parts((self,), (mesh.group("dp_cp"),), norm, clip_grad=clip_grad, lr=lr,
+                          weight_decay=weight_decay, decoupled_lr=decoupled_lr)
 
     def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:
         """The squared norm of the owned gradient, each parameter counted once, summed over mesh's groups."""

@@ -14,13 +14,13 @@ tp x ep x pp group instead of tp x pp.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-from fmeg import optim, tree
-from fmeg.training.flat_state import FlatState
+from fmeg import tree
+from fmeg.state.flat import FlatState
+from fmeg.state.protocol import Parts, step_parts
 
 
 def is_expert(path: str) -> bool:
@@ -95,7 +95,10 @@ class _SplitSync:
         return self.dense.leaf(path)
 
 
-class ExpertSplitState:
+class ExpertSplitState(Parts):
+    """The training-state protocol (fmeg.state.protocol) over two FlatStates; what is the same call on each
+    part comes from Parts."""
+
     def __init__(self, params: dict[int, Any], counted, mesh: Any, *, sharding: str, dp: int,
                  **flat_state_options: Any):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
@@ -155,29 +158,8 @@ class ExpertSplitState:
                                          divisor=divisor)
         return _SplitSync(dense, experts)
 
-    @contextlib.contextmanager
-    def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False):
-        with contextlib.ExitStack() as stack:
-            for part in self.parts:
-                stack.enter_context(part.use(stage, keys, backward))
-            yield
-
-    @contextlib.contextmanager
-    def all_weights(self):
-        with contextlib.ExitStack() as stack:
-            for part in self.parts:
-                stack.enter_context(part.all_weights())
-            yield
-
-    def end_iteration(self) -> None:
-        for part in self.parts:
-            part.end_iteration()
-
     def add_(self, path: str, delta: torch.Tensor) -> None:
         (self.experts if is_expert(path) else self.dense).add_(path, delta)
-
-    def main_grads(self) -> list[torch.Tensor]:
-        return [part.main_grad() for part in self.parts]
 
     @torch.no_grad()
     def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
@@ -187,20 +169,6 @@ class ExpertSplitState:
         group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts).sqrt()
-        scale = optim.clip_scale(norm, clip_grad)
-        for part, group in zip(self.parts, ("dp_cp", "expert_dp")):
-            part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
-            part.refresh(mesh.group(group))
-        return norm
-
-    def set_count(self, count: int) -> None:
-        for part in self.parts:
-            part.set_count(count)
-
-    def fresh_optimizer(self) -> None:
-        for part in self.parts:
-            part.fresh_optimizer()
-
-    def bytes_per_parameter(self) -> float:
-        n = [tree.num_params(p.params) for p in self.parts]
-        return sum(p.bytes_per_parameter() * k for p, k in zip(self.parts, n)) / max(sum(n), 1)
+        groups = tuple(mesh.group(name) for name in ("dp_cp", "expert_dp"))
+        return step_parts(self.parts, groups, norm, clip_grad=clip_grad, lr=lr, weight_decay=weight_decay,
+                          decoupled_lr=decoupled_lr)
