@@ -71,32 +71,128 @@ class Completion:
         return cut_at_stop(self.full, self.stops)
 
 
-def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
-    from flask import Flask, Response, request
+class Generation:
+    """What the routes share: the model, and one generation at a time under the broadcast's lock, which
+    tells the other ranks each job before this rank begins its part."""
 
-    app = Flask("fmeg.serve")
-    lock = broadcast.lock
-    tokenizer = model.tokenizer
+    def __init__(self, model: LoadedModel, broadcast: Broadcast, name: str):
+        self.model, self.broadcast, self.name, self.tokenizer = model, broadcast, name, model.tokenizer
 
-    def start(job: Job, p: dict, who: str) -> tuple[Iterator, list | None, list]:
+    def start(self, job: Job, p: dict, who: str) -> tuple[Iterator, list | None, list]:
         """Under the lock: tell the other ranks the planned job and begin this rank's part."""
         if job.log:
             print(f"request from {who}: {len(p['prompts'])} prompt(s), {p['max_new_tokens']} tokens", flush=True)
-        broadcast.send(json.dumps(p).encode())
+        self.broadcast.send(json.dumps(p).encode())
         prompt_logprobs, prompt_top = [] if job.logprobs else None, []
-        return run_plan(model, p, prompt_logprobs, prompt_top), prompt_logprobs, prompt_top
+        return run_plan(self.model, p, prompt_logprobs, prompt_top), prompt_logprobs, prompt_top
 
-    def run(job: Job, p: dict | None = None) -> tuple[dict, list[Completion], list | None, list]:
-        p = p or plan(job, model)
-        with lock:
-            steps, prompt_logprobs, prompt_top = start(job, p, request.remote_addr)
-            rows = [Completion(tokenizer, job.stop, p["eod"]) for _ in p["prompts"]]
+    def run(self, job: Job, who: str, p: dict | None = None) -> tuple[dict, list[Completion], list | None, list]:
+        """The whole job: (its plan, one Completion per prompt, the prompts' logprobs and top tokens)."""
+        p = p or plan(job, self.model)
+        with self.broadcast.lock:
+            steps, prompt_logprobs, prompt_top = self.start(job, p, who)
+            rows = [Completion(self.tokenizer, job.stop, p["eod"]) for _ in p["prompts"]]
             for step in steps:
                 tops = step.top or [None] * len(rows)
                 for row, token, lp, done, top in zip(rows, step.ids, step.logprobs, step.finished, tops):
                     if token is not None:
                         row.add(token, lp, done, top)
         return p, rows, prompt_logprobs, prompt_top
+
+    def sse(self, job: Job, p: dict, chunks: Any, who: str) -> Iterator[str]:
+        """Server-sent events of one streamed row, each step's chunks as `chunks` (a completion's or a
+        chat's) shapes them; with include_usage a last chunk with the usage, then [DONE]."""
+        # held until the stream ends, or the client leaves and the generator is closed
+        with self.broadcast.lock:
+            steps, _, _ = self.start(job, p, who)
+            row = Completion(self.tokenizer, job.stop, p["eod"])
+            try:
+                for c in chunks.opening():
+                    yield f"data: {json.dumps(c)}\n\n"
+                for step in steps:
+                    if step.ids[0] is None:
+                        continue
+                    top = step.top[0] if step.top else None
+                    piece = row.add(step.ids[0], step.logprobs[0], step.finished[0], top)
+                    finish = serve_openai.openai_reason(row.finish) if row.finish else None
+                    for c in chunks.step(piece, finish, step.ids[0], step.logprobs[0], top):
+                        yield f"data: {json.dumps(c)}\n\n"
+                if job.usage_chunk:  # OpenAI's include_usage: a last chunk with no choices and the usage
+                    used, made = len(p["prompts"][0]), len(row.ids)
+                    usage = {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}
+                    yield f"data: {json.dumps({**chunks.head, 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                # a client that left early: the other ranks are mid-generation, so finish it with them
+                for _ in steps:
+                    pass
+
+
+def megatron_answer(gen: Generation, body: bytes, who: str) -> dict:
+    """PUT /api: Megatron's text generation server's answer."""
+    job = megatron_job(parse_json(body))
+    p, rows, prompt_logprobs, _ = gen.run(job, who)
+    out = {"text": [text + row.final_text for text, row in zip(job.prompts, rows)],
+           "tokens": [ids + row.ids for ids, row in zip(p["prompts"], rows)],
+           "segments": [[gen.tokenizer.decode([t]) for t in ids + row.ids] for ids, row in zip(p["prompts"], rows)]}
+    if job.logprobs:
+        out["logprobs"] = [lp + row.logprobs for lp, row in zip(prompt_logprobs, rows)]
+    return out
+
+
+def completions_answer(gen: Generation, body: bytes, who: str) -> dict | Iterator[str]:
+    """POST /v1/completions: OpenAI's completion, or its stream of server-sent events."""
+    job, tokenizer = openai_job(parse_json(body)), gen.tokenizer
+    head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+            "model": gen.name}
+    if job.stream:
+        prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
+        chunks = serve_openai.CompletionChunks(head, tokenizer, job, prompt)
+        return gen.sse(job, plan(job, gen.model), chunks, who)
+    p, rows, prompt_logprobs, prompt_top = gen.run(job, who)
+    choices = []
+    for i, (prompt, ids, row) in enumerate(zip(job.prompts, p["prompts"], rows)):
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        logprobs = None
+        if job.logprobs:
+            logprobs = serve_openai.openai_logprobs(tokenizer, job, ids, prompt_logprobs[i] if job.echo else None,
+                                                    prompt_top[i] if job.echo and prompt_top else None, row,
+                                                    len(text))
+        choices.append({"text": (text if job.echo else "") + row.final_text, "index": i, "logprobs": logprobs,
+                        "finish_reason": serve_openai.openai_reason(row.finish)})
+    used = sum(len(ids) for ids in p["prompts"])
+    made = sum(len(row.ids) for row in rows)
+    return {**head, "choices": choices,
+            "usage": {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}}
+
+
+def chat_answer(gen: Generation, body: bytes, who: str) -> dict | Iterator[str]:
+    """POST /v1/chat/completions: OpenAI's chat completion, or its stream of server-sent events."""
+    request = parse_json(body)
+    tokenizer = gen.tokenizer
+    if not serve_openai.has_template(tokenizer):
+        raise BadRequest("this server's tokenizer has no chat template: serve a model with --tokenizer-type "
+                         "SFTTokenizer --tokenizer-model DIR (a Hugging Face directory with its chat template)")
+    job = chat_job(request, tokenizer.chat_prompt, gen.model.config.max_seq_len)
+    head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": gen.name}
+    p = plan(job, gen.model)
+    if job.stream:
+        chunks = serve_openai.ChatChunks(head, tokenizer, p["eod"], job.logprobs, job.usage_chunk)
+        return gen.sse(job, p, chunks, who)
+    p, rows, _, _ = gen.run(job, who, p)
+    return serve_openai.answer(head, tokenizer, rows[0], p["eod"], job.logprobs, len(p["prompts"][0]),
+                               serve_openai.openai_reason(rows[0].finish))
+
+
+def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
+    from flask import Flask, Response, request
+
+    app = Flask("fmeg.serve")
+    gen = Generation(model, broadcast, name)
+
+    def answer(route: Any) -> Any:
+        out = route(gen, request.get_data(), request.remote_addr)
+        return out if isinstance(out, dict) else Response(out, mimetype="text/event-stream")
 
     @app.errorhandler(BadRequest)
     def bad_request(e: BadRequest):
@@ -116,87 +212,11 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
             return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}, 500
         return {"message": message}, 500
 
-    @app.put("/api")
-    def megatron_api():
-        job = megatron_job(parse_json(request.get_data()))
-        p, rows, prompt_logprobs, _ = run(job)
-        out = {"text": [text + row.final_text for text, row in zip(job.prompts, rows)],
-               "tokens": [ids + row.ids for ids, row in zip(p["prompts"], rows)],
-               "segments": [[tokenizer.decode([t]) for t in ids + row.ids] for ids, row in zip(p["prompts"], rows)]}
-        if job.logprobs:
-            out["logprobs"] = [lp + row.logprobs for lp, row in zip(prompt_logprobs, rows)]
-        return out
-
-    @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fmeg"}]}
-
-    @app.post("/v1/completions")
-    def completions():
-        job = openai_job(parse_json(request.get_data()))
-        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        head = {"id": ident, "object": "text_completion", "created": created, "model": name}
-        if job.stream:
-            prompt = job.prompts[0] if isinstance(job.prompts[0], str) else tokenizer.decode(job.prompts[0])
-            chunks = serve_openai.CompletionChunks(head, tokenizer, job, prompt)
-            return Response(sse(job, plan(job, model), chunks, request.remote_addr), mimetype="text/event-stream")
-        p, rows, prompt_logprobs, prompt_top = run(job)
-        choices = []
-        for i, (prompt, ids, row) in enumerate(zip(job.prompts, p["prompts"], rows)):
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-            logprobs = None
-            if job.logprobs:
-                logprobs = serve_openai.openai_logprobs(tokenizer, job, ids, prompt_logprobs[i] if job.echo else None,
-                                           prompt_top[i] if job.echo and prompt_top else None, row, len(text))
-            choices.append({"text": (text if job.echo else "") + row.final_text, "index": i, "logprobs": logprobs,
-                            "finish_reason": serve_openai.openai_reason(row.finish)})
-        used = sum(len(ids) for ids in p["prompts"])
-        made = sum(len(row.ids) for row in rows)
-        return {**head, "choices": choices,
-                "usage": {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}}
-
-    @app.post("/v1/chat/completions")
-    def chat_completions():
-        body = parse_json(request.get_data())
-        if not serve_openai.has_template(tokenizer):
-            raise BadRequest("this server's tokenizer has no chat template: serve a model with --tokenizer-type "
-                             "SFTTokenizer --tokenizer-model DIR (a Hugging Face directory with its chat template)")
-        job = chat_job(body, tokenizer.chat_prompt, model.config.max_seq_len)
-        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": name}
-        p = plan(job, model)
-        if job.stream:
-            chunks = serve_openai.ChatChunks(head, tokenizer, p["eod"], job.logprobs, job.usage_chunk)
-            return Response(sse(job, p, chunks, request.remote_addr), mimetype="text/event-stream")
-        p, rows, _, _ = run(job, p)
-        return serve_openai.answer(head, tokenizer, rows[0], p["eod"], job.logprobs, len(p["prompts"][0]),
-                                 serve_openai.openai_reason(rows[0].finish))
-
-    def sse(job: Job, p: dict, chunks: Any, who: str) -> Iterator[str]:
-        """Server-sent events of one streamed row, each step's chunks as `chunks` (a completion's or a
-        chat's) shapes them; with include_usage a last chunk with the usage, then [DONE]."""
-        with lock:  # held until the stream ends, or the client leaves and the generator is closed
-            steps, _, _ = start(job, p, who)
-            row = Completion(tokenizer, job.stop, p["eod"])
-            try:
-                for c in chunks.opening():
-                    yield f"data: {json.dumps(c)}\n\n"
-                for step in steps:
-                    if step.ids[0] is None:
-                        continue
-                    top = step.top[0] if step.top else None
-                    piece = row.add(step.ids[0], step.logprobs[0], step.finished[0], top)
-                    finish = serve_openai.openai_reason(row.finish) if row.finish else None
-                    for c in chunks.step(piece, finish, step.ids[0], step.logprobs[0], top):
-                        yield f"data: {json.dumps(c)}\n\n"
-                if job.usage_chunk:  # OpenAI's include_usage: a last chunk with no choices and the usage
-                    used, made = len(p["prompts"][0]), len(row.ids)
-                    usage = {"prompt_tokens": used, "completion_tokens": made, "total_tokens": used + made}
-                    yield f"data: {json.dumps({**chunks.head, 'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:  # a client that left early: the other ranks are mid-generation, so finish it with them
-                for _ in steps:
-                    pass
-
+    app.put("/api", endpoint="megatron_api")(lambda: answer(megatron_answer))
+    app.get("/v1/models", endpoint="models")(
+        lambda: {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fmeg"}]})
+    app.post("/v1/completions", endpoint="completions")(lambda: answer(completions_answer))
+    app.post("/v1/chat/completions", endpoint="chat_completions")(lambda: answer(chat_answer))
     return app
 
 

@@ -38,11 +38,8 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
     return dp, a.global_batch_size or a.micro_batch_size * dp
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
-                       description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
-    add = p.add_argument
-    add("--config", help="YAML file of settings by flag name; command-line flags override it")
+def _parallelism_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for the layout over ranks."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
@@ -82,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each pipeline stage torch.compile'd as one graph (each layer, the embedding and the loss "
                         "head apart under --overlap-grad-reduce with dp > 1 or full recomputation; default: on "
                         "with CUDA, off on CPU, where compiling takes longer than short runs train)")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for the model."""
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=128)
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--padded-vocab-size", type=int, default=None,
                    help="rows of the embedding and output tables (default: the tokenizer's vocabulary padded to "
                         "a multiple of --make-vocab-size-divisible-by * tp); padding rows change no number")
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for the steps, batches, optimizer and precision."""
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=4)
     t.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * data parallel")
@@ -192,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-loss-scale", type=float, default=1.0)
     t.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale doubles")
     t.add_argument("--hysteresis", type=int, default=2, help="overflowed steps before the scale halves")
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for the data and tokenizer."""
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix ...' (default: stdlib)")
     d.add_argument("--mock-data", action="store_true",
@@ -237,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument(f"--fim-{part}-token", default=default, help=f"--fim-data: the tokenizer's {part} token")
     d.add_argument("--sft-sequence-packing", action="store_true",
                    help="--sft: pack consecutive conversations into each sample (default: one JSONL line a sample)")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for saving and loading."""
     c = p.add_argument_group("checkpoints")
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
@@ -276,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fail-on-nan", action="store_true", help="fmeg's older name of the default check")
     c.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop (exit 2) instead of starting afresh when it holds no checkpoint")
+
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's flags for logging and validation."""
     lg = p.add_argument_group("logging")
     lg.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations (and at the end)")
     lg.add_argument("--eval-global-batch-size", type=int, default=None,
@@ -292,6 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--wandb-save-dir", default="", help="where W&B writes its files (default: --log-dir or .)")
     lg.add_argument("--wandb-entity", default="", help="the W&B team or user")
     lg.add_argument("--logging-level", type=int, default=None, help="Python logging's level (e.g. 20 for INFO)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="torchrun --nproc-per-node N -m recipes.gpt_pretrain",
+                       description="Pretrain a GPT with any tensor/sequence/pipeline/data layout.")
+    add = p.add_argument
+    add("--config", help="YAML file of settings by flag name; command-line flags override it")
+    _parallelism_flags(p)
+    _model_flags(p)
+    _training_flags(p)
+    _data_flags(p)
+    _checkpoint_flags(p)
+    _logging_flags(p)
     moe_flags.add_arguments(p)
     mla_flags.add_arguments(p)
     mtp_flags.add_arguments(p)

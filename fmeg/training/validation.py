@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +23,33 @@ from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, 
 from fmeg.training.megatron_flags import later_work_problems
 
 
+class Problems(list):
+    """A list of one-line problems and need(ok, message), which adds message when ok is false."""
+
+    @classmethod
+    def start(cls) -> tuple["Problems", Callable[[Any, str], None]]:
+        problems = cls()
+        return problems, problems.need
+
+    def need(self, ok: Any, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+
+def virtual_chunks(a: argparse.Namespace) -> int:
+    """Virtual pipeline stages per pipeline rank the flags give (1 when they give a bad number)."""
+    per_layer = a.num_layers_per_virtual_pipeline_stage
+    if per_layer is None or per_layer <= 0:
+        return 1
+    return max(1, a.num_layers // a.pipeline_model_parallel_size // per_layer)
+
+
+def microbatches_per_step(a: argparse.Namespace, world_size: int) -> int:
+    """Microbatches each data-parallel rank runs a step (0 when the batch does not divide)."""
+    dp, gbs = batch_geometry(a, world_size)
+    return gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
+
+
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
     not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
@@ -30,11 +58,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if problems:
         return problems
 
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
-
-    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    problems, need = Problems.start()
     if a.train_samples is not None:
         need(a.train_iters > 0, f"--train-samples {a.train_samples} is less than one global batch; raise it")
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
@@ -43,6 +67,16 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
     if problems:
         return problems
+    for part in (_layout_problems, _batch_problems, _feature_problems, _run_problems, _optimizer_problems,
+                 _data_problems):
+        problems.extend(part(a, world_size))
+    return problems
+
+
+def _layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The sizes of the layout and the model checked against each other."""
+    problems, need = Problems.start()
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     need(world_size % (tp * pp) == 0,
          f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
          f"--pipeline-model-parallel-size = {tp} * {pp}")
@@ -89,10 +123,16 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.num_layers % (pp * vp_chunks) == 0,
          f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
          f"{pp} * {vp_chunks}")
+    return problems
+
+
+def _batch_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The batch sizes, their ramp-up and the schedules that count samples."""
+    problems, need = Problems.start()
+    dp, gbs = batch_geometry(a, world_size)
     need(gbs % (a.micro_batch_size * dp) == 0 or a.step_batch_size_schedule,  # its own check names each batch
          f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
          f"{a.micro_batch_size} * {dp}")
-    microbatches = gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
     if a.rampup_batch_size:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
     if a.step_batch_size_schedule is not None:
@@ -118,12 +158,27 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
              f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
              "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
+    return problems
+
+
+def _feature_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """Each feature's flags, checked by its module."""
+    problems = Problems()
+    tp = a.tensor_model_parallel_size
     problems.extend(moe_problems(a, tp))
     problems.extend(context_flags.problems(a, world_size))
     problems.extend(fsdp_flags.problems(a))
     problems.extend(mla_flags.problems(a))
     problems.extend(mtp_flags.problems(a))
     problems.extend(gpt_oss_flags.problems(a))
+    return problems
+
+
+def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The checkpoints, devices, logging, recomputation and precision flags."""
+    problems, need = Problems.start()
+    tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    dp, gbs = batch_geometry(a, world_size)
     need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
     need(not a.no_position_embedding or a.position_embedding_type == "rope",
@@ -143,6 +198,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.eval_iters >= 0, f"--eval-iters must be >= 0, got {a.eval_iters}")
     need(a.distributed_timeout_minutes > 0,
          f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}")
+    vp_chunks, microbatches = virtual_chunks(a), microbatches_per_step(a, world_size)
     if vp_chunks > 1 and microbatches:
         need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                                  f"microbatches per step, got {microbatches}; raise --global-batch-size")
@@ -161,6 +217,14 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     need(a.loss_scale_window > 0 and a.hysteresis > 0, "--loss-scale-window and --hysteresis must be positive")
     max_pos = a.max_position_embeddings or a.seq_length
     need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
+    return problems
+
+
+def _optimizer_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The learning rate, weight decay and Adam flags, and the model's scalars."""
+    problems, need = Problems.start()
+    tp = a.tensor_model_parallel_size
+    in_samples = lr_steps(a)[2]
     need(a.lr > 0, f"--lr must be positive, got {a.lr}")
     need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
     if a.decoupled_lr is not None:
@@ -195,6 +259,12 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if a.padded_vocab_size is not None:
         need(a.padded_vocab_size % tp == 0,
              f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+    return problems
+
+
+def _data_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The data, the tokenizer and the directories the run writes."""
+    problems, need = Problems.start()
     need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
     need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 1,
          "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the end of document)")

@@ -107,6 +107,83 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict, u
     return grad_out, per_segment
 
 
+class _Execution:
+    """The state of one rank's run of its actions: what each step hands the next, the backward functions
+    kept for B, the deferred weight gradients kept for W, and the gradient sums."""
+
+    def __init__(self, segments: dict, stage_params: dict, microbatches: list[dict], pp_group: Any,
+                 num_stages: int, *, loss_scale: float, forward_only: bool, grads_into: Any, divisor: int,
+                 use: Callable, split_backward: bool):
+        self.segments, self.params, self.microbatches, self.pp_group = segments, stage_params, microbatches, pp_group
+        self.pp = 1 if pp_group is None else pp_group.size
+        self.last, self.loss_scale, self.forward_only = num_stages - 1, loss_scale, forward_only
+        self.grads_into, self.divisor, self.use, self.split_backward = grads_into, divisor, use, split_backward
+        # ("F"/"B", stage, microbatch) -> the input of that step, or the output to send
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.vjps: dict[tuple[int, int], list] = {}
+        self.deferred: dict[tuple[int, int], list] = {}
+        self.sums: dict[int, dict[str, torch.Tensor]] = {s: {} for s in stage_params}
+        self.finished = {s: 0 for s in stage_params}  # weight-gradient steps done per stage
+        self.loss: torch.Tensor | None = None
+
+    def run(self, a: Action) -> None:
+        s, m, pp = a.stage, a.microbatch, self.pp
+        if a.kind == "RECV_F":
+            self.inbox[("F", s, m)] = self.pp_group.recv((s - 1) % pp, FORWARD_TAG)
+        elif a.kind == "RECV_B":
+            self.inbox[("B", s, m)] = self.pp_group.recv((s + 1) % pp, BACKWARD_TAG)
+        elif a.kind == "SEND_F":
+            self.pp_group.send(self.outbox.pop(("F", s, m)), (s + 1) % pp, FORWARD_TAG)
+        elif a.kind == "SEND_B":
+            self.pp_group.send(self.outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
+        elif a.kind == "F":
+            self.forward(s, m)
+        elif a.kind == "B":
+            self.backward(s, m)
+        elif a.kind == "W":
+            self.accumulate(s, self.deferred.pop((s, m)))
+
+    def forward(self, s: int, m: int) -> None:
+        x = None if s == 0 else self.inbox.pop(("F", s, m))
+        if self.forward_only:
+            with torch.no_grad():
+                out = compose(self.segments[s], self.use, s)(self.params[s], x, self.microbatches[m])
+        else:
+            out, self.vjps[(s, m)] = _forward(self.segments[s], self.params[s], x, self.microbatches[m], self.use, s)
+        if s == self.last:
+            self.loss = (0.0 if self.loss is None else self.loss) + out.detach() / self.divisor
+        elif (s + 1) % self.pp == s % self.pp:  # the next stage is ours: hand over without communication
+            self.inbox[("F", s + 1, m)] = out.detach()
+        else:
+            self.outbox[("F", s, m)] = out.detach()
+
+    def backward(self, s: int, m: int) -> None:
+        grad_out = torch.full((), self.loss_scale / self.divisor, device=self.loss.device) if s == self.last \
+            else self.inbox.pop(("B", s, m))
+        grad_in, per_segment = _backward(self.vjps.pop((s, m)), grad_out, self.params[s], self.microbatches[m],
+                                         self.use, s)
+        if s > 0:
+            ours = (s - 1) % self.pp == s % self.pp
+            if ours:
+                self.inbox[("B", s - 1, m)] = grad_in
+            else:
+                self.outbox[("B", s, m)] = grad_in
+        if self.split_backward:
+            self.deferred[(s, m)] = per_segment
+        else:
+            self.accumulate(s, per_segment)
+
+    def accumulate(self, s: int, per_segment: list[dict[str, torch.Tensor]]) -> None:
+        self.finished[s] += 1
+        for grads in per_segment:
+            if self.grads_into is not None:
+                self.grads_into.add(s, grads, final=self.finished[s] == len(self.microbatches))
+                continue
+            for path, g in grads.items():
+                self.sums[s][path] = _add(self.sums[s].get(path), g)
+
+
 def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
             microbatches: list[dict], pp_group: Any, num_stages: int,
             trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
@@ -121,75 +198,24 @@ def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]
     the loss and gradients are of the sum of the microbatch losses (per-token losses divide later).
     use(stage, segment keys, backward) -> a context inside which each segment's forward and backward run: where
     sharded weights are gathered (fmeg.parallel.sharded_params)."""
-    pp = 1 if pp_group is None else pp_group.size
-    m_count, last = len(microbatches), num_stages - 1
-    divisor = m_count if microbatch_mean else 1
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
     if not forward_only:
         for s in stage_params:
             check_cover(segments[s], stage_params[s], s)
-    inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> input of that step
-    outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # ("F"/"B", stage, microbatch) -> output to send
-    vjps: dict[tuple[int, int], list] = {}
-    deferred: dict[tuple[int, int], list] = {}
-    sums: dict[int, dict[str, torch.Tensor]] = {s: {} for s in stage_params}
-    finished = {s: 0 for s in stage_params}  # weight-gradient steps done per stage
-    loss = None
-    split_backward = any(a.kind == "W" for a in actions)
-
-    def accumulate(s: int, per_segment: list[dict[str, torch.Tensor]]) -> None:
-        finished[s] += 1
-        for grads in per_segment:
-            if grads_into is not None:
-                grads_into.add(s, grads, final=finished[s] == m_count)
-                continue
-            for path, g in grads.items():
-                sums[s][path] = _add(sums[s].get(path), g)
-
+    run = _Execution(segments, stage_params, microbatches, pp_group, num_stages, loss_scale=loss_scale,
+                     forward_only=forward_only, grads_into=grads_into,
+                     divisor=len(microbatches) if microbatch_mean else 1, use=use,
+                     split_backward=any(a.kind == "W" for a in actions))
     for a in actions:
         start = time.perf_counter()
-        s, m = a.stage, a.microbatch
-        if a.kind == "RECV_F":
-            inbox[("F", s, m)] = pp_group.recv((s - 1) % pp, FORWARD_TAG)
-        elif a.kind == "RECV_B":
-            inbox[("B", s, m)] = pp_group.recv((s + 1) % pp, BACKWARD_TAG)
-        elif a.kind == "SEND_F":
-            pp_group.send(outbox.pop(("F", s, m)), (s + 1) % pp, FORWARD_TAG)
-        elif a.kind == "SEND_B":
-            pp_group.send(outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
-        elif a.kind == "F":
-            x = None if s == 0 else inbox.pop(("F", s, m))
-            if forward_only:
-                with torch.no_grad():
-                    out = compose(segments[s], use, s)(stage_params[s], x, microbatches[m])
-            else:
-                out, vjps[(s, m)] = _forward(segments[s], stage_params[s], x, microbatches[m], use, s)
-            if s == last:
-                loss = (0.0 if loss is None else loss) + out.detach() / divisor
-            elif (s + 1) % pp == s % pp:  # the next stage is ours: hand over without communication
-                inbox[("F", s + 1, m)] = out.detach()
-            else:
-                outbox[("F", s, m)] = out.detach()
-        elif a.kind == "B":
-            grad_out = torch.full((), loss_scale / divisor, device=loss.device) if s == last \
-                else inbox.pop(("B", s, m))
-            grad_in, per_segment = _backward(vjps.pop((s, m)), grad_out, stage_params[s], microbatches[m], use, s)
-            if s > 0:
-                target = inbox if (s - 1) % pp == s % pp else outbox
-                target[("B", s - 1, m) if target is inbox else ("B", s, m)] = grad_in
-            if split_backward:
-                deferred[(s, m)] = per_segment
-            else:
-                accumulate(s, per_segment)
-        elif a.kind == "W":
-            accumulate(s, deferred.pop((s, m)))
+        run.run(a)
         if trace is not None:
             trace.append((a, start, time.perf_counter()))
     if pp_group is not None:
         pp_group.finish()
     if grads_into is not None or forward_only:
-        return loss, {}
-    return loss, {s: _as_tree(sums[s], stage_params[s]) for s in stage_params}
+        return run.loss, {}
+    return run.loss, {s: _as_tree(run.sums[s], stage_params[s]) for s in stage_params}
 
 
 def _as_tree(flat: dict[str, torch.Tensor], like: Any) -> Any:
