@@ -1,13 +1,15 @@
-"""What each rank reads of a Megatron-LM torch_dist checkpoint when fmeg resumes it at another layout.
+"""What each rank reads of a Megatron-LM torch_dist checkpoint when fmeg resumes it at another
+layout.
 
     python bench/megatron_checkpoint.py
 
-megatron-core itself (tests/megatron_core_run.py, on CPU with gloo) saves a Llama-style GPTModel (hidden 512, 8
-layers, GQA 8/4, SwiGLU FFN 1536, fp32: about 100 MB) at tp 2 x pp 2. Then, for each fmeg layout, each rank's
-weights are read as --load reads them (fmeg.interop.megatron.MegatronCheckpoint through read_params), one rank
-after another in this process: the bytes the process read for that rank (/proc/self/io rchar: every read and
-pread, .metadata and common.pt included) against the bytes of the weights the rank holds, and against the bytes
-a rank would read if it loaded every file it needs whole.
+megatron-core itself (tests/harness/megatron_core_run.py, on CPU with gloo) saves a Llama-style
+GPTModel (hidden 512, 8 layers, GQA 8/4, SwiGLU FFN 1536, fp32: about 100 MB) at tp 2 x pp 2. Then,
+for each fmeg layout, each rank's weights are read as --load reads them
+(fmeg.interop.megatron.MegatronCheckpoint through read_params), one rank after another in this
+process: the bytes the process read for that rank (/proc/self/io rchar: every read and pread,
+.metadata and common.pt included) against the bytes of the weights the rank holds, and against the
+bytes a rank would read if it loaded every file it needs whole.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVED = (2, 2)  # Megatron's tp, pp
-TARGETS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 4, 1), (1, 1, 2)]  # fmeg's tp, pp, dp
+# fmeg's tp, pp, dp
+TARGETS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 4, 1), (1, 1, 2)]
 
 
 def rchar() -> int:
@@ -43,19 +46,41 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         tp, pp = SAVED
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
-                        str(ROOT / "tests" / "megatron_core_run.py"), "save", tmp, "llama_bench", str(tp), str(pp),
-                        "1", "100"], cwd=ROOT, check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={tp * pp}",
+                str(ROOT / "tests" / "harness" / "megatron_core_run.py"),
+                "save",
+                tmp,
+                "llama_bench",
+                str(tp),
+                str(pp),
+                "1",
+                "100",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         path = latest(tmp)
         size = sum(f.stat().st_size for f in path.iterdir())
-        print(f"megatron-core's checkpoint at tp {tp} x pp {pp}: {size / 2**20:,.1f} MiB in "
-              f"{len(list(path.glob('*.distcp')))} files; torch {torch.__version__}")
+        print(
+            f"megatron-core's checkpoint at tp {tp} x pp {pp}: {size / 2**20:,.1f} MiB in "
+            f"{len(list(path.glob('*.distcp')))} files; torch {torch.__version__}"
+        )
         base = config_from_args(saved_args(path), 128)
-        with MegatronCheckpoint.open(path, base) as ckpt:  # once unmeasured: the imports a first read makes
+        # once unmeasured: the imports a first read makes
+        with MegatronCheckpoint.open(path, base) as ckpt:
             read_params(ckpt, base, Layout(), Mesh.single())
-        print("| fmeg layout | read / held per rank (max, mean) | MiB held per rank (mean) | whole files a rank "
-              "needs / held (mean) |")
+        print(
+            "| fmeg layout | read / held per rank (max, mean) | MiB held per rank (mean) | whole "
+            "files a rank needs / held (mean) |"
+        )
         print("|---|---|---|---|")
         for tp_, pp_, dp in TARGETS:
             layout = Layout(tp=tp_, pp=pp_, dp=dp)
@@ -68,12 +93,20 @@ def main() -> None:
                     params = read_params(ckpt, config, layout, mesh)
                     files = ckpt.dist.files_read
                 read = rchar() - before
-                mine = sum(t.numel() * t.element_size() for stage in params.values() for _, t in tree.items(stage))
+                mine = sum(
+                    t.numel() * t.element_size()
+                    for stage in params.values()
+                    for _, t in tree.items(stage)
+                )
                 ratios.append(read / mine)
                 held.append(mine)
                 whole.append(sum((path / f).stat().st_size for f in files) / mine)
-            print(f"| tp {tp_} x pp {pp_} x dp {dp} | {max(ratios):.3f}, {statistics.mean(ratios):.3f} | "
-                  f"{statistics.mean(held) / 2**20:,.1f} | {statistics.mean(whole):.2f} |", flush=True)
+            print(
+                f"| tp {tp_} x pp {pp_} x dp {dp} | {max(ratios):.3f}, "
+                f"{statistics.mean(ratios):.3f} | {statistics.mean(held) / 2**20:,.1f} | "
+                f"{statistics.mean(whole):.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Batch-size ramp-up and --train-samples: iterations_for agrees with stepping through the schedule."""
+"""Batch-size ramp-up and --train-samples: iterations_for agrees with stepping through the
+schedule."""
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,8 +18,14 @@ def stepped(samples: int, final: int, rampup) -> int:
     return iterations
 
 
-@given(samples=st.integers(0, 5000), unit=st.integers(1, 8), start=st.integers(1, 4), steps=st.integers(0, 4),
-       ramp_samples=st.integers(1, 600), ramp=st.booleans())
+@given(
+    samples=st.integers(0, 5000),
+    unit=st.integers(1, 8),
+    start=st.integers(1, 4),
+    steps=st.integers(0, 4),
+    ramp_samples=st.integers(1, 600),
+    ramp=st.booleans(),
+)
 def test_iterations_for_matches_stepping(samples, unit, start, steps, ramp_samples, ramp):
     final = unit * (start + steps)
     rampup = (unit * start, unit, ramp_samples) if ramp else None

@@ -1,7 +1,8 @@
-"""Checkpoints written by fmeg before issue 50's redesign (tests/data/before_redesign, with write.py's command)
-resume on the curve that fmeg resumed them on: a dense GPT at tp 2 x pp 2 with bf16 and the distributed
-optimizer, and MLA + experts + an MTP depth at dp 2 x ep 2. Bitwise on the CPU and torch they were recorded
-with; elsewhere within float32 rounding (another CPU may sum in another order)."""
+"""Checkpoints written by fmeg before issue 50's redesign (tests/data/before_redesign, with
+write.py's command) resume on the curve that fmeg resumed them on: a dense GPT at tp 2 x pp 2 with
+bf16 and the distributed optimizer, and MLA + experts + an MTP depth at dp 2 x ep 2. Bitwise on the
+CPU and torch they were recorded with; elsewhere within float32 rounding (another CPU may sum in
+another order)."""
 
 import json
 import platform
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner_harness import run_recipe
+from harness.runner import run_recipe
 
 DATA = Path(__file__).parent / "data" / "before_redesign"
 CURVES = json.loads((DATA / "curves.json").read_text())
@@ -20,7 +21,9 @@ CURVES = json.loads((DATA / "curves.json").read_text())
 def this_cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor()
 

@@ -1,6 +1,6 @@
-"""The box algebra checkpoints are made of, against plain index arithmetic: a flat range of a block is a few
-contiguous boxes covering exactly its elements; a stored box's cells partition it, and a query finds exactly the
-cells it overlaps; cells are cut where finer layouts cut."""
+"""The box algebra checkpoints are made of, against plain index arithmetic: a flat range of a block
+is a few contiguous boxes covering exactly its elements; a stored box's cells partition it, and a
+query finds exactly the cells it overlaps; cells are cut where finer layouts cut."""
 
 import math
 
@@ -24,7 +24,8 @@ def test_a_flat_range_is_a_few_contiguous_boxes_covering_exactly_its_elements(sh
     covered = []
     for box, flat in boxes:
         values = index[box.within(Box((0,) * len(shape), shape))].reshape(-1)
-        assert values.tolist() == list(range(flat, flat + box.numel))  # contiguous, starting where it says
+        # contiguous, starting where it says
+        assert values.tolist() == list(range(flat, flat + box.numel))
         covered += values.tolist()
     assert covered == list(range(start, stop))
 
@@ -42,13 +43,17 @@ def test_cells_partition_a_box_and_a_query_finds_exactly_the_cells_it_overlaps(s
         seen[cell.within(box)] += 1
     assert bool((seen == 1).all())
     q_off = tuple(data.draw(st.integers(o, o + s - 1)) for o, s in zip(offset, shape))
-    q = Box(q_off, tuple(data.draw(st.integers(1, o + s - a)) for a, o, s in zip(q_off, offset, shape)))
-    assert grid.overlapping(q) == [i for i in range(len(grid)) if grid.cell(i).intersect(q) is not None]
+    q = Box(
+        q_off, tuple(data.draw(st.integers(1, o + s - a)) for a, o, s in zip(q_off, offset, shape))
+    )
+    assert grid.overlapping(q) == [
+        i for i in range(len(grid)) if grid.cell(i).intersect(q) is not None
+    ]
 
 
 def test_cells_are_cut_for_finer_layouts_and_bounded_in_size():
-    """A [4 experts, 768, 384] bf16 block: one cell per expert (any ep up to 4x finer reads whole cells), the
-    tensor-parallel dimension in 2, 4 or 8 equal parts, and no cell over the limit."""
+    """A [4 experts, 768, 384] bf16 block: one cell per expert (any ep up to 4x finer reads whole
+    cells), the tensor-parallel dimension in 2, 4 or 8 equal parts, and no cell over the limit."""
     steps = cell_steps((4, 768, 384), 2, split_dims=(0, 1), max_cell=300_000)
     grid = Grid(Box((0, 0, 0), (4, 768, 384)), steps)
     assert steps[0] == (1,) and 768 // steps[1][0] in (2, 4, 8)

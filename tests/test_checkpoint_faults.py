@@ -1,5 +1,6 @@
-"""Surviving faults: SIGKILL during saves never leaves a checkpoint that loads silently wrong; SIGTERM and
-exit conditions save and exit cleanly; non-finite steps are skipped and counted, or stop the run."""
+"""Surviving faults: SIGKILL during saves never leaves a checkpoint that loads silently wrong;
+SIGTERM and exit conditions save and exit cleanly; non-finite steps are skipped and counted, or stop
+the run."""
 
 import multiprocessing
 import os
@@ -18,12 +19,14 @@ from fmeg import checkpoint
 from fmeg.checkpoint import safetensors_file
 from fmeg.parallel.mesh import Mesh
 from fmeg.training.run_state import check_model, read_state
-from test_checkpoint import CONFIG, _Cfg, one_rank_state, save_one
-from runner_harness import COMMON
+from harness.checkpoints import CONFIG, _Cfg, one_rank_state, save_one
+from harness.runner import COMMON
+from harness.checkpoints import full_disk_at
 
 
 def assert_loads_whole(found):
-    """Every tensor of the checkpoint reads back and matches its crc32, and the model is the one saved."""
+    """Every tensor of the checkpoint reads back and matches its crc32, and the model is the one
+    saved."""
     with checkpoint.Checkpoint.open(found) as ckpt:
         check_model(ckpt, CONFIG)
         read_state(ckpt, one_rank_state(), _Cfg(CONFIG), Mesh.single(), optimizer=True)
@@ -54,13 +57,28 @@ def test_sigkill_at_random_moments_of_saving_never_leaves_a_bad_checkpoint(tmp_p
 
 
 def run(tmp_path, flags, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "recipes.gpt_pretrain", *COMMON, *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "recipes.gpt_pretrain", *COMMON, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_sigterm_saves_and_exits_zero_within_one_iteration(tmp_path):
-    proc = run(tmp_path, ["--train-iters", "100000", "--exit-signal-handler", "--save", str(tmp_path / "ck"),
-                          "--log-interval", "1"])
+    proc = run(
+        tmp_path,
+        [
+            "--train-iters",
+            "100000",
+            "--exit-signal-handler",
+            "--save",
+            str(tmp_path / "ck"),
+            "--log-interval",
+            "1",
+        ],
+    )
     for line in proc.stdout:  # wait until training has started
         if "iteration        3/" in line:
             break
@@ -75,16 +93,36 @@ def test_sigterm_saves_and_exits_zero_within_one_iteration(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_workers_under_torchrun_saves_and_every_process_exits_zero(tmp_path):
-    """The README's way under torchrun: signal torchrun's workers (its children), not torchrun; each rank
-    saves its part of one checkpoint and exits 0, and torchrun exits 0."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "recipes.gpt_pretrain", *COMMON, "--train-iters", "100000", "--exit-signal-handler",
-                             "--save", str(tmp_path / "ck"), "--log-interval", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """The README's way under torchrun: signal torchrun's workers (its children), not torchrun; each
+    rank saves its part of one checkpoint and exits 0, and torchrun exits 0."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "recipes.gpt_pretrain",
+            *COMMON,
+            "--train-iters",
+            "100000",
+            "--exit-signal-handler",
+            "--save",
+            str(tmp_path / "ck"),
+            "--log-interval",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:  # wait until training has started
         if "iteration        3/" in line:
             break
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(
+        ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+    ).stdout.split()
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(int(pid), signal.SIGTERM)
@@ -103,36 +141,81 @@ def test_exit_interval_saves_and_stops(tmp_path):
 
 
 def test_non_finite_steps_stop_the_run_by_default_or_are_counted_without_the_check(tmp_path):
-    """Megatron's --check-for-nan-in-loss-and-grad is on by default: a non-finite loss stops the run (exit 1,
-    one line). With --no-check-for-nan-in-loss-and-grad the run goes on and counts them."""
+    """Megatron's --check-for-nan-in-loss-and-grad is on by default: a non-finite loss stops the run
+    (exit 1, one line). With --no-check-for-nan-in-loss-and-grad the run goes on and counts them."""
     # An absurd learning rate drives the weights to inf within a few steps.
-    flags = ["--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0", "--log-interval", "20"]
+    flags = [
+        "--lr",
+        "1e30",
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--clip-grad",
+        "0",
+        "--log-interval",
+        "20",
+    ]
     proc = run(tmp_path, flags)
     out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 1 and "error: iteration " in out and "--check-for-nan-in-loss-and-grad" in out, out[-2000:]
+    assert (
+        proc.returncode == 1
+        and "error: iteration " in out
+        and "--check-for-nan-in-loss-and-grad" in out
+    ), out[-2000:]
     for older_name in (["--fail-on-nan"], ["--check-for-nan-in-loss-and-grad"]):
         proc = run(tmp_path, flags + older_name)
         out, _ = proc.communicate(timeout=400)
         assert proc.returncode == 1 and "non-finite" in out
     proc = run(tmp_path, flags + ["--no-check-for-nan-in-loss-and-grad"])
     out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0 and "number of nan iterations:" in out and "0 NaN" not in out.split("done:")[1]
+    assert (
+        proc.returncode == 0
+        and "number of nan iterations:" in out
+        and "0 NaN" not in out.split("done:")[1]
+    )
 
 
 @pytest.mark.slow  # the default NaN check stays in the default suite
 def test_the_nan_check_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path):
-    """Under --fp16 an overflow is the scaler's to skip, but a non-finite loss, or an overflow already at
-    --min-loss-scale, stops the run with the default check (it used to skip 29 of 30 iterations and exit 0)."""
-    absurd = ["--fp16", "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
-              "--log-interval", "20"]
+    """Under --fp16 an overflow is the scaler's to skip, but a non-finite loss, or an overflow
+    already at --min-loss-scale, stops the run with the default check (it used to skip 29 of 30
+    iterations and exit 0)."""
+    absurd = [
+        "--fp16",
+        "--lr",
+        "1e30",
+        "--min-lr",
+        "0",
+        "--lr-warmup-iters",
+        "0",
+        "--clip-grad",
+        "0",
+        "--log-interval",
+        "20",
+    ]
     proc = run(tmp_path, absurd)
     out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 1 and "non-finite loss (Megatron's --check-for-nan-in-loss-and-grad" in out, out[-2000:]
-    floor = ["--fp16", "--initial-loss-scale", "1e30", "--min-loss-scale", "1e30", "--log-interval", "20"]
+    assert (
+        proc.returncode == 1
+        and "non-finite loss (Megatron's --check-for-nan-in-loss-and-grad" in out
+    ), out[-2000:]
+    floor = [
+        "--fp16",
+        "--initial-loss-scale",
+        "1e30",
+        "--min-loss-scale",
+        "1e30",
+        "--log-interval",
+        "20",
+    ]
     proc = run(tmp_path, floor)
     out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 1 and "overflowed at the minimum loss scale 1e+30 (Megatron's" in out, out[-2000:]
-    proc = run(tmp_path, floor + ["--no-check-for-nan-in-loss-and-grad"])  # the scaler skips, the run goes on
+    assert (
+        proc.returncode == 1 and "overflowed at the minimum loss scale 1e+30 (Megatron's" in out
+    ), out[-2000:]
+    # the scaler skips, the run goes on
+    proc = run(tmp_path, floor + ["--no-check-for-nan-in-loss-and-grad"])
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0 and "number of skipped iterations:" in out
 
@@ -140,34 +223,25 @@ def test_the_nan_check_stops_a_loss_scaled_run_that_scaling_cannot_save(tmp_path
 SAVES = [*COMMON, "--train-iters", "6", "--save-interval", "2", "--log-interval", "100"]
 
 
-def full_disk_at(monkeypatch, iteration: int):
-    """Make the checkpoint writer report ENOSPC for iteration's files; returns the real writer."""
-    import errno
-
-    real_write = safetensors_file.write
-
-    def full_disk(path, tensors, metadata=None):
-        if f"iter_{iteration:07d}" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_write(path, tensors, metadata)
-
-    monkeypatch.setattr(safetensors_file, "write", full_disk)
-    return real_write
-
-
 def test_a_full_disk_fails_in_one_line_and_the_next_run_resumes(tmp_path, monkeypatch, capsys):
-    """A save that cannot be written (here the writer reports ENOSPC at iteration 4) ends the run with one
-    line naming --save, the size and the free space; the partial directory is gone, iteration 2 is intact, and
-    the next run, with space again, resumes from it."""
+    """A save that cannot be written (here the writer reports ENOSPC at iteration 4) ends the run
+    with one line naming --save, the size and the free space; the partial directory is gone,
+    iteration 2 is intact, and the next run, with space again, resumes from it."""
     from recipes import gpt_pretrain
 
     real_write = full_disk_at(monkeypatch, 4)
     root = tmp_path / "ck"
     assert gpt_pretrain.main([*SAVES, "--save", str(root)]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and f"--save {root}: writing iteration 4 failed ([Errno 28] No space left" in errors[0]
+    assert (
+        len(errors) == 1
+        and f"--save {root}: writing iteration 4 failed ([Errno 28] No space left" in errors[0]
+    )
     assert "MiB are free" in errors[0] and "iter_0000002 is intact" in errors[0], errors
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000002",
+        "latest_checkpointed_iteration.txt",
+    ]
     monkeypatch.setattr(safetensors_file, "write", real_write)
     assert gpt_pretrain.main([*SAVES, "--save", str(root), "--load", str(root)]) == 0
     assert checkpoint.latest(root).name == "iter_0000006"
@@ -178,11 +252,16 @@ def test_keep_last_makes_room_before_saving_when_space_is_short(tmp_path, monkey
 
     from fmeg.training import run_state
 
-    monkeypatch.setattr(run_state.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    monkeypatch.setattr(
+        run_state.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 0)
+    )
     root = tmp_path / "ck"
     assert gpt_pretrain.main([*SAVES, "--save", str(root), "--keep-last", "2"]) == 0
     out = capsys.readouterr().out
-    assert f"removed {root / 'iter_0000002'} before saving: the disk is short of space for --keep-last 2" in out
+    assert (
+        f"removed {root / 'iter_0000002'} before saving: the disk is short of space for "
+        "--keep-last 2" in out
+    )
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
 
 
@@ -193,10 +272,10 @@ def test_exit_duration(tmp_path):
 
 
 def test_a_dead_runs_partial_save_never_breaks_a_restart_at_another_world_size(tmp_path):
-    """A 4-rank save killed at iteration 4 left iter_0000004.tmp-<token> with its rank files (and the older
-    fixed-name iter_0000004.tmp). A 2-rank restart removes both at start, writes its own temporary directory,
-    and its final checkpoint holds exactly its 2 ranks' files."""
-    from runner_harness import run_recipe
+    """A 4-rank save killed at iteration 4 left iter_0000004.tmp-<token> with its rank files (and
+    the older fixed-name iter_0000004.tmp). A 2-rank restart removes both at start, writes its own
+    temporary directory, and its final checkpoint holds exactly its 2 ranks' files."""
+    from harness.runner import run_recipe
 
     ck = tmp_path / "ck"
     for leftover in ("iter_0000004.tmp-deadbeef0000", "iter_0000004.tmp"):
@@ -208,31 +287,63 @@ def test_a_dead_runs_partial_save_never_breaks_a_restart_at_another_world_size(t
     assert len(records) == 4 and stdout.count("an interrupted save's leftovers") == 2
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000004", checkpoint.LATEST]
     assert sorted(p.name for p in (ck / "iter_0000004").iterdir()) == [
-        "metadata.json", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors"]
+        "metadata.json",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+        "rank_00001.json",
+        "rank_00001.safetensors",
+    ]
 
 
-def test_a_load_path_that_is_an_iteration_or_has_a_bad_pointer_is_one_line(trained_checkpoint, tmp_path):
-    """--load naming iter_0000030 (not its parent) would otherwise train from scratch in silence, and a
-    garbled latest pointer would end in a traceback."""
+def test_a_load_path_that_is_an_iteration_or_has_a_bad_pointer_is_one_line(
+    trained_checkpoint, tmp_path
+):
+    """--load naming iter_0000030 (not its parent) would otherwise train from scratch in silence,
+    and a garbled latest pointer would end in a traceback."""
     iteration = str(checkpoint.latest(trained_checkpoint))
-    flags = ["--train-iters", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "4"]
-    out = subprocess.run([sys.executable, "-m", "recipes.gpt_pretrain", *flags, "--load", iteration],
-                         capture_output=True, text=True, timeout=400)
-    assert out.returncode == 2 and "is one iteration of a checkpoint" in out.stderr, out.stderr[-2000:]
+    flags = [
+        "--train-iters",
+        "2",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.gpt_pretrain", *flags, "--load", iteration],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 2 and "is one iteration of a checkpoint" in out.stderr, out.stderr[
+        -2000:
+    ]
     assert len(out.stderr.strip().splitlines()) == 1
     shutil.copytree(trained_checkpoint, tmp_path / "ck")
     (tmp_path / "ck" / checkpoint.LATEST).write_text("thirty\n")
     for recipe in (["recipes.gpt_pretrain", *flags], ["recipes.generate", "--prompt", "x"]):
-        out = subprocess.run([sys.executable, "-m", *recipe, "--load", str(tmp_path / "ck")], capture_output=True,
-                             text=True, timeout=400)
+        out = subprocess.run(
+            [sys.executable, "-m", *recipe, "--load", str(tmp_path / "ck")],
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert out.returncode == 2 and "not an iteration number" in out.stderr, out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_keep_last_and_cleanup_touch_only_what_fmeg_wrote(tmp_path):
-    """Pruning and the removal of dead runs' leftovers take names that are exactly fmeg's (iter_NNNNNNN and
-    iter_NNNNNNN.tmp-<token>); a user's copy beside them, a file and a symlink stay."""
+    """Pruning and the removal of dead runs' leftovers take names that are exactly fmeg's
+    (iter_NNNNNNN and iter_NNNNNNN.tmp-<token>); a user's copy beside them, a file and a symlink
+    stay."""
     from recipes import gpt_pretrain
 
     root = tmp_path / "ck"
@@ -244,23 +355,45 @@ def test_keep_last_and_cleanup_touch_only_what_fmeg_wrote(tmp_path):
     (root / "iter_0000002.tmp-backup").mkdir()
     assert gpt_pretrain.main([*SAVES, "--save", str(root), "--keep-last", "2"]) == 0
     assert sorted(p.name for p in root.iterdir()) == [
-        "iter_0000001", "iter_0000002.tmp-backup", "iter_0000003", "iter_0000004", "iter_0000004.bak",
-        "iter_0000006", "latest_checkpointed_iteration.txt"]
-    assert (root / "iter_0000004.bak" / "notes.txt").read_text() == "mine" and (root / "iter_0000003").is_symlink()
+        "iter_0000001",
+        "iter_0000002.tmp-backup",
+        "iter_0000003",
+        "iter_0000004",
+        "iter_0000004.bak",
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert (root / "iter_0000004.bak" / "notes.txt").read_text() == "mine" and (
+        root / "iter_0000003"
+    ).is_symlink()
 
 
 def test_settings_outside_the_shapes_may_change_on_load_and_shapes_may_not(tmp_path, capsys):
-    """As Megatron: a run may load a checkpoint with other dropout (or init, RoPE base) and says so in one
-    warning line; a change of a parameter's shape is still refused in one line."""
+    """As Megatron: a run may load a checkpoint with other dropout (or init, RoPE base) and says so
+    in one warning line; a change of a parameter's shape is still refused in one line."""
     from recipes import gpt_pretrain
 
     root = tmp_path / "ck"
-    assert gpt_pretrain.main([*SAVES, "--save", str(root), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]) == 0
+    assert (
+        gpt_pretrain.main(
+            [*SAVES, "--save", str(root), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert gpt_pretrain.main([*SAVES, "--load", str(root), "--finetune", "--train-iters", "3"]) == 0
     out = capsys.readouterr().out
     for change in ("hidden_dropout 0.1 -> 0.0", "attention_dropout 0.1 -> 0.0"):
-        assert out.count(f"warning: --load {root}: {change} (a setting outside the parameters' shapes") == 1, out
-    assert gpt_pretrain.main([*SAVES, "--load", str(root), "--finetune", "--ffn-hidden-size", "64"]) == 2
+        assert (
+            out.count(f"warning: --load {root}: {change} (a setting outside the parameters' shapes")
+            == 1
+        ), out
+    assert (
+        gpt_pretrain.main([*SAVES, "--load", str(root), "--finetune", "--ffn-hidden-size", "64"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the checkpoint's model differs from the flags in ffn_hidden_size" in err[0], err
+    assert (
+        len(err) == 1
+        and "the checkpoint's model differs from the flags in ffn_hidden_size" in err[0]
+    ), err

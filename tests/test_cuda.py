@@ -1,11 +1,11 @@
-"""CUDA and NCCL: the runner on cuda:LOCAL_RANK follows the CPU loss curve (fp32). Skipped without a GPU
-(CI has none); run on a machine with one: python -m pytest tests/test_cuda.py"""
+"""CUDA and NCCL: the runner on cuda:LOCAL_RANK follows the CPU loss curve (fp32). Skipped without a
+GPU (CI has none); run on a machine with one: python -m pytest tests/test_cuda.py"""
 
 import pytest
 import torch
 
 from fmeg.training.session import choose_device
-from runner_harness import run_layout
+from harness.runner import run_layout
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -30,31 +30,41 @@ def test_one_gpu_follows_the_cpu_curve(tmp_path, reference):
 
 @needs_gpu
 def test_one_gpu_bf16_and_zero_overlap_run(tmp_path, reference):
-    got = run_layout(tmp_path, "cuda_bf16", 1, ["--device", "cuda", "--bf16", "--use-distributed-optimizer",
-                                                 "--overlap-grad-reduce"])
+    got = run_layout(
+        tmp_path,
+        "cuda_bf16",
+        1,
+        ["--device", "cuda", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"],
+    )
     close(got, reference["plain"], 2e-2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
-@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                   ["--pipeline-model-parallel-size", "2"],
-                                   ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                    "--ddp-bucket-size", "3000"],
-                                   ["--context-parallel-size", "2"],  # the ring over NCCL, compiled (the default)
-                                   ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--pipeline-model-parallel-size", "2"],
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"],
+        ["--context-parallel-size", "2"],  # the ring over NCCL, compiled (the default)
+        ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+    ],
+)
 def test_two_gpus_over_nccl_follow_the_cpu_curve(tmp_path, reference, flags):
     close(run_layout(tmp_path, "nccl", 2, ["--device", "cuda", *flags]), reference["plain"], 1e-4)
 
 
 @needs_gpu
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
-@pytest.mark.parametrize("dtype, seq, tol", [(torch.float32, 64, 1e-4), (torch.float32, 80, 1e-4),
-                                             (torch.bfloat16, 80, 3e-2)])
+@pytest.mark.parametrize(
+    "dtype, seq, tol",
+    [(torch.float32, 64, 1e-4), (torch.float32, 80, 1e-4), (torch.bfloat16, 80, 3e-2)],
+)
 def test_context_parallel_attention_on_cuda_equals_one_device(comm_type, dtype, seq, tol):
-    """The attention blocks on CUDA (the memory-efficient kernel, ranks as threads): this rank's rows and gradients
-    of one device's attention; at seq 80 the blocks have 20 and 40 rows, not the multiple of 32 the kernel's lse
-    is padded to."""
-    import spmd_programs as P
+    """The attention blocks on CUDA (the memory-efficient kernel, ranks as threads): this rank's
+    rows and gradients of one device's attention; at seq 80 the blocks have 20 and 40 rows, not the
+    multiple of 32 the kernel's lse is padded to."""
+    from harness import spmd_programs as P
     from fmeg import ops
     from fmeg.parallel import context
     from fmeg.parallel.spmd import run_threads
@@ -64,7 +74,9 @@ def test_context_parallel_attention_on_cuda_equals_one_device(comm_type, dtype, 
     k, v = (torch.randn(2, 2, seq, 16, device="cuda", generator=gen).to(dtype) for _ in range(2))
     want, vjp = torch.func.vjp(ops.causal_attention, *(t.float() for t in (q, k, v)))
     grads = vjp(dout.float())
-    for r, got in enumerate(run_threads(2, P.context_attention, q, k, v, dout, comm_type, 0.0, tp=1, cp=2)):
+    for r, got in enumerate(
+        run_threads(2, P.context_attention, q, k, v, dout, comm_type, 0.0, tp=1, cp=2)
+    ):
         mine = lambda t: t.index_select(-2, context.positions(seq, 2, r, "cuda"))  # noqa: E731
         torch.testing.assert_close(got["out"].float(), mine(want), rtol=tol, atol=tol)
         for g, w in zip(got["grads"], grads):

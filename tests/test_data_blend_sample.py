@@ -1,5 +1,5 @@
-"""Blends follow their weights at every prefix; splits and sample counts are Megatron's; samplers resume
-exactly and give data-parallel ranks disjoint slices covering each step."""
+"""Blends follow their weights at every prefix; splits and sample counts are Megatron's; samplers
+resume exactly and give data-parallel ranks disjoint slices covering each step."""
 
 import itertools
 
@@ -8,18 +8,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fmeg.data.blending import (BlendedDataset, blending_indices, build_datasets, parse_blend, parse_split,
-                                split_document_ranges, target_samples)
+from fmeg.data.blending import (
+    BlendedDataset,
+    blending_indices,
+    build_datasets,
+    parse_blend,
+    parse_split,
+    split_document_ranges,
+    target_samples,
+)
 from fmeg.data.samplers import cyclic_random_batches, sequential_batches
 
-weights_st = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5).map(lambda w: [x / sum(w) for x in w])
+weights_st = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5).map(
+    lambda w: [x / sum(w) for x in w]
+)
 
 
 @given(weights_st, st.integers(1, 400))
 def test_blend_proportions_are_within_one_sample_at_every_prefix(weights, size):
-    """Megatron's order (kept so blends reproduce Megatron runs): after n samples each dataset's count is
-    within one sample of weight * max(n - 1, 1), the target Megatron's greedy rule uses, hence within
-    1 + weight of weight * n."""
+    """Megatron's order (kept so blends reproduce Megatron runs): after n samples each dataset's
+    count is within one sample of weight * max(n - 1, 1), the target Megatron's greedy rule uses,
+    hence within 1 + weight of weight * n."""
     dataset, within = blending_indices(weights, size)
     counts, w = np.zeros(len(weights)), np.array(weights)
     for i, d in enumerate(dataset):
@@ -34,7 +43,9 @@ def test_blend_proportions_are_within_one_sample_at_every_prefix(weights, size):
 def test_blend_equals_megatron_core_helper(weights, size):
     helpers = pytest.importorskip("megatron.core.datasets.helpers")
     di, si = np.zeros(size, np.int16), np.zeros(size, np.int64)
-    helpers.build_blending_indices(di, si, np.array(weights, dtype=np.float64), len(weights), size, False)
+    helpers.build_blending_indices(
+        di, si, np.array(weights, dtype=np.float64), len(weights), size, False
+    )
     ours = blending_indices(weights, size)
     np.testing.assert_array_equal(ours[0], di)
     np.testing.assert_array_equal(ours[1], si)
@@ -56,8 +67,14 @@ def test_parse_blend_and_split():
     assert parse_split("1") == [1.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("text, needle", [("30 a 70", "weight prefix pairs"), ("x a 70 b", "weights must be numbers"),
-                                          ("0 a 0 b", "positive sum")])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("30 a 70", "weight prefix pairs"),
+        ("x a 70 b", "weights must be numbers"),
+        ("0 a 0 b", "positive sum"),
+    ],
+)
 def test_bad_blends_are_refused(text, needle):
     with pytest.raises(ValueError, match=needle):
         parse_blend(text)
@@ -69,7 +86,9 @@ def test_bad_splits_are_refused(text):
         parse_split(text)
 
 
-@pytest.mark.parametrize("split, n", [("969,30,1", 1000), ("98,2,0", 37), ("1,1,1", 10), ("80,20", 7)])
+@pytest.mark.parametrize(
+    "split, n", [("969,30,1", 1000), ("98,2,0", 37), ("1,1,1", 10), ("80,20", 7)]
+)
 def test_split_ranges_follow_megatron_rounding(split, n):
     config = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_config")
     matrix = config.convert_split_vector_to_split_matrix(config.parse_and_normalize_split(split))
@@ -90,10 +109,12 @@ def test_sequential_sampler_resumes_and_slices_by_rank(total, micro, dp, data):
         flat = [i for b in batches for i in b]
         assert len(flat) == step and len(set(flat)) == step and flat == sorted(flat)
     full = list(sequential_batches(total, 0, micro, dp, 0))
-    assert per_rank[0] == full[consumed // step:]
+    assert per_rank[0] == full[consumed // step :]
 
 
-@given(st.integers(4, 120), st.integers(1, 3), st.integers(1, 3), st.integers(0, 5), st.integers(0, 40))
+@given(
+    st.integers(4, 120), st.integers(1, 3), st.integers(1, 3), st.integers(0, 5), st.integers(0, 40)
+)
 def test_cyclic_sampler_resumes_at_any_consumed_count(total, micro, dp, seed, resume_step):
     step = micro * dp
     if total < step:
@@ -101,7 +122,11 @@ def test_cyclic_sampler_resumes_at_any_consumed_count(total, micro, dp, seed, re
     streams = [cyclic_random_batches(total, 0, micro, dp, r, seed) for r in range(dp)]
     reference = [list(itertools.islice(s, resume_step + 10)) for s in streams]
     for r in range(dp):
-        resumed = list(itertools.islice(cyclic_random_batches(total, resume_step * step, micro, dp, r, seed), 10))
+        resumed = list(
+            itertools.islice(
+                cyclic_random_batches(total, resume_step * step, micro, dp, r, seed), 10
+            )
+        )
         assert resumed == reference[r][resume_step:]
     for batches in zip(*reference):
         flat = [i for b in batches for i in b]
@@ -123,7 +148,9 @@ def test_build_datasets_from_flags(tmp_path):
         for i in range(100):
             b.add_document(np.full(20, base + i))
         b.finalize()
-    train, valid, test = build_datasets(f"30 {tmp_path / 'a'} 70 {tmp_path / 'b'}", "90,10,0", 16, [200, 20, 0], 1)
+    train, valid, test = build_datasets(
+        f"30 {tmp_path / 'a'} 70 {tmp_path / 'b'}", "90,10,0", 16, [200, 20, 0], 1
+    )
     assert len(train) == 200 and len(valid) == 20 and test is None
     from_b = sum(int(train[i]["tokens"][0]) >= 500 for i in range(200))
     assert from_b == 140

@@ -1,5 +1,5 @@
-"""The .bin/.idx format: fmeg and megatron-core read each other's files for every dtype code; malformed
-files fail with one line naming the file; writes are atomic."""
+"""The .bin/.idx format: fmeg and megatron-core read each other's files for every dtype code;
+malformed files fail with one line naming the file; writes are atomic."""
 
 import numpy as np
 import pytest
@@ -44,7 +44,9 @@ def test_megatron_core_reads_ours_and_we_read_theirs(tmp_path, code):
         np.testing.assert_array_equal(theirs_reader[i], d)
     builder = core.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
     for d in docs:
-        builder.add_document(torch.from_numpy(d.astype(np.float64 if d.dtype.kind == "f" else np.int64)), [len(d)])
+        builder.add_document(
+            torch.from_numpy(d.astype(np.float64 if d.dtype.kind == "f" else np.int64)), [len(d)]
+        )
     builder.finalize(str(tmp_path / "theirs.idx"))
     ours = IndexedDataset(tmp_path / "theirs")
     assert ours.dtype == np.dtype(dtype)
@@ -64,7 +66,12 @@ def test_multi_sequence_documents_and_merging(tmp_path):
     merged.add_index(tmp_path / "b")
     merged.finalize()
     m = IndexedDataset(tmp_path / "m")
-    assert m.document_indices.tolist() == [0, 2, 3, 4] and m.sequence_lengths.tolist() == [3, 7, 4, 5]
+    assert m.document_indices.tolist() == [0, 2, 3, 4] and m.sequence_lengths.tolist() == [
+        3,
+        7,
+        4,
+        5,
+    ]
     np.testing.assert_array_equal(m[1], np.arange(3, 10))
     np.testing.assert_array_equal(m[3], np.arange(5))
 
@@ -87,18 +94,43 @@ def good(tmp_path):
     return tmp_path / "g"
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: p.with_suffix(".bin").write_bytes(p.with_suffix(".bin").read_bytes()[:-4]), r"g\.bin: .* truncated"),
-    (lambda p: p.with_suffix(".idx").write_bytes(b"NOTANIDX" + p.with_suffix(".idx").read_bytes()[8:]),
-     r"g\.idx: not a Megatron index"),
-    (lambda p: p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:9] + (2).to_bytes(8, "little")
-                                                 + p.with_suffix(".idx").read_bytes()[17:]), r"g\.idx: index version 2"),
-    (lambda p: p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:17] + bytes([9])
-                                                 + p.with_suffix(".idx").read_bytes()[18:]), r"g\.idx: unknown dtype code 9"),
-    (lambda p: p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:-8]), r"g\.idx: .* truncated"),
-    (lambda p: p.with_suffix(".idx").write_bytes(b"MMID"), r"g\.idx: 4 bytes is shorter"),
-    (lambda p: p.with_suffix(".bin").unlink(), r"g\.bin: no such file"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda p: p.with_suffix(".bin").write_bytes(p.with_suffix(".bin").read_bytes()[:-4]),
+            r"g\.bin: .* truncated",
+        ),
+        (
+            lambda p: p.with_suffix(".idx").write_bytes(
+                b"NOTANIDX" + p.with_suffix(".idx").read_bytes()[8:]
+            ),
+            r"g\.idx: not a Megatron index",
+        ),
+        (
+            lambda p: p.with_suffix(".idx").write_bytes(
+                p.with_suffix(".idx").read_bytes()[:9]
+                + (2).to_bytes(8, "little")
+                + p.with_suffix(".idx").read_bytes()[17:]
+            ),
+            r"g\.idx: index version 2",
+        ),
+        (
+            lambda p: p.with_suffix(".idx").write_bytes(
+                p.with_suffix(".idx").read_bytes()[:17]
+                + bytes([9])
+                + p.with_suffix(".idx").read_bytes()[18:]
+            ),
+            r"g\.idx: unknown dtype code 9",
+        ),
+        (
+            lambda p: p.with_suffix(".idx").write_bytes(p.with_suffix(".idx").read_bytes()[:-8]),
+            r"g\.idx: .* truncated",
+        ),
+        (lambda p: p.with_suffix(".idx").write_bytes(b"MMID"), r"g\.idx: 4 bytes is shorter"),
+        (lambda p: p.with_suffix(".bin").unlink(), r"g\.bin: no such file"),
+    ],
+)
 def test_malformed_files_fail_with_one_line_naming_the_file(good, damage, message):
     damage(good)
     with pytest.raises(DataError, match=message) as info:

@@ -1,25 +1,30 @@
-"""GradSync: bucketed data-parallel gradient means equal the per-leaf mean, whatever the bucket size, the
-order leaves arrive in, the group size and ZeRO's owner slices; buckets start before the last leaf arrives;
-and a segmented backward hands every gradient over exactly once."""
+"""GradSync: bucketed data-parallel gradient means equal the per-leaf mean, whatever the bucket
+size, the order leaves arrive in, the group size and ZeRO's owner slices; buckets start before the
+last leaf arrives; and a segmented backward hands every gradient over exactly once."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import spmd_programs as P
+from harness import spmd_programs as P
 from fmeg import tree
 from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.data_parallel import GradSync, _buckets
 from fmeg.parallel.pipeline import execute, schedules
-from parallel_harness import run
+from harness.parallel import run
 
 
 def per_rank_grads(shapes_by_stage, dp, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [{s: {"w": [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]}
-             for s, shapes in shapes_by_stage.items()} for _ in range(dp)]
+    return [
+        {
+            s: {"w": [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]}
+            for s, shapes in shapes_by_stage.items()
+        }
+        for _ in range(dp)
+    ]
 
 
 def check(results, per_rank, owner_slices, replicated, dp):
@@ -27,40 +32,79 @@ def check(results, per_rank, owner_slices, replicated, dp):
     flat_want = torch.cat([leaf.reshape(-1) for leaf in tree.tree_leaves(want)])
     flat_want = torch.nn.functional.pad(flat_want, (0, -len(flat_want) % dp))
     for rank, (got, owned, _, _) in enumerate(results):
-        torch.testing.assert_close(owned, flat_want.chunk(dp)[rank])  # every rank's slice is the mean
+        # every rank's slice is the mean
+        torch.testing.assert_close(owned, flat_want.chunk(dp)[rank])
         for path, g in tree.items(got):
             if not owner_slices or path in replicated:
                 torch.testing.assert_close(g, tree.flatten(want)[path], msg=path)
 
 
-shapes = st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=2).map(tuple), min_size=1, max_size=5)
+shapes = st.lists(
+    st.lists(st.integers(1, 7), min_size=1, max_size=2).map(tuple), min_size=1, max_size=5
+)
 
 
-@given(stage_shapes=st.lists(shapes, min_size=1, max_size=2), dp=st.sampled_from([2, 3, 4]),
-       owner_slices=st.booleans(), bucket_numel=st.integers(1, 60), reverse=st.booleans(), data=st.data())
-def test_bucketed_mean_equals_the_per_leaf_mean_on_thread_ranks(stage_shapes, dp, owner_slices, bucket_numel,
-                                                                 reverse, data):
+@given(
+    stage_shapes=st.lists(shapes, min_size=1, max_size=2),
+    dp=st.sampled_from([2, 3, 4]),
+    owner_slices=st.booleans(),
+    bucket_numel=st.integers(1, 60),
+    reverse=st.booleans(),
+    data=st.data(),
+)
+def test_bucketed_mean_equals_the_per_leaf_mean_on_thread_ranks(
+    stage_shapes, dp, owner_slices, bucket_numel, reverse, data
+):
     per_rank = per_rank_grads(dict(enumerate(stage_shapes)), dp, seed=len(stage_shapes))
     paths = [path for path, _ in tree.items(per_rank[0])]
     replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2)) if owner_slices else set()
-    order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)]
-    results = run("threads", dp, P.grad_sync_mean, per_rank, owner_slices, sorted(replicated), bucket_numel, order,
-                  tp=1)
+    order = [
+        (int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)
+    ]
+    results = run(
+        "threads",
+        dp,
+        P.grad_sync_mean,
+        per_rank,
+        owner_slices,
+        sorted(replicated),
+        bucket_numel,
+        order,
+        tp=1,
+    )
     check(results, per_rank, owner_slices, replicated, dp)
 
 
-@given(stage_shapes=st.lists(shapes, min_size=1, max_size=2), dp=st.sampled_from([2, 3, 4]),
-       bucket_numel=st.integers(1, 60), microbatches=st.integers(1, 3), reverse=st.booleans(), data=st.data())
-def test_sharded_gradients_hold_the_slice_of_the_mean_on_thread_ranks(stage_shapes, dp, bucket_numel, microbatches,
-                                                                      reverse, data):
-    """optim_grads: each microbatch's buckets reduced to their owners add up to the owner's slice of the mean;
-    replicated leaves are whole means, their owned parts in the slice."""
+@given(
+    stage_shapes=st.lists(shapes, min_size=1, max_size=2),
+    dp=st.sampled_from([2, 3, 4]),
+    bucket_numel=st.integers(1, 60),
+    microbatches=st.integers(1, 3),
+    reverse=st.booleans(),
+    data=st.data(),
+)
+def test_sharded_gradients_hold_the_slice_of_the_mean_on_thread_ranks(
+    stage_shapes, dp, bucket_numel, microbatches, reverse, data
+):
+    """optim_grads: each microbatch's buckets reduced to their owners add up to the owner's slice of
+    the mean; replicated leaves are whole means, their owned parts in the slice."""
     per_rank = per_rank_grads(dict(enumerate(stage_shapes)), dp, seed=len(stage_shapes))
     paths = [path for path, _ in tree.items(per_rank[0])]
     replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2))
-    order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)]
-    results = run("threads", dp, P.sharded_grad_sync_mean, per_rank, sorted(replicated), bucket_numel, order,
-                  microbatches, tp=1)
+    order = [
+        (int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)
+    ]
+    results = run(
+        "threads",
+        dp,
+        P.sharded_grad_sync_mean,
+        per_rank,
+        sorted(replicated),
+        bucket_numel,
+        order,
+        microbatches,
+        tp=1,
+    )
     check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), dp)
     want = tree.flatten(tree.tree_map(lambda *xs: sum(xs) / dp, *per_rank))
     for _, whole in results:
@@ -85,18 +129,25 @@ def test_bucketed_mean_on_gloo(owner_slices):
     results = run("gloo", 2, P.grad_sync_mean, per_rank, owner_slices, replicated, 40, order, tp=1)
     check(results, per_rank, owner_slices, set(replicated), 2)
     ops = results[0][2]
-    assert set(ops) == ({"reduce", "all_reduce"} if owner_slices else {"all_reduce"}) and len(ops) > 2
+    assert (
+        set(ops) == ({"reduce", "all_reduce"} if owner_slices else {"all_reduce"}) and len(ops) > 2
+    )
 
 
 @pytest.mark.parametrize("owner_slices", [False, True])
 def test_a_bf16_buffer_reduces_in_bf16_on_gloo(owner_slices):
-    """--grad-reduce-in-bf16: given a bf16 buffer, the gradients are reduced and averaged in bf16 (bf16's
-    (a + b) / 2 on two ranks; tests/test_mixed_precision shows the curve moving off the fp32-reduced one)."""
-    per_rank = [tree.tree_map(lambda x: x.bfloat16(), g)
-                for g in per_rank_grads({0: [(10, 10), (10,)], 1: [(20, 5)]}, 2, seed=1)]
+    """--grad-reduce-in-bf16: given a bf16 buffer, the gradients are reduced and averaged in bf16
+    (bf16's (a + b) / 2 on two ranks; tests/test_mixed_precision shows the curve moving off the
+    fp32-reduced one)."""
+    per_rank = [
+        tree.tree_map(lambda x: x.bfloat16(), g)
+        for g in per_rank_grads({0: [(10, 10), (10,)], 1: [(20, 5)]}, 2, seed=1)
+    ]
     paths = [path for path, _ in tree.items(per_rank[0])]
     order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in reversed(paths)]
-    results = run("gloo", 2, P.grad_sync_mean, per_rank, owner_slices, [], 40, order, torch.bfloat16, tp=1)
+    results = run(
+        "gloo", 2, P.grad_sync_mean, per_rank, owner_slices, [], 40, order, torch.bfloat16, tp=1
+    )
     flat = [torch.cat([leaf.reshape(-1) for leaf in tree.tree_leaves(g)]) for g in per_rank]
     want = torch.nn.functional.pad((flat[0] + flat[1]) / 2, (0, -len(flat[0]) % 2))
     for rank, (_, owned, _, _) in enumerate(results):
@@ -105,11 +156,23 @@ def test_a_bf16_buffer_reduces_in_bf16_on_gloo(owner_slices):
 
 def test_buckets_respect_owner_slices_and_replicated_leaves():
     sizes, padded = [100, 10, 100, 3, 49], 264
-    assert _buckets(sizes, padded, 1, set(), 120) == [(110, 264, [2, 3, 4], None), (0, 110, [0, 1], None)]
+    assert _buckets(sizes, padded, 1, set(), 120) == [
+        (110, 264, [2, 3, 4], None),
+        (0, 110, [0, 1], None),
+    ]
     four = _buckets(sizes, padded, 4, set(), 120)
-    assert [(a, b, owner) for a, b, _, owner in four] == [(198, 264, 3), (132, 198, 2), (66, 132, 1), (0, 66, 0)]
+    assert [(a, b, owner) for a, b, _, owner in four] == [
+        (198, 264, 3),
+        (132, 198, 2),
+        (66, 132, 1),
+        (0, 66, 0),
+    ]
     with_tied = _buckets(sizes, padded, 2, {0}, 1000)
-    assert [(a, b, owner) for a, b, _, owner in with_tied] == [(132, 264, 1), (100, 132, 0), (0, 100, None)]
+    assert [(a, b, owner) for a, b, _, owner in with_tied] == [
+        (132, 264, 1),
+        (100, 132, 0),
+        (0, 100, None),
+    ]
 
 
 def test_a_leaf_given_twice_or_never_is_an_error():
@@ -123,20 +186,27 @@ def test_a_leaf_given_twice_or_never_is_an_error():
 
 
 def test_segmented_backward_starts_buckets_before_the_backward_ends():
-    """A one-stage GPT on one rank: with small buckets, the first bucket starts while most leaves are still
-    being differentiated, and every gradient equals the unsegmented one."""
-    config = gpt.GPTConfig.gpt2(vocab_size=32, max_seq_len=8, num_layers=4, hidden_size=16, num_heads=2)
+    """A one-stage GPT on one rank: with small buckets, the first bucket starts while most leaves
+    are still being differentiated, and every gradient equals the unsegmented one."""
+    config = gpt.GPTConfig.gpt2(
+        vocab_size=32, max_seq_len=8, num_layers=4, hidden_size=16, num_heads=2
+    )
     params = {0: gp.split(gpt.init(config, 0), config, 1)[0]}
     gen = torch.Generator().manual_seed(0)
-    mbs = [{"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 8)}
-           for t in (torch.randint(0, 32, (2, 9), generator=gen) for _ in range(2))]
+    mbs = [
+        {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 8)}
+        for t in (torch.randint(0, 32, (2, 9), generator=gen) for _ in range(2))
+    ]
     actions = schedules.with_communication(schedules.gpipe(1, 2))[0]
     sync = GradSync(params, None, bucket_numel=1)
-    execute.execute(actions, {0: gp.stage_segments(config, 0, 1)}, params, mbs, None, 1, grads_into=sync)
+    execute.execute(
+        actions, {0: gp.stage_segments(config, 0, 1)}, params, mbs, None, 1, grads_into=sync
+    )
     sync.finish()
     _, whole = execute.execute(actions, {0: gp.stage_fn(config, 0, 1)}, params, mbs, None, 1)
     leaves = len(tree.tree_leaves(params))
-    assert sync.started_with_pending[0] >= leaves - 4  # the head's leaves came first, the rest still pending
+    # the head's leaves came first, the rest still pending
+    assert sync.started_with_pending[0] >= leaves - 4
     assert sorted(sync.started_with_pending, reverse=True) == sync.started_with_pending
     for (path, got), want in zip(tree.items(sync.tree()), tree.tree_leaves(whole)):
         assert torch.equal(got, want), path

@@ -1,31 +1,74 @@
-"""Layout invariance of packed documents (--reset-attention-mask --reset-position-ids --eod-mask-loss, Megatron's
-GPTDataset flags) with Megatron's default dropout: a Llama-style model's loss curve on --mock-data (documents of 1
-to 127 tokens, several per 64-token sample) at tp 2 + sp, pp 2 with virtual stages, cp 2 (p2p, a2a, all_gather),
-cp 4 (a2a+p2p), dp 2 with the distributed optimizer, tp 2 x pp 2 with selective recomputation and compiled (one rank
-and cp 2) equals one rank's within 1e-5 over 20 iterations, and differs from the curve where documents attend to
-each other."""
+"""Layout invariance of packed documents (--reset-attention-mask --reset-position-ids
+--eod-mask-loss, Megatron's GPTDataset flags) with Megatron's default dropout: a Llama-style model's
+loss curve on --mock-data (documents of 1 to 127 tokens, several per 64-token sample) at tp 2 + sp,
+pp 2 with virtual stages, cp 2 (p2p, a2a, all_gather), cp 4 (a2a+p2p), dp 2 with the distributed
+optimizer, tp 2 x pp 2 with selective recomputation and compiled (one rank and cp 2) equals one
+rank's within 1e-5 over 20 iterations, and differs from the curve where documents attend to each
+other."""
 
 import pytest
 
-from runner_harness import DROPOUT, run_recipe
+from harness.runner import DROPOUT, run_recipe
 
-LLAMA = ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
-         "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights", *DROPOUT,
-         "--mock-data", "--seq-length", "64", "--max-position-embeddings", "64"]
+LLAMA = [
+    "--position-embedding-type",
+    "rope",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    *DROPOUT,
+    "--mock-data",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+]
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 DEFAULT = ("tp2_sp", "cp2_p2p")  # the rest are -m slow
-LAYOUTS = [("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-           ("cp2_p2p", 2, ["--context-parallel-size", "2"]),
-           ("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
-           ("cp2_all_gather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
-           ("cp4_a2a_p2p", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
-                               "--hierarchical-context-parallel-sizes", "2", "2"]),
-           ("cp2_compiled", 2, ["--context-parallel-size", "2", "--compile"]),
-           ("pp2_virtual", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-           ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
-           ("tp2_pp2_recompute", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                     "--recompute-granularity", "selective"]),
-           ("compiled", 1, ["--compile"])]
+LAYOUTS = [
+    ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("cp2_p2p", 2, ["--context-parallel-size", "2"]),
+    ("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    ("cp2_all_gather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    (
+        "cp4_a2a_p2p",
+        4,
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+        ],
+    ),
+    ("cp2_compiled", 2, ["--context-parallel-size", "2", "--compile"]),
+    (
+        "pp2_virtual",
+        2,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ),
+    ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
+    (
+        "tp2_pp2_recompute",
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "selective",
+        ],
+    ),
+    ("compiled", 1, ["--compile"]),
+]
 
 
 def curve(tmp_path, name, nproc, flags):
@@ -44,9 +87,11 @@ def reference(tmp_path_factory):
     return curve(tmp_path_factory.mktemp("documents"), "single", 1, PACKED)[0]
 
 
-@pytest.mark.parametrize("name, nproc, flags", [pytest.param(*row, marks=() if row[0] in DEFAULT else
-                                                             pytest.mark.slow) for row in LAYOUTS],
-                         ids=[row[0] for row in LAYOUTS])
+@pytest.mark.parametrize(
+    "name, nproc, flags",
+    [pytest.param(*row, marks=() if row[0] in DEFAULT else pytest.mark.slow) for row in LAYOUTS],
+    ids=[row[0] for row in LAYOUTS],
+)
 def test_packed_document_curves_are_layout_invariant(tmp_path, reference, name, nproc, flags):
     got, stdout = curve(tmp_path, name, nproc, [*PACKED, *flags])
     assert_same(got, reference)

@@ -1,6 +1,7 @@
-"""recipes.gpt_pretrain's flags as users know them stay: every flag of the parser before issue 50's redesign
-(tests/data/flags_before_redesign.json) is still there, under the same names, with the same default,
-choices, number of values and kind, shown in --help or hidden as before. New flags may join.
+"""recipes.gpt_pretrain's flags as users know them stay: every flag of the parser before issue 50's
+redesign (tests/data/flags_before_redesign.json) is still there, under the same names, with the same
+default, choices, number of values and kind, shown in --help or hidden as before. New flags may
+join.
 
     python tests/test_flags_stay.py --write     # the snapshot, taken once before the redesign
 """
@@ -35,7 +36,8 @@ def describe(parser: argparse.ArgumentParser) -> dict:
 def current() -> dict:
     from fmeg.training.arguments import build_parser
 
-    return json.loads(json.dumps(describe(build_parser())))  # as JSON gives it back: tuples as lists
+    # as JSON gives it back: tuples as lists
+    return json.loads(json.dumps(describe(build_parser())))
 
 
 def test_every_flag_from_before_the_redesign_is_there_as_it_was():

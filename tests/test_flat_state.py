@@ -1,6 +1,6 @@
-"""FlatState: the runner's persistent state in buffers allocated once. Its in-place step equals the pure
-optax-style AdamW with clipping on trees; its host-side op count does not grow with the number of leaves;
-it keeps 18 bytes per parameter at bf16 and 16 at fp32."""
+"""FlatState: the runner's persistent state in buffers allocated once. Its in-place step equals the
+pure optax-style AdamW with clipping on trees; its host-side op count does not grow with the number
+of leaves; it keeps 18 bytes per parameter at bf16 and 16 at fp32."""
 
 import collections
 
@@ -16,9 +16,16 @@ from fmeg.training.parallel_step import init_state, shard_params
 
 
 def config(layers):
-    """Untied: a one-stage tree of a tied model holds the output copy, which the global norm counts once."""
-    return gpt.GPTConfig.gpt2(vocab_size=64, max_seq_len=16, num_layers=layers, hidden_size=32, num_heads=4,
-                              tie_embeddings=False)
+    """Untied: a one-stage tree of a tied model holds the output copy, which the global norm
+    counts once."""
+    return gpt.GPTConfig.gpt2(
+        vocab_size=64,
+        max_seq_len=16,
+        num_layers=layers,
+        hidden_size=32,
+        num_heads=4,
+        tie_embeddings=False,
+    )
 
 
 def state_with_grads(layers, dtype=torch.float32, seed=0):
@@ -26,7 +33,7 @@ def state_with_grads(layers, dtype=torch.float32, seed=0):
     params = shard_params(gpt.init(c, seed), c, layout, mesh)
     state = init_state(params, c, layout, mesh, compute_dtype=dtype)
     state.grad.normal_(generator=torch.Generator().manual_seed(seed))
-    state.grad[state.flat.numel:] = 0.0  # the padding never holds gradient
+    state.grad[state.flat.numel :] = 0.0  # the padding never holds gradient
     return params, state, mesh
 
 
@@ -39,7 +46,9 @@ def test_the_in_place_step_equals_the_pure_adamw_with_clipping(clip):
         want_g, clipped = optim.clip_by_global_norm(clip).update(grads, None)
         want_norm = clipped.norm
         adam = adam or opt.init(params)
-        updates, adam = opt.update(want_g, adam, params, lr=torch.tensor(1e-2), weight_decay=torch.tensor(0.1))
+        updates, adam = opt.update(
+            want_g, adam, params, lr=torch.tensor(1e-2), weight_decay=torch.tensor(0.1)
+        )
         params = optim.apply_updates(params, updates)
         state.grad.copy_(state.flat.flatten(grads))
         norm = state.step(mesh, lr=1e-2, weight_decay=0.1, clip_grad=clip)
@@ -77,28 +86,32 @@ def test_persistent_bytes_per_parameter(dtype, bytes_per_param):
 
 
 def test_a_bf16_gradient_buffer_steps_as_its_fp32_copy_would():
-    """grad_dtype=bf16 (--grad-reduce-in-bf16; fp16 alike): the buffer is bf16, main_grad() copies the owned
-    slice to fp32, and the step takes the same step as from an fp32 buffer holding the same values; 2 bytes
-    saved, 4 spent."""
+    """grad_dtype=bf16 (--grad-reduce-in-bf16; fp16 alike): the buffer is bf16, main_grad() copies
+    the owned slice to fp32, and the step takes the same step as from an fp32 buffer holding the
+    same values; 2 bytes saved, 4 spent."""
     _, fp32_grads, mesh = state_with_grads(2, torch.bfloat16)
     c, layout = config(2), Layout()
     params = shard_params(gpt.init(c, 0), c, layout, mesh)
-    bf16_grads = init_state(params, c, layout, mesh, compute_dtype=torch.bfloat16,
-                            grad_dtype=torch.bfloat16)
+    bf16_grads = init_state(
+        params, c, layout, mesh, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16
+    )
     assert bf16_grads.grad.dtype == torch.bfloat16
     fp32_grads.grad.copy_(fp32_grads.grad.bfloat16())
     bf16_grads.grad.copy_(fp32_grads.grad)
     for state in (fp32_grads, bf16_grads):
-        assert state.main_grad().dtype == torch.float32  # the fp32 copy is made here, where unscaling happens
+        # the fp32 copy is made here, where unscaling happens
+        assert state.main_grad().dtype == torch.float32
         state.norm = state.step(mesh, lr=1e-2, weight_decay=0.1, clip_grad=1.0)
     assert torch.equal(fp32_grads.norm, bf16_grads.norm)
-    assert torch.equal(fp32_grads.main, bf16_grads.main) and torch.equal(fp32_grads.weights, bf16_grads.weights)
+    assert torch.equal(fp32_grads.main, bf16_grads.main) and torch.equal(
+        fp32_grads.weights, bf16_grads.weights
+    )
     assert bf16_grads.bytes_per_parameter() == pytest.approx(18 - 2 + 4, rel=1e-3)
 
 
 def test_both_states_implement_the_one_protocol_and_share_what_loops_over_parts():
-    """FlatState and ExpertSplitState are TrainingStates; the experts' state defines none of the methods
-    that are the same call on each part (fmeg.state.protocol.Parts holds them once)."""
+    """FlatState and ExpertSplitState are TrainingStates; the experts' state defines none of the
+    methods that are the same call on each part (fmeg.state.protocol.Parts holds them once)."""
     from fmeg.state import ExpertSplitState, FlatState, Parts, TrainingState
 
     declared = {name for name in dir(TrainingState) if not name.startswith("_")}

@@ -1,31 +1,69 @@
-"""Layout invariance of GPT-OSS's pieces with default flags otherwise (dropout 0.1 included): a GPT-OSS-shaped model
-(learnable attention sinks, sliding windows on every other layer, the clamped quick-GEGLU with its offset, biased
-experts and router, YaRN by --enable-gpt-oss) gives one rank's loss curve and load_balancing_loss within 1e-5 over
-20 iterations at tp 2 with sp, pp 2 with virtual stages, ep 2, cp 2 (the windowed and sink layers gather the whole
-sequence's keys whatever the comm type), dp 2 with the distributed optimizer, with packed documents, and a checkpoint
-saved at one layout resumes at another on its curve."""
+"""Layout invariance of GPT-OSS's pieces with default flags otherwise (dropout 0.1 included): a
+GPT-OSS-shaped model (learnable attention sinks, sliding windows on every other layer, the clamped
+quick-GEGLU with its offset, biased experts and router, YaRN by --enable-gpt-oss) gives one rank's
+loss curve and load_balancing_loss within 1e-5 over 20 iterations at tp 2 with sp, pp 2 with virtual
+stages, ep 2, cp 2 (the windowed and sink layers gather the whole sequence's keys whatever the comm
+type), dp 2 with the distributed optimizer, with packed documents, and a checkpoint saved at one
+layout resumes at another on its curve."""
 
 import pytest
 
-from runner_harness import DROPOUT, run_recipe
-from test_mla_layouts import TP2_SP
-from test_mtp_layouts import PP2_VIRTUAL, assert_same
+from harness.runner import DROPOUT, run_recipe
+from harness.layouts import TP2_SP
+from harness.layouts import PP2_VIRTUAL, assert_same
 
-OSS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--quick-geglu", "--glu-linear-offset",
-       "1.0", "--activation-func-clamp-value", "0.5", "--softmax-type", "learnable", "--window-size", "5,0",
-       "--window-attn-skip-freq", "2", "--enable-gpt-oss", "--untie-embeddings-and-output-weights",
-       "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "32", "--num-experts", "4",
-       "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-aux-loss-coeff", "1e-2", *DROPOUT]
+OSS = [
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--quick-geglu",
+    "--glu-linear-offset",
+    "1.0",
+    "--activation-func-clamp-value",
+    "0.5",
+    "--softmax-type",
+    "learnable",
+    "--window-size",
+    "5,0",
+    "--window-attn-skip-freq",
+    "2",
+    "--enable-gpt-oss",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "32",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "16",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    *DROPOUT,
+]
 KEYS = ("lm_loss", "load_balancing_loss")
 LAYOUTS = [  # tests/test_parallel_gpt.py checks the GPT-OSS pieces under tp in the default suite
     pytest.param("cp2", 2, ["--context-parallel-size", "2"]),
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param("pp2_virtual", 2, PP2_VIRTUAL, marks=pytest.mark.slow),
     pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], marks=pytest.mark.slow),
+    pytest.param(
+        "cp2_a2a",
+        2,
+        ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        marks=pytest.mark.slow,
+    ),
     pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param("ep2_tp2_sp_zero1", 4, [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-                 marks=pytest.mark.slow),
+    pytest.param(
+        "ep2_tp2_sp_zero1",
+        4,
+        [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -54,8 +92,21 @@ def test_gpt_oss_with_packed_documents_at_cp2_x_pp2_equals_one_rank(tmp_path):
 @pytest.mark.slow
 def test_gpt_oss_saved_at_pp2_resumes_at_tp2_on_its_curve(tmp_path, single):
     ckpt = str(tmp_path / "ckpt")
-    curves(tmp_path, "first", 2, [*PP2_VIRTUAL, "--use-distributed-optimizer", "--save", ckpt, "--train-iters", "10",
-                                  "--lr-decay-iters", "20"])
+    curves(
+        tmp_path,
+        "first",
+        2,
+        [
+            *PP2_VIRTUAL,
+            "--use-distributed-optimizer",
+            "--save",
+            ckpt,
+            "--train-iters",
+            "10",
+            "--lr-decay-iters",
+            "20",
+        ],
+    )
     records, stdout = run_recipe(tmp_path, "second", 2, [*OSS, *TP2_SP, "--load", ckpt])
     assert "resumed from" in stdout
     got = {key: [r[key] for r in records if "lm_loss" in r] for key in KEYS}

@@ -111,13 +111,13 @@ def test_the_flags_refused_are_the_features_still_to_come():
     [
         (
             ["--optimizer", "muon", "--muon-momentum", "0.9"],
-            "--optimizer muon: an optimizer other than Adam is not "
-            "supported by fmeg yet; use adam or drop the flag",
+            "--optimizer muon: an optimizer other than Adam is not supported by fmeg yet; use "
+            "adam or drop the flag",
         ),
         (
             ["--decoder-first-pipeline-num-layers", "2"],
-            "--decoder-first-pipeline-num-layers 2: an uneven split of "
-            "layers over pipeline stages is not supported by fmeg yet",
+            "--decoder-first-pipeline-num-layers 2: an uneven split of layers over pipeline "
+            "stages is not supported by fmeg yet",
         ),
         (
             ["--experimental-attention-variant", "gated_delta_net", "--linear-num-key-heads", "4"],

@@ -23,13 +23,16 @@ def test_megatron_reference_example_tp4_cp2():
     assert rank_groups(8, tp=4, cp=2)["cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(world_size=6, tp=4), "divisible by tp"),
-    (dict(world_size=8, tp=2, ep=3), "expert tp"),
-    (dict(world_size=8, tp=0), "tp must be a positive integer"),
-    (dict(world_size=8, tp=2, pp=2, order="tp-dp"), "leaves out pp"),
-    (dict(world_size=8, order="tp-cp-ep-dp-xx"), "axes must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=6, tp=4), "divisible by tp"),
+        (dict(world_size=8, tp=2, ep=3), "expert tp"),
+        (dict(world_size=8, tp=0), "tp must be a positive integer"),
+        (dict(world_size=8, tp=2, pp=2, order="tp-dp"), "leaves out pp"),
+        (dict(world_size=8, order="tp-cp-ep-dp-xx"), "axes must be"),
+    ],
+)
 def test_invalid_sizes_say_what_divides_what(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rank_groups(**kwargs)
@@ -64,18 +67,34 @@ def _random_configs(count, seed=0):
 
 def test_rank_groups_equal_megatron_rank_generator_on_250_configurations():
     ps = pytest.importorskip("megatron.core.parallel_state")
-    names = {"tp": ("dec", "tp"), "pp": ("dec", "pp"), "dp": ("dec", "dp"), "cp": ("dec", "cp"),
-             "dp_cp": ("dec", "dp-cp"), "mp": ("dec", "tp-pp"), "tp_cp": ("dec", "tp-cp"),
-             "tp_dp": ("dec", "tp-dp"), "tp_dp_cp": ("dec", "tp-dp-cp"), "ep": ("exp", "ep"),
-             "expert_tp": ("exp", "tp"), "expert_dp": ("exp", "dp"), "tp_ep": ("exp", "tp-ep"),
-             "tp_ep_pp": ("exp", "tp-ep-pp")}
+    names = {
+        "tp": ("dec", "tp"),
+        "pp": ("dec", "pp"),
+        "dp": ("dec", "dp"),
+        "cp": ("dec", "cp"),
+        "dp_cp": ("dec", "dp-cp"),
+        "mp": ("dec", "tp-pp"),
+        "tp_cp": ("dec", "tp-cp"),
+        "tp_dp": ("dec", "tp-dp"),
+        "tp_dp_cp": ("dec", "tp-dp-cp"),
+        "ep": ("exp", "ep"),
+        "expert_tp": ("exp", "tp"),
+        "expert_dp": ("exp", "dp"),
+        "tp_ep": ("exp", "tp-ep"),
+        "tp_ep_pp": ("exp", "tp-ep-pp"),
+    }
     compared = refused = 0
     for world, tp, pp, cp, ep, etp, order in _random_configs(250):
         etp_size = tp if etp is None else etp
         try:
-            gens = {"dec": ps.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order),
-                    "exp": ps.RankGenerator(tp=etp_size, ep=ep, dp=world // (etp_size * ep * pp), pp=pp, cp=1,
-                                            order=order)}
+            gens = {
+                "dec": ps.RankGenerator(
+                    tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order
+                ),
+                "exp": ps.RankGenerator(
+                    tp=etp_size, ep=ep, dp=world // (etp_size * ep * pp), pp=pp, cp=1, order=order
+                ),
+            }
             want = {k: gens[g].get_ranks(axes) for k, (g, axes) in names.items()}
             if gens["exp"].get_ranks("pp") != want["pp"]:
                 raise RuntimeError("decoder and expert pipeline groups differ")
@@ -97,16 +116,25 @@ def test_single_rank_mesh_has_no_communicators():
 
 
 def test_thread_mesh_coordinates_follow_the_groups():
-    out = run_threads(8, lambda m: (m.coord("tp"), m.coord("pp"), m.coord("dp"), m.group("tp").size), tp=2, pp=2)
+    out = run_threads(
+        8, lambda m: (m.coord("tp"), m.coord("pp"), m.coord("dp"), m.group("tp").size), tp=2, pp=2
+    )
     assert out == [(r % 2, r // 4, (r // 2) % 2, 2) for r in range(8)]
 
 
 def test_hierarchical_context_parallel_levels_are_megatrons():
     """--hierarchical-context-parallel-sizes 2 2 on a cp group g0 ... g3 (megatron-core's
-    create_hierarchical_parallel_groups): the a2a level [g0, g1], [g2, g3], the p2p level [g0, g2], [g1, g3]."""
+    create_hierarchical_parallel_groups): the a2a level [g0, g1], [g2, g3], the p2p level [g0, g2],
+    [g1, g3]."""
     g = rank_groups(8, tp=2, cp=4, cp_a2a=2)
     assert g["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert g["cp_a2a"] == [[0, 2], [4, 6], [1, 3], [5, 7]] and g["cp_p2p"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
-    assert rank_groups(4, cp=4)["cp_p2p"] == [[0, 1, 2, 3]]  # one level: the ring is the whole cp group
+    assert g["cp_a2a"] == [[0, 2], [4, 6], [1, 3], [5, 7]] and g["cp_p2p"] == [
+        [0, 4],
+        [2, 6],
+        [1, 5],
+        [3, 7],
+    ]
+    # one level: the ring is the whole cp group
+    assert rank_groups(4, cp=4)["cp_p2p"] == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="must divide cp = 4"):
         rank_groups(4, cp=4, cp_a2a=3)

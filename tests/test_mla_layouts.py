@@ -1,47 +1,78 @@
-"""Layout invariance of multi-latent attention with default flags otherwise: a DeepSeek-V3-shaped model (MLA with
-a query latent, YaRN, latent norms; sigmoid-routed experts with an expert bias and a shared expert after a dense
-first layer) gives one rank's loss curve and seq_load_balancing_loss within 1e-5 over 20 iterations at tp 2 with
-sp, pp 2 with virtual stages, ep 2, cp 2 (each comm type: the values are padded to the query head size there),
-dp 2 with the distributed optimizer, with packed documents, recomputation and compilation."""
+"""Layout invariance of multi-latent attention with default flags otherwise: a DeepSeek-V3-shaped
+model (MLA with a query latent, YaRN, latent norms; sigmoid-routed experts with an expert bias and a
+shared expert after a dense first layer) gives one rank's loss curve and seq_load_balancing_loss
+within 1e-5 over 20 iterations at tp 2 with sp, pp 2 with virtual stages, ep 2, cp 2 (each comm
+type: the values are padded to the query head size there), dp 2 with the distributed optimizer, with
+packed documents, recomputation and compilation."""
 
 import pytest
 
-from runner_harness import run_recipe
+from harness.runner import run_recipe
+from harness.layouts import MLA, TP2_SP
 
-MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "24", "--kv-lora-rank", "16",
-       "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm",
-       "--normalization", "RMSNorm", "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "1.0",
-       "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "32",
-       "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
-       "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
-       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
-       "--moe-shared-expert-intermediate-size", "8", "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size",
-       "8", "--moe-router-dtype", "fp32"]
-TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 LAYOUTS = [  # all -m slow; tests/test_parallel_gpt.py checks MLA under tp in the default suite
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
-    pytest.param("pp2_virtual", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-                                    "1"], marks=pytest.mark.slow),
+    pytest.param(
+        "pp2_virtual",
+        2,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        marks=pytest.mark.slow,
+    ),
     pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
     pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], marks=pytest.mark.slow),
-    pytest.param("cp2_allgather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
-                 marks=pytest.mark.slow),
+    pytest.param(
+        "cp2_a2a",
+        2,
+        ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "cp2_allgather",
+        2,
+        ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+        marks=pytest.mark.slow,
+    ),
     pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param("ep2_tp2_sp_zero1", 4, [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-                 marks=pytest.mark.slow),
-    pytest.param("recompute_selective_compiled", 1, ["--recompute-granularity", "selective", "--compile"],
-                 marks=pytest.mark.slow),
-    pytest.param("recompute_modules_tp2_sp_compiled", 2, [  # the DeepSeek-V3 script's modules, and the rest
-        *TP2_SP, "--recompute-activations", "--recompute-modules", "mla_up_proj", "moe", "mlp", "layernorm",
-        "core_attn", "moe_act", "shared_experts", "--compile"], marks=pytest.mark.slow),
+    pytest.param(
+        "ep2_tp2_sp_zero1",
+        4,
+        [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "recompute_selective_compiled",
+        1,
+        ["--recompute-granularity", "selective", "--compile"],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "recompute_modules_tp2_sp_compiled",
+        2,
+        [  # the DeepSeek-V3 script's modules, and the rest
+            *TP2_SP,
+            "--recompute-activations",
+            "--recompute-modules",
+            "mla_up_proj",
+            "moe",
+            "mlp",
+            "layernorm",
+            "core_attn",
+            "moe_act",
+            "shared_experts",
+            "--compile",
+        ],
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
 def curves(tmp_path, name, nproc, flags):
     records, _ = run_recipe(tmp_path, name, nproc, [*MLA, *flags])
-    return {key: [r[key] for r in records if "lm_loss" in r] for key in ("lm_loss", "seq_load_balancing_loss")}
+    return {
+        key: [r[key] for r in records if "lm_loss" in r]
+        for key in ("lm_loss", "seq_load_balancing_loss")
+    }
 
 
 def assert_same(got, want):
@@ -62,16 +93,34 @@ def test_mla_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, flags", [(2, ["--context-parallel-size", "2"]), (2, TP2_SP)], ids=["cp2", "tp2_sp"])
+@pytest.mark.parametrize(
+    "nproc, flags", [(2, ["--context-parallel-size", "2"]), (2, TP2_SP)], ids=["cp2", "tp2_sp"]
+)
 def test_mla_with_packed_documents_equals_one_rank(tmp_path, nproc, flags):
-    assert_same(curves(tmp_path, "other", nproc, [*DOCUMENTS, *flags]), curves(tmp_path, "one", 1, DOCUMENTS))
+    assert_same(
+        curves(tmp_path, "other", nproc, [*DOCUMENTS, *flags]),
+        curves(tmp_path, "one", 1, DOCUMENTS),
+    )
 
 
 @pytest.mark.slow
 def test_mla_saved_at_tp2_zero1_resumes_at_one_rank_on_its_curve(tmp_path, single):
     ckpt = str(tmp_path / "ckpt")
-    curves(tmp_path, "first", 2, [*TP2_SP, "--use-distributed-optimizer", "--save", ckpt, "--train-iters", "10",
-                                  "--lr-decay-iters", "20"])
+    curves(
+        tmp_path,
+        "first",
+        2,
+        [
+            *TP2_SP,
+            "--use-distributed-optimizer",
+            "--save",
+            ckpt,
+            "--train-iters",
+            "10",
+            "--lr-decay-iters",
+            "20",
+        ],
+    )
     records, stdout = run_recipe(tmp_path, "second", 1, [*MLA, "--load", ckpt])
     assert "resumed from" in stdout
     got = [r["lm_loss"] for r in records if "lm_loss" in r]
@@ -88,14 +137,30 @@ def test_an_mla_checkpoints_model_comes_back_from_its_flags():
     from fmeg.training.checkpoint_args import model_flags
     from fmeg.training.run_config import model_config
 
-    a = parse_args([*MLA, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"], world_size=1)
+    a = parse_args(
+        [*MLA, "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"],
+        world_size=1,
+    )
     saved = model_config(a, 257)
-    b = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2"], world_size=1)
+    b = parse_args(
+        ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2"], world_size=1
+    )
     for name, value in model_flags(dataclasses.asdict(saved)).items():
         setattr(b, name, value)
-    b.num_experts, b.moe_ffn_hidden_size, b.moe_layer_freq = a.num_experts, a.moe_ffn_hidden_size, a.moe_layer_freq
-    for name in ("moe_router_topk", "moe_router_score_function", "moe_router_enable_expert_bias",
-                 "moe_router_topk_scaling_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-                 "moe_shared_expert_intermediate_size", "moe_router_dtype"):
+    b.num_experts, b.moe_ffn_hidden_size, b.moe_layer_freq = (
+        a.num_experts,
+        a.moe_ffn_hidden_size,
+        a.moe_layer_freq,
+    )
+    for name in (
+        "moe_router_topk",
+        "moe_router_score_function",
+        "moe_router_enable_expert_bias",
+        "moe_router_topk_scaling_factor",
+        "moe_router_load_balancing_type",
+        "moe_aux_loss_coeff",
+        "moe_shared_expert_intermediate_size",
+        "moe_router_dtype",
+    ):
         setattr(b, name, getattr(a, name))
     assert model_config(b, 257) == saved

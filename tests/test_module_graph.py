@@ -1,6 +1,7 @@
-"""fmeg's packages import downward only, and fmeg/models keeps one direction (STYLE.md, "Dependencies point down"): no two of its modules import each other,
-directly or through others, counting imports inside functions; the attention variants, experts and the dense MLP
-sit below the GPT that composes them, and multi-token prediction and the pipeline split above it."""
+"""fmeg's packages import downward only, and fmeg/models keeps one direction (STYLE.md,
+"Dependencies point down"): no two of its modules import each other, directly or through others,
+counting imports inside functions; the attention variants, experts and the dense MLP sit below the
+GPT that composes them, and multi-token prediction and the pipeline split above it."""
 
 import ast
 from pathlib import Path
@@ -9,8 +10,22 @@ FMEG = Path(__file__).resolve().parent.parent / "fmeg"
 MODELS = FMEG / "models"
 
 # fmeg's packages (and top-level modules), lowest first: each may import only those before it.
-LAYERS = ("tree", "ops", "parallel", "models", "optim", "state", "data", "checkpoint", "inference", "interop",
-          "log_line", "cli", "training", "launch")
+LAYERS = (
+    "tree",
+    "ops",
+    "parallel",
+    "models",
+    "optim",
+    "state",
+    "data",
+    "checkpoint",
+    "inference",
+    "interop",
+    "log_line",
+    "cli",
+    "training",
+    "launch",
+)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -50,8 +65,14 @@ def packages_imported(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("fmeg"):
-            names = [f"fmeg.{a.name}" for a in node.names] if node.module == "fmeg" else [node.module]
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("fmeg")
+        ):
+            names = (
+                [f"fmeg.{a.name}" for a in node.names] if node.module == "fmeg" else [node.module]
+            )
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         out |= {n.split(".")[1] for n in names if n.startswith("fmeg.")}
@@ -59,10 +80,13 @@ def packages_imported(path: Path) -> set[str]:
 
 
 def test_every_fmeg_package_imports_only_those_below_it():
-    """Counting imports inside functions: no package reaches up, so no two packages import each other."""
-    assert {p.stem if p.is_file() else p.name for p in FMEG.iterdir()
-            if p.suffix == ".py" and p.stem != "__init__" or p.is_dir() and (p / "__init__.py").exists()} \
-        == set(LAYERS), "a package of fmeg/ is missing from LAYERS"
+    """Counting imports inside functions: no package reaches up, so no two packages import each
+    other."""
+    assert {
+        p.stem if p.is_file() else p.name
+        for p in FMEG.iterdir()
+        if p.suffix == ".py" and p.stem != "__init__" or p.is_dir() and (p / "__init__.py").exists()
+    } == set(LAYERS), "a package of fmeg/ is missing from LAYERS"
     upward = []
     for path in sorted(FMEG.rglob("*.py")):
         parts = path.relative_to(FMEG).with_suffix("").parts

@@ -1,25 +1,29 @@
-"""Layout invariance of multi-token prediction with default flags (dropout 0.1 included): a DeepSeek-V3-shaped model
-(MLA, sigmoid-routed experts with an expert bias after a dense first layer) with two MTP depths gives one rank's lm
-loss, "mtp_1 loss", "mtp_2 loss" and seq_load_balancing_loss within 1e-5 over 20 iterations at pp 2 with virtual
-stages (the depths on the last stage, with their copy of the untied word embedding), tp 2 with sp, ep 2, cp 2,
-dp 2 with the distributed optimizer, with packed documents and per-token losses; a checkpoint saved at one layout
-resumes at another on its curve."""
+"""Layout invariance of multi-token prediction with default flags (dropout 0.1 included): a
+DeepSeek-V3-shaped model (MLA, sigmoid-routed experts with an expert bias after a dense first layer)
+with two MTP depths gives one rank's lm loss, "mtp_1 loss", "mtp_2 loss" and seq_load_balancing_loss
+within 1e-5 over 20 iterations at pp 2 with virtual stages (the depths on the last stage, with their
+copy of the untied word embedding), tp 2 with sp, ep 2, cp 2, dp 2 with the distributed optimizer,
+with packed documents and per-token losses; a checkpoint saved at one layout resumes at another on
+its curve."""
 
 import pytest
 
-from runner_harness import DROPOUT, run_recipe
-from test_mla_layouts import MLA, TP2_SP
+from harness.runner import DROPOUT, run_recipe
+from harness.layouts import MLA, TP2_SP
+from harness.layouts import PP2_VIRTUAL, assert_same
 
 MTP = [*MLA, *DROPOUT, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 KEYS = ("lm_loss", "mtp_1 loss", "mtp_2 loss", "seq_load_balancing_loss")
-PP2_VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 LAYOUTS = [
-    pytest.param("pp2_virtual", 2, PP2_VIRTUAL),  # tests/test_parallel_gpt.py checks MTP under tp in the default suite
+    # tests/test_parallel_gpt.py checks MTP under tp in the default suite
+    pytest.param("pp2_virtual", 2, PP2_VIRTUAL),
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
     pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.slow),
     pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param("pp2_tp2_sp", 4, [*TP2_SP, "--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
+    pytest.param(
+        "pp2_tp2_sp", 4, [*TP2_SP, "--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow
+    ),
     pytest.param("tied_pp2", 2, ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
 ]
 
@@ -27,13 +31,6 @@ LAYOUTS = [
 def curves(tmp_path, name, nproc, flags):
     records, _ = run_recipe(tmp_path, name, nproc, [*MTP, *flags])
     return {key: [r[key] for r in records if "lm_loss" in r] for key in KEYS}
-
-
-def assert_same(got, want, iterations=20):
-    for key in want:
-        assert len(got[key]) == len(want[key]) == iterations, key
-        for a, b in zip(got[key], want[key]):
-            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def single(tmp_path_factory):
 def test_mtp_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
     if name == "tied_pp2":  # the output layer is the embedding: the depths use it on the last stage
         tied = [f for f in MTP if f != "--untie-embeddings-and-output-weights"]
-        one = run_recipe(tmp_path, "one", 1, tied, )[0]
+        one = run_recipe(tmp_path, "one", 1, tied)[0]
         other = run_recipe(tmp_path, "two", 2, [*tied, *flags])[0]
         for key in KEYS:
             a, b = ([r[key] for r in rs if "lm_loss" in r] for rs in (other, one))
@@ -55,8 +52,14 @@ def test_mtp_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
-                                   ["--calculate-per-token-loss"]], ids=["documents", "per_token"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+        ["--calculate-per-token-loss"],
+    ],
+    ids=["documents", "per_token"],
+)
 def test_mtp_with_documents_or_per_token_losses_at_cp2_x_pp2_equals_one_rank(tmp_path, extra):
     flags = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", *extra]
     assert_same(curves(tmp_path, "other", 4, flags), curves(tmp_path, "one", 1, extra))
@@ -65,8 +68,21 @@ def test_mtp_with_documents_or_per_token_losses_at_cp2_x_pp2_equals_one_rank(tmp
 @pytest.mark.slow
 def test_mtp_saved_at_pp2_resumes_at_tp2_on_its_curve(tmp_path, single):
     ckpt = str(tmp_path / "ckpt")
-    curves(tmp_path, "first", 2, [*PP2_VIRTUAL, "--use-distributed-optimizer", "--save", ckpt, "--train-iters", "10",
-                                  "--lr-decay-iters", "20"])
+    curves(
+        tmp_path,
+        "first",
+        2,
+        [
+            *PP2_VIRTUAL,
+            "--use-distributed-optimizer",
+            "--save",
+            ckpt,
+            "--train-iters",
+            "10",
+            "--lr-decay-iters",
+            "20",
+        ],
+    )
     records, stdout = run_recipe(tmp_path, "second", 2, [*MTP, *TP2_SP, "--load", ckpt])
     assert "resumed from" in stdout
     got = {key: [r[key] for r in records if "lm_loss" in r] for key in KEYS}
@@ -82,8 +98,18 @@ def test_an_mtp_checkpoints_model_comes_back_from_its_flags():
     from fmeg.training.run_config import model_config
 
     size = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
-    a = parse_args(["--position-embedding-type", "rope", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3",
-                    *size], world_size=1)
+    a = parse_args(
+        [
+            "--position-embedding-type",
+            "rope",
+            "--mtp-num-layers",
+            "2",
+            "--mtp-loss-scaling-factor",
+            "0.3",
+            *size,
+        ],
+        world_size=1,
+    )
     saved = model_config(a, 257)
     assert saved.mtp_num_layers == 2 and saved.mtp_loss_scaling_factor == 0.3
     b = parse_args(size, world_size=1)

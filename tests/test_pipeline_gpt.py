@@ -4,21 +4,38 @@ virtual stages and tied embeddings, on gloo processes and on thread ranks."""
 import pytest
 import torch
 
-import spmd_programs as P
+from harness import spmd_programs as P
 from fmeg import tree
 from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.spmd import run_threads
-from parallel_harness import gloo
+from harness.parallel import gloo
 
 CONFIGS = {
-    "gpt2_tied": gpt.GPTConfig.gpt2(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=2,
-                                    hidden_dropout=0.1, attention_dropout=0.1),
-    "llama_untied": gpt.GPTConfig.llama(vocab_size=48, max_seq_len=8, num_layers=8, hidden_size=16, num_heads=4,
-                                        num_kv_heads=2, ffn_hidden_size=32),
+    "gpt2_tied": gpt.GPTConfig.gpt2(
+        vocab_size=48,
+        max_seq_len=8,
+        num_layers=8,
+        hidden_size=16,
+        num_heads=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
+    "llama_untied": gpt.GPTConfig.llama(
+        vocab_size=48,
+        max_seq_len=8,
+        num_layers=8,
+        hidden_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=32,
+    ),
 }
-# multi-token prediction on the last stage: its copy of the word embedding, tied (the output layer) or not
-CONFIGS["llama_mtp"] = CONFIGS["llama_untied"].replace(mtp_num_layers=2, hidden_dropout=0.1, attention_dropout=0.1)
+# multi-token prediction on the last stage: its copy of the word embedding, tied (the output layer)
+# or not
+CONFIGS["llama_mtp"] = CONFIGS["llama_untied"].replace(
+    mtp_num_layers=2, hidden_dropout=0.1, attention_dropout=0.1
+)
 CONFIGS["llama_tied_mtp"] = CONFIGS["llama_mtp"].replace(tie_embeddings=True, mtp_num_layers=1)
 
 
@@ -27,8 +44,14 @@ def microbatches(config, m, seed=0):
     out = []
     for i in range(m):
         t = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
-        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": (torch.rand(2, 8, generator=gen) > 0.2).float(),
-                    "dropout_key": torch.tensor(100 + i)})
+        out.append(
+            {
+                "tokens": t[:, :-1],
+                "labels": t[:, 1:],
+                "loss_mask": (torch.rand(2, 8, generator=gen) > 0.2).float(),
+                "dropout_key": torch.tensor(100 + i),
+            }
+        )
     return out
 
 
@@ -45,7 +68,9 @@ def check(results, config, params, mbs, pp, vp):
     copy = gp.embedding_copy(config)
     if copy and pp * vp > 1:  # both copies got the same (summed) gradient
         owner, leaf = copy.split(".")
-        torch.testing.assert_close(stage_grads[pp * vp - 1][owner][leaf], stage_grads[0]["embedding"]["word"]["weight"])
+        torch.testing.assert_close(
+            stage_grads[pp * vp - 1][owner][leaf], stage_grads[0]["embedding"]["word"]["weight"]
+        )
 
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
@@ -78,9 +103,13 @@ def test_one_stage_holds_both_copies_of_the_embedding(style):
     check(results, config, params, mbs, 1, 1)
 
 
-@pytest.mark.parametrize("schedule, vp, pp", [("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 4)])
+@pytest.mark.parametrize(
+    "schedule, vp, pp", [("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 4)]
+)
 @pytest.mark.parametrize("style", ["llama_mtp", "llama_tied_mtp"])
-def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(schedule, vp, pp, style):
+def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(
+    schedule, vp, pp, style
+):
     config, m = CONFIGS[style], 4
     params, mbs = gpt.init(config, 3), microbatches(config, m, seed=3)
     results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
@@ -89,11 +118,20 @@ def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(sc
 
 
 def test_layers_must_divide_over_stages():
-    with pytest.raises(ValueError, match=r"GPTConfig\.num_layers=8 must be divisible by pipeline size \* virtual stages = 3 \* 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"GPTConfig\.num_layers=8 must be divisible by pipeline size \* virtual stages = 3 "
+        r"\* 1",
+    ):
         gp.split(gpt.init(CONFIGS["gpt2_tied"], 0), CONFIGS["gpt2_tied"], 3)
 
 
 def test_stage_offsets_follow_megatron():
     config = CONFIGS["gpt2_tied"].replace(num_layers=16)
     # PP=4, VP=2, 16 layers: rank 0 holds layers 0-1 and 8-9, rank 1 holds 2-3 and 10-11 (0-based).
-    assert [list(gp.stage_layers(config, s, 8)) for s in (0, 4, 1, 5)] == [[0, 1], [8, 9], [2, 3], [10, 11]]
+    assert [list(gp.stage_layers(config, s, 8)) for s in (0, 4, 1, 5)] == [
+        [0, 1],
+        [8, 9],
+        [2, 3],
+        [10, 11],
+    ]

@@ -1,13 +1,25 @@
-"""Schedules as data: every generated schedule validates, its simulated bubble equals the closed form,
-activation memory follows 1F1B's bound, the order is Megatron's, and broken schedules are named."""
+"""Schedules as data: every generated schedule validates, its simulated bubble equals the closed
+form, activation memory follows 1F1B's bound, the order is Megatron's, and broken schedules are
+named."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fmeg.parallel.pipeline import (Action, ScheduleError, format_schedule, gpipe, interleaved_1f1b, one_f_one_b,
-                                    parse_schedule, simulate, timeline_text, validate, with_communication,
-                                    zero_bubble_h1)
+from fmeg.parallel.pipeline import (
+    Action,
+    ScheduleError,
+    format_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse_schedule,
+    simulate,
+    timeline_text,
+    validate,
+    with_communication,
+    zero_bubble_h1,
+)
 
 pps, mbs, chunks = st.integers(1, 8), st.integers(1, 32), st.integers(1, 4)
 
@@ -37,7 +49,8 @@ def test_interleaved_validates_and_shrinks_the_bubble_by_the_interleaving_factor
     # A chunk costs 1/v of a rank's whole model: the ideal time per rank is m * (F + B) as for 1F1B.
     timeline = simulate(schedule, {"F": 1.0 / v, "B": 2.0 / v})
     # With whole microbatch groups the bubble is (p - 1) / v of a pass, v times smaller than 1F1B's:
-    # fraction (p - 1) / (v m + p - 1). A partial last group (m % G != 0) adds bubble, in Megatron too.
+    # fraction (p - 1) / (v m + p - 1). A partial last group (m % G != 0) adds bubble, in Megatron
+    # too.
     if m % group == 0:
         assert timeline.total == pytest.approx(m * 3.0 + (pp - 1) * 3.0 / v)
         assert timeline.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1))
@@ -92,15 +105,29 @@ class _FakeGroup:
         return self._rank
 
 
-@pytest.mark.parametrize("pp, m, v, group", [(2, 4, 2, 2), (4, 8, 2, 4), (4, 12, 3, 4), (2, 5, 2, 3), (3, 7, 2, 4),
-                                             (4, 4, 4, 4), (8, 16, 2, 8)])
+@pytest.mark.parametrize(
+    "pp, m, v, group",
+    [
+        (2, 4, 2, 2),
+        (4, 8, 2, 4),
+        (4, 12, 3, 4),
+        (2, 5, 2, 3),
+        (3, 7, 2, 4),
+        (4, 4, 4, 4),
+        (8, 16, 2, 8),
+    ],
+)
 def test_interleaved_order_equals_megatron_core(pp, m, v, group):
     sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     table = sched.get_schedule_table(m, v, group)
     ours = interleaved_1f1b(pp, m, v, group)
     for r in range(pp):
-        comm = type("P2P", (), {"pp_group": _FakeGroup(pp, r), "virtual_pipeline_model_parallel_size": v})()
-        total, _, warmup, remaining = sched.get_pp_rank_microbatches(m, v, group, p2p_communicator=comm)
+        comm = type(
+            "P2P", (), {"pp_group": _FakeGroup(pp, r), "virtual_pipeline_model_parallel_size": v}
+        )()
+        total, _, warmup, remaining = sched.get_pp_rank_microbatches(
+            m, v, group, p2p_communicator=comm
+        )
         fwd = lambda k: Action(table[k][1] * pp + r, "F", table[k][0])  # noqa: E731
         bwd = lambda k: Action((v - 1 - table[k][1]) * pp + r, "B", table[k][0])  # noqa: E731
         want = [fwd(k) for k in range(warmup)]
@@ -129,7 +156,9 @@ def test_a_swapped_send_and_receive_is_named():
     r0 = s[0]  # receive the gradient of microbatch 0 before sending its activation: a cycle
     r0.remove(Action(0, "RECV_B", 0))
     r0.insert(r0.index(Action(0, "SEND_F", 0)), Action(0, "RECV_B", 0))
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0, step \d+ \(0RECV_B0\) waits for 1SEND_B0"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: rank 0, step \d+ \(0RECV_B0\) waits for 1SEND_B0"
+    ):
         validate(s, 2)
 
 
@@ -137,15 +166,20 @@ def test_mismatched_channel_order_is_named():
     s = with_communication(gpipe(2, 2))
     a, b = s[1].index(Action(1, "RECV_F", 0)), s[1].index(Action(1, "RECV_F", 1))
     s[1][a], s[1][b] = s[1][b], s[1][a]
-    with pytest.raises(ScheduleError, match=r"rank 1, step \d+ \(1RECV_F1\): message 0 from rank 0 is 0SEND_F0"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1, step \d+ \(1RECV_F1\): message 0 from rank 0 is 0SEND_F0"
+    ):
         validate(s, 2)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda s: s[0].insert(0, Action(0, "B", 0)), r"rank 0, step 0 \(0B0\): runs before 0F0"),
-    (lambda s: s[0].append(Action(1, "F", 0)), r"stage 1 belongs on rank 1"),
-    (lambda s: s[0].append(Action(0, "F", 0)), r"already ran"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s[0].insert(0, Action(0, "B", 0)), r"rank 0, step 0 \(0B0\): runs before 0F0"),
+        (lambda s: s[0].append(Action(1, "F", 0)), r"stage 1 belongs on rank 1"),
+        (lambda s: s[0].append(Action(0, "F", 0)), r"already ran"),
+    ],
+)
 def test_misplaced_and_duplicated_actions_are_named(edit, match):
     s = one_f_one_b(2, 2)
     edit(s)
@@ -155,7 +189,9 @@ def test_misplaced_and_duplicated_actions_are_named(edit, match):
 
 def test_text_chart_shows_every_rank():
     text = timeline_text(simulate(one_f_one_b(4, 8), {"F": 1, "B": 2}), width=60)
-    assert sum(line.startswith("rank") for line in text.splitlines()) == 4 and "bubble 0.273" in text
+    assert (
+        sum(line.startswith("rank") for line in text.splitlines()) == 4 and "bubble 0.273" in text
+    )
 
 
 def test_png_chart_is_written(tmp_path):

@@ -1,6 +1,6 @@
-"""The README's examples run as written: the Python example, and every command of its bash blocks except
-the set-up (`pip install`, which CI runs) and the test command itself. Each block runs in a fresh
-directory, in order, through bash, exactly as a user would paste it."""
+"""The README's examples run as written: the Python example, and every command of its bash blocks
+except the set-up (`pip install`, which CI runs) and the test command itself. Each block runs in a
+fresh directory, in order, through bash, exactly as a user would paste it."""
 
 import json
 import re
@@ -20,11 +20,14 @@ def test_readme_python_example_runs():
     assert 5.0 < namespace["metrics"]["loss"].item() < 6.0
     from fmeg import tree
 
-    assert [p for p, _ in tree.items(namespace["grads"])] == [p for p, _ in tree.items(namespace["params"])]
+    assert [p for p, _ in tree.items(namespace["grads"])] == [
+        p for p, _ in tree.items(namespace["params"])
+    ]
 
 
 def bash_commands(text: str) -> list[str]:
-    """The commands of text's ```bash blocks (continuation lines joined), set-up and test commands left out."""
+    """The commands of text's ```bash blocks (continuation lines joined), set-up and test
+    commands left out."""
     commands = []
     for body in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines = [c.strip() for c in body.replace("\\\n", " ").splitlines() if c.strip()]
@@ -42,7 +45,9 @@ def run_block(commands: list[str], cwd: Path) -> list[str]:
     """Each command's stdout; every command must exit 0."""
     outputs = []
     for command in commands:
-        out = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            ["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, f"{command}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         outputs.append(out.stdout)
     return outputs
@@ -54,8 +59,15 @@ def loss_fall(stdout: str) -> tuple[float, float]:
 
 
 def test_every_readme_command_is_run_by_a_test():
-    tested = section("Quick start") + section("Checkpoints") + section("Open models") + section("Data") + \
-        section("Mixtures of experts") + section("Long sequences: context parallelism") + section("Fine-tuning")
+    tested = (
+        section("Quick start")
+        + section("Checkpoints")
+        + section("Open models")
+        + section("Data")
+        + section("Mixtures of experts")
+        + section("Long sequences: context parallelism")
+        + section("Fine-tuning")
+    )
     assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 21
 
 
@@ -82,7 +94,8 @@ def test_readme_main_job(tmp_path):
     assert first > 5.2 and last < 3.3  # from about ln 257 (the README says 5.4 to 3.0)
 
 
-@pytest.mark.slow  # 90 s; the main job runs in the default suite, resharding in tests/test_checkpoint.py
+# 90 s; the main job runs in the default suite, resharding in tests/test_checkpoint.py
+@pytest.mark.slow
 def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
     save, resume, export, load, generated, sharded = run_block(section("Checkpoints"), tmp_path)
     assert "exiting at iteration 40: --exit-interval 40" in save
@@ -92,8 +105,10 @@ def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
     assert "wrote hf_model (GPT2LMHeadModel)" in export
     assert json.loads((tmp_path / "hf_model" / "config.json").read_text())["vocab_size"] == 257
     assert "GPT2LMHeadModel" in load
-    (alone,), (two_ranks,) = ([json.loads(line) for line in out.splitlines() if line.startswith("{")]
-                              for out in (generated, sharded))
+    (alone,), (two_ranks,) = (
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        for out in (generated, sharded)
+    )
     assert alone["tokens"] == two_ranks["tokens"] and len(alone["tokens"]) >= 1
     assert alone["text"] == two_ranks["text"] and alone["prompt"] == "import os"
     assert max(abs(a - b) for a, b in zip(alone["logprobs"], two_ranks["logprobs"])) < 1e-5
@@ -101,11 +116,13 @@ def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
 
 @pytest.mark.slow
 def test_readme_preprocess_and_train_single(tmp_path):
-    from test_data_preprocess import bpe_files
+    from harness.data_files import bpe_files
 
     bpe_files(tmp_path)  # vocab.json and merges.txt of a small byte-level BPE
-    lines = [json.dumps({"text": f"hello there, document {i}: " + "the quick brown fox " * (i % 7 + 1)})
-             for i in range(400)]
+    lines = [
+        json.dumps({"text": f"hello there, document {i}: " + "the quick brown fox " * (i % 7 + 1)})
+        for i in range(400)
+    ]
     (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
     preprocess, train = run_block(section("Data"), tmp_path)
     assert (tmp_path / "data" / "corpus_text_document.idx").is_file()
@@ -115,7 +132,8 @@ def test_readme_preprocess_and_train_single(tmp_path):
 
 @pytest.mark.slow
 def test_readme_open_models(tmp_path):
-    """A transformers Qwen3 imported, continued on the embedded data at tp 2, served and exported."""
+    """A transformers Qwen3 imported, continued on the embedded data at tp 2, served and
+    exported."""
     pytest.importorskip("transformers")
     _, _, train, generated, _ = run_block(section("Open models"), tmp_path)
     first, last = loss_fall(train)
@@ -129,7 +147,8 @@ def test_readme_open_models(tmp_path):
 
 @pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/test_sft_layouts.py
 def test_readme_fine_tuning(tmp_path):
-    """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a trained question."""
+    """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a
+    trained question."""
     pytest.importorskip("transformers")
     _, _, train, export, answer = run_block(section("Fine-tuning"), tmp_path)
     first, last = loss_fall(train)

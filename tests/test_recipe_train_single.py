@@ -1,12 +1,28 @@
-"""recipes.train_single: trains from flags, and refuses bad input with one line naming the flag or file."""
+"""recipes.train_single: trains from flags, and refuses bad input with one line naming the flag
+or file."""
 
 import numpy as np
 import pytest
 
 from recipes import train_single
 
-QUICK = ["--no-compile", "--train-iters", "4", "--log-interval", "2", "--num-layers", "1", "--hidden-size", "32",
-         "--seq-length", "16", "--micro-batch-size", "2", "--lr-warmup-iters", "1"]
+QUICK = [
+    "--no-compile",
+    "--train-iters",
+    "4",
+    "--log-interval",
+    "2",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr-warmup-iters",
+    "1",
+]
 
 
 def test_trains_on_the_default_corpus(capsys):
@@ -19,7 +35,12 @@ def test_trains_on_the_default_corpus(capsys):
 def test_trains_on_a_npy_token_file_with_llama(tmp_path, capsys):
     path = tmp_path / "tokens.npy"
     np.save(path, (np.arange(500) % 50).astype(np.int32))
-    assert train_single.main(QUICK + ["--data-path", str(path), "--model", "llama", "--num-query-groups", "2"]) == 0
+    assert (
+        train_single.main(
+            QUICK + ["--data-path", str(path), "--model", "llama", "--num-query-groups", "2"]
+        )
+        == 0
+    )
     assert "vocab 50" in capsys.readouterr().out
 
 
@@ -41,15 +62,18 @@ def test_trains_on_a_raw_bin_file(tmp_path, capsys):
     assert "vocab 128" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--num-attention-heads", "3"], "--num-attention-heads"),
-    (["--num-query-groups", "3"], "--num-query-groups"),
-    (["--data-path", "/nonexistent/tokens.npy"], "no such file"),
-    (["--hidden-dropout", "1.5"], "--hidden-dropout"),
-    (["--seq-length", "0"], "--seq-length"),
-    (["--min-lr", "1.0"], "--min-lr"),
-    (["--lr-warmup-iters", "10"], "--lr-decay-iters"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--num-attention-heads", "3"], "--num-attention-heads"),
+        (["--num-query-groups", "3"], "--num-query-groups"),
+        (["--data-path", "/nonexistent/tokens.npy"], "no such file"),
+        (["--hidden-dropout", "1.5"], "--hidden-dropout"),
+        (["--seq-length", "0"], "--seq-length"),
+        (["--min-lr", "1.0"], "--min-lr"),
+        (["--lr-warmup-iters", "10"], "--lr-decay-iters"),
+    ],
+)
 def test_bad_flags_fail_with_one_line(extra, needle, capsys):
     assert train_single.main(QUICK + extra) == 2
     err = capsys.readouterr().err.strip()

@@ -1,6 +1,6 @@
-"""The runner's decisions as units, without processes: the run configuration, resuming, the exit policy, the
-batch and LR schedules in samples and in iterations, fp16's skip accounting, the NaN policy, and the parser
-where it now reads flags as Megatron's does."""
+"""The runner's decisions as units, without processes: the run configuration, resuming, the exit
+policy, the batch and LR schedules in samples and in iterations, fp16's skip accounting, the NaN
+policy, and the parser where it now reads flags as Megatron's does."""
 
 import dataclasses
 
@@ -13,11 +13,24 @@ from fmeg.training import loss_scale
 from fmeg.training.arguments import parse_args
 from fmeg.training.validation import validate
 from fmeg.training.batch_schedule import global_batch_size, iterations_for, parse_step_schedule
-from fmeg.training.policies import Progress, exit_reasons, non_finite_stop, resume, should_evaluate, should_save
+from fmeg.training.policies import (
+    Progress,
+    exit_reasons,
+    non_finite_stop,
+    resume,
+    should_evaluate,
+    should_save,
+)
 from fmeg.training.run_config import RunConfig
+from harness.steps import megatron_step_batch
 
-META = {"iteration": 40, "consumed_samples": 320, "valid_consumed_samples": 16, "scheduler_steps": 38,
-        "loss_scale": dataclasses.asdict(loss_scale.LossScale(scale=1024.0, clean_steps=7))}
+META = {
+    "iteration": 40,
+    "consumed_samples": 320,
+    "valid_consumed_samples": 16,
+    "scheduler_steps": 38,
+    "loss_scale": dataclasses.asdict(loss_scale.LossScale(scale=1024.0, clean_steps=7)),
+}
 
 
 def config(argv, world=1, vocab=257) -> RunConfig:
@@ -27,14 +40,32 @@ def config(argv, world=1, vocab=257) -> RunConfig:
 
 
 def test_the_run_configuration_is_frozen_groups_with_one_layout():
-    cfg = config(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                  "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16",
-                  "--use-distributed-optimizer", "--bf16"], world=8)
+    cfg = config(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "16",
+            "--use-distributed-optimizer",
+            "--bf16",
+        ],
+        world=8,
+    )
     layout = cfg.layout
     assert (layout.tp, layout.pp, layout.chunks, layout.dp, layout.zero) == (2, 2, 2, 2, True)
     assert layout.microbatches(cfg.global_batch) == 16 // (4 * 2)
-    assert layout.checkpoint_meta(cfg.precision.compute_dtype) == {"tp": 2, "pp": 2, "chunks": 2, "dp": 2,
-                                                                   "zero": True, "dtype": "bfloat16"}
+    assert layout.checkpoint_meta(cfg.precision.compute_dtype) == {
+        "tp": 2,
+        "pp": 2,
+        "chunks": 2,
+        "dp": 2,
+        "zero": True,
+        "dtype": "bfloat16",
+    }
     assert cfg.model.padded_vocab_size == 512 and cfg.precision.scaler is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.training.train_iters = 5
@@ -42,12 +73,16 @@ def test_the_run_configuration_is_frozen_groups_with_one_layout():
 
 
 def test_resume_with_everything_continues_the_run():
-    plan = resume(META, finetune=False, no_load_optim=False, in_samples=False, scaler=loss_scale.initial())
-    assert plan.progress == Progress(40, 320, 16, 38, loss_scale.LossScale(scale=1024.0, clean_steps=7))
+    plan = resume(
+        META, finetune=False, no_load_optim=False, in_samples=False, scaler=loss_scale.initial()
+    )
+    assert plan.progress == Progress(
+        40, 320, 16, 38, loss_scale.LossScale(scale=1024.0, clean_steps=7)
+    )
     assert not plan.fresh_optimizer and "layout unchanged" in plan.description
 
 
-def test_resume_with_a_fresh_optimizer_keeps_iteration_and_samples_but_restarts_schedules_and_scaler():
+def test_a_fresh_optimizer_keeps_iteration_and_samples_but_restarts_schedules_and_scaler():
     scaler = loss_scale.initial()
     plan = resume(META, finetune=False, no_load_optim=True, in_samples=False, scaler=scaler)
     assert plan.progress == Progress(40, 320, 16, 0, scaler) and plan.fresh_optimizer
@@ -56,29 +91,47 @@ def test_resume_with_a_fresh_optimizer_keeps_iteration_and_samples_but_restarts_
 
 def test_resume_weights_only_starts_the_run_afresh():
     plan = resume(META, finetune=True, no_load_optim=False, in_samples=True, scaler=None)
-    assert plan.progress == Progress() and plan.fresh_optimizer and "weights only" in plan.description
+    assert (
+        plan.progress == Progress() and plan.fresh_optimizer and "weights only" in plan.description
+    )
 
 
 def test_resume_at_another_layout_says_so_and_an_old_checkpoint_counts_its_schedule():
-    old = {k: v for k, v in META.items() if k != "scheduler_steps"}  # written before fmeg recorded it
+    # written before fmeg recorded it
+    old = {k: v for k, v in META.items() if k != "scheduler_steps"}
     for in_samples, scheduled in ((True, 320), (False, 40)):
-        plan = resume(old, finetune=False, no_load_optim=False, in_samples=in_samples, scaler=None,
-                      layout_note="resharded from {'tp': 2}")
+        plan = resume(
+            old,
+            finetune=False,
+            no_load_optim=False,
+            in_samples=in_samples,
+            scaler=None,
+            layout_note="resharded from {'tp': 2}",
+        )
         assert plan.progress.scheduled == scheduled and "resharded from" in plan.description
 
 
 def test_a_static_loss_scale_is_the_flags_whatever_the_checkpoint_saved():
-    plan = resume(META, finetune=False, no_load_optim=False, in_samples=False, scaler=loss_scale.static(8192.0))
+    plan = resume(
+        META,
+        finetune=False,
+        no_load_optim=False,
+        in_samples=False,
+        scaler=loss_scale.static(8192.0),
+    )
     assert plan.progress.scaler == loss_scale.static(8192.0)
 
 
 def test_exit_policy():
-    kw = dict(exit_interval=None, exit_duration_in_mins=None, minutes_since_start=0.0, signalled=False)
+    kw = dict(
+        exit_interval=None, exit_duration_in_mins=None, minutes_since_start=0.0, signalled=False
+    )
     assert exit_reasons(6, **kw) == []
     assert exit_reasons(6, **{**kw, "exit_interval": 3}) == ["--exit-interval 3"]
     assert exit_reasons(7, **{**kw, "exit_interval": 3}) == []
-    assert exit_reasons(1, **{**kw, "exit_duration_in_mins": 2.0, "minutes_since_start": 2.5}) == \
-        ["--exit-duration-in-mins 2.0"]
+    assert exit_reasons(1, **{**kw, "exit_duration_in_mins": 2.0, "minutes_since_start": 2.5}) == [
+        "--exit-duration-in-mins 2.0"
+    ]
     assert exit_reasons(1, **{**kw, "exit_duration_in_mins": 2.0, "minutes_since_start": 1.0}) == []
     assert exit_reasons(1, **{**kw, "signalled": True}) == ["SIGTERM received"]
 
@@ -89,7 +142,9 @@ def test_save_and_evaluate_policy():
     assert should_save(6, save="ck", save_interval=5, train_iters=20, exiting=True)
     assert should_save(20, save="ck", save_interval=None, train_iters=20, exiting=False)
     assert not should_save(20, save=None, save_interval=5, train_iters=20, exiting=True)
-    assert should_evaluate(10, eval_interval=5, train_iters=12) and should_evaluate(12, eval_interval=5, train_iters=12)
+    assert should_evaluate(10, eval_interval=5, train_iters=12) and should_evaluate(
+        12, eval_interval=5, train_iters=12
+    )
     assert not should_evaluate(11, eval_interval=5, train_iters=12)
     assert not should_evaluate(12, eval_interval=None, train_iters=12)
 
@@ -103,7 +158,8 @@ def test_the_schedules_count_successful_updates_in_samples_or_iterations(steps, 
     done = [b for b, skipped in steps if not skipped]
     assert p.iteration == len(steps) and p.consumed == sum(b for b, _ in steps)
     assert p.scheduled == (sum(done) if in_samples else len(done))
-    assert p.nans == len(steps) - len(done) and p.skipped == 0  # no scaler: skipped steps are NaN iterations
+    # no scaler: skipped steps are NaN iterations
+    assert p.nans == len(steps) - len(done) and p.skipped == 0
 
 
 def test_fp16_skip_accounting_follows_the_scaler():
@@ -111,22 +167,41 @@ def test_fp16_skip_accounting_follows_the_scaler():
     for overflow in (True, True, False, False, True):
         p = p.after_step(global_batch=4, skipped=overflow, in_samples=False)
     assert (p.skipped, p.nans, p.scheduled) == (3, 0, 2)
-    assert p.scaler.scale == 2.0**4 / 2 * 2  # halved after two overflows, doubled after two clean steps
-    static = Progress(scaler=loss_scale.static(8192.0)).after_step(global_batch=4, skipped=True, in_samples=False)
+    # halved after two overflows, doubled after two clean steps
+    assert p.scaler.scale == 2.0**4 / 2 * 2
+    static = Progress(scaler=loss_scale.static(8192.0)).after_step(
+        global_batch=4, skipped=True, in_samples=False
+    )
     assert static.scaler.scale == 8192.0 and static.skipped == 1
 
 
 def test_the_nan_policy_is_megatrons_check():
     dynamic, floor = loss_scale.initial(2.0**16), loss_scale.initial(1.0, min_scale=1.0)
-    assert non_finite_stop(skipped=True, loss_non_finite=True, scaler=dynamic, check_for_nan=True) == "non-finite loss"
-    assert non_finite_stop(skipped=True, loss_non_finite=False, scaler=dynamic, check_for_nan=True) is None
-    assert "minimum loss scale" in non_finite_stop(skipped=True, loss_non_finite=False, scaler=floor,
-                                                   check_for_nan=True)
-    assert non_finite_stop(skipped=True, loss_non_finite=False, scaler=loss_scale.static(8.0),
-                           check_for_nan=True) is None
-    assert non_finite_stop(skipped=True, loss_non_finite=False, scaler=None, check_for_nan=True) == \
-        "non-finite gradient"
-    assert non_finite_stop(skipped=True, loss_non_finite=True, scaler=None, check_for_nan=False) is None
+    assert (
+        non_finite_stop(skipped=True, loss_non_finite=True, scaler=dynamic, check_for_nan=True)
+        == "non-finite loss"
+    )
+    assert (
+        non_finite_stop(skipped=True, loss_non_finite=False, scaler=dynamic, check_for_nan=True)
+        is None
+    )
+    assert "minimum loss scale" in non_finite_stop(
+        skipped=True, loss_non_finite=False, scaler=floor, check_for_nan=True
+    )
+    assert (
+        non_finite_stop(
+            skipped=True, loss_non_finite=False, scaler=loss_scale.static(8.0), check_for_nan=True
+        )
+        is None
+    )
+    assert (
+        non_finite_stop(skipped=True, loss_non_finite=False, scaler=None, check_for_nan=True)
+        == "non-finite gradient"
+    )
+    assert (
+        non_finite_stop(skipped=True, loss_non_finite=True, scaler=None, check_for_nan=False)
+        is None
+    )
     assert config([]).training.check_for_nan
     assert not config(["--no-check-for-nan-in-loss-and-grad"]).training.check_for_nan
 
@@ -135,30 +210,20 @@ def test_loss_scale_is_a_static_scale_not_a_prefix_of_loss_scale_window():
     cfg = config(["--fp16", "--loss-scale", "8192"])
     assert cfg.precision.scaler == loss_scale.static(8192.0)
     assert loss_scale.update(cfg.precision.scaler, True) == cfg.precision.scaler
-    assert config(["--fp16"]).precision.scaler == loss_scale.initial()  # dynamic from 2**32, window 1000
+    # dynamic from 2**32, window 1000
+    assert config(["--fp16"]).precision.scaler == loss_scale.initial()
     assert config(["--bf16", "--loss-scale", "4"]).precision.scaler == loss_scale.static(4.0)
     a = parse_args(["--loss-scale", "8"])
     assert a.notices[-1].startswith("--loss-scale 8 has no effect without --fp16 or --bf16")
-
-
-def megatron_step_batch(schedule: str, seq_length: int, consumed: int) -> int:
-    """Megatron's StepBatchsizeNumMicroBatchesCalculator, as its docstring defines it: entries
-    'THRESHOLD:BATCH' with K/M/B/T suffixes, thresholds in tokens turned into samples by // seq_length, the
-    batch of the last threshold at or below the samples consumed."""
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
-    pairs = []
-    for entry in schedule.replace(",", " ").split():
-        t, b = entry.split(":")
-        t = int(float(t[:-1]) * scale[t[-1].upper()]) if t[-1].upper() in scale else int(t)
-        pairs.append((t // seq_length, int(b)))
-    return max(pairs, key=lambda p: p[0] if p[0] <= consumed else -1)[1]
 
 
 @pytest.mark.parametrize("schedule", ["0:4 640:8", "0:8,1K:16 2.5K:24", "0:2 0.5K:4 1k:8"])
 def test_step_batch_size_schedule_is_megatrons(schedule):
     steps = parse_step_schedule(schedule, 16)
     for consumed in range(0, 400, 2):
-        assert global_batch_size(consumed, steps[-1][1], None, steps) == megatron_step_batch(schedule, 16, consumed)
+        assert global_batch_size(consumed, steps[-1][1], None, steps) == megatron_step_batch(
+            schedule, 16, consumed
+        )
     total = iterations_for(400, steps[-1][1], None, steps)
     consumed = 0
     for _ in range(total):
@@ -166,12 +231,19 @@ def test_step_batch_size_schedule_is_megatrons(schedule):
     assert consumed <= 400 < consumed + steps[-1][1]
 
 
-@pytest.mark.parametrize("schedule, needle", [("64:4 640:8", "the first threshold must be 0"),
-                                              ("0:4 banana", "'banana' is not THRESHOLD:BATCH_SIZE"),
-                                              ("0:4 0:8", "two thresholds fall on the same sample"),
-                                              ("0:3 640:8", "batch sizes [3] must be multiples")])
+@pytest.mark.parametrize(
+    "schedule, needle",
+    [
+        ("64:4 640:8", "the first threshold must be 0"),
+        ("0:4 banana", "'banana' is not THRESHOLD:BATCH_SIZE"),
+        ("0:4 0:8", "two thresholds fall on the same sample"),
+        ("0:3 640:8", "batch sizes [3] must be multiples"),
+    ],
+)
 def test_a_bad_step_schedule_is_one_line(schedule, needle):
-    a = parse_args(["--step-batch-size-schedule", schedule, "--micro-batch-size", "2", "--seq-length", "16"])
+    a = parse_args(
+        ["--step-batch-size-schedule", schedule, "--micro-batch-size", "2", "--seq-length", "16"]
+    )
     problems = validate(a, 1)
     assert len(problems) == 1 and needle in problems[0], problems
 
@@ -179,17 +251,33 @@ def test_a_bad_step_schedule_is_one_line(schedule, needle):
 def test_null_tokenizer_has_vocab_size_ids_with_the_last_the_end_of_document():
     tok = NullTokenizer(10)
     assert (tok.vocab_size, tok.eod) == (10, 9) and tok.encode("3 7") == [3, 7]
-    cfg = config(["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--mock-data"], vocab=10)
+    cfg = config(
+        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--mock-data"], vocab=10
+    )
     assert cfg.model.vocab_size == 10
 
 
 def test_lr_warmup_samples_zero_is_megatrons_default_with_iterations():
     a = parse_args(["--lr-warmup-samples", "0", "--train-iters", "10"])
-    assert validate(a, 1) == [] and not config(["--lr-warmup-samples", "0"]).training.schedules_in_samples
+    assert (
+        validate(a, 1) == []
+        and not config(["--lr-warmup-samples", "0"]).training.schedules_in_samples
+    )
 
 
-@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--clip-grad", "--adam-eps", "--init-method-std",
-                                  "--hidden-dropout", "--loss-scale", "--exit-duration-in-mins"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--lr",
+        "--min-lr",
+        "--clip-grad",
+        "--adam-eps",
+        "--init-method-std",
+        "--hidden-dropout",
+        "--loss-scale",
+        "--exit-duration-in-mins",
+    ],
+)
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_non_finite_float_flags_are_refused(flag, value):
     problems = validate(parse_args([f"{flag}={value}"]), 1)
@@ -198,4 +286,6 @@ def test_non_finite_float_flags_are_refused(flag, value):
 
 def test_rampup_batch_size_warns_that_current_megatron_ignores_it():
     a = parse_args(["--rampup-batch-size", "4", "4", "40", "--global-batch-size", "8"])
-    assert any("--rampup-batch-size is deprecated and ignored by current Megatron" in n for n in a.notices)
+    assert any(
+        "--rampup-batch-size is deprecated and ignored by current Megatron" in n for n in a.notices
+    )

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from runner_harness import Server, run_group
+from harness.runner import Server, run_group
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
@@ -152,6 +152,7 @@ def test_chat_completion_is_transformers_greedy_answer_streamed_or_not(
     fine_tuned, chat_server, question
 ):
     text, logprobs, finish = transformers_answer(fine_tuned, question, 12)
+    assert text, "the fine-tuned model answers nothing: there would be no tokens to compare"
     answer = ask(chat_server, question, logprobs=True, top_logprobs=2)
     choice = answer.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == (

@@ -1,5 +1,6 @@
 """Tensor- and sequence-parallel transforms equal their single-device counterparts, in value and in
-every gradient; the vocabulary-parallel loss equals F.cross_entropy (smoothing included) and megatron-core."""
+every gradient; the vocabulary-parallel loss equals F.cross_entropy (smoothing included) and
+megatron-core."""
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import spmd_programs as P
-from parallel_harness import run
+from harness import spmd_programs as P
+from harness.parallel import run
 
 f64 = torch.float64
 BACKENDS = [("threads", None), ("gloo", 2), ("gloo", 4)]
@@ -24,10 +25,16 @@ def close(a, b, tol=1e-10):
 def test_column_then_row_parallel_mlp(backend, fixed_world, data, sp):
     world = fixed_world or data.draw(st.integers(1, 4), label="world")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
-    b, s, h, f = data.draw(st.integers(1, 2)), world * data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5)), \
-        world * data.draw(st.integers(1, 3))
+    b, s, h, f = (
+        data.draw(st.integers(1, 2)),
+        world * data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 5)),
+        world * data.draw(st.integers(1, 3)),
+    )
     x = torch.randn(b, s, h, generator=gen, dtype=f64)
-    params = tuple(torch.randn(*shape, generator=gen, dtype=f64) for shape in ((f, h), (f,), (h, f), (h,)))
+    params = tuple(
+        torch.randn(*shape, generator=gen, dtype=f64) for shape in ((f, h), (f,), (h, f), (h,))
+    )
 
     def ref(x, p):
         y = F.linear(F.gelu(F.linear(x, p[0], p[1])), p[2], p[3])
@@ -50,8 +57,12 @@ def test_column_then_row_parallel_mlp(backend, fixed_world, data, sp):
 def test_vocab_parallel_embedding(backend, fixed_world, data, sp):
     world = fixed_world or data.draw(st.integers(1, 4), label="world")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
-    vocab, b, s, h = world * data.draw(st.integers(1, 4)), data.draw(st.integers(1, 2)), \
-        world * data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    vocab, b, s, h = (
+        world * data.draw(st.integers(1, 4)),
+        data.draw(st.integers(1, 2)),
+        world * data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 4)),
+    )
     ids = torch.randint(0, vocab, (b, s), generator=gen)
     table = torch.randn(vocab, h, generator=gen, dtype=f64)
     weights = torch.randn(b, s, h, generator=gen, dtype=f64)
@@ -67,26 +78,50 @@ def test_vocab_parallel_embedding(backend, fixed_world, data, sp):
 @settings(max_examples=10)
 @given(data=st.data(), smoothing=st.sampled_from([0.0, 0.1, 0.25]))
 def test_vocab_parallel_cross_entropy_equals_cross_entropy(backend, fixed_world, data, smoothing):
-    """Over a padded vocabulary too: the reference sees only the first `real` columns, so padding ids must
-    take no part in the softmax or the smoothing mean and get zero gradient (even a rank of padding only)."""
+    """Over a padded vocabulary too: the reference sees only the first `real` columns, so padding
+    ids must take no part in the softmax or the smoothing mean and get zero gradient (even a rank of
+    padding only)."""
     world = fixed_world or data.draw(st.integers(1, 4), label="world")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
-    vocab, b, s = world * data.draw(st.integers(1, 5)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    vocab, b, s = (
+        world * data.draw(st.integers(1, 5)),
+        data.draw(st.integers(1, 3)),
+        data.draw(st.integers(1, 4)),
+    )
     real = vocab - data.draw(st.integers(0, vocab - 1), label="padding")
     logits = torch.randn(b, s, vocab, generator=gen, dtype=f64) * 4
     labels = torch.randint(0, real, (b, s), generator=gen)
     labels[0, 0] = -100
-    cot, tan, batch = torch.randn(b, s, generator=gen, dtype=f64), torch.randn_like(logits), \
-        torch.randn(2, b, s, vocab, generator=gen, dtype=f64)
+    cot, tan, batch = (
+        torch.randn(b, s, generator=gen, dtype=f64),
+        torch.randn_like(logits),
+        torch.randn(2, b, s, vocab, generator=gen, dtype=f64),
+    )
 
     def ref(lg):
-        return F.cross_entropy(lg[..., :real].reshape(-1, real), labels.reshape(-1), reduction="none",
-                               label_smoothing=smoothing).view(b, s)
+        return F.cross_entropy(
+            lg[..., :real].reshape(-1, real),
+            labels.reshape(-1),
+            reduction="none",
+            label_smoothing=smoothing,
+        ).view(b, s)
 
     out, vjp = torch.func.vjp(ref, logits)
     vocab_size = None if real == vocab else real  # both forms: unpadded, and padded
-    for r, got in enumerate(run(backend, world, P.parallel_cross_entropy, logits, labels, smoothing, cot, tan,
-                                batch, vocab_size)):
+    for r, got in enumerate(
+        run(
+            backend,
+            world,
+            P.parallel_cross_entropy,
+            logits,
+            labels,
+            smoothing,
+            cot,
+            tan,
+            batch,
+            vocab_size,
+        )
+    ):
         chunk = lambda t: t.chunk(world, dim=-1)[r]  # noqa: E731
         close(got["out"], out)
         close(got["grad"], chunk(vjp(cot)[0]))
@@ -101,10 +136,22 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy(backend, fixed_world,
 def test_vocab_parallel_cross_entropy_equals_megatron_core(world):
     pytest.importorskip("megatron.core.tensor_parallel")
     gen = torch.Generator().manual_seed(world)
-    logits, labels = torch.randn(5, 3, 8 * world, generator=gen) * 3, torch.randint(0, 8 * world, (5, 3), generator=gen)
+    logits, labels = (
+        torch.randn(5, 3, 8 * world, generator=gen) * 3,
+        torch.randint(0, 8 * world, (5, 3), generator=gen),
+    )
     theirs = run("gloo", world, P.megatron_vocab_parallel_cross_entropy, logits, labels)
-    ours = run("gloo", world, P.parallel_cross_entropy, logits.double(), labels, 0.0, torch.zeros(5, 3, dtype=f64),
-               torch.zeros_like(logits, dtype=f64), torch.zeros(2, *logits.shape, dtype=f64))
+    ours = run(
+        "gloo",
+        world,
+        P.parallel_cross_entropy,
+        logits.double(),
+        labels,
+        0.0,
+        torch.zeros(5, 3, dtype=f64),
+        torch.zeros_like(logits, dtype=f64),
+        torch.zeros(2, *logits.shape, dtype=f64),
+    )
     for t, o in zip(theirs, ours):
         torch.testing.assert_close(t.double(), o["out"], rtol=1e-5, atol=1e-5)
 
@@ -113,7 +160,9 @@ def test_vocab_parallel_cross_entropy_equals_megatron_core(world):
 def test_collective_volume_of_one_layer_matches_the_analytic_count(sp):
     from fmeg.models import gpt
 
-    config = gpt.GPTConfig.gpt2(vocab_size=16, max_seq_len=8, num_layers=1, hidden_size=16, num_heads=4)
+    config = gpt.GPTConfig.gpt2(
+        vocab_size=16, max_seq_len=8, num_layers=1, hidden_size=16, num_heads=4
+    )
     b, s, h = 2, 8, 16
     layer = gpt.init(config, 0)["layers"][0]
     x = torch.randn(b, s, h)
@@ -123,11 +172,21 @@ def test_collective_volume_of_one_layer_matches_the_analytic_count(sp):
         ops = [op for op, _ in log]
         volume = sum(n for op, n in log if n == bsh)
         if sp:
-            assert sorted(ops[:4]) == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
-            assert sorted(o for o, n in log if n == bsh) == ["all_gather"] * 4 + ["reduce_scatter"] * 4
+            assert sorted(ops[:4]) == [
+                "all_gather",
+                "all_gather",
+                "reduce_scatter",
+                "reduce_scatter",
+            ]
+            assert (
+                sorted(o for o, n in log if n == bsh) == ["all_gather"] * 4 + ["reduce_scatter"] * 4
+            )
         else:
             assert [o for o, n in log if n == bsh] == ["all_reduce"] * 4  # 2 forward, 2 backward
         assert volume == 4 * bsh if not sp else 8 * bsh
-        # What is left is the gradient all-reduce of the replicated norm weights and biases (SP only).
+        # What is left is the gradient all-reduce of the replicated norm weights and biases (SP
+        # only).
         small = [(o, n) for o, n in log if n != bsh]
-        assert all(o == "all_reduce" and n <= h * 4 for o, n in small) and (len(small) == 6 if sp else not small)
+        assert all(o == "all_reduce" and n <= h * 4 for o, n in small) and (
+            len(small) == 6 if sp else not small
+        )

@@ -1,6 +1,6 @@
-"""fmeg's reader of PyTorch distributed checkpoints (Megatron's torch_dist) against the tensors written: any box
-of any tensor, however the chunks cut it, reads back equal, and of a chunk only part of which is needed only the
-rows that hold the part are read."""
+"""fmeg's reader of PyTorch distributed checkpoints (Megatron's torch_dist) against the tensors
+written: any box of any tensor, however the chunks cut it, reads back equal, and of a chunk only
+part of which is needed only the rows that hold the part are read."""
 
 import warnings
 
@@ -45,7 +45,8 @@ def test_any_box_reads_back_what_was_written(tmp_path_factory, case):
 
 
 def test_a_rank_reads_the_rows_it_needs_not_the_chunk(tmp_path):
-    """A [1024, 256] fp32 chunk (1 MiB) of which rows 256-511 are needed: about a quarter of it is read."""
+    """A [1024, 256] fp32 chunk (1 MiB) of which rows 256-511 are needed: about a quarter of it
+    is read."""
     full = torch.randn(1024, 256)
     _save(tmp_path, {"w": full})
     reader = TorchDistDir(tmp_path)
@@ -59,6 +60,9 @@ def test_a_rank_reads_the_rows_it_needs_not_the_chunk(tmp_path):
 def test_rows_needed_is_the_least_contiguous_run():
     chunk = Box((0, 4, 0), (1, 8, 16))
     assert rows_needed(chunk, [Box((0, 6, 0), (1, 2, 16))]) == Box((0, 6, 0), (1, 2, 16))
-    assert rows_needed(chunk, [Box((0, 6, 3), (1, 1, 2)), Box((0, 9, 0), (1, 1, 1))]) == Box((0, 6, 0), (1, 4, 16))
-    assert rows_needed(Box((0, 0), (2, 8)), [Box((0, 2), (2, 2))]) == Box((0, 0), (2, 8))  # columns: all rows
+    assert rows_needed(chunk, [Box((0, 6, 3), (1, 1, 2)), Box((0, 9, 0), (1, 1, 1))]) == Box(
+        (0, 6, 0), (1, 4, 16)
+    )
+    # columns: all rows
+    assert rows_needed(Box((0, 0), (2, 8)), [Box((0, 2), (2, 2))]) == Box((0, 0), (2, 8))
     assert rows_needed(Box((0, 0), (4, 8)), [Box((0, 0), (4, 8))]) == Box((0, 0), (4, 8))

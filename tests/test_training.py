@@ -1,5 +1,6 @@
-"""The one training step (parallel_step.train_iteration) on a single rank: it learns, clips, keys dropout,
-and gives the same numbers eagerly and with its layers compiled. Its layouts are in test_gpt_pretrain.py."""
+"""The one training step (parallel_step.train_iteration) on a single rank: it learns, clips, keys
+dropout, and gives the same numbers eagerly and with its layers compiled. Its layouts are in
+test_gpt_pretrain.py."""
 
 import numpy as np
 import pytest
@@ -25,17 +26,34 @@ def setup(style="gpt2", **kw):
 
 
 def step(state, config, batch, lr=1e-3, weight_decay=0.0, clip_grad=1.0, compile=None):
-    return train_iteration(state, [batch], config=config, layout=LAYOUT, mesh=MESH, lr=lr, weight_decay=weight_decay,
-                           clip_grad=clip_grad, compile=compile)
+    return train_iteration(
+        state,
+        [batch],
+        config=config,
+        layout=LAYOUT,
+        mesh=MESH,
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        compile=compile,
+    )
 
 
 def test_a_small_model_learns_a_repeated_pattern_to_near_zero_loss():
     config, state = setup("llama")
     pattern = np.random.default_rng(0).permutation(config.vocab_size)[:20]
     stream = np.tile(pattern, 200)
-    schedule = optim.LRSchedule(max_lr=3e-3, min_lr=3e-4, warmup_steps=10, decay_steps=200, style="cosine")
-    losses = [float(step(state, config, random_windows(stream, 8, 16, seed=0, step=i), schedule(i), 0.01)["loss"])
-              for i in range(200)]
+    schedule = optim.LRSchedule(
+        max_lr=3e-3, min_lr=3e-4, warmup_steps=10, decay_steps=200, style="cosine"
+    )
+    losses = [
+        float(
+            step(state, config, random_windows(stream, 8, 16, seed=0, step=i), schedule(i), 0.01)[
+                "loss"
+            ]
+        )
+        for i in range(200)
+    ]
     assert losses[0] > 3.0
     assert max(losses[-10:]) < 0.05, losses[-10:]
 
@@ -50,7 +68,9 @@ def test_grad_norm_is_reported_before_clipping_and_the_update_is_clipped():
     # the first Adam step sets mu = (1 - beta1) * the clipped gradient
     coef = 1e-3 / float(metrics["grad_norm"])
     mu = state.opt_state["adam"].mu[0]["layers"][0]["mlp"]["fc2"]["weight"]
-    torch.testing.assert_close(mu, (1 - 0.9) * coef * grads["layers"][0]["mlp"]["fc2"]["weight"], rtol=1e-4, atol=1e-10)
+    torch.testing.assert_close(
+        mu, (1 - 0.9) * coef * grads["layers"][0]["mlp"]["fc2"]["weight"], rtol=1e-4, atol=1e-10
+    )
 
 
 def test_the_same_state_and_batch_give_the_same_step_and_the_dropout_key_changes_it():

@@ -1,10 +1,15 @@
-"""megatron-core itself, on CPU with gloo, for the Megatron checkpoint tests (run under torch.distributed.run):
+"""megatron-core itself, on CPU with gloo, for the Megatron checkpoint tests (run under
+torch.distributed.run):
 
-    save ROOT FAMILY TP PP EP ITERATION   its GPTModel (seed 1234) saved as Megatron-LM's training loop saves
-                                          one: dist_checkpointing.save of {"model": sharded_state_dict(), "args",
-                                          "iteration", ...} into ROOT/iter_NNNNNNN, then the tracker file
-    logits DIR FAMILY TOKENS OUT           one rank: its GPTModel loaded from DIR by dist_checkpointing.load,
-                                          its logits for the [b, s] token tensor in TOKENS written to OUT
+    save ROOT FAMILY TP PP EP ITERATION   its GPTModel (seed 1234) saved as Megatron-LM's training
+    loop saves
+                                          one: dist_checkpointing.save of {"model":
+                                          sharded_state_dict(), "args", "iteration", ...} into
+                                          ROOT/iter_NNNNNNN, then the tracker file
+    logits DIR FAMILY TOKENS OUT           one rank: its GPTModel loaded from DIR by
+    dist_checkpointing.load,
+                                          its logits for the [b, s] token tensor in TOKENS written
+                                          to OUT
 
 FAMILY is one of FAMILIES below: the same models tests/test_megatron_checkpoint.py builds in fmeg.
 """
@@ -23,22 +28,61 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 FAMILIES = {
-    "llama": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                  normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=False),
-    "qwen3_moe": dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                      normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False, qk_layernorm=True,
-                      num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-                      moe_shared_expert_intermediate_size=48, moe_router_score_function="sigmoid",
-                      moe_router_enable_expert_bias=True),
-    "gpt2": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=256,
-                 normalization="LayerNorm", gated_linear_unit=False, add_bias_linear=True, qk_layernorm=False),
+    "llama": dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        qk_layernorm=False,
+    ),
+    "qwen3_moe": dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=48,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    ),
+    "gpt2": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        ffn_hidden_size=256,
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        qk_layernorm=False,
+    ),
 }
-FAMILIES["gpt2_moe"] = dict(FAMILIES["gpt2"], num_moe_experts=4, moe_router_topk=2,
-                            moe_ffn_hidden_size=64)  # Megatron's default flags with experts: biased router
-FAMILIES["llama_bench"] = dict(FAMILIES["llama"], num_layers=8, hidden_size=512, num_attention_heads=8,
-                               num_query_groups=4, ffn_hidden_size=1536)  # bench/megatron_checkpoint.py's
+# Megatron's default flags with experts: biased router
+FAMILIES["gpt2_moe"] = dict(
+    FAMILIES["gpt2"], num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64
+)
+# bench/megatron_checkpoint.py's
+FAMILIES["llama_bench"] = dict(
+    FAMILIES["llama"],
+    num_layers=8,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=1536,
+)
 VOCAB, SEQ = 128, 32
-ARGS = Path(__file__).parent / "data" / "megatron_args"
+ARGS = Path(__file__).parent.parent / "data" / "megatron_args"
 
 
 def model(family: str, tp: int, pp: int, ep: int):
@@ -48,12 +92,19 @@ def model(family: str, tp: int, pp: int, ep: int):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
-    torch.cuda.current_device = lambda: "cpu"  # megatron-core moves its RoPE table to the current CUDA device
-    torch.cuda.synchronize = lambda *a, **k: None  # its checkpoint writer synchronises before writing
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    # megatron-core moves its RoPE table to the current CUDA device
+    torch.cuda.current_device = lambda: "cpu"
+    # its checkpoint writer synchronises before writing
+    torch.cuda.synchronize = lambda *a, **k: None
     from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):  # its router's matmul names it unset without Transformer Engine
+
+    # its router's matmul names it unset without Transformer Engine
+    if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     try:
         model_parallel_cuda_manual_seed(1234)
@@ -62,20 +113,48 @@ def model(family: str, tp: int, pp: int, ep: int):
     f = dict(FAMILIES[family])
     gpt2 = family.startswith("gpt2")
     config = TransformerConfig(
-        **f, activation_func=F.gelu if gpt2 else F.silu, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, perform_initialization=True, init_method_std=0.05,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        sequence_parallel=False, pipeline_dtype=torch.float32, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
-    spec = get_gpt_layer_local_spec(num_experts=f.get("num_moe_experts"), qk_layernorm=f["qk_layernorm"],
-                                    normalization=f["normalization"])
+        **f,
+        activation_func=F.gelu if gpt2 else F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=0.05,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=False,
+        pipeline_dtype=torch.float32,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=f.get("num_moe_experts"),
+        qk_layernorm=f["qk_layernorm"],
+        normalization=f["normalization"],
+    )
     torch.manual_seed(1234)
-    m = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=gpt2,
-                 position_embedding_type="learned_absolute" if gpt2 else "rope", rotary_base=10000,
-                 pre_process=parallel_state.is_pipeline_first_stage(),
-                 post_process=parallel_state.is_pipeline_last_stage()).float().eval()
-    with torch.no_grad():  # norms, biases and expert biases away from their init, so that a misplaced one shows
+    m = (
+        GPTModel(
+            config,
+            spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            share_embeddings_and_output_weights=gpt2,
+            position_embedding_type="learned_absolute" if gpt2 else "rope",
+            rotary_base=10000,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+        .float()
+        .eval()
+    )
+    # norms, biases and expert biases away from their init, so that a misplaced one shows
+    with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name or name.endswith("bias") or "layer_norm" in name:
                 p.add_(0.1 * torch.randn(p.shape))
@@ -86,8 +165,9 @@ def model(family: str, tp: int, pp: int, ep: int):
 
 
 def _decoded(value):
-    """A value of tests/data/megatron_args/*.json as Megatron-LM's parser made it: its enums of the same classes
-    (one that this megatron-core lacks is made under Megatron's name, so that its pickle names the same class)."""
+    """A value of tests/data/megatron_args/*.json as Megatron-LM's parser made it: its enums of the
+    same classes (one that this megatron-core lacks is made under Megatron's name, so that its
+    pickle names the same class)."""
     if isinstance(value, list):
         return [_decoded(v) for v in value]
     if not isinstance(value, dict):
@@ -101,10 +181,19 @@ def _decoded(value):
     module_name, qualname = value["enum"].split(":")
     module = importlib.import_module(module_name)
     if not hasattr(module, qualname):
-        setattr(module, qualname, enum.Enum(qualname, {value["name"]: _decoded(value["value"])},
-                                            module=module_name, qualname=qualname))
+        setattr(
+            module,
+            qualname,
+            enum.Enum(
+                qualname,
+                {value["name"]: _decoded(value["value"])},
+                module=module_name,
+                qualname=qualname,
+            ),
+        )
     cls = getattr(module, qualname)
-    torch.serialization.add_safe_globals([cls])  # as Megatron-LM's megatron.core.safe_globals registers it
+    # as Megatron-LM's megatron.core.safe_globals registers it
+    torch.serialization.add_safe_globals([cls])
     return cls(_decoded(value["value"]))
 
 
@@ -112,14 +201,27 @@ def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> arg
     """The Namespace Megatron-LM's own parser made from the family's launch script (captured in
     tests/data/megatron_args), at this layout and iteration as its training loop leaves it."""
     captured = ARGS / f"{family.removesuffix('_bench')}.json"
-    args = argparse.Namespace(**{k: _decoded(v) for k, v in json.loads(captured.read_text())["args"].items()})
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+    args = argparse.Namespace(
+        **{k: _decoded(v) for k, v in json.loads(captured.read_text())["args"].items()}
+    )
+    for dest in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+    ):
         setattr(args, dest, FAMILIES[family][dest])  # llama_bench: the bench's sizes
     args.kv_channels = args.hidden_size // args.num_attention_heads
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.expert_model_parallel_size, args.world_size = ep, tp * pp * ep  # the tests' ranks: ep is data parallel
+    # the tests' ranks: ep is data parallel
+    args.expert_model_parallel_size, args.world_size = (ep, tp * pp * ep)
     args.data_parallel_size = ep
-    args.consumed_train_samples, args.consumed_valid_samples, args.iteration = iteration * 8, 0, iteration
+    args.consumed_train_samples, args.consumed_valid_samples, args.iteration = (
+        iteration * 8,
+        0,
+        iteration,
+    )
     return args
 
 
@@ -129,8 +231,13 @@ def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> N
     m = model(family, tp, pp, ep)
     directory = os.path.join(root, f"iter_{iteration:07d}")
     os.makedirs(directory, exist_ok=True)
-    state = {"model": m.sharded_state_dict(), "args": megatron_args(family, tp, pp, ep, iteration),
-             "checkpoint_version": 3.0, "iteration": iteration, "num_floating_point_operations_so_far": 0}
+    state = {
+        "model": m.sharded_state_dict(),
+        "args": megatron_args(family, tp, pp, ep, iteration),
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+    }
     dist_checkpointing.save(state, directory)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -141,7 +248,8 @@ def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> N
 def logits(directory: str, family: str, tokens_file: str, out_file: str) -> None:
     from megatron.core import dist_checkpointing
 
-    megatron_args(family, 1, 1, 1, 0)  # the classes Megatron-LM's args name, known to torch.load as there
+    # the classes Megatron-LM's args name, known to torch.load as there
+    megatron_args(family, 1, 1, 1, 0)
 
     m = model(family, 1, 1, 1)
     loaded = dist_checkpointing.load({"model": m.sharded_state_dict()}, directory)

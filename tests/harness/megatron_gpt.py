@@ -1,19 +1,31 @@
-"""megatron-core's GPTModel (local spec, CPU, fp32) holding fmeg's parameters, run on a gloo rank of its own: the
-reference of tests/test_mtp.py (with its MultiTokenPredictionBlock) and tests/test_gpt_oss.py (sinks, sliding
-windows, the clamped quick-GEGLU, biases, YaRN)."""
+"""megatron-core's GPTModel (local spec, CPU, fp32) holding fmeg's parameters, run on a gloo rank of
+its own: the reference of tests/test_mtp.py (with its MultiTokenPredictionBlock) and
+tests/test_gpt_oss.py (sinks, sliding windows, the clamped quick-GEGLU, biases, YaRN)."""
 
 import contextlib
 
 import torch
 import torch.nn.functional as F
 
-_LAYER = {"attn_norm": "input_layernorm", "attn.qkv": "self_attention.linear_qkv",
-          "attn.proj": "self_attention.linear_proj", "mlp_norm": "pre_mlp_layernorm", "mlp.fc1": "mlp.linear_fc1",
-          "mlp.fc2": "mlp.linear_fc2"}
-_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-        "final_norm.weight": "final_layernorm.weight"}
-_TOP = {"embedding.word.weight": "embedding.word_embeddings.weight", "output.weight": "output_layer.weight",
-        "final_norm.weight": "decoder.final_layernorm.weight"}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn.qkv": "self_attention.linear_qkv",
+    "attn.proj": "self_attention.linear_proj",
+    "mlp_norm": "pre_mlp_layernorm",
+    "mlp.fc1": "mlp.linear_fc1",
+    "mlp.fc2": "mlp.linear_fc2",
+}
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_norm.weight": "final_layernorm.weight",
+}
+_TOP = {
+    "embedding.word.weight": "embedding.word_embeddings.weight",
+    "output.weight": "output_layer.weight",
+    "final_norm.weight": "decoder.final_layernorm.weight",
+}
 
 
 def _layer_name(rest: str) -> str:
@@ -24,7 +36,8 @@ def _layer_name(rest: str) -> str:
 
 
 def megatron_name(path: str) -> str:
-    """fmeg's path (a dense model with RMSNorm and a gated MLP, untied) -> megatron-core's local-spec name."""
+    """fmeg's path (a dense model with RMSNorm and a gated MLP, untied) -> megatron-core's
+    local-spec name."""
     if path in _TOP:
         return _TOP[path]
     parts = path.split(".")
@@ -36,8 +49,13 @@ def megatron_name(path: str) -> str:
     return f"mtp.layers.{parts[1]}.{_MTP[rest]}"
 
 
-def _window_mask(sq, skv, window_size):  # megatron-core's get_sliding_window_causal_mask, on the CPU
-    keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0]).tril(skv - sq + window_size[1])
+# megatron-core's get_sliding_window_causal_mask, on the CPU
+def _window_mask(sq, skv, window_size):
+    keep = (
+        torch.ones(sq, skv, dtype=torch.bool)
+        .triu(skv - sq - window_size[0])
+        .tril(skv - sq + window_size[1])
+    )
     return ~keep
 
 
@@ -48,31 +66,45 @@ def _gpt_oss_fields(c) -> dict:
     fields = {"softmax_type": c.softmax_type, "add_bias_linear": c.bias, "activation_func": F.silu}
     if c.window_size is not None:
         freq = c.window_attn_skip_freq
-        fields |= {"window_size": (c.window_size, 0), "window_attn_skip_freq": list(freq) if isinstance(freq, tuple)
-                   else freq}
+        fields |= {
+            "window_size": (c.window_size, 0),
+            "window_attn_skip_freq": list(freq) if isinstance(freq, tuple) else freq,
+        }
     if c.activation == "quick_geglu":
-        fields |= {"activation_func": quick_gelu, "glu_linear_offset": c.glu_linear_offset,
-                   "activation_func_clamp_value": c.activation_func_clamp_value}
+        fields |= {
+            "activation_func": quick_gelu,
+            "glu_linear_offset": c.glu_linear_offset,
+            "activation_func_clamp_value": c.activation_func_clamp_value,
+        }
     return fields
 
 
 def _yarn(model, c) -> None:
-    """fmeg's YaRN settings on megatron-core's config, as Megatron's --enable-gpt-oss puts them there."""
-    for name, value in {"yarn_rotary_scaling_factor": c.rotary_scaling_factor, "yarn_mscale": c.mscale,
-                        "yarn_original_max_position_embeddings": c.original_max_position_embeddings,
-                        "yarn_beta_fast": c.beta_fast, "yarn_beta_slow": c.beta_slow,
-                        "yarn_mscale_all_dim": c.mscale_all_dim,
-                        "yarn_correction_range_round_to_int": c.yarn_round_to_int}.items():
+    """fmeg's YaRN settings on megatron-core's config, as Megatron's --enable-gpt-oss puts them
+    there."""
+    for name, value in {
+        "yarn_rotary_scaling_factor": c.rotary_scaling_factor,
+        "yarn_mscale": c.mscale,
+        "yarn_original_max_position_embeddings": c.original_max_position_embeddings,
+        "yarn_beta_fast": c.beta_fast,
+        "yarn_beta_slow": c.beta_slow,
+        "yarn_mscale_all_dim": c.mscale_all_dim,
+        "yarn_correction_range_round_to_int": c.yarn_round_to_int,
+    }.items():
         setattr(model, name, value)
 
 
 def megatron_gpt(mesh, params, batch, config):
-    """(lm loss, [each MTP depth's loss], {fmeg path: gradient}) of megatron-core's GPTModel holding params, trained
-    as Megatron trains: the masked mean of its token losses, backward, with the MTP losses injected by its
-    MTPLossAutoScaler (seed 1). One rank; parallel_state is initialised for it."""
+    """(lm loss, [each MTP depth's loss], {fmeg path: gradient}) of megatron-core's GPTModel holding
+    params, trained as Megatron trains: the masked mean of its token losses, backward, with the MTP
+    losses injected by its MTPLossAutoScaler (seed 1). One rank; parallel_state is initialised for
+    it."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import multi_token_prediction
@@ -82,46 +114,83 @@ def megatron_gpt(mesh, params, batch, config):
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    torch.cuda.current_device = lambda: "cpu"  # megatron-core moves its RoPE table to the current CUDA device
+    # megatron-core moves its RoPE table to the current CUDA device
+    torch.cuda.current_device = lambda: "cpu"
     try:
         model_parallel_cuda_manual_seed(0)
     except Exception:  # noqa: BLE001 - CPU only: without dropout the CUDA RNG tracker has nothing to fork
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     logged: dict[int, float] = {}
 
-    def save_loss_to_tracker(loss, layer_number, num_layers, **_):  # its tracker all-reduces with AVG (not on gloo)
+    # its tracker all-reduces with AVG (not on gloo)
+    def save_loss_to_tracker(loss, layer_number, num_layers, **_):
         logged[layer_number] = loss.item()
 
-    multi_token_prediction.MTPLossLoggingHelper.save_loss_to_tracker = staticmethod(save_loss_to_tracker)
+    multi_token_prediction.MTPLossLoggingHelper.save_loss_to_tracker = staticmethod(
+        save_loss_to_tracker
+    )
     fused_softmax.get_sliding_window_causal_mask = _window_mask
     c = config
     tc = TransformerConfig(
-        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
-        num_query_groups=c.num_kv_heads, ffn_hidden_size=c.ffn_hidden_size, normalization="RMSNorm",
-        layernorm_epsilon=c.norm_eps, gated_linear_unit=True, init_method_std=c.init_std,
-        **_gpt_oss_fields(c), mtp_num_layers=c.mtp_num_layers, mtp_loss_scaling_factor=c.mtp_loss_scaling_factor,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False)
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_heads,
+        num_query_groups=c.num_kv_heads,
+        ffn_hidden_size=c.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.norm_eps,
+        gated_linear_unit=True,
+        init_method_std=c.init_std,
+        **_gpt_oss_fields(c),
+        mtp_num_layers=c.mtp_num_layers,
+        mtp_loss_scaling_factor=c.mtp_loss_scaling_factor,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    mtp_spec = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False) if c.mtp_num_layers else None
+    mtp_spec = (
+        get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False) if c.mtp_num_layers else None
+    )
     if c.rope_type == "yarn":
         _yarn(tc, c)
-    model = GPTModel(tc, spec, vocab_size=c.vocab_size, max_sequence_length=c.max_seq_len,
-                     share_embeddings_and_output_weights=False, position_embedding_type=c.rope_type,
-                     rotary_base=int(c.rope_theta), mtp_block_spec=mtp_spec).float().train()
+    model = (
+        GPTModel(
+            tc,
+            spec,
+            vocab_size=c.vocab_size,
+            max_sequence_length=c.max_seq_len,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=c.rope_type,
+            rotary_base=int(c.rope_theta),
+            mtp_block_spec=mtp_spec,
+        )
+        .float()
+        .train()
+    )
     state = {}
     for path, leaf in tree.items(params):
         fc1 = {"fc1.weight": leaf.reshape(-1, leaf.shape[-1]), "fc1.bias": leaf.reshape(-1)}
-        state[megatron_name(path)] = fc1.get(path[path.find("fc1."):], leaf)
+        state[megatron_name(path)] = fc1.get(path[path.find("fc1.") :], leaf)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("_extra_state" in m for m in missing), (missing, unexpected)
     tokens, labels, mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
     b, s = tokens.shape
     causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
-    losses = model(tokens, torch.arange(s)[None].expand(b, s), causal, labels=labels, loss_mask=mask)
+    losses = model(
+        tokens, torch.arange(s)[None].expand(b, s), causal, labels=labels, loss_mask=mask
+    )
     lm = (losses * mask).sum() / mask.sum()
     lm.backward()
     by_name = dict(model.named_parameters())
-    grads = {path: by_name[megatron_name(path)].grad.reshape(leaf.shape) for path, leaf in tree.items(params)}
+    grads = {
+        path: by_name[megatron_name(path)].grad.reshape(leaf.shape)
+        for path, leaf in tree.items(params)
+    }
     return lm.item(), [logged[k] for k in range(c.mtp_num_layers or 0)], grads

@@ -1,4 +1,5 @@
-"""Runs a per-rank program on thread ranks or on gloo processes (2 and 4), for the property tests."""
+"""Runs a per-rank program on thread ranks or on gloo processes (2 and 4), for the property
+tests."""
 
 from __future__ import annotations
 

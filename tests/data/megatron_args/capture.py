@@ -5,8 +5,8 @@ tests).
     MLM=/path/to/Megatron-LM [MLM_COMMIT=sha] python tests/data/megatron_args/capture.py
 
 Each family's flags are those of a Megatron-LM launch script, sizes shrunk to the models that
-tests/megatron_core_run.py builds in megatron-core (and parallel sizes 1: the writer sets the layout
-it saves at). Megatron-LM parses them with its own parse_args and validate_args and sets
+tests/harness/megatron_core_run.py builds in megatron-core (and parallel sizes 1: the writer sets
+the layout it saves at). Megatron-LM parses them with its own parse_args and validate_args and sets
 padded_vocab_size as its tokenizer builder does; the Namespace is written as JSON, each value that
 is not plain data tagged with its class (an enum by module, class, name and value; a torch dtype by
 name; a tuple), so that the writer can build it again with the same classes, and Megatron's pickle
@@ -33,7 +33,7 @@ HERE = Path(__file__).parent
 MLM = Path(os.environ.get("MLM", "Megatron-LM"))
 
 # fmt: off
-_MODEL = {  # sizes and features of tests/megatron_core_run.py's FAMILIES, as Megatron flags
+_MODEL = {  # sizes and features of tests/harness/megatron_core_run.py's FAMILIES, as Megatron flags
     "llama": ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "96",
               "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
               "--kv-channels", "16"],
