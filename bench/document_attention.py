@@ -1,12 +1,15 @@
-"""Packed documents: attention by cu_seqlens against one causal attention over the whole packed row, on CPU.
+"""Packed documents: attention by cu_seqlens against one causal attention over the whole packed row,
+on CPU.
 
-    python bench/document_attention.py [--seq 4096] [--mean-document 512] [--batch 2] [--heads 8] [--head-dim 64]
+    python bench/document_attention.py [--seq 4096] [--mean-document 512] [--batch 2] [--heads 8]
+    [--head-dim 64]
 
-One forward-backward of the attention core (q [b, N, s, d], grouped keys N/2), median of 5 after a warm-up, side
-by side in one run: causal attention over the whole row (what --reset-attention-mask replaces; its work grows
-as s^2 / 2) and document attention (each document its own causal attention: sum of length^2 / 2), eagerly and
-through the compiled op (torch.compile, aot_eager: the custom op's fused blocks). With documents of mean length L
-the arithmetic falls by about s / L; the ratio printed is the time of document attention over the causal one.
+One forward-backward of the attention core (q [b, N, s, d], grouped keys N/2), median of 5 after a
+warm-up, side by side in one run: causal attention over the whole row (what --reset-attention-mask
+replaces; its work grows as s^2 / 2) and document attention (each document its own causal attention:
+sum of length^2 / 2), eagerly and through the compiled op (torch.compile, aot_eager: the custom op's
+fused blocks). With documents of mean length L the arithmetic falls by about s / L; the ratio
+printed is the time of document attention over the causal one.
 """
 
 from __future__ import annotations
@@ -57,13 +60,19 @@ def main() -> None:
     k, v = (torch.randn(b, n // 2, s, d, requires_grad=True) for _ in range(2))
     cu = packing(b, s, a.mean_document)
     documents = int((cu[:, 1:] > cu[:, :-1]).sum())
-    compiled = torch.compile(lambda q, k, v, cu: ops.document_attention(q, k, v, cu), backend="aot_eager",
-                             fullgraph=True)
-    rows = {"causal over the row": timed(ops.causal_attention, q, k, v),
-            "documents, eager": timed(lambda q, k, v: ops.document_attention(q, k, v, cu), q, k, v),
-            "documents, compiled op": timed(lambda q, k, v: compiled(q, k, v, cu), q, k, v)}
-    print(f"b {b}, heads {n} (kv {n // 2}), seq {s}, head dim {d}: {documents} documents "
-          f"(mean {b * s / documents:.0f} tokens); forward + backward, median of 5, {torch.get_num_threads()} threads")
+    compiled = torch.compile(
+        lambda q, k, v, cu: ops.document_attention(q, k, v, cu), backend="aot_eager", fullgraph=True
+    )
+    rows = {
+        "causal over the row": timed(ops.causal_attention, q, k, v),
+        "documents, eager": timed(lambda q, k, v: ops.document_attention(q, k, v, cu), q, k, v),
+        "documents, compiled op": timed(lambda q, k, v: compiled(q, k, v, cu), q, k, v),
+    }
+    print(
+        f"b {b}, heads {n} (kv {n // 2}), seq {s}, head dim {d}: {documents} documents (mean "
+        f"{b * s / documents:.0f} tokens); forward + backward, median of 5, "
+        f"{torch.get_num_threads()} threads"
+    )
     base = rows["causal over the row"]
     for name, t in rows.items():
         print(f"  {name:24s} {t * 1e3:8.1f} ms   {t / base:5.2f} x causal")

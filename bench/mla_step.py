@@ -2,12 +2,13 @@
 
     python bench/mla_step.py [--hidden 512] [--heads 8] [--seq 512] [--batch 2] [--layers 4]
 
-One training step (forward and backward of the loss, torch.func.grad) of a 4-layer dense model, median of 5
-after a warm-up, side by side in one run: GQA (8 heads of 64 in 2 key/value groups) and MLA shaped as DeepSeek-V3
-shrunk to this width (a query latent of 3h/4 dims, a key/value latent of h/2, per-head dims 64 + 32 rotated and
-values of 64, YaRN). Printed: each one's step time, its parameters, its model FLOPs (Megatron's count) and the
-time ratio MLA / GQA; and the KV cache per token and layer that generation keeps for each (fmeg caches MLA's
-expanded keys and values, as a full-attention cache; the latent it could cache instead is given for comparison).
+One training step (forward and backward of the loss, torch.func.grad) of a 4-layer dense model,
+median of 5 after a warm-up, side by side in one run: GQA (8 heads of 64 in 2 key/value groups) and
+MLA shaped as DeepSeek-V3 shrunk to this width (a query latent of 3h/4 dims, a key/value latent of
+h/2, per-head dims 64 + 32 rotated and values of 64, YaRN). Printed: each one's step time, its
+parameters, its model FLOPs (Megatron's count) and the time ratio MLA / GQA; and the KV cache per
+token and layer that generation keeps for each (fmeg caches MLA's expanded keys and values, as a
+full-attention cache; the latent it could cache instead is given for comparison).
 """
 
 from __future__ import annotations
@@ -24,18 +25,38 @@ from fmeg.training.report import model_flops
 
 
 def configs(hidden: int, heads: int, layers: int, seq: int) -> dict[str, gpt.GPTConfig]:
-    base = gpt.GPTConfig.llama(vocab_size=1024, max_seq_len=seq, num_layers=layers, hidden_size=hidden,
-                               num_heads=heads, num_kv_heads=2, ffn_hidden_size=4 * hidden)
+    base = gpt.GPTConfig.llama(
+        vocab_size=1024,
+        max_seq_len=seq,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=2,
+        ffn_hidden_size=4 * hidden,
+    )
     d = hidden // heads
-    mla = base.replace(num_kv_heads=heads, qk_norm=True, multi_latent_attention=True, q_lora_rank=3 * hidden // 4,
-                       kv_lora_rank=hidden // 2, qk_head_dim=d, qk_pos_emb_head_dim=d // 2, v_head_dim=d,
-                       rope_type="yarn", rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    mla = base.replace(
+        num_kv_heads=heads,
+        qk_norm=True,
+        multi_latent_attention=True,
+        q_lora_rank=3 * hidden // 4,
+        kv_lora_rank=hidden // 2,
+        qk_head_dim=d,
+        qk_pos_emb_head_dim=d // 2,
+        v_head_dim=d,
+        rope_type="yarn",
+        rotary_scaling_factor=40.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
     return {"gqa": base, "mla": mla}
 
 
 def step_time(config: gpt.GPTConfig, batch: int, seq: int, repeats: int = 5) -> float:
     params = gpt.init(config, 0)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
+    )
     data = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     step = torch.func.grad(lambda p: gpt.loss(p, data, config))
 
@@ -71,9 +92,12 @@ def main() -> None:
         params = tree.num_params(gpt.init(c, 0))
         flops = model_flops(c, a.batch, a.seq)
         cached, latent = cache_values_per_token(c)
-        print(f"{name}: step {times[name] * 1e3:.1f} ms, {params / 1e6:.2f}M parameters, {flops / 1e9:.2f} GFLOP "
-              f"({flops / times[name] / 1e9:.1f} GFLOP/s); KV cache {cached} values per token and layer"
-              + (f" (the latent would be {latent})" if name == "mla" else ""))
+        print(
+            f"{name}: step {times[name] * 1e3:.1f} ms, {params / 1e6:.2f}M parameters, "
+            f"{flops / 1e9:.2f} GFLOP ({flops / times[name] / 1e9:.1f} GFLOP/s); KV cache {cached} "
+            "values per token and "
+            "layer" + (f" (the latent would be {latent})" if name == "mla" else "")
+        )
     print(f"MLA / GQA step time: {times['mla'] / times['gqa']:.2f}")
 
 

@@ -39,9 +39,12 @@ class _Sleep(torch.autograd.Function):
 
 
 def make_schedule(name: str, pp: int, m: int, v: int):
-    return {"gpipe": lambda: schedules.gpipe(pp, m), "1f1b": lambda: schedules.one_f_one_b(pp, m),
-            "interleaved": lambda: schedules.interleaved_1f1b(pp, m, v),
-            "zero_bubble": lambda: schedules.zero_bubble_h1(pp, m)}[name]()
+    return {
+        "gpipe": lambda: schedules.gpipe(pp, m),
+        "1f1b": lambda: schedules.one_f_one_b(pp, m),
+        "interleaved": lambda: schedules.interleaved_1f1b(pp, m, v),
+        "zero_bubble": lambda: schedules.zero_bubble_h1(pp, m),
+    }[name]()
 
 
 def rank_main(mesh, name: str, m: int, v: int, forward_s: float):
@@ -55,12 +58,20 @@ def rank_main(mesh, name: str, m: int, v: int, forward_s: float):
         def run(p, x, batch):
             y = _Sleep.apply((batch["x"] if x is None else x) * p, f_s, b_s)
             return y.sum() if stage == stages - 1 else y
+
         return run
 
     mine = [s for s in range(stages) if s % pp == rank]
     trace: list = []
-    execute.execute(schedule[rank], {s: stage_fn(s) for s in mine}, {s: torch.ones(()) for s in mine},
-                    [{"x": torch.ones(4)} for _ in range(m)], mesh.group("pp"), stages, trace)
+    execute.execute(
+        schedule[rank],
+        {s: stage_fn(s) for s in mine},
+        {s: torch.ones(()) for s in mine},
+        [{"x": torch.ones(4)} for _ in range(m)],
+        mesh.group("pp"),
+        stages,
+        trace,
+    )
     return [(a.is_compute, start, end) for a, start, end in trace]
 
 
@@ -72,30 +83,46 @@ def measured_idle(traces) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--chunks", type=int, default=2, help="model chunks per rank for the interleaved schedule")
+    p.add_argument(
+        "--chunks", type=int, default=2, help="model chunks per rank for the interleaved schedule"
+    )
     p.add_argument("--forward-ms", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     pp, m, v, f = a.pp, a.microbatches, a.chunks, a.forward_ms / 1e3
 
-    print(f"pp={pp} microbatches={m} chunks={v} forward={a.forward_ms:.0f} ms backward={2 * a.forward_ms:.0f} ms "
-          f"(per rank-pass), gloo on 127.0.0.1, torch {torch.__version__}")
-    print(f"{'schedule':<14} {'simulated idle':>15} {'measured idle':>14} {'measured / simulated':>21}")
+    print(
+        f"pp={pp} microbatches={m} chunks={v} forward={a.forward_ms:.0f} ms "
+        f"backward={2 * a.forward_ms:.0f} ms (per rank-pass), gloo on 127.0.0.1, torch "
+        f"{torch.__version__}"
+    )
+    print(
+        f"{'schedule':<14} {'simulated idle':>15} {'measured idle':>14} "
+        f"{'measured / simulated':>21}"
+    )
     with GlooRanks(pp) as ranks:
         for name in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
             chunks = v if name == "interleaved" else 1
             costs = {"F": 1.0 / chunks, "B": 2.0 / chunks, "W": 0.0}
             simulated = simulate(make_schedule(name, pp, m, v), costs).bubble_fraction
-            runs = [measured_idle(ranks.run(rank_main, name, m, v, f, pp=pp)) for _ in range(a.repeats)]
+            runs = [
+                measured_idle(ranks.run(rank_main, name, m, v, f, pp=pp)) for _ in range(a.repeats)
+            ]
             measured = sorted(runs)[len(runs) // 2]
             print(f"{name:<14} {simulated:>15.3f} {measured:>14.3f} {measured / simulated:>21.3f}")
-    split = simulate(schedules.zero_bubble_h1(pp, m), {"F": 1.0, "B": 1.0, "W": 1.0}).bubble_fraction
-    print(f"\nzero_bubble simulated with a split backward (B = W = F): {split:.3f}. fmeg's executor computes the\n"
-          "weight gradient inside B (one torch.func.vjp call) and W only applies it, so it is measured and\n"
-          "simulated above as B = 2F, W = 0.")
+    split = simulate(
+        schedules.zero_bubble_h1(pp, m), {"F": 1.0, "B": 1.0, "W": 1.0}
+    ).bubble_fraction
+    print(
+        f"\nzero_bubble simulated with a split backward (B = W = F): {split:.3f}. fmeg's executor "
+        "computes the\nweight gradient inside B (one torch.func.vjp call) and W only applies it, "
+        "so it is measured and\nsimulated above as B = 2F, W = 0."
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""The command-line parser every fmeg command uses: Megatron's rules (no prefix of a flag is taken for it),
-help printed by rank 0 only under torchrun, each error line printed once per job (print_refusal), and a usage
-error as one line naming the flag (with the closest flag when there is one) and a pointer to --help, exit 2,
-instead of the usage text.
+"""The command-line parser every fmeg command uses: Megatron's rules (no prefix of a flag is taken
+for it), help printed by rank 0 only under torchrun, each error line printed once per job
+(print_refusal), and a usage error as one line naming the flag (with the closest flag when there is
+one) and a pointer to --help, exit 2, instead of the usage text.
 
     p = OneLineParser(prog="python -m recipes.generate")
 """
@@ -20,15 +20,20 @@ REFUSALS = "FMEG_REFUSALS"  # a directory fmeg.launch makes, shared by its worke
 
 
 def print_refusal(lines: list[str] | tuple[str, ...]) -> None:
-    """'error: line' on stderr for each line, once per job. Under fmeg.launch the rank that reaches a line first
-    prints it (a file named by the line's hash, made exclusively in $FMEG_REFUSALS, says it was), so a refusal
-    is printed however the ranks race to exit, and whichever rank alone met it; elsewhere rank 0 prints."""
+    """'error: line' on stderr for each line, once per job. Under fmeg.launch the rank that reaches
+    a line first prints it (a file named by the line's hash, made exclusively in $FMEG_REFUSALS,
+    says it was), so a refusal is printed however the ranks race to exit, and whichever rank alone
+    met it; elsewhere rank 0 prints."""
     shared = os.environ.get(REFUSALS)
     for line in lines:
         if shared:
             try:
-                os.close(os.open(os.path.join(shared, hashlib.sha1(line.encode()).hexdigest()),
-                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                os.close(
+                    os.open(
+                        os.path.join(shared, hashlib.sha1(line.encode()).hexdigest()),
+                        os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                    )
+                )
             except FileExistsError:
                 continue
             except OSError:  # the directory is gone: say it anyway
@@ -58,7 +63,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def one_line(message: str, actions) -> str:
-    """argparse's error message, with an unrecognized flag named alone and its closest known flag."""
+    """argparse's error message, with an unrecognized flag named alone and its closest known
+    flag."""
     if message.startswith("unrecognized arguments: "):
         unknown = message.removeprefix("unrecognized arguments: ").split()
         flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]

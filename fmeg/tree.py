@@ -41,9 +41,12 @@ def items(tree: Tree) -> Iterator[tuple[str, torch.Tensor]]:
 
 @functools.lru_cache(maxsize=1024)
 def paths_of(spec: pytree.TreeSpec) -> tuple[str, ...]:
-    """The dotted paths of a tree structure's leaves, in order; cached, since the executor asks for the same
-    few structures (a layer's, a stage's) every microbatch and key paths cost more than the flatten."""
-    flat, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten([object() for _ in range(spec.num_leaves)], spec))
+    """The dotted paths of a tree structure's leaves, in order; cached, since the executor asks for
+    the same few structures (a layer's, a stage's) every microbatch and key paths cost more than the
+    flatten."""
+    flat, _ = pytree.tree_flatten_with_path(
+        pytree.tree_unflatten([object() for _ in range(spec.num_leaves)], spec)
+    )
     return tuple(path_of(key_path) for key_path, _ in flat)
 
 

@@ -1,24 +1,27 @@
-"""Convert fmeg checkpoints: consolidate shards, export to and import from Hugging Face and Megatron-LM.
+"""Convert fmeg checkpoints: consolidate shards, export to and import from Hugging Face and
+Megatron-LM.
 
     python -m recipes.convert_checkpoint consolidate --load ckpt --output model.safetensors
-    python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/      # config.json + model.safetensors
-    python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt        # a starting checkpoint
-    python -m recipes.convert_checkpoint export-megatron --load ckpt --save megatron_ckpt  # for Megatron at tp 1
-    python -m recipes.convert_checkpoint import-megatron --input megatron_ckpt --save ckpt
+    python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/      # config.json
+    + model.safetensors python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt
+    # a starting checkpoint python -m recipes.convert_checkpoint export-megatron --load ckpt --save
+    megatron_ckpt  # for Megatron at tp 1 python -m recipes.convert_checkpoint import-megatron
+    --input megatron_ckpt --save ckpt
 
-export-megatron writes a torch_dist checkpoint (fmeg.interop.megatron.export) that Megatron-LM resumes with its
-model flags, --load and --no-load-optim --no-load-rng (or --finetune), at the tp it names (the vocabulary is
-padded for it). import-megatron builds the model from the checkpoint's args and keeps its iteration and
-consumed samples; --load of a Megatron directory in recipes.gpt_pretrain and recipes.generate needs no import.
+export-megatron writes a torch_dist checkpoint (fmeg.interop.megatron.export) that Megatron-LM
+resumes with its model flags, --load and --no-load-optim --no-load-rng (or --finetune), at the tp it
+names (the vocabulary is padded for it). import-megatron builds the model from the checkpoint's args
+and keeps its iteration and consumed samples; --load of a Megatron directory in recipes.gpt_pretrain
+and recipes.generate needs no import.
 
-consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"), with
-the model config as JSON in the file's metadata; the vocabulary is the real one (no padding rows), as in
-export-hf, so neither output depends on the layout that saved. DeepSeek-V3's multi-token prediction depths, which
-transformers' model does not hold, are read from and written to the safetensors files in DeepSeek's layout.
-import-hf writes an iteration-0 checkpoint of one rank
-(fresh optimizer state) that --load reshards into any layout; it reads config.json and safetensors weights only
-(fmeg.interop.hf_dir: a directory of pickled weights, a damaged file, a config.json that disagrees with the
-weights or a NaN weight is one line). No pickle is read or written.
+consolidate writes every parameter as one full tensor under its path ("layers.0.attn.qkv.weight"),
+with the model config as JSON in the file's metadata; the vocabulary is the real one (no padding
+rows), as in export-hf, so neither output depends on the layout that saved. DeepSeek-V3's
+multi-token prediction depths, which transformers' model does not hold, are read from and written to
+the safetensors files in DeepSeek's layout. import-hf writes an iteration-0 checkpoint of one rank
+(fresh optimizer state) that --load reshards into any layout; it reads config.json and safetensors
+weights only (fmeg.interop.hf_dir: a directory of pickled weights, a damaged file, a config.json
+that disagrees with the weights or a NaN weight is one line). No pickle is read or written.
 """
 
 from __future__ import annotations
@@ -49,16 +52,20 @@ from fmeg.parallel.layout import Layout
 
 
 def load_full(root: str) -> tuple[gpt.GPTConfig, dict]:
-    """(config, single-rank params in fp32) of the newest checkpoint under root, fmeg's or Megatron's."""
+    """(config, single-rank params in fp32) of the newest checkpoint under root, fmeg's or
+    Megatron's."""
     return load_checkpoint(root)[:2]
 
 
 def load_checkpoint(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTConfig, dict, dict]:
-    """(config, single-rank params in fp32, meta) of the newest checkpoint under root, fmeg's or Megatron's
-    (vocab_size: the tokenizer's, where Megatron's args record only the padded vocabulary)."""
+    """(config, single-rank params in fp32, meta) of the newest checkpoint under root, fmeg's or
+    Megatron's (vocab_size: the tokenizer's, where Megatron's args record only the padded
+    vocabulary)."""
     path = checkpoint.latest(root)
     if path is None:
-        raise checkpoint.CheckpointError(f"{root}: no {checkpoint.LATEST}; not a checkpoint directory")
+        raise checkpoint.CheckpointError(
+            f"{root}: no {checkpoint.LATEST}; not a checkpoint directory"
+        )
     if megatron.is_torch_dist(path):
         config = megatron_model(megatron.saved_args(path), vocab_size)
         opened = megatron.MegatronCheckpoint.open(path, config)
@@ -76,28 +83,43 @@ def check_paths(args) -> None:
     """Refuse, before any work, to overwrite an output or to reach the network for an input."""
     if args.command in ("import-hf", "import-megatron"):
         if not Path(args.input).is_dir():
-            raise ValueError(f"--input {args.input}: no such directory (import-hf reads a transformers model "
-                             "directory, config.json and weights, and never downloads)" if args.command == "import-hf"
-                             else f"--input {args.input}: no such directory")
+            raise ValueError(
+                f"--input {args.input}: no such directory (import-hf reads a transformers model "
+                "directory, config.json and weights, and never downloads)"
+                if args.command == "import-hf"
+                else f"--input {args.input}: no such directory"
+            )
         if (Path(args.save) / checkpoint.LATEST).exists():
-            raise ValueError(f"--save {args.save} already holds a checkpoint; choose a new directory")
+            raise ValueError(
+                f"--save {args.save} already holds a checkpoint; choose a new directory"
+            )
         return
     if args.command == "export-megatron":
-        sizes = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "make_vocab_size_divisible_by")
+        sizes = (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "make_vocab_size_divisible_by",
+        )
         for name in sizes:
             if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+                )
         save = Path(args.save)
         if (save / "latest_checkpointed_iteration.txt").exists():
-            raise ValueError(f"--save {args.save} already holds a Megatron checkpoint; choose a new directory")
+            raise ValueError(
+                f"--save {args.save} already holds a Megatron checkpoint; choose a new directory"
+            )
         refuse_filled("--save", save)
         return
     out = Path(args.output)
     if not out.parent.is_dir():
         raise ValueError(f"--output {out}: no directory {out.parent}; create it first")
     if args.command == "consolidate" and out.exists():
-        raise ValueError(f"--output {out} exists; choose a new file name (conversions never overwrite)")
+        raise ValueError(
+            f"--output {out} exists; choose a new file name (conversions never overwrite)"
+        )
     if args.command == "export-hf":
         refuse_filled("--output", out)
 
@@ -105,23 +127,33 @@ def check_paths(args) -> None:
 def refuse_filled(flag: str, directory: Path) -> None:
     """A ValueError unless directory is absent or empty: conversions never overwrite."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ValueError(f"{flag} {directory} exists and is not an empty directory; choose a new directory "
-                         "(conversions never overwrite)")
+        raise ValueError(
+            f"{flag} {directory} exists and is not an empty directory; choose a new directory "
+            "(conversions never overwrite)"
+        )
 
 
 def consolidate(args) -> None:
     config, params = load_full(args.load)
-    params, config = gpt.repad_vocab(params, config, config.vocab_size), config.replace(padded_vocab_size=None)
+    params, config = (
+        gpt.repad_vocab(params, config, config.vocab_size),
+        config.replace(padded_vocab_size=None),
+    )
     tensors = {k: v.contiguous() for k, v in tree.flatten(params).items()}
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        save_file(tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))})
+        save_file(
+            tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))}
+        )
         tmp.replace(out)
-    except (OSError, SafetensorError) as e:  # a full disk, a read-only directory: nothing half-written stays
+    # a full disk, a read-only directory: nothing half-written stays
+    except (OSError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
-        raise ValueError(f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
-                         "written") from None
+        raise ValueError(
+            f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
+            "written"
+        ) from None
     print(f"wrote {out}: {len(tensors)} tensors, {tree.num_params(params):,} parameters")
 
 
@@ -133,16 +165,21 @@ def export_hf(args) -> None:
     model, extra = to_hf(params, config), mtp_files(params, config)
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
-    try:  # written beside, then renamed over the (absent or empty) output: nothing half-written stays
+    # written beside, then renamed over the (absent or empty) output: nothing half-written stays
+    try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if extra:  # DeepSeek-V3's MTP depths, which transformers' model does not hold
             add_weight_file(tmp, "model-mtp.safetensors", extra)
         tmp.replace(out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
-                         "written") from None
-    print(f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained")
+        raise ValueError(
+            f"--output {out}: cannot write it ({' '.join(str(e).split())[:200]}); nothing was "
+            "written"
+        ) from None
+    print(
+        f"wrote {args.output} ({type(model).__name__}); load it with transformers' from_pretrained"
+    )
 
 
 def import_hf(args) -> None:
@@ -160,20 +197,31 @@ def export_megatron(args) -> None:
     from fmeg.interop.megatron.export import layout_problem, megatron_tensors, write_torch_dist
 
     config, params, meta = load_checkpoint(args.load)
-    problem = layout_problem(config, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                             args.expert_model_parallel_size)
+    problem = layout_problem(
+        config,
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+    )
     if problem:
         raise ValueError(problem)
-    megatron_args = args_for(config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                             ep=args.expert_model_parallel_size,
-                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                             iteration=int(meta.get("iteration", 0)),
-                             consumed_train_samples=int(meta.get("consumed_samples", 0)),
-                             consumed_valid_samples=int(meta.get("valid_consumed_samples", 0)))
+    megatron_args = args_for(
+        config,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        iteration=int(meta.get("iteration", 0)),
+        consumed_train_samples=int(meta.get("consumed_samples", 0)),
+        consumed_valid_samples=int(meta.get("valid_consumed_samples", 0)),
+    )
     tensors = megatron_tensors(params, config, megatron_args.padded_vocab_size)
     where = write_torch_dist(args.save, tensors, megatron_args)
-    print(f"wrote {where}: {len(tensors)} tensors, {tree.num_params(params):,} parameters; resume it in Megatron-LM "
-          f"with --load {args.save} --no-load-optim --no-load-rng and the model's flags")
+    print(
+        f"wrote {where}: {len(tensors)} tensors, {tree.num_params(params):,} parameters; resume it "
+        f"in Megatron-LM with --load {args.save} --no-load-optim --no-load-rng and the model's "
+        "flags"
+    )
 
 
 def import_megatron(args) -> None:
@@ -182,16 +230,26 @@ def import_megatron(args) -> None:
     config, params, meta = load_checkpoint(args.input, args.vocab_size)
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
-    path = save_single_rank(args.save, meta["iteration"], state, config,
-                            {"consumed_samples": meta["consumed_samples"],
-                             "valid_consumed_samples": meta["valid_consumed_samples"],
-                             "imported_from": str(args.input)})
+    path = save_single_rank(
+        args.save,
+        meta["iteration"],
+        state,
+        config,
+        {
+            "consumed_samples": meta["consumed_samples"],
+            "valid_consumed_samples": meta["valid_consumed_samples"],
+            "imported_from": str(args.input),
+        },
+    )
     print(f"wrote {path} from {args.input} (the weights; the optimizer starts fresh): {config}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m recipes.convert_checkpoint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(
+        prog="python -m recipes.convert_checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate")
     c.add_argument("--load", required=True)
@@ -204,24 +262,40 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--save", required=True)
     m = sub.add_parser("export-megatron")
     m.add_argument("--load", required=True)
-    m.add_argument("--save", required=True, help="a new directory: Megatron's --load and --save root")
-    m.add_argument("--tensor-model-parallel-size", type=int, default=1, help="the tp Megatron resumes at")
+    m.add_argument(
+        "--save", required=True, help="a new directory: Megatron's --load and --save root"
+    )
+    m.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="the tp Megatron resumes at"
+    )
     m.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     m.add_argument("--expert-model-parallel-size", type=int, default=1)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     mi = sub.add_parser("import-megatron")
-    mi.add_argument("--input", required=True,
-                    help="Megatron's checkpoint root (its --save, holding latest_checkpointed_iteration.txt)")
+    mi.add_argument(
+        "--input",
+        required=True,
+        help="Megatron's checkpoint root (its --save, holding latest_checkpointed_iteration.txt)",
+    )
     mi.add_argument("--save", required=True)
-    mi.add_argument("--vocab-size", type=int, default=None,
-                    help="the tokenizer's ids, when the checkpoint's args record only the padded vocabulary")
+    mi.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the tokenizer's ids, when the checkpoint's args record only the padded vocabulary",
+    )
     args = p.parse_args(argv)
     try:
         check_paths(args)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", ImportNotice)
-            {"consolidate": consolidate, "export-hf": export_hf, "import-hf": import_hf,
-             "export-megatron": export_megatron, "import-megatron": import_megatron}[args.command](args)
+            {
+                "consolidate": consolidate,
+                "export-hf": export_hf,
+                "import-hf": import_hf,
+                "export-megatron": export_megatron,
+                "import-megatron": import_megatron,
+            }[args.command](args)
         for w in said:
             if issubclass(w.category, ImportNotice):
                 print(f"warning: {w.message}", file=sys.stderr)

@@ -4,17 +4,19 @@
         --pipeline-model-parallel-size 2
     python -m recipes.gpt_pretrain --config run.yaml --train-iters 50        # one process
 
-main() reads as its phases: prepare (parse and validate the flags, read the tokenizer and the data, and turn
-them into one frozen RunConfig; bad input is one line per problem and exit 2, before any process group
-exists), start the session (device and process groups), build or restore the state (initialised as on one
-device, then sharded, so the loss curve does not depend on the layout), train, finish.
+main() reads as its phases: prepare (parse and validate the flags, read the tokenizer and the data,
+and turn them into one frozen RunConfig; bad input is one line per problem and exit 2, before any
+process group exists), start the session (device and process groups), build or restore the state
+(initialised as on one device, then sharded, so the loss curve does not depend on the layout),
+train, finish.
 """
 
 from __future__ import annotations
 
 import time
 
-PROCESS_START = time.time()  # --exit-duration-in-mins counts from here, as Megatron's does from process start
+# --exit-duration-in-mins counts from here, as Megatron's does from process start
+PROCESS_START = time.time()
 
 import dataclasses  # noqa: E402 - after the clock
 import logging  # noqa: E402
@@ -50,8 +52,8 @@ class BadInput(Exception):
 
 
 def prepare(a, world: int):
-    """(RunConfig, training data, validation data) of validated flags, or BadInput. Everything a user can
-    get wrong is found here, before any process group exists."""
+    """(RunConfig, training data, validation data) of validated flags, or BadInput. Everything a
+    user can get wrong is found here, before any process group exists."""
     problems = validate(a, world)
     missing = wandb_missing(a.wandb_project)
     if problems or missing:
@@ -61,69 +63,145 @@ def prepare(a, world: int):
     except ValueError as e:  # a missing or unreadable tokenizer file
         raise BadInput(str(e)) from None
     if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
-        raise BadInput(f"--padded-vocab-size {a.padded_vocab_size} is smaller than the tokenizer's vocabulary "
-                       f"({tokenizer.vocab_size}); raise it or leave it out")
+        raise BadInput(
+            f"--padded-vocab-size {a.padded_vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); raise it or leave it out"
+        )
     cfg = RunConfig.from_args(a, world, tokenizer.vocab_size)
     d, t = cfg.data, cfg.training
-    data_path = list(d.data_path) if d.data_path else \
-        [(mock_corpus(tokenizer.vocab_size, tokenizer.eod) if d.mock else default_corpus()).prefix]
-    samples = target_samples(t.train_iters, cfg.global_batch, t.eval_interval or 0,
-                             t.eval_iters if t.eval_interval else 0)
+    data_path = (
+        list(d.data_path)
+        if d.data_path
+        else [
+            (
+                mock_corpus(tokenizer.vocab_size, tokenizer.eod) if d.mock else default_corpus()
+            ).prefix
+        ]
+    )
+    samples = target_samples(
+        t.train_iters,
+        cfg.global_batch,
+        t.eval_interval or 0,
+        t.eval_iters if t.eval_interval else 0,
+    )
     try:
-        if d.sft:
-            (train, valid, _), said = build_sft_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0],
-                                                         tokenizer, cache_dir=d.cache_path or fmeg_cache(),
-                                                         cp=cfg.layout.cp, packing=d.sft_sequence_packing)
-            cfg = dataclasses.replace(cfg, notices=cfg.notices + tuple(said))
-        else:
-            train, valid, _ = build_datasets(data_path, d.split, d.seq_length, [samples[0], samples[1], 0], t.seed,
-                                             cache_dir=d.cache_path, eod_id=tokenizer.eod,
-                                             eod_mask_loss=d.eod_mask_loss, reset_position_ids=d.reset_position_ids,
-                                             reset_attention_mask=d.reset_attention_mask,
-                                             fim=FIM.of(d.fim, tokenizer) if d.fim else None,
-                                             vocab_size=tokenizer.vocab_size)
+        train, valid, cfg = _datasets(cfg, tokenizer, data_path, samples)
     except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
         raise BadInput(str(e)) from None
+    return _check_splits(cfg, train, valid, data_path, samples)
+
+
+def _datasets(cfg: RunConfig, tokenizer, data_path: list, samples: list):
+    """(training data, validation data, cfg with the SFT data's notices) of the flags' data."""
+    d, t = cfg.data, cfg.training
+    if d.sft:
+        (train, valid, _), said = build_sft_datasets(
+            data_path,
+            d.split,
+            d.seq_length,
+            [samples[0], samples[1], 0],
+            tokenizer,
+            cache_dir=d.cache_path or fmeg_cache(),
+            cp=cfg.layout.cp,
+            packing=d.sft_sequence_packing,
+        )
+        cfg = dataclasses.replace(cfg, notices=cfg.notices + tuple(said))
+    else:
+        train, valid, _ = build_datasets(
+            data_path,
+            d.split,
+            d.seq_length,
+            [samples[0], samples[1], 0],
+            t.seed,
+            cache_dir=d.cache_path,
+            eod_id=tokenizer.eod,
+            eod_mask_loss=d.eod_mask_loss,
+            reset_position_ids=d.reset_position_ids,
+            reset_attention_mask=d.reset_attention_mask,
+            fim=FIM.of(d.fim, tokenizer) if d.fim else None,
+            vocab_size=tokenizer.vocab_size,
+        )
+    return train, valid, cfg
+
+
+def _check_splits(cfg: RunConfig, train, valid, data_path: list, samples: list):
+    """(cfg, train, valid), or BadInput where a split the run needs has no documents."""
+    d, t = cfg.data, cfg.training
     if train is None and samples[0]:
-        raise BadInput(f"--data-path {' '.join(data_path)}: the training split has no documents (an empty dataset, "
-                       f"or --split {d.split} gives it no share); give it data or a share")
-    if t.eval_interval and valid is None and parse_split(d.split)[1] == 0:  # Megatron's do_valid = False
-        cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, eval_interval=None), notices=cfg.notices + (
-            f"--split {d.split} gives validation no share: no validation, --eval-interval has no effect (as in "
-            "Megatron)",))
+        raise BadInput(
+            f"--data-path {' '.join(data_path)}: the training split has no documents (an empty "
+            f"dataset, or --split {d.split} gives it no share); give it data or a share"
+        )
+    # Megatron's do_valid = False
+    if t.eval_interval and valid is None and parse_split(d.split)[1] == 0:
+        cfg = dataclasses.replace(
+            cfg,
+            training=dataclasses.replace(t, eval_interval=None),
+            notices=cfg.notices
+            + (
+                f"--split {d.split} gives validation no share: no validation, --eval-interval has "
+                "no effect (as in Megatron)",
+            ),
+        )
     elif t.eval_interval and valid is None:  # found now, not at the first evaluation
-        raise BadInput(f"--split {d.split} leaves the validation split of {' '.join(data_path)} no documents; "
-                       "give it a larger share, or leave out --eval-interval")
+        raise BadInput(
+            f"--split {d.split} leaves the validation split of {' '.join(data_path)} no documents; "
+            "give it a larger share, or leave out --eval-interval"
+        )
     return cfg, train, valid
 
 
 def announce(cfg: RunConfig, session: Session, state) -> None:
-    """The start line, the ignored flags, the warnings and the theoretical memory (on the last rank)."""
+    """The start line, the ignored flags, the warnings and the theoretical memory (on the last
+    rank)."""
     layout, precision, model = cfg.layout, cfg.precision, cfg.model
     local = tree.num_params(state.params)
     opt = state.opt_state
-    state_bytes = sum(x.numel() * x.element_size() for x in tree.tree_leaves(
-        (opt["adam"].mu, opt["adam"].nu, opt.get("main", ()))))
-    reduced_in = "" if precision.grad_dtype == torch.float32 else \
-        f" (gradients reduced in {str(precision.grad_dtype).removeprefix('torch.')})"
+    state_bytes = sum(
+        x.numel() * x.element_size()
+        for x in tree.tree_leaves((opt["adam"].mu, opt["adam"].nu, opt.get("main", ())))
+    )
+    reduced_in = (
+        ""
+        if precision.grad_dtype == torch.float32
+        else f" (gradients reduced in {str(precision.grad_dtype).removeprefix('torch.')})"
+    )
     in_flight = min(layout.pp, layout.microbatches(cfg.global_batch)) * layout.chunks
-    estimate = memory_estimate(local, state_bytes, model, layout.micro_batch_size, cfg.data.seq_length, layout.tp,
-                               layout.pp, in_flight, torch.finfo(precision.compute_dtype).bits // 8, cp=layout.cp)
-    print(f"fmeg gpt_pretrain on {session.device}: world {session.world} = {layout.describe()}; "
-          f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size} (padded to "
-          f"{model.padded_vocab_size}), {precision.name}{reduced_in}, "
-          f"layers {'compiled' if session.compile else 'eager'}; {local / 1e6:.2f}M parameters on this rank; "
-          f"global batch {cfg.global_batch}{' (ramped up)' if cfg.training.batch.varies else ''}; optimizer state "
-          f"{state_bytes:,} bytes on this rank{' (distributed optimizer)' if state.zero else ''}; persistent state "
-          f"{state.bytes_per_parameter():.2f} bytes per parameter", flush=True)
+    estimate = memory_estimate(
+        local,
+        state_bytes,
+        model,
+        layout.micro_batch_size,
+        cfg.data.seq_length,
+        layout.tp,
+        layout.pp,
+        in_flight,
+        torch.finfo(precision.compute_dtype).bits // 8,
+        cp=layout.cp,
+    )
+    print(
+        f"fmeg gpt_pretrain on {session.device}: world {session.world} = {layout.describe()}; "
+        f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size} (padded "
+        f"to {model.padded_vocab_size}), {precision.name}{reduced_in}, layers "
+        f"{'compiled' if session.compile else 'eager'}; {local / 1e6:.2f}M parameters on this "
+        "rank; global batch "
+        f"{cfg.global_batch}{' (ramped up)' if cfg.training.batch.varies else ''}; optimizer state "
+        f"{state_bytes:,} bytes on this rank{' (distributed optimizer)' if state.zero else ''}; "
+        f"persistent state {state.bytes_per_parameter():.2f} bytes per parameter",
+        flush=True,
+    )
     for line in cfg.ignored:
         print(f"ignored {line}", flush=True)
     for line in cfg.notices:
         print(f"warning: {line}", flush=True)
     scores = "with" if holds_attention_scores(model) else "without"
-    print("theoretical memory on this rank (MB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
-          + f" (activations of {in_flight} microbatch{'es' if in_flight > 1 else ''} in flight, {scores} attention "
-          "scores, Korthikanti's count)", flush=True)
+    print(
+        "theoretical memory on this rank (MB): "
+        + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
+        + f" (activations of {in_flight} microbatch{'es' if in_flight > 1 else ''} in flight, "
+        f"{scores} attention scores, Korthikanti's count)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer = Checkpointer(cfg, session) if cfg.checkpoint.save else None
     if session.last_rank:
         announce(cfg, session, state)
-    code = Trainer(cfg, session, state, progress, train_data, valid_data, checkpointer, PROCESS_START).run()
+    code = Trainer(
+        cfg, session, state, progress, train_data, valid_data, checkpointer, PROCESS_START
+    ).run()
     session.close()
     return code
 
@@ -159,21 +239,31 @@ def refuse(lines) -> int:
 
 
 def _gone_peer(e: BaseException) -> bool:
-    """Whether a collective failed because another rank stopped (killed, or failed on its own), by the words
-    gloo and NCCL use for it; any other error keeps its traceback."""
-    return any(words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                             "remote process exited"))
+    """Whether a collective failed because another rank stopped (killed, or failed on its own), by
+    the words gloo and NCCL use for it; any other error keeps its traceback."""
+    return any(
+        words in str(e)
+        for words in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "remote process exited",
+        )
+    )
 
 
 def _timed_out(e: BaseException) -> bool:
-    """Whether a collective gave up waiting for another rank (--distributed-timeout-minutes), by gloo's and
-    NCCL's words."""
-    return any(words in str(e) for words in ("Timed out waiting", "collective operation timeout", "Socket Timeout"))
+    """Whether a collective gave up waiting for another rank (--distributed-timeout-minutes), by
+    gloo's and NCCL's words."""
+    return any(
+        words in str(e)
+        for words in ("Timed out waiting", "collective operation timeout", "Socket Timeout")
+    )
 
 
 def _report_silent_ranks(e: BaseException) -> None:
-    """One line, printed by the lowest rank that timed out, naming the ranks that did not answer a roll call
-    (stopped, say by SIGSTOP, or hung); every rank that timed out then ends."""
+    """One line, printed by the lowest rank that timed out, naming the ranks that did not answer a
+    roll call (stopped, say by SIGSTOP, or hung); every rank that timed out then ends."""
     import re
 
     import torch.distributed as dist
@@ -183,12 +273,20 @@ def _report_silent_ranks(e: BaseException) -> None:
     silent = silent_ranks()
     here = [r for r in range(dist.get_world_size()) if r not in silent]
     waited = re.search(r"(\d+)\s*ms", str(e))
-    limit = f" (it waited {int(waited.group(1)) / 1000:g} s: --distributed-timeout-minutes)" if waited else ""
+    limit = (
+        f" (it waited {int(waited.group(1)) / 1000:g} s: --distributed-timeout-minutes)"
+        if waited
+        else ""
+    )
     if here and int(os.environ.get("RANK", "0")) == min(here):
         who = f"rank {', '.join(map(str, silent))}" if silent else "another rank"
-        print(f"error: {who} stopped answering: rank {min(here)} timed out waiting for it{limit}; it is stopped or "
-              "hung, and the job ends here (fmeg.launch --max-restarts N restarts it from the newest checkpoint)",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: {who} stopped answering: rank {min(here)} timed out waiting for it{limit}; it "
+            "is stopped or hung, and the job ends here (fmeg.launch --max-restarts N restarts it "
+            "from the newest checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
@@ -202,7 +300,11 @@ if __name__ == "__main__":
         if not _gone_peer(e):
             raise
         said = next(line for line in str(e).splitlines() + [""] if line.strip())[:160]
-        print(f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank, which stopped or was "
-              f"killed; its output says why ({said})", file=sys.stderr, flush=True)
+        print(
+            f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank, which "
+            f"stopped or was killed; its output says why ({said})",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(1)  # tearing down a process group with a rank gone can abort (SIGABRT) under load

@@ -1,13 +1,14 @@
 """Tokenize JSON lines once into Megatron's indexed format.
 
     python -m recipes.preprocess_data --input corpus.jsonl --output-prefix data/corpus --append-eod
-    python -m recipes.preprocess_data --input c.jsonl --output-prefix out --tokenizer-type GPT2BPETokenizer \\
+    python -m recipes.preprocess_data --input c.jsonl --output-prefix out --tokenizer-type
+    GPT2BPETokenizer \\
         --vocab-file vocab.json --merge-file merges.txt --workers 4
 
-Writes {output_prefix}_{key}_document.bin/.idx for every --json-keys key (Megatron's names), one document per
-line. Lines that are not JSON, lack a key or hold a non-string are skipped, counted and reported with
-their line numbers (--strict stops at the first instead, leaving no output). Files appear only when
-complete.
+Writes {output_prefix}_{key}_document.bin/.idx for every --json-keys key (Megatron's names), one
+document per line. Lines that are not JSON, lack a key or hold a non-string are skipped, counted and
+reported with their line numbers (--strict stops at the first instead, leaving no output). Files
+appear only when complete.
 """
 
 from __future__ import annotations
@@ -27,25 +28,41 @@ _TOKENIZER = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(prog="python -m recipes.preprocess_data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(
+        prog="python -m recipes.preprocess_data",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--input", required=True, help="JSON lines file")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    p.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="end every document with the end-of-document token",
+    )
     p.add_argument("--tokenizer-type", default="ByteTokenizer", choices=TOKENIZER_TYPES)
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (text is space-separated ids); "
-                                                   "TikTokenizer's ids in all (default 2**17)")
-    p.add_argument("--tokenizer-model", help="tokenizer.json for HuggingFaceTokenizer, tokenizer.model for "
-                                              "Llama2Tokenizer, the JSON vocabulary for TikTokenizer")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="NullTokenizer's vocabulary (text is space-separated ids); "
+        "TikTokenizer's ids in all (default 2**17)",
+    )
+    p.add_argument(
+        "--tokenizer-model",
+        help="tokenizer.json for HuggingFaceTokenizer, tokenizer.model for "
+        "Llama2Tokenizer, the JSON vocabulary for TikTokenizer",
+    )
     p.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
     p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     p.add_argument("--tiktoken-special-tokens", nargs="+")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
     p.add_argument("--eod-token", help="name of the end-of-document token if not a usual one")
-    p.add_argument("--log-interval", type=int, default=10000, help="report progress every N documents")
+    p.add_argument(
+        "--log-interval", type=int, default=10000, help="report progress every N documents"
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first bad line")
     return p.parse_args(argv)
 
@@ -96,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: --output-prefix {args.output_prefix}: cannot create its directory ({e.strerror or e})",
-              file=sys.stderr)
+        print(
+            f"error: --output-prefix {args.output_prefix}: cannot create its directory "
+            f"({e.strerror or e})",
+            file=sys.stderr,
+        )
         return 2
     _init_worker(args)
     dtype = best_dtype(tokenizer.vocab_size)
@@ -108,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a read-only directory: one line, and nothing half-written
         for builder in builders.values():
             builder.abort()
-        print(f"error: --output-prefix {args.output_prefix}: cannot write the dataset ({e.strerror or e}); nothing "
-              "was written", file=sys.stderr)
+        print(
+            f"error: --output-prefix {args.output_prefix}: cannot write the dataset "
+            f"({e.strerror or e}); nothing was written",
+            file=sys.stderr,
+        )
         return 2
 
 
@@ -128,13 +151,17 @@ def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
 
     pool = multiprocessing.Pool(args.workers, _init_worker, (args,)) if args.workers > 1 else None
     try:
-        results = pool.imap(encode_line, tasks(), chunksize=64) if pool else map(encode_line, tasks())
+        results = (
+            pool.imap(encode_line, tasks(), chunksize=64) if pool else map(encode_line, tasks())
+        )
         for number, result, size in results:
             read += size
             if isinstance(result, str):
                 bad.append((number, result))
                 if args.strict:
-                    raise ValueError(f"{args.input}:{number}: {result} (without --strict such lines are skipped)")
+                    raise ValueError(
+                        f"{args.input}:{number}: {result} (without --strict such lines are skipped)"
+                    )
                 continue
             for key, ids in result.items():
                 builders[key].add_document(ids)
@@ -142,8 +169,12 @@ def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
             docs += 1
             if docs % args.log_interval == 0:
                 elapsed = time.perf_counter() - start
-                print(f"processed {docs} documents ({docs / elapsed:.0f} docs/s, {read / elapsed / 1e6:.1f} MB/s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"processed {docs} documents ({docs / elapsed:.0f} docs/s, "
+                    f"{read / elapsed / 1e6:.1f} MB/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except ValueError as e:
         for builder in builders.values():
             builder.abort()
@@ -156,15 +187,24 @@ def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
     if docs == 0:  # a dataset of no documents trains nothing: refuse it rather than write it
         for builder in builders.values():
             builder.abort()
-        why = f"all {len(bad)} lines were skipped, the first {args.input}:{bad[0][0]}: {bad[0][1]}" if bad \
+        why = (
+            f"all {len(bad)} lines were skipped, the first {args.input}:{bad[0][0]}: {bad[0][1]}"
+            if bad
             else "it has no non-blank lines"
-        print(f"error: --input {args.input}: no documents ({why}); nothing was written", file=sys.stderr)
+        )
+        print(
+            f"error: --input {args.input}: no documents ({why}); nothing was written",
+            file=sys.stderr,
+        )
         return 2
     for builder in builders.values():
         builder.finalize()
     elapsed = time.perf_counter() - start
-    print(f"done: {docs} documents, {tokens} tokens in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} "
-          f"tokens/s, {docs / max(elapsed, 1e-9):,.0f} documents/s); {len(bad)} bad lines skipped")
+    print(
+        f"done: {docs} documents, {tokens} tokens in {elapsed:.1f} s "
+        f"({tokens / max(elapsed, 1e-9):,.0f} tokens/s, {docs / max(elapsed, 1e-9):,.0f} "
+        f"documents/s); {len(bad)} bad lines skipped"
+    )
     for number, problem in bad[:10]:
         print(f"  {args.input}:{number}: {problem}")
     if len(bad) > 10:

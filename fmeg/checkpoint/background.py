@@ -1,12 +1,14 @@
-"""A checkpoint's files written while training goes on: one write at a time on a thread of the rank's own.
+"""A checkpoint's files written while training goes on: one write at a time on a thread of the
+rank's own.
 
     writer = BackgroundWriter()          # owned by the runner
-    writer.start(write_files, ...)       # returns at once; the arguments are host copies the step never touches
-    writer.done                          # has it finished (without waiting)?
-    problem = writer.wait()              # blocks; None, or the OSError (or other error) the write raised
-    writer.close()                       # waits, at the end of the run
+    writer.start(write_files, ...)       # returns at once; the arguments are host copies the step
+    never touches writer.done                          # has it finished (without waiting)?
+    problem = writer.wait()              # blocks; None, or the OSError (or other error) the write
+    raised writer.close()                       # waits, at the end of the run
 
-The thread is a daemon: a process that dies mid-write leaves a temporary directory, which no load chooses.
+The thread is a daemon: a process that dies mid-write leaves a temporary directory, which no load
+chooses.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class BackgroundWriter:
 
     def start(self, write: Callable[..., Any], *args: Any) -> None:
         if self._thread is not None:
-            raise RuntimeError("a background checkpoint write is still pending; wait() for it first")
+            raise RuntimeError(
+                "a background checkpoint write is still pending; wait() for it first"
+            )
 
         def run() -> None:
             try:

@@ -1,14 +1,17 @@
-"""Reading a checkpoint into boxes a rank holds: only the cells that overlap them, each checked by its crc32.
+"""Reading a checkpoint into boxes a rank holds: only the cells that overlap them, each checked by
+its crc32.
 
     ckpt = Checkpoint.open(Path("ck/iter_0000010"))          # metadata.json only; no tensor is read
-    ckpt.read([Request("mu/layers.0.mlp.fc1.weight", Box((0, 0), (64, 32)), out)])   # fills out in place
-    ckpt.bytes_read                                           # what this process read of the checkpoint
+    ckpt.read([Request("mu/layers.0.mlp.fc1.weight", Box((0, 0), (64, 32)), out)])   # fills out in
+    place ckpt.bytes_read                                           # what this process read of the
+    checkpoint
 
-A request names a global tensor, the box of it wanted, and the tensor to fill (any dtype: values are cast).
-Every element of the box must come from the checkpoint: a box that no stored piece covers is a CheckpointError
-naming the tensor; rows past a vocabulary table's saved rows (pad_with_zeros) are zeros, as fmeg pads them.
-Each stored cell is read once (one pread), whatever number of requests it serves, and never more than one cell
-is held beyond the requests' own tensors. A damaged file is a CheckpointError naming the file and the tensor.
+A request names a global tensor, the box of it wanted, and the tensor to fill (any dtype: values are
+cast). Every element of the box must come from the checkpoint: a box that no stored piece covers is
+a CheckpointError naming the tensor; rows past a vocabulary table's saved rows (pad_with_zeros) are
+zeros, as fmeg pads them. Each stored cell is read once (one pread), whatever number of requests it
+serves, and never more than one cell is held beyond the requests' own tensors. A damaged file is a
+CheckpointError naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from fmeg.checkpoint.boxes import Box, Grid
 from fmeg.checkpoint.directory import METADATA, CheckpointError
 from fmeg.checkpoint.save import cell_name
 
-FORMAT = 2  # metadata.json's "format": cells with crc32s; before it, whole-rank files with sha256 (legacy.py)
+# metadata.json's "format": cells with crc32s; before it, whole-rank files with sha256 (legacy.py)
+FORMAT = 2
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Request:
 @dataclass(frozen=True)
 class Cell:
     """A stored box: a tensor of a file, or a run of elements of one (legacy flat slices)."""
+
     file: str
     key: str
     box: Box
@@ -48,8 +53,15 @@ class Cell:
 class Entry:
     """One stored piece of a global tensor: its box and the cells of it that one file holds."""
 
-    def __init__(self, file: str, name: str, box: Box, steps, cells: tuple[int, int], crcs: list[int]):
-        self.file, self.name, self.box, self.grid = file, name, box, Grid(box, tuple(tuple(s) for s in steps))
+    def __init__(
+        self, file: str, name: str, box: Box, steps, cells: tuple[int, int], crcs: list[int]
+    ):
+        self.file, self.name, self.box, self.grid = (
+            file,
+            name,
+            box,
+            Grid(box, tuple(tuple(s) for s in steps)),
+        )
         self.first, self.crcs = cells[0], crcs
 
     def overlapping(self, box: Box) -> list[Cell]:
@@ -57,23 +69,34 @@ class Entry:
         for i in self.grid.overlapping(box):
             if self.first <= i < self.first + len(self.crcs):
                 cell = self.grid.cell(i)
-                out.append(Cell(self.file, cell_name(self.name, cell), cell, self.crcs[i - self.first]))
+                out.append(
+                    Cell(self.file, cell_name(self.name, cell), cell, self.crcs[i - self.first])
+                )
         return out
 
 
 class Checkpoint:
     """One complete checkpoint iteration, opened for reads by box."""
 
-    def __init__(self, path: Path, meta: dict, entries: dict[str, list], tensors: dict[str, tuple[tuple, str]],
-                 metadata_bytes: int, whole_file_sha256: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        meta: dict,
+        entries: dict[str, list],
+        tensors: dict[str, tuple[tuple, str]],
+        metadata_bytes: int,
+        whole_file_sha256: dict[str, str] | None = None,
+    ):
         self.path, self.meta, self.entries, self.tensors = path, meta, entries, tensors
         self._files: dict[str, safetensors_file.SafetensorsFile] = {}
         self._metadata_bytes, self._sha256 = metadata_bytes, whole_file_sha256 or {}
-        self.cell_bytes_read = 0  # the tensors' bytes alone (bytes_read adds the metadata and file headers)
+        # the tensors' bytes alone (bytes_read adds the metadata and file headers)
+        self.cell_bytes_read = 0
 
     @classmethod
     def open(cls, path: str | Path) -> "Checkpoint":
-        """Read metadata.json (format 2, or an older fmeg's through legacy.py); no tensor is read."""
+        """Read metadata.json (format 2, or an older fmeg's through legacy.py); no tensor is
+        read."""
         path = Path(path)
         meta_path = path / METADATA
         try:
@@ -85,7 +108,9 @@ class Checkpoint:
             raise CheckpointError(f"{meta_path}: not an fmeg checkpoint's metadata (no 'files')")
         _check_counters(meta_path, meta)
         if meta.get("format", 1) > FORMAT:
-            raise CheckpointError(f"{meta_path}: format {meta['format']}, written by a newer fmeg; upgrade fmeg")
+            raise CheckpointError(
+                f"{meta_path}: format {meta['format']}, written by a newer fmeg; upgrade fmeg"
+            )
         if meta.get("format", 1) < FORMAT:
             from fmeg.checkpoint.legacy import legacy_entries
 
@@ -114,25 +139,35 @@ class Checkpoint:
             for cell, part in self._cover(r):
                 plan.setdefault(cell, []).append((r, part))
         for file in sorted({c.file for c in plan}):
-            for cell in sorted((c for c in plan if c.file == file), key=self._offset):  # in the file's order
+            # in the file's order
+            for cell in sorted((c for c in plan if c.file == file), key=self._offset):
                 values = self._cell(cell)
                 for r, part in plan[cell]:
                     r.out[part.within(r.box)].copy_(values[part.within(cell.box)])
 
     def _cover(self, r: Request) -> list[tuple[Cell, Box]]:
         if r.name not in self.entries:
-            raise CheckpointError(f"{self.path}: holds no tensor {r.name} (a checkpoint of another model or kind "
-                                  "of run)")
+            raise CheckpointError(
+                f"{self.path}: holds no tensor {r.name} (a checkpoint of another model or kind of "
+                "run)"
+            )
         saved = Box((0,) * len(self.shape(r.name)), self.shape(r.name))
         if len(saved.shape) != len(r.box.shape):
-            raise CheckpointError(f"{self.path}: {r.name} has shape {list(saved.shape)} there, but this run's is "
-                                  f"{list(r.box.end)}-dimensional")
+            raise CheckpointError(
+                f"{self.path}: {r.name} has shape {list(saved.shape)} there, but this run's is "
+                f"{list(r.box.end)}-dimensional"
+            )
         inside = r.box.intersect(saved) if r.box.numel else None
         if (inside.numel if inside else 0) != r.box.numel:
-            if not (r.pad_with_zeros and all(e <= s for e, s in zip(r.box.end[1:], saved.shape[1:]))):
-                raise CheckpointError(f"{self.path}: {r.name} has shape {list(saved.shape)} there, which does not "
-                                      f"hold this run's block at {list(r.box.offset)} of shape {list(r.box.shape)}")
-            r.out[max(saved.shape[0] - r.box.offset[0], 0):].zero_()  # rows past the saved table: padding
+            if not (
+                r.pad_with_zeros and all(e <= s for e, s in zip(r.box.end[1:], saved.shape[1:]))
+            ):
+                raise CheckpointError(
+                    f"{self.path}: {r.name} has shape {list(saved.shape)} there, which does not "
+                    f"hold this run's block at {list(r.box.offset)} of shape {list(r.box.shape)}"
+                )
+            # rows past the saved table: padding
+            r.out[max(saved.shape[0] - r.box.offset[0], 0) :].zero_()
         if inside is None:
             return []
         out, seen, covered = [], set(), 0
@@ -140,15 +175,18 @@ class Checkpoint:
             if entry.box.intersect(inside) is None:
                 continue
             for cell in entry.overlapping(inside):
-                if cell.box in seen:  # the same cell in another file (a replica an older fmeg wrote)
+                # the same cell in another file (a replica an older fmeg wrote)
+                if cell.box in seen:
                     continue
                 seen.add(cell.box)
                 part = cell.box.intersect(inside)
                 covered += part.numel
                 out.append((cell, part))
         if covered != inside.numel:
-            raise CheckpointError(f"{self.path}: no stored piece holds all of {r.name} at {list(inside.offset)} "
-                                  f"(shape {list(inside.shape)}); a rank's file is missing from {METADATA}")
+            raise CheckpointError(
+                f"{self.path}: no stored piece holds all of {r.name} at {list(inside.offset)} "
+                f"(shape {list(inside.shape)}); a rank's file is missing from {METADATA}"
+            )
         return out
 
     def _file(self, name: str) -> safetensors_file.SafetensorsFile:
@@ -168,7 +206,9 @@ class Checkpoint:
     def _cell(self, cell: Cell) -> torch.Tensor:
         """A cell's values, shaped as its box (read and checked)."""
         try:
-            raw, dtype, _ = self._file(cell.file).read(cell.key, cell.crc, cell.start, cell.box.numel)
+            raw, dtype, _ = self._file(cell.file).read(
+                cell.key, cell.crc, cell.start, cell.box.numel
+            )
         except safetensors_file.FileProblem as e:
             raise CheckpointError(str(e)) from None
         self.cell_bytes_read += raw.numel()
@@ -186,24 +226,42 @@ class Checkpoint:
         self.close()
 
 
-COUNTERS = ("format", "iteration", "consumed_samples", "valid_consumed_samples", "scheduler_steps", "world_size")
+COUNTERS = (
+    "format",
+    "iteration",
+    "consumed_samples",
+    "valid_consumed_samples",
+    "scheduler_steps",
+    "world_size",
+)
 
 
 def _check_counters(meta_path: Path, meta: dict) -> None:
-    """The counters present are whole numbers >= 0 and the model, layout, arguments and loss scale objects, or
-    a CheckpointError (what a run needs of them is policies.resume's to say)."""
+    """The counters present are whole numbers >= 0 and the model, layout, arguments and loss scale
+    objects, or a CheckpointError (what a run needs of them is policies.resume's to say)."""
     for key in COUNTERS:
         value = meta.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"{meta_path}: {key} is {value!r}, not a whole number >= 0; the file is damaged: "
-                                  "restore it")
-    for key, kinds in (("model", dict), ("layout", dict), ("arguments", dict), ("loss_scale", (dict, type(None)))):
+            raise CheckpointError(
+                f"{meta_path}: {key} is {value!r}, not a whole number >= 0; the file is damaged: "
+                "restore it"
+            )
+    for key, kinds in (
+        ("model", dict),
+        ("layout", dict),
+        ("arguments", dict),
+        ("loss_scale", (dict, type(None))),
+    ):
         if not isinstance(meta.get(key, {}), kinds):
-            raise CheckpointError(f"{meta_path}: {key} is {type(meta[key]).__name__}, not an object; the file is "
-                                  "damaged: restore it")
+            raise CheckpointError(
+                f"{meta_path}: {key} is {type(meta[key]).__name__}, not an object; the file is "
+                "damaged: restore it"
+            )
 
 
-def _entries(meta_path: Path, meta: dict) -> tuple[dict[str, list[Entry]], dict[str, tuple[tuple, str]]]:
+def _entries(
+    meta_path: Path, meta: dict
+) -> tuple[dict[str, list[Entry]], dict[str, tuple[tuple, str]]]:
     entries: dict[str, list[Entry]] = {}
     tensors: dict[str, tuple[tuple, str]] = {}
     try:
@@ -211,11 +269,20 @@ def _entries(meta_path: Path, meta: dict) -> tuple[dict[str, list[Entry]], dict[
             for p in info["pieces"]:
                 name = p["name"]
                 entries.setdefault(name, []).append(
-                    Entry(file, name, Box(tuple(p["offset"]), tuple(p["shape"])), p["steps"], tuple(p["cells"]),
-                          p["crc32"]))
+                    Entry(
+                        file,
+                        name,
+                        Box(tuple(p["offset"]), tuple(p["shape"])),
+                        p["steps"],
+                        tuple(p["cells"]),
+                        p["crc32"],
+                    )
+                )
                 tensors[name] = (tuple(p["global_shape"]), p["dtype"])
                 if not hasattr(torch, p["dtype"]):
                     raise ValueError(f"unknown dtype {p['dtype']}")
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{meta_path}: malformed piece entry ({e}); the file is corrupt") from None
+        raise CheckpointError(
+            f"{meta_path}: malformed piece entry ({e}); the file is corrupt"
+        ) from None
     return entries, tensors

@@ -1,12 +1,15 @@
-"""Writing one rank's part of a checkpoint: pieces (boxes of global tensors) cut into cells, one file per rank.
+"""Writing one rank's part of a checkpoint: pieces (boxes of global tensors) cut into cells, one
+file per rank.
 
-    piece = Piece("mu/layers.0.mlp.fc1.weight", Box((64, 0), (64, 32)), (128, 32), values, steps, share=(1, 2))
-    entry = write_rank(tmp_dir, rank=3, coords={...}, pieces=[...])   # rank_00003.safetensors and .json
+    piece = Piece("mu/layers.0.mlp.fc1.weight", Box((64, 0), (64, 32)), (128, 32), values, steps,
+    share=(1, 2)) entry = write_rank(tmp_dir, rank=3, coords={...}, pieces=[...])   #
+    rank_00003.safetensors and .json
 
-A piece is a box that this rank holds. It is cut into cells (boxes.Grid); each cell is one tensor of the file,
-named by its place in the global tensor ("mu/layers.0.mlp.fc1.weight[64:72,0:32]"), with a crc32 in the rank's
-JSON. cells = (first, stop) writes only those cells: the ranks holding the same boxes (replicas) write each
-cell once between them, spread over them (Megatron's fully parallel save: shares), or all on one of them.
+A piece is a box that this rank holds. It is cut into cells (boxes.Grid); each cell is one tensor of
+the file, named by its place in the global tensor ("mu/layers.0.mlp.fc1.weight[64:72,0:32]"), with a
+crc32 in the rank's JSON. cells = (first, stop) writes only those cells: the ranks holding the same
+boxes (replicas) write each cell once between them, spread over them (Megatron's fully parallel
+save: shares), or all on one of them.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ class Piece:
     box: Box  # where values sit in the global tensor
     global_shape: tuple[int, ...]
     values: torch.Tensor  # the box's values (host memory), shape box.shape
-    steps: tuple[tuple[int, ...], ...]  # boxes.cell_steps of the leaf's block: the cells' cut points
-    cells: tuple[int, int] | None = None  # the range of cells (in boxes.Grid's order) written here; None: all
+    # boxes.cell_steps of the leaf's block: the cells' cut points
+    steps: tuple[tuple[int, ...], ...]
+    # the range of cells (in boxes.Grid's order) written here; None: all
+    cells: tuple[int, int] | None = None
 
 
 def shares(pieces: list[Piece], index: int, count: int) -> list[Piece]:
-    """The part of pieces (held alike by count replicas) that replica `index` writes: the pieces' cells in
-    order, cut into count runs of about equal bytes, the index-th run."""
+    """The part of pieces (held alike by count replicas) that replica `index` writes: the pieces'
+    cells in order, cut into count runs of about equal bytes, the index-th run."""
     starts, at = [], 0
     for p in pieces:
         grid, itemsize = Grid(p.box, p.steps), p.values.element_size()
@@ -55,10 +60,12 @@ def cell_name(name: str, cell: Box) -> str:
     return f"{name}[{cell.key()}]"
 
 
-def write_rank(directory: str | os.PathLike, rank: int, coords: dict[str, int], pieces: list[Piece]) -> dict:
-    """Write this rank's cells of pieces as rank_XXXXX.safetensors and its entry (coords, and for each piece
-    written: name, global shape, dtype, box, cut steps, the range of cells written and their crc32) as
-    rank_XXXXX.json, both fsynced; returns the entry."""
+def write_rank(
+    directory: str | os.PathLike, rank: int, coords: dict[str, int], pieces: list[Piece]
+) -> dict:
+    """Write this rank's cells of pieces as rank_XXXXX.safetensors and its entry (coords, and for
+    each piece written: name, global shape, dtype, box, cut steps, the range of cells written and
+    their crc32) as rank_XXXXX.json, both fsynced; returns the entry."""
     directory = Path(directory)
     cells, entries = [], []
     for p in pieces:
@@ -68,10 +75,18 @@ def write_rank(directory: str | os.PathLike, rank: int, coords: dict[str, int], 
             continue
         names = [cell_name(p.name, grid.cell(i)) for i in mine]
         cells += [(n, p.values[grid.cell(i).within(p.box)]) for n, i in zip(names, mine)]
-        entries.append({"name": p.name, "global_shape": list(p.global_shape),
-                        "dtype": str(p.values.dtype).removeprefix("torch."), "offset": list(p.box.offset),
-                        "shape": list(p.box.shape), "steps": [list(s) for s in p.steps],
-                        "cells": [mine.start, mine.stop], "keys": names})
+        entries.append(
+            {
+                "name": p.name,
+                "global_shape": list(p.global_shape),
+                "dtype": str(p.values.dtype).removeprefix("torch."),
+                "offset": list(p.box.offset),
+                "shape": list(p.box.shape),
+                "steps": [list(s) for s in p.steps],
+                "cells": [mine.start, mine.stop],
+                "keys": names,
+            }
+        )
     crcs = safetensors_file.write(directory / f"rank_{rank:05d}.safetensors", cells)
     for e in entries:
         e["crc32"] = [crcs[n] for n in e.pop("keys")]

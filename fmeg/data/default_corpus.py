@@ -2,7 +2,8 @@
 
 Every machine with Python has them, so the main job trains with no download. The files are tokenized
 once (ByteTokenizer: one document per file, ending with the end-of-document token) into an indexed
-dataset cached under $FMEG_CACHE (default ~/.cache/fmeg), keyed by the Python version and the file list.
+dataset cached under $FMEG_CACHE (default ~/.cache/fmeg), keyed by the Python version and the file
+list.
 """
 
 from __future__ import annotations

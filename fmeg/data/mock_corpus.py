@@ -1,11 +1,12 @@
 """Megatron's --mock-data: synthetic documents for runs that name no data (benchmarks, smoke tests).
 
-As Megatron's mock dataset, there are 100,000 documents, so that its scripts' splits ("99990,8,2") leave
-every split some; their lengths are drawn uniformly from [1, 128) by numpy's RandomState(0) (Megatron draws
-up to 4096 and generates them on the fly; these are written to disk, 6.4M tokens), each ends with the
-end-of-document token, and their tokens are a counter (1, 2, 3, ...) taken modulo the tokenizer's
-vocabulary (end-of-document excluded), so any tokenizer can train on them. Written once as an indexed
-dataset under the cache directory, keyed by the vocabulary and end-of-document id.
+As Megatron's mock dataset, there are 100,000 documents, so that its scripts' splits ("99990,8,2")
+leave every split some; their lengths are drawn uniformly from [1, 128) by numpy's RandomState(0)
+(Megatron draws up to 4096 and generates them on the fly; these are written to disk, 6.4M tokens),
+each ends with the end-of-document token, and their tokens are a counter (1, 2, 3, ...) taken modulo
+the tokenizer's vocabulary (end-of-document excluded), so any tokenizer can train on them. Written
+once as an indexed dataset under the cache directory, keyed by the vocabulary and end-of-document
+id.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fmeg.data.indexed import IndexedDataset, IndexedDatasetBuilder
 DOCUMENTS, MAX_LENGTH = 100_000, 128
 
 
-def mock_corpus(vocab_size: int, eod: int, directory: str | os.PathLike | None = None) -> IndexedDataset:
+def mock_corpus(
+    vocab_size: int, eod: int, directory: str | os.PathLike | None = None
+) -> IndexedDataset:
     directory = Path(directory) if directory is not None else cache_dir()
     prefix = directory / f"mock-v{vocab_size}-e{eod}-d{DOCUMENTS}-l{MAX_LENGTH}"
     if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):

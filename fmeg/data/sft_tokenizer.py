@@ -1,15 +1,17 @@
-"""Megatron's SFTTokenizer: a Hugging Face tokenizer directory and a chat template, turning conversations into
-token ids and the tokens a fine-tuned model is trained on.
+"""Megatron's SFTTokenizer: a Hugging Face tokenizer directory and a chat template, turning
+conversations into token ids and the tokens a fine-tuned model is trained on.
 
-    tok = SFTTokenizer("hf_dir")                                   # the directory's own chat template
-    tok = SFTTokenizer("hf_dir", "nemotron-h-aligned")             # one of Megatron's named formats
-    ids, trained = tok.tokenize_conversation(messages)             # trained[i]: token i is part of an answer
-    ids = tok.chat_prompt(messages)                                # what a model answers (recipes.serve's chat)
+    tok = SFTTokenizer("hf_dir")                                   # the directory's own chat
+    template tok = SFTTokenizer("hf_dir", "nemotron-h-aligned")             # one of Megatron's
+    named formats ids, trained = tok.tokenize_conversation(messages)             # trained[i]: token
+    i is part of an answer ids = tok.chat_prompt(messages)                                # what a
+    model answers (recipes.serve's chat)
 
-ids are transformers' apply_chat_template(messages, tokenize=True) (the rendered text, no special tokens added);
-trained marks each token that overlaps an assistant answer's span (chat_template.assistant_spans), as
-transformers' return_assistant_tokens_mask marks {% generation %} spans. encode, decode, vocab_size and eod
-are the directory's HuggingFaceTokenizer's; pad is the format's pad token, else the directory's, else eod.
+ids are transformers' apply_chat_template(messages, tokenize=True) (the rendered text, no special
+tokens added); trained marks each token that overlaps an assistant answer's span
+(chat_template.assistant_spans), as transformers' return_assistant_tokens_mask marks {% generation
+%} spans. encode, decode, vocab_size and eod are the directory's HuggingFaceTokenizer's; pad is the
+format's pad token, else the directory's, else eod.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ ROLES = ("system", "user", "assistant")
 class SFTTokenizer(HuggingFaceTokenizer):
     def __init__(self, path: str, prompt_format: str | None = None):
         if not Path(path).is_dir():
-            raise ValueError(f"--tokenizer-type SFTTokenizer --tokenizer-model {path}: expected a Hugging Face "
-                             "tokenizer directory (tokenizer.json, tokenizer_config.json)")
+            raise ValueError(
+                f"--tokenizer-type SFTTokenizer --tokenizer-model {path}: expected a Hugging Face "
+                "tokenizer directory (tokenizer.json, tokenizer_config.json)"
+            )
         super().__init__(path)
         directory = Path(path)
         config = _json(directory / "tokenizer_config.json")
@@ -40,23 +44,42 @@ class SFTTokenizer(HuggingFaceTokenizer):
             if self._tok.token_to_id(pad) is None and self.prompt_format == "identity":
                 pad = _token_name(config.get("pad_token"))
             elif self._tok.token_to_id(pad) is None:
-                raise ValueError(f"--sft-tokenizer-prompt-format {self.prompt_format} pads with {pad}, which "
-                                 f"--tokenizer-model {path} lacks; name a format of this tokenizer")
+                raise ValueError(
+                    f"--sft-tokenizer-prompt-format {self.prompt_format} pads with {pad}, which "
+                    f"--tokenizer-model {path} lacks; name a format of this tokenizer"
+                )
         else:
-            raise ValueError(f"--sft-tokenizer-prompt-format {prompt_format}: expected default (the tokenizer's own "
-                             f"chat template) or one of {', '.join(PROMPT_FORMATS)}")
-        specials = {name: _token_name(config.get(name)) for name in
-                    ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
-        self._render = template_renderer(source, {k: v for k, v in specials.items() if v is not None})
+            raise ValueError(
+                f"--sft-tokenizer-prompt-format {prompt_format}: expected default (the tokenizer's "
+                f"own chat template) or one of {', '.join(PROMPT_FORMATS)}"
+            )
+        specials = {
+            name: _token_name(config.get(name))
+            for name in (
+                "bos_token",
+                "eos_token",
+                "unk_token",
+                "pad_token",
+                "sep_token",
+                "cls_token",
+                "mask_token",
+            )
+        }
+        self._render = template_renderer(
+            source, {k: v for k, v in specials.items() if v is not None}
+        )
         pad_id = self._tok.token_to_id(pad) if pad else None
         self.pad = self.eod if pad_id is None else pad_id
-        files = b"".join((directory / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json")
-                         if (directory / name).is_file())
+        files = b"".join(
+            (directory / name).read_bytes()
+            for name in ("tokenizer.json", "tokenizer_config.json")
+            if (directory / name).is_file()
+        )
         self.fingerprint = hashlib.md5(files + source.encode() + str(self.pad).encode()).hexdigest()
 
     def tokenize_conversation(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
-        """(ids of the rendered conversation, whether each is a token of an assistant answer). Raises
-        chat_template.ChatTemplateError for a conversation the template refuses."""
+        """(ids of the rendered conversation, whether each is a token of an assistant answer).
+        Raises chat_template.ChatTemplateError for a conversation the template refuses."""
         text, spans = assistant_spans(self._render, messages)
         encoding = self._tok.encode(text, add_special_tokens=False)
         trained, k = [], 0
@@ -67,8 +90,9 @@ class SFTTokenizer(HuggingFaceTokenizer):
         return list(encoding.ids), trained
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The ids a model answers: the conversation rendered with the template's generation prompt (transformers'
-        apply_chat_template(messages, add_generation_prompt=True, tokenize=True)). ChatTemplateError as above."""
+        """The ids a model answers: the conversation rendered with the template's generation prompt
+        (transformers' apply_chat_template(messages, add_generation_prompt=True, tokenize=True)).
+        ChatTemplateError as above."""
         return list(self._tok.encode(self._render(messages, True), add_special_tokens=False).ids)
 
 
@@ -87,16 +111,24 @@ def _token_name(value) -> str | None:
 
 
 def _own_template(directory: Path, config: dict) -> str:
-    """The directory's chat template: tokenizer_config.json's chat_template (a string, or a list of named ones:
-    "default"), else chat_template.jinja."""
+    """The directory's chat template: tokenizer_config.json's chat_template (a string, or a list of
+    named ones: "default"), else chat_template.jinja."""
     template = config.get("chat_template")
     if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+        template = next(
+            (
+                t.get("template")
+                for t in template
+                if isinstance(t, dict) and t.get("name") == "default"
+            ),
+            None,
+        )
     if not template and (directory / "chat_template.jinja").is_file():
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     if not isinstance(template, str) or not template:
-        raise ValueError(f"--tokenizer-model {directory} has no chat template (tokenizer_config.json's chat_template "
-                         f"or chat_template.jinja); add one, or name --sft-tokenizer-prompt-format "
-                         f"{' | '.join(PROMPT_FORMATS)}")
+        raise ValueError(
+            f"--tokenizer-model {directory} has no chat template (tokenizer_config.json's "
+            "chat_template or chat_template.jinja); add one, or name "
+            f"--sft-tokenizer-prompt-format {' | '.join(PROMPT_FORMATS)}"
+        )
     return template

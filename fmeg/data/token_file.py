@@ -17,7 +17,8 @@ import torch
 def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     """Token ids from path (.npy, or raw .bin of `dtype`), memory-mapped; errors name the file."""
     path = Path(path)
-    if Path(f"{path}.idx").is_file():  # a Megatron indexed dataset prefix: every token, in file order
+    # a Megatron indexed dataset prefix: every token, in file order
+    if Path(f"{path}.idx").is_file():
         from fmeg.data.indexed import IndexedDataset
 
         tokens = np.asarray(IndexedDataset(path).tokens)
@@ -31,12 +32,16 @@ def load_tokens(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
     else:
         itemsize = np.dtype(dtype).itemsize
         if path.stat().st_size % itemsize:
-            raise ValueError(f"--data-path {path}: size {path.stat().st_size} is not a multiple of {dtype}'s "
-                             f"{itemsize} bytes; pass the right --token-dtype")
+            raise ValueError(
+                f"--data-path {path}: size {path.stat().st_size} is not a multiple of {dtype}'s "
+                f"{itemsize} bytes; pass the right --token-dtype"
+            )
         tokens = np.memmap(path, dtype=dtype, mode="r")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"--data-path {path}: expected a 1-D array of integer token ids, got "
-                         f"{tokens.dtype} with shape {tokens.shape}")
+        raise ValueError(
+            f"--data-path {path}: expected a 1-D array of integer token ids, got {tokens.dtype} "
+            f"with shape {tokens.shape}"
+        )
     return tokens
 
 
@@ -46,23 +51,35 @@ def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
     Returns {"tokens": [batch, seq], "labels": [batch, seq]} (labels are tokens shifted by one).
     """
     if len(tokens) < seq_len + 2:
-        raise ValueError(f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has {len(tokens)}")
+        raise ValueError(
+            f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has "
+            f"{len(tokens)}"
+        )
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
-    windows = torch.from_numpy(np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts]))
+    windows = torch.from_numpy(
+        np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    )
     return {"tokens": windows[:, :-1], "labels": windows[:, 1:]}
 
 
 class TokenWindows:
-    """Sample i is the window of seq_len + 1 tokens at a random offset drawn from (seed, i), as the runner's
-    datasets give it: {"tokens", "labels", "loss_mask"} of seq_len each."""
+    """Sample i is the window of seq_len + 1 tokens at a random offset drawn from (seed, i), as the
+    runner's datasets give it: {"tokens", "labels", "loss_mask"} of seq_len each."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
         if len(tokens) < seq_len + 2:
-            raise ValueError(f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has {len(tokens)}")
+            raise ValueError(
+                f"--seq-length {seq_len} needs at least {seq_len + 2} tokens, the data has "
+                f"{len(tokens)}"
+            )
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
 
     def __getitem__(self, i: int) -> dict:
-        start = int(np.random.default_rng([self.seed, i]).integers(0, len(self.tokens) - self.seq_len - 1))
-        window = torch.from_numpy(np.asarray(self.tokens[start: start + self.seq_len + 1], dtype=np.int64))
+        start = int(
+            np.random.default_rng([self.seed, i]).integers(0, len(self.tokens) - self.seq_len - 1)
+        )
+        window = torch.from_numpy(
+            np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        )
         return {"tokens": window[:-1], "labels": window[1:], "loss_mask": torch.ones(self.seq_len)}

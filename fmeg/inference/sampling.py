@@ -2,12 +2,13 @@
 
     ids = sample(logits_BV, SamplingParams(temperature=0.8, top_k=40, top_p=0.95), key)
 
-Greedy when temperature is 0 (or top_k is 1); otherwise the logits are divided by the temperature, cut to
-the top_k largest (0: no cut), then to the smallest set whose probability reaches top_p (0 or 1: no cut),
-as Megatron and transformers order them, and a token is drawn by the Gumbel-max trick with counter-based
-noise: uniform(key of the row, id). The draw depends only on (the row's key, its logits), never on a global
-generator or on the other rows, so every tensor-parallel rank draws the same token from the same gathered
-logits, a run is reproducible across layouts, and a row batched with others draws what it draws alone.
+Greedy when temperature is 0 (or top_k is 1); otherwise the logits are divided by the temperature,
+cut to the top_k largest (0: no cut), then to the smallest set whose probability reaches top_p (0 or
+1: no cut), as Megatron and transformers order them, and a token is drawn by the Gumbel-max trick
+with counter-based noise: uniform(key of the row, id). The draw depends only on (the row's key, its
+logits), never on a global generator or on the other rows, so every tensor-parallel rank draws the
+same token from the same gathered logits, a run is reproducible across layouts, and a row batched
+with others draws what it draws alone.
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ def filtered_logits(logits_BV: torch.Tensor, params: SamplingParams) -> torch.Te
         x = x.masked_fill(x < kth, float("-inf"))
     if 0.0 < params.top_p < 1.0:
         sorted_x, order = x.sort(dim=-1, descending=True)
-        before = sorted_x.softmax(-1).cumsum(-1) - sorted_x.softmax(-1)  # probability mass ahead of each token
+        # probability mass ahead of each token
+        before = sorted_x.softmax(-1).cumsum(-1) - sorted_x.softmax(-1)
         drop = before >= params.top_p  # the first token is always kept
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return x
 
 
-def sample(logits_BV: torch.Tensor, params: SamplingParams, key: int | torch.Tensor) -> torch.Tensor:
+def sample(
+    logits_BV: torch.Tensor, params: SamplingParams, key: int | torch.Tensor
+) -> torch.Tensor:
     """Token ids [b] for logits [b, vocab]; key: one key for every row, or a key per row [b]."""
     if params.greedy:
         return logits_BV.argmax(-1)
@@ -63,5 +67,6 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, key: int | torch.Ten
 
 
 def token_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor) -> torch.Tensor:
-    """log p(id) under the model's own distribution (the raw logits: no temperature, no cut), fp32 [b]."""
+    """log p(id) under the model's own distribution (the raw logits: no temperature, no cut),
+    fp32 [b]."""
     return torch.log_softmax(logits_BV.float(), -1).gather(-1, ids_B[:, None])[:, 0]

@@ -3,29 +3,32 @@
 Parameter paths (in place of the dense layer's mlp):
 
     layers.{i}.mlp.router.weight              [E, H]              replicated
-    layers.{i}.mlp.experts.fc1.{weight,bias}  [E, F, H] or [E, 2, F, H] (gate, up), bias [E, F] / [E, 2, F]
-    layers.{i}.mlp.experts.fc2.{weight,bias}  [E, H, F], bias [E, H]
+    layers.{i}.mlp.experts.fc1.{weight,bias}  [E, F, H] or [E, 2, F, H] (gate, up), bias [E, F] /
+    [E, 2, F] layers.{i}.mlp.experts.fc2.{weight,bias}  [E, H, F], bias [E, H]
     layers.{i}.mlp.shared.fc1 / fc2           a dense MLP of moe_shared_expert_intermediate_size
     layers.{i}.mlp.shared_gate.weight         [1, H]             with moe_shared_expert_gate
 
-Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense MLP's. Megatron-core
-trains experts under tp > 1 with sequence parallelism only (the runner's rule too); without it (generation) every
-tp rank routes all the tokens and the F-slices' partial sums are all-reduced. Expert parallelism (tp.experts)
-gives each of its ep ranks E / ep experts (the leading dimension of every experts leaf); its ranks are
-data-parallel ranks, each with its own tokens. Each rank routes its own tokens (its sequence chunk under
-sequence parallelism), then the tokens, their experts and their weights are all-gathered over the dispatch
-group (tp under sequence parallelism, times ep: Megatron's allgather token dispatcher), every rank runs its
-F-slice of its experts on all of them, and a reduce-scatter returns each rank the sum for its own tokens; or, with
-the alltoall dispatcher, each assignment travels to its expert's rank and back by an uneven all-to-all. The
-router's weight is replicated: its gradient is summed over tp. An expert's gradient covers the tokens of every
-ep rank; data-parallel reduction of expert gradients runs over the expert-data-parallel ranks only. Under
-context parallelism (tp.context) each rank routes its sequence chunks, the balance losses count the whole
-sequence (parts over tp x cp, Megatron's sequence partition), and the expert-data-parallel ranks include cp's.
+Tensor parallelism (expert tensor parallelism equal to tp) splits each expert's F as the dense
+MLP's. Megatron-core trains experts under tp > 1 with sequence parallelism only (the runner's rule
+too); without it (generation) every tp rank routes all the tokens and the F-slices' partial sums are
+all-reduced. Expert parallelism (tp.experts) gives each of its ep ranks E / ep experts (the leading
+dimension of every experts leaf); its ranks are data-parallel ranks, each with its own tokens. Each
+rank routes its own tokens (its sequence chunk under sequence parallelism), then the tokens, their
+experts and their weights are all-gathered over the dispatch group (tp under sequence parallelism,
+times ep: Megatron's allgather token dispatcher), every rank runs its F-slice of its experts on all
+of them, and a reduce-scatter returns each rank the sum for its own tokens; or, with the alltoall
+dispatcher, each assignment travels to its expert's rank and back by an uneven all-to-all. The
+router's weight is replicated: its gradient is summed over tp. An expert's gradient covers the
+tokens of every ep rank; data-parallel reduction of expert gradients runs over the
+expert-data-parallel ranks only. Under context parallelism (tp.context) each rank routes its
+sequence chunks, the balance losses count the whole sequence (parts over tp x cp, Megatron's
+sequence partition), and the expert-data-parallel ranks include cp's.
 
 The auxiliary losses (load balancing, z-loss) join the training objective the way Megatron's
-MoEAuxLossAutoScaler makes them: their gradient is injected at the layer, with the seed the main loss's
-backward starts from (aux.seed: loss scale / microbatches), so no loss value has to travel through the
-pipeline. Their values (divided by their coefficients) are written to aux.metrics for logging.
+MoEAuxLossAutoScaler makes them: their gradient is injected at the layer, with the seed the main
+loss's backward starts from (aux.seed: loss scale / microbatches), so no loss value has to travel
+through the pipeline. Their values (divided by their coefficients) are written to aux.metrics for
+logging.
 """
 
 from __future__ import annotations
@@ -46,35 +49,41 @@ from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_para
 Params = dict[str, Any]
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DISPATCHERS = ("allgather", "alltoall")
-METRICS = ("load_balancing_loss", "z_loss", "global_load_balancing_loss")  # Megatron's names: aux.metrics' last axis
+# Megatron's names: aux.metrics' last axis
+METRICS = ("load_balancing_loss", "z_loss", "global_load_balancing_loss")
 
 
 @dataclass
 class AuxLosses:
-    """Where a forward pass puts its auxiliary losses: seed, the gradient their sum gets (the main loss's
-    backward seed); metrics, a [layers, len(METRICS)] buffer that each MoE layer writes its values into (a
-    recomputed layer writes the same values again), or None; counts, a [layers, num_experts] buffer for the
-    tokens each expert received here (the expert-bias update's input), or None. For global_aux_loss: global_counts,
-    the step's [microbatches, layers, num_experts] tokens per expert over every data rank, which this microbatch
-    writes its row of (one_hot [microbatches] marks it), and seen [microbatches], 1 for the step's microbatches so
-    far, which the counts are averaged over (Megatron's global_tokens_per_expert / ga_steps)."""
+    """Where a forward pass puts its auxiliary losses: seed, the gradient their sum gets (the main
+    loss's backward seed); metrics, a [layers, len(METRICS)] buffer that each MoE layer writes its
+    values into (a recomputed layer writes the same values again), or None; counts, a [layers,
+    num_experts] buffer for the tokens each expert received here (the expert-bias update's input),
+    or None. For global_aux_loss: global_counts, the step's [microbatches, layers, num_experts]
+    tokens per expert over every data rank, which this microbatch writes its row of (one_hot
+    [microbatches] marks it), and seen [microbatches], 1 for the step's microbatches so far, which
+    the counts are averaged over (Megatron's global_tokens_per_expert / ga_steps)."""
+
     seed: torch.Tensor | float = 1.0
     metrics: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     global_counts: torch.Tensor | None = None
     one_hot: torch.Tensor | None = None
     seen: torch.Tensor | None = None
-    router_key: Any = None  # --moe-router-force-load-balancing: the microbatch's key of the random logits
-    padding: torch.Tensor | None = None  # [b, s] True at padded input positions (this rank's context chunk), or None
+    # --moe-router-force-load-balancing: the microbatch's key of the random logits
+    router_key: Any = None
+    # [b, s] True at padded input positions (this rank's context chunk), or None
+    padding: torch.Tensor | None = None
 
 
 NO_AUX = AuxLosses()
 
 
 def moe_layers(config, mtp: bool = False) -> tuple[bool, ...]:
-    """Which layers are MoE layers: Megatron's --moe-layer-freq, an int N (every N-th layer, from layer 0) or a
-    per-layer list of 0/1. mtp: followed by the multi-token prediction layers' (numbered num_layers + k), which
-    are of the last decoder layer's kind, as megatron-core builds them."""
+    """Which layers are MoE layers: Megatron's --moe-layer-freq, an int N (every N-th layer, from
+    layer 0) or a per-layer list of 0/1. mtp: followed by the multi-token prediction layers'
+    (numbered num_layers + k), which are of the last decoder layer's kind, as megatron-core builds
+    them."""
     if not config.num_experts:
         decoder = (False,) * config.num_layers
     elif isinstance(config.moe_layer_freq, int):
@@ -97,63 +106,132 @@ def validate(config, need) -> None:
     if isinstance(freq, int):
         need(freq >= 1, "moe_layer_freq", f"must be positive, got {freq}")
     else:
-        need(len(freq) == config.num_layers and all(f in (0, 1) for f in freq), "moe_layer_freq",
-             f"a list must hold one 0 or 1 per layer ({config.num_layers}), got {list(freq)}")
-    need(config.moe_ffn_hidden_size is None or config.moe_ffn_hidden_size > 0, "moe_ffn_hidden_size",
-         f"must be positive, got {config.moe_ffn_hidden_size}")
-    need(config.moe_router_score_function in moe_ops.SCORE_FUNCTIONS, "moe_router_score_function",
-         f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}")
-    need(config.moe_token_dispatcher_type in DISPATCHERS, "moe_token_dispatcher_type",
-         f"must be one of {DISPATCHERS}, got {config.moe_token_dispatcher_type!r}")
-    need(config.moe_router_load_balancing_type in LOAD_BALANCING_TYPES, "moe_router_load_balancing_type",
-         f"must be one of {LOAD_BALANCING_TYPES}, got {config.moe_router_load_balancing_type!r}")
-    need(config.moe_token_drop_policy in moe_ops.DROP_POLICIES, "moe_token_drop_policy",
-         f"must be one of {moe_ops.DROP_POLICIES}, got {config.moe_token_drop_policy!r}")
-    need(config.moe_expert_capacity_factor is None or config.moe_expert_capacity_factor > 0,
-         "moe_expert_capacity_factor", f"must be positive, got {config.moe_expert_capacity_factor}")
-    need(not config.moe_pad_expert_input_to_capacity or config.moe_expert_capacity_factor is not None,
-         "moe_pad_expert_input_to_capacity", "needs moe_expert_capacity_factor")
-    need(config.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", f"must be >= 0, got {config.moe_aux_loss_coeff}")
+        need(
+            len(freq) == config.num_layers and all(f in (0, 1) for f in freq),
+            "moe_layer_freq",
+            f"a list must hold one 0 or 1 per layer ({config.num_layers}), got {list(freq)}",
+        )
+    need(
+        config.moe_ffn_hidden_size is None or config.moe_ffn_hidden_size > 0,
+        "moe_ffn_hidden_size",
+        f"must be positive, got {config.moe_ffn_hidden_size}",
+    )
+    need(
+        config.moe_router_score_function in moe_ops.SCORE_FUNCTIONS,
+        "moe_router_score_function",
+        f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}",
+    )
+    need(
+        config.moe_token_dispatcher_type in DISPATCHERS,
+        "moe_token_dispatcher_type",
+        f"must be one of {DISPATCHERS}, got {config.moe_token_dispatcher_type!r}",
+    )
+    need(
+        config.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
+        "moe_router_load_balancing_type",
+        f"must be one of {LOAD_BALANCING_TYPES}, got {config.moe_router_load_balancing_type!r}",
+    )
+    need(
+        config.moe_token_drop_policy in moe_ops.DROP_POLICIES,
+        "moe_token_drop_policy",
+        f"must be one of {moe_ops.DROP_POLICIES}, got {config.moe_token_drop_policy!r}",
+    )
+    need(
+        config.moe_expert_capacity_factor is None or config.moe_expert_capacity_factor > 0,
+        "moe_expert_capacity_factor",
+        f"must be positive, got {config.moe_expert_capacity_factor}",
+    )
+    need(
+        not config.moe_pad_expert_input_to_capacity
+        or config.moe_expert_capacity_factor is not None,
+        "moe_pad_expert_input_to_capacity",
+        "needs moe_expert_capacity_factor",
+    )
+    need(
+        config.moe_aux_loss_coeff >= 0,
+        "moe_aux_loss_coeff",
+        f"must be >= 0, got {config.moe_aux_loss_coeff}",
+    )
+    validate_router(config, need)
+
+
+def validate_router(config, need) -> None:
+    """GPTConfig's routing fields: group-limited routing and the score function's options."""
+    e, k = config.num_experts, config.moe_router_topk
     groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
     if groups or group_topk:
-        need(bool(groups) and bool(group_topk), "moe_router_group_topk",
-             "group-limited routing needs both moe_router_num_groups and moe_router_group_topk")
+        need(
+            bool(groups) and bool(group_topk),
+            "moe_router_group_topk",
+            "group-limited routing needs both moe_router_num_groups and moe_router_group_topk",
+        )
         need(e % groups == 0, "moe_router_num_groups", f"{groups} must divide num_experts={e}")
-        need(group_topk <= groups, "moe_router_group_topk", f"{group_topk} exceeds moe_router_num_groups={groups}")
+        need(
+            group_topk <= groups,
+            "moe_router_group_topk",
+            f"{group_topk} exceeds moe_router_num_groups={groups}",
+        )
         ranked_by = config.moe_router_group_score_topk
         if ranked_by is None:
-            need(k % group_topk == 0 and k // group_topk <= e // groups, "moe_router_group_topk",
-                 f"moe_router_topk={k} must be a multiple of {group_topk}, with at most {e // groups} (experts "
-                 "per group) taken from each group")
+            need(
+                k % group_topk == 0 and k // group_topk <= e // groups,
+                "moe_router_group_topk",
+                f"moe_router_topk={k} must be a multiple of {group_topk}, with at most "
+                f"{e // groups} (experts per group) taken from each group",
+            )
         else:
-            need(1 <= ranked_by <= e // groups, "moe_router_group_score_topk",
-                 f"must be in [1, {e // groups}] (experts per group), got {ranked_by}")
-            need(k <= group_topk * (e // groups), "moe_router_topk",
-                 f"{k} exceeds the {group_topk * (e // groups)} experts of moe_router_group_topk={group_topk} groups")
-    need(config.moe_router_norm_topk or config.moe_router_score_function == "sigmoid", "moe_router_norm_topk",
-         "False applies to the sigmoid score function only (softmax weights are normalised by their softmax)")
-    need(not config.moe_router_pre_softmax or config.moe_router_score_function == "softmax",
-         "moe_router_pre_softmax", "applies to the softmax score function only")
-    need(config.moe_router_dtype in (None, "fp32", "fp64"), "moe_router_dtype",
-         f"must be fp32 or fp64, got {config.moe_router_dtype!r}")
-    need(not config.moe_router_enable_expert_bias or config.moe_router_score_function == "sigmoid",
-         "moe_router_enable_expert_bias", "needs the sigmoid score function")
+            need(
+                1 <= ranked_by <= e // groups,
+                "moe_router_group_score_topk",
+                f"must be in [1, {e // groups}] (experts per group), got {ranked_by}",
+            )
+            need(
+                k <= group_topk * (e // groups),
+                "moe_router_topk",
+                f"{k} exceeds the {group_topk * (e // groups)} experts of "
+                f"moe_router_group_topk={group_topk} groups",
+            )
+    need(
+        config.moe_router_norm_topk or config.moe_router_score_function == "sigmoid",
+        "moe_router_norm_topk",
+        "False applies to the sigmoid score function only (softmax weights are normalised by "
+        "their softmax)",
+    )
+    need(
+        not config.moe_router_pre_softmax or config.moe_router_score_function == "softmax",
+        "moe_router_pre_softmax",
+        "applies to the softmax score function only",
+    )
+    need(
+        config.moe_router_dtype in (None, "fp32", "fp64"),
+        "moe_router_dtype",
+        f"must be fp32 or fp64, got {config.moe_router_dtype!r}",
+    )
+    need(
+        not config.moe_router_enable_expert_bias or config.moe_router_score_function == "sigmoid",
+        "moe_router_enable_expert_bias",
+        "needs the sigmoid score function",
+    )
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # init
 
 
 def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
-    """The MoE MLP's parameters at path `at` (layers.{i}.mlp), drawn like the dense layer's (normal(shape, std,
-    seed, path) per leaf; output projections with Megatron's scaled std)."""
+    """The MoE MLP's parameters at path `at` (layers.{i}.mlp), drawn like the dense layer's
+    (normal(shape, std, seed, path) per leaf; output projections with Megatron's scaled std)."""
     c, e, f = config, config.num_experts, expert_ffn(config)
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
     gated = c.activation in ops.activations.GATES
     fc1_shape = (e, 2, f, c.hidden_size) if gated else (e, f, c.hidden_size)
-    p = {"router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
-         "experts": {"fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),
-                     "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2")}}
+    p = {
+        "router": {"weight": normal((e, c.hidden_size), std, seed, f"{at}.router.weight")},
+        "experts": {
+            "fc1": linear_params(fc1_shape, std, c.bias, seed, f"{at}.experts.fc1"),
+            "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2"),
+        },
+    }
     if c.moe_router_bias:  # drawn as megatron-core draws it: with the weights' init method
         p["router"]["bias"] = normal((e,), std, seed, f"{at}.router.bias")
     if c.moe_router_enable_expert_bias:  # steers the choice of experts only: no gradient reaches it
@@ -161,75 +239,101 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
     if c.moe_shared_expert_intermediate_size:
         s = c.moe_shared_expert_intermediate_size
         shared_fc1 = (2, s, c.hidden_size) if gated else (s, c.hidden_size)
-        p["shared"] = {"fc1": linear_params(shared_fc1, std, c.bias, seed, f"{at}.shared.fc1"),
-                       "fc2": linear_params((c.hidden_size, s), out_std, c.bias, seed, f"{at}.shared.fc2")}
+        p["shared"] = {
+            "fc1": linear_params(shared_fc1, std, c.bias, seed, f"{at}.shared.fc1"),
+            "fc2": linear_params((c.hidden_size, s), out_std, c.bias, seed, f"{at}.shared.fc2"),
+        }
         if c.moe_shared_expert_gate:
-            p["shared_gate"] = {"weight": normal((1, c.hidden_size), std, seed, f"{at}.shared_gate.weight")}
+            p["shared_gate"] = {
+                "weight": normal((1, c.hidden_size), std, seed, f"{at}.shared_gate.weight")
+            }
     return p
 
 
-# Experts split their F over tp like the dense MLP (dims from the end); the router and shared gate replicate.
-# Expert parallelism splits every experts leaf along its leading (expert) dimension.
-EP_RULES = tuple((f"{layer}.mlp.experts.{leaf}", Partition(0, "ep")) for layer in ("layers.*", "mtp.*.layer")
-                 for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+# Experts split their F over tp like the dense MLP (dims from the end); the router and shared gate
+# replicate. Expert parallelism splits every experts leaf along its leading (expert) dimension.
+EP_RULES = tuple(
+    (f"{layer}.mlp.experts.{leaf}", Partition(0, "ep"))
+    for layer in ("layers.*", "mtp.*.layer")
+    for leaf in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+)
 TP_RULES = (
-    ("layers.*.mlp.experts.fc1.weight", Partition(-2, "etp")), ("layers.*.mlp.experts.fc1.bias", Partition(-1, "etp")),
+    ("layers.*.mlp.experts.fc1.weight", Partition(-2, "etp")),
+    ("layers.*.mlp.experts.fc1.bias", Partition(-1, "etp")),
     ("layers.*.mlp.experts.fc2.weight", Partition(-1, "etp")),
-    ("layers.*.mlp.shared.fc1.weight", Partition(-2)), ("layers.*.mlp.shared.fc1.bias", Partition(-1)),
+    ("layers.*.mlp.shared.fc1.weight", Partition(-2)),
+    ("layers.*.mlp.shared.fc1.bias", Partition(-1)),
     ("layers.*.mlp.shared.fc2.weight", Partition(-1)),
 )
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # apply
 
 
-def router_logits(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP) -> torch.Tensor:
+def router_logits(
+    p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP
+) -> torch.Tensor:
     """[b, s, E] router logits of the tokens held here (in --moe-router-dtype when given)."""
     weight = replicated_param(p["router"]["weight"], tp)
     bias = replicated_param(p["router"].get("bias"), tp)
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype)
     if dtype is not None:
-        return ops.linear(x_BSH.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        return ops.linear(
+            x_BSH.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        )
     return ops.linear(x_BSH, weight, bias)
 
 
 def random_logits(logits_BSE: torch.Tensor, key: Any, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """Megatron's --moe-router-force-load-balancing (a benchmarking switch): standard normal logits in place of the
-    router's, which still get the gradient (a straight-through estimator, as megatron-core's RandomSTE). Each is
-    keyed by its token's place in the whole [b, s, E] tensor, so every layout routes as one device does."""
+    """Megatron's --moe-router-force-load-balancing (a benchmarking switch): standard normal logits
+    in place of the router's, which still get the gradient (a straight-through estimator, as
+    megatron-core's RandomSTE). Each is keyed by its token's place in the whole [b, s, E] tensor, so
+    every layout routes as one device does."""
     b, s, e = logits_BSE.shape
     held, whole = token_positions(s, tp, logits_BSE.device)
-    index = ((torch.arange(b, device=logits_BSE.device)[:, None] * whole + held)[:, :, None] * e
-             + torch.arange(e, device=logits_BSE.device))
+    index = (torch.arange(b, device=logits_BSE.device)[:, None] * whole + held)[
+        :, :, None
+    ] * e + torch.arange(e, device=logits_BSE.device)
     noise = ops.normal(key, index).to(logits_BSE.dtype)
     return noise + (logits_BSE - logits_BSE.detach())
 
 
-def route_tokens(logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs, experts) [b, s, k] for the tokens held here, with token dropping when a capacity is set (the
-    capacity counts these tokens: Megatron's router counts its own sequence chunk, and takes its tokens
-    sequence-major, [s, b] flattened, as megatron-core's do: --moe-token-drop-policy position keeps, for each
-    expert, the tokens of the earliest positions of all the sequences first). expert_bias [E] steers the
-    choice (sigmoid routers)."""
+def route_tokens(
+    logits_BSE: torch.Tensor, config, expert_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, experts) [b, s, k] for the tokens held here, with token dropping when a capacity is
+    set (the capacity counts these tokens: Megatron's router counts its own sequence chunk, and
+    takes its tokens sequence-major, [s, b] flattened, as megatron-core's do:
+    --moe-token-drop-policy position keeps, for each expert, the tokens of the earliest positions of
+    all the sequences first). expert_bias [E] steers the choice (sigmoid routers)."""
     b, s, e = logits_BSE.shape
     probs, experts = moe_ops.route(
-        logits_BSE.transpose(0, 1).reshape(s * b, e), topk=config.moe_router_topk, score_function=config.moe_router_score_function,
-        pre_softmax=config.moe_router_pre_softmax, num_groups=config.moe_router_num_groups,
-        group_topk=config.moe_router_group_topk, scaling_factor=config.moe_router_topk_scaling_factor,
+        logits_BSE.transpose(0, 1).reshape(s * b, e),
+        topk=config.moe_router_topk,
+        score_function=config.moe_router_score_function,
+        pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        scaling_factor=config.moe_router_topk_scaling_factor,
         expert_bias=None if expert_bias is None else expert_bias.detach(),
-        group_score_topk=config.moe_router_group_score_topk, normalize=config.moe_router_norm_topk)
+        group_score_topk=config.moe_router_group_score_topk,
+        normalize=config.moe_router_norm_topk,
+    )
     if config.moe_expert_capacity_factor is not None:
-        keep = moe_ops.capacity_keep(probs, experts, e, config.moe_expert_capacity_factor,
-                                     config.moe_token_drop_policy)
+        keep = moe_ops.capacity_keep(
+            probs, experts, e, config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        )
         probs = probs * keep
     return probs.reshape(s, b, -1).transpose(0, 1), experts.reshape(s, b, -1).transpose(0, 1)
 
 
-def valid_tokens(padding_BS: torch.Tensor | None, tp: TensorParallel = NO_TP) -> torch.Tensor | None:
-    """[b, s] float, 1 for the tokens held here that are not padding (None without a padding mask); padding holds
-    this rank's context chunk, whose tp piece a rank holds under sequence parallelism."""
+def valid_tokens(
+    padding_BS: torch.Tensor | None, tp: TensorParallel = NO_TP
+) -> torch.Tensor | None:
+    """[b, s] float, 1 for the tokens held here that are not padding (None without a padding mask);
+    padding holds this rank's context chunk, whose tp piece a rank holds under sequence
+    parallelism."""
     if padding_BS is None:
         return None
     if tp.sp and tp.size > 1:
@@ -237,16 +341,24 @@ def valid_tokens(padding_BS: torch.Tensor | None, tp: TensorParallel = NO_TP) ->
     return (~padding_BS.bool()).float()
 
 
-def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP, aux: AuxLosses = NO_AUX,
-                   index: int = 0, valid_BS: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """This rank's part of each auxiliary loss (coefficient not applied): under sequence and context parallelism
-    (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole microbatch, as on one rank.
-    global_aux_loss counts the tokens of every data rank (tp.experts.balance_group, megatron-core's tp-dp-cp group),
-    averaged over the step's microbatches so far: the parts over every rank sum to the loss of the data-parallel
-    batch, so it depends on dp and the microbatches by its definition. valid_BS (valid_tokens): megatron-core's
-    padding_mask, the padded tokens' scores and choices left out and the losses' token counts those of the
-    others (each sequence counting the sequences' mean for seq_aux_loss; the z-loss a mean over them: the whole
-    microbatch's, where megatron-core averages each rank's own mean, which would depend on the layout)."""
+def balance_losses(
+    logits_BSE: torch.Tensor,
+    config,
+    tp: TensorParallel = NO_TP,
+    aux: AuxLosses = NO_AUX,
+    index: int = 0,
+    valid_BS: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """This rank's part of each auxiliary loss (coefficient not applied): under sequence and context
+    parallelism (Megatron's sequence partition, tp x cp) the parts sum to the loss of the whole
+    microbatch, as on one rank. global_aux_loss counts the tokens of every data rank
+    (tp.experts.balance_group, megatron-core's tp-dp-cp group), averaged over the step's
+    microbatches so far: the parts over every rank sum to the loss of the data-parallel batch, so it
+    depends on dp and the microbatches by its definition. valid_BS (valid_tokens): megatron-core's
+    padding_mask, the padded tokens' scores and choices left out and the losses' token counts those
+    of the others (each sequence counting the sequences' mean for seq_aux_loss; the z-loss a mean
+    over them: the whole microbatch's, where megatron-core averages each rank's own mean, which
+    would depend on the layout)."""
     out = {}
     b, s, e = logits_BSE.shape
     k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
@@ -254,7 +366,9 @@ def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP,
     parts = (tp.size if tp.sp else 1) * tp.context.size
     valid = None if valid_BS is None else valid_BS.reshape(b * s, 1)
     if kind != "none" and config.moe_aux_loss_coeff > 0:
-        scores, chosen = moe_ops.aux_scores(logits_BSE.reshape(b * s, e), k, config.moe_router_score_function)
+        scores, chosen = moe_ops.aux_scores(
+            logits_BSE.reshape(b * s, e), k, config.moe_router_score_function
+        )
         if valid is not None:
             scores, chosen = scores * valid.to(scores.dtype), chosen * valid.to(chosen.dtype)
         if kind == "aux_loss":
@@ -267,30 +381,42 @@ def balance_losses(logits_BSE: torch.Tensor, config, tp: TensorParallel = NO_TP,
             group = tp.experts.balance_group
             counts = C.all_reduce_constant(chosen.sum(dim=0), group)
             ranks = 1 if group is None else group.size
-            total = b * s * ranks if valid is None else counts.sum() / k  # this microbatch's, as megatron-core's
-            if aux.global_counts is not None:  # this microbatch's row, then the running average over the step's
+            # this microbatch's, as megatron-core's
+            total = b * s * ranks if valid is None else counts.sum() / k
+            # this microbatch's row, then the running average over the step's
+            if aux.global_counts is not None:
                 rows = aux.global_counts[:, index]
                 rows.copy_(torch.where(aux.one_hot[:, None] > 0, counts.to(rows.dtype), rows))
                 seen = aux.seen.to(counts.dtype)
                 counts = (seen[:, None] * rows.to(counts.dtype)).sum(dim=0) / seen.sum()
             out["global_load_balancing_loss"] = moe_ops.switch_aux_loss(scores, counts, total, k)
-        else:  # seq_aux_loss: per sequence, over its whole length (its pieces gathered: the order does not matter)
+        # seq_aux_loss: per sequence, over its whole length (its pieces gathered: the order does not
+        # matter)
+        else:
             scores = scores.reshape(b, s, e)
             chosen = chosen.reshape(b, s, e)
             for group in partition:
                 scores = C.gather_from_sp(scores, group, SEQ_DIM)
                 chosen = C.all_gather_constant(chosen, group, SEQ_DIM)
             per_sequence = None if valid is None else chosen.sum() / (k * b)
-            out["load_balancing_loss"] = moe_ops.sequence_aux_loss(scores, chosen, k, per_sequence) / parts
+            out["load_balancing_loss"] = (
+                moe_ops.sequence_aux_loss(scores, chosen, k, per_sequence) / parts
+            )
     if config.moe_z_loss_coeff:
         if valid is None:
             out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e)) / parts
-        else:  # this rank's share of the mean over every unpadded token of the microbatch (one rank's: megatron-core's)
+        # this rank's share of the mean over every unpadded token of the microbatch (one rank's:
+        # megatron-core's)
+        else:
             held = valid[:, 0].sum()
             whole = held
             for group in partition:
                 whole = C.all_reduce_constant(whole, group)
-            out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e), valid[:, 0]) * held / whole.clamp(min=1.0)
+            out["z_loss"] = (
+                moe_ops.z_loss(logits_BSE.reshape(b * s, e), valid[:, 0])
+                * held
+                / whole.clamp(min=1.0)
+            )
     return out
 
 
@@ -310,7 +436,12 @@ class _InjectGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (seed,) = ctx.saved_tensors
-        return grad, torch.full(ctx.loss_shape, 1.0, dtype=ctx.loss_dtype, device=grad.device) * seed.to(grad.device), None
+        return (
+            grad,
+            torch.full(ctx.loss_shape, 1.0, dtype=ctx.loss_dtype, device=grad.device)
+            * seed.to(grad.device),
+            None,
+        )
 
     @staticmethod
     def jvp(ctx, x_t, _loss_t, _seed_t):
@@ -338,67 +469,133 @@ class _InjectGradientTraced(torch.autograd.Function):
         return grad, seed.expand(ctx.loss_shape).to(grad.dtype), None
 
 
-def inject_gradient(x: torch.Tensor, loss: torch.Tensor, seed: torch.Tensor | float) -> torch.Tensor:
+def inject_gradient(
+    x: torch.Tensor, loss: torch.Tensor, seed: torch.Tensor | float
+) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return _InjectGradientTraced.apply(x, loss, torch.as_tensor(seed, device=loss.device, dtype=loss.dtype))
+        return _InjectGradientTraced.apply(
+            x, loss, torch.as_tensor(seed, device=loss.device, dtype=loss.dtype)
+        )
     return _InjectGradient.apply(x, loss, seed)
 
 
-def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, *, activation,
-            aux: AuxLosses = NO_AUX, index: int = 0, recompute: frozenset[str] = frozenset()) -> torch.Tensor:
-    """The MoE MLP on x [b, s, h] ([b, s/t, h] under sequence parallelism) -> the same shape; the auxiliary
-    losses' gradients join at the router's probabilities (see the module docstring). recompute (Megatron's
-    --recompute-modules): "moe" runs the dispatch, the experts and the shared experts again in backward (the
-    router's logits, its choices and the balance losses are kept: they are [tokens, E] and the losses' values are
-    logged once), "moe_act" the experts' activation only, "shared_experts" the shared experts."""
+def _dispatch_groups(tp: TensorParallel) -> tuple[bool, Any, tuple]:
+    """(every tp rank holds all the tokens?, the group tokens are dispatched over or None, the
+    experts' (tp group, rank, size)); a ValueError for layouts Megatron-core does not run."""
     ep = tp.experts
     replicated = tp.size > 1 and not tp.sp  # every tp rank holds (and routes) all the tokens
     if replicated and ep.size > 1:
-        raise ValueError("expert parallelism with tensor parallelism needs sequence parallelism (--sequence-parallel), "
-                         "as in Megatron-core")
+        raise ValueError(
+            "expert parallelism with tensor parallelism needs sequence parallelism "
+            "(--sequence-parallel), as in Megatron-core"
+        )
     if replicated and ep.tp_size not in (None, tp.size):
         raise ValueError("an expert tensor-parallel size other than tp needs sequence parallelism")
     # tokens move over the experts' tp x ep group (by default, tp's under sequence parallelism)
-    dispatch = None if replicated else ep.group if ep.tp_size is not None or ep.size > 1 else \
-        (tp.group if tp.sp else None)
-    expert_tp = (tp.group, tp.rank, tp.size) if ep.tp_size is None else (ep.tp_group, ep.tp_rank, ep.tp_size)
+    if replicated:
+        dispatch = None
+    elif ep.tp_size is not None or ep.size > 1:
+        dispatch = ep.group
+    else:
+        dispatch = tp.group if tp.sp else None
+    if ep.tp_size is None:
+        return replicated, dispatch, (tp.group, tp.rank, tp.size)
+    return replicated, dispatch, (ep.tp_group, ep.tp_rank, ep.tp_size)
+
+
+def _tokens_per_expert(probs, experts, valid, num_experts: int, counts: torch.Tensor):
+    """How many tokens each expert took here; padded tokens are routed but not counted
+    (megatron-core's padding_mask)."""
+    kept = (probs != 0).to(probs.dtype).detach()
+    if valid is not None:
+        kept = kept * valid[..., None].to(kept.dtype)
+    return torch.zeros(num_experts, dtype=counts.dtype, device=probs.device).index_add(
+        0, experts.reshape(-1), kept.reshape(-1).to(counts.dtype)
+    )
+
+
+def _with_balance_losses(probs, losses: dict, config, aux: AuxLosses, index: int, parts: int):
+    """probs with the weighted balance losses' gradient injected; their values kept in
+    aux.metrics as parts that sum over tp to the microbatch's value (parts: tp's size where every
+    tp rank holds all the tokens, else 1)."""
+    coeffs = {
+        "load_balancing_loss": config.moe_aux_loss_coeff,
+        "z_loss": config.moe_z_loss_coeff,
+        "global_load_balancing_loss": config.moe_aux_loss_coeff,
+    }
+    total = sum(coeffs[name] * value for name, value in losses.items())
+    probs = inject_gradient(probs, total, aux.seed)
+    if aux.metrics is not None:
+        zero = probs.new_zeros(())
+        values = torch.stack([losses.get(name, zero).detach().float() for name in METRICS])
+        aux.metrics[index] = values / parts
+    return probs
+
+
+def moe_mlp(
+    p: Params,
+    x_BSH: torch.Tensor,
+    config,
+    tp: TensorParallel = NO_TP,
+    *,
+    activation,
+    aux: AuxLosses = NO_AUX,
+    index: int = 0,
+    recompute: frozenset[str] = frozenset(),
+) -> torch.Tensor:
+    """The MoE MLP on x [b, s, h] ([b, s/t, h] under sequence parallelism) -> the same shape; the
+    auxiliary losses' gradients join at the router's probabilities (see the module docstring).
+    recompute (Megatron's --recompute-modules): "moe" runs the dispatch, the experts and the shared
+    experts again in backward (the router's logits, its choices and the balance losses are kept:
+    they are [tokens, E] and the losses' values are logged once), "moe_act" the experts' activation
+    only, "shared_experts" the shared experts."""
+    ep = tp.experts
+    replicated, dispatch, expert_tp = _dispatch_groups(tp)
     logits = router_logits(p, x_BSH, config, tp)
     if config.moe_router_force_load_balancing:
-        logits = random_logits(logits, ops.fold_in(0 if aux.router_key is None else aux.router_key, index), tp)
+        logits = random_logits(
+            logits, ops.fold_in(0 if aux.router_key is None else aux.router_key, index), tp
+        )
     probs, experts = route_tokens(logits, config, p["router"].get("expert_bias"))
     valid = valid_tokens(aux.padding, tp)
-    if aux.counts is not None:  # tokens per expert here, for the expert-bias update after the step
-        kept = (probs != 0).to(logits.dtype).detach()
-        if valid is not None:  # padded tokens are routed but not counted (megatron-core's padding_mask)
-            kept = kept * valid[..., None].to(kept.dtype)
-        aux.counts[index] = torch.zeros(logits.shape[-1], dtype=aux.counts.dtype, device=logits.device).index_add(
-            0, experts.reshape(-1), kept.reshape(-1).to(aux.counts.dtype))
+    if aux.counts is not None:
+        # tokens per expert here, for the expert-bias update after the step
+        aux.counts[index] = _tokens_per_expert(probs, experts, valid, logits.shape[-1], aux.counts)
     losses = balance_losses(logits, config, tp, aux, index, valid)
-    coeffs = {"load_balancing_loss": config.moe_aux_loss_coeff, "z_loss": config.moe_z_loss_coeff,
-              "global_load_balancing_loss": config.moe_aux_loss_coeff}
     if losses:
-        total = sum(coeffs[name] * value for name, value in losses.items())
-        probs = inject_gradient(probs, total, aux.seed)
-        if aux.metrics is not None:  # parts that sum over tp to the microbatch's value
-            values = torch.stack([losses.get(name, logits.new_zeros(())).detach().float() for name in METRICS])
-            aux.metrics[index] = values / tp.size if replicated else values
-    expert_activation = (lambda h: ops.recomputed(activation, h)) if "moe_act" in recompute else activation
-    # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are host values
-    alltoall = config.moe_token_dispatcher_type == "alltoall" and not replicated and not torch.compiler.is_compiling()
+        probs = _with_balance_losses(
+            probs, losses, config, aux, index, tp.size if replicated else 1
+        )
+    expert_activation = (
+        (lambda h: ops.recomputed(activation, h)) if "moe_act" in recompute else activation
+    )
+    # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are
+    # host values
+    alltoall = (
+        config.moe_token_dispatcher_type == "alltoall"
+        and not replicated
+        and not torch.compiler.is_compiling()
+    )
     if alltoall and expert_tp[2] > 1:
-        raise ValueError("the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
-                         "(--expert-tensor-parallel-size 1)")
+        raise ValueError(
+            "the alltoall token dispatcher needs an expert tensor-parallel size of 1 "
+            "(--expert-tensor-parallel-size 1)"
+        )
 
     def experts_and_shared(q: Params, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if alltoall:
             y = alltoall_experts(q["experts"], x, probs, experts, ep, expert_activation)
         else:
-            y = allgather_experts(q["experts"], x, probs, experts, dispatch, ep.rank, expert_tp, expert_activation)
+            y = allgather_experts(
+                q["experts"], x, probs, experts, dispatch, ep.rank, expert_tp, expert_activation
+            )
         if "shared" not in q:
             return y
         if "shared_experts" in recompute and "moe" not in recompute:
             shared = {k: q[k] for k in ("shared", "shared_gate") if k in q}
-            return y + ops.recomputed_with(lambda s, x: shared_expert(s, x, config, tp, activation), shared, x)
+            return y + ops.recomputed_with(
+                lambda s, x: shared_expert(s, x, config, tp, activation), shared, x
+            )
         return y + shared_expert(q, x, config, tp, activation)
 
     held = {k: p[k] for k in ("experts", "shared", "shared_gate") if k in p}
@@ -407,11 +604,20 @@ def moe_mlp(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel = NO_TP, 
     return experts_and_shared(held, x_BSH, probs)
 
 
-def allgather_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, dispatch, ep_rank: int,
-                      expert_tp: tuple, activation) -> torch.Tensor:
-    """Megatron's allgather dispatcher: every rank's tokens gathered over the dispatch group (None: the tokens
-    here, or all tokens replicated over tp without sequence parallelism), each rank's experts (its F-slice of
-    them) run on all of them, and a reduce-scatter returns each rank the sum for its own tokens."""
+def allgather_experts(
+    p: Params,
+    x_BSH: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    dispatch,
+    ep_rank: int,
+    expert_tp: tuple,
+    activation,
+) -> torch.Tensor:
+    """Megatron's allgather dispatcher: every rank's tokens gathered over the dispatch group (None:
+    the tokens here, or all tokens replicated over tp without sequence parallelism), each rank's
+    experts (its F-slice of them) run on all of them, and a reduce-scatter returns each rank the sum
+    for its own tokens."""
     tp_group, tp_rank, tp_size = expert_tp
     replicated = dispatch is None and tp_size > 1
     if dispatch is not None:
@@ -425,53 +631,87 @@ def allgather_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, exper
     b, s, h = x_all.shape
     fc1, fc2 = p["fc1"], p["fc2"]
     bias = fc2.get("bias")
-    if bias is not None and tp_size > 1:  # added by one rank (the reduction sums the F-slices' partials)
+    # added by one rank (the reduction sums the F-slices' partials)
+    if bias is not None and tp_size > 1:
         bias = C.copy_to(bias, tp_group) * (1.0 if tp_rank == 0 else 0.0)
-    y = moe_ops.expert_mlp(x_all.reshape(b * s, h), probs.reshape(b * s, -1).to(x_all.dtype),
-                           experts.reshape(b * s, -1), fc1["weight"], fc2["weight"], activation,
-                           fc1.get("bias"), bias, first_expert=ep_rank * fc1["weight"].shape[0])
+    y = moe_ops.expert_mlp(
+        x_all.reshape(b * s, h),
+        probs.reshape(b * s, -1).to(x_all.dtype),
+        experts.reshape(b * s, -1),
+        fc1["weight"],
+        fc2["weight"],
+        activation,
+        fc1.get("bias"),
+        bias,
+        first_expert=ep_rank * fc1["weight"].shape[0],
+    )
     y = y.reshape(b, s, h)
     if dispatch is not None:
         return C.reduce_scatter_to(y, dispatch, SEQ_DIM)
     return C.reduce_from(y, tp_group) if replicated else y
 
 
-def alltoall_experts(p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, ep, activation
-                     ) -> torch.Tensor:
-    """Megatron's alltoall dispatcher (experts not split over tp): each (token, expert) assignment here travels
-    to the ep rank holding its expert, by one uneven all-to-all over ep.group, and its expert's output comes back
-    by the reverse one; each rank weighs and sums its own tokens' outputs. The counts every pair of ranks
-    exchanges are all-gathered and read on the host first (one sync, as Megatron's dispatcher makes)."""
+def alltoall_experts(
+    p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, ep, activation
+) -> torch.Tensor:
+    """Megatron's alltoall dispatcher (experts not split over tp): each (token, expert) assignment
+    here travels to the ep rank holding its expert, by one uneven all-to-all over ep.group, and its
+    expert's output comes back by the reverse one; each rank weighs and sums its own tokens'
+    outputs. The counts every pair of ranks exchanges are all-gathered and read on the host first
+    (one sync, as Megatron's dispatcher makes)."""
     b, s, h = x_BSH.shape
     fc1, fc2 = p["fc1"], p["fc2"]
     held, k = fc1["weight"].shape[0], experts.shape[-1]
     chosen = experts.reshape(-1)
     if ep.group is None:
-        return moe_ops.expert_mlp(x_BSH.reshape(b * s, h), probs.reshape(b * s, k).to(x_BSH.dtype),
-                                  experts.reshape(b * s, k), fc1["weight"], fc2["weight"], activation,
-                                  fc1.get("bias"), fc2.get("bias")).reshape(b, s, h)
+        return moe_ops.expert_mlp(
+            x_BSH.reshape(b * s, h),
+            probs.reshape(b * s, k).to(x_BSH.dtype),
+            experts.reshape(b * s, k),
+            fc1["weight"],
+            fc2["weight"],
+            activation,
+            fc1.get("bias"),
+            fc2.get("bias"),
+        ).reshape(b, s, h)
     me, size = ep.rank, ep.size
     order = torch.argsort(chosen, stable=True)  # by expert, so by the rank that holds it
     token = order // k
     counts = torch.bincount(chosen, minlength=held * size)
-    table = C.all_gather_constant(counts[None], ep.group, 0).tolist()  # [rank][expert]: assignments made there
-    send = [sum(table[me][j * held:(j + 1) * held]) for j in range(size)]
-    recv = [sum(table[i][me * held:(me + 1) * held]) for i in range(size)]
+    # [rank][expert]: assignments made there
+    table = C.all_gather_constant(counts[None], ep.group, 0).tolist()
+    send = [sum(table[me][j * held : (j + 1) * held]) for j in range(size)]
+    recv = [sum(table[i][me * held : (me + 1) * held]) for i in range(size)]
     rows = C.all_to_all_rows(x_BSH.reshape(b * s, h)[token], ep.group, send, recv)
     # arrived: from each rank, its rows for each of our experts in turn; regroup them by expert
-    arrived = torch.tensor([table[i][me * held + e] for i in range(size) for e in range(held)], device=rows.device)
+    arrived = torch.tensor(
+        [table[i][me * held + e] for i in range(size) for e in range(held)], device=rows.device
+    )
     expert_of = torch.arange(held, device=rows.device).repeat(size).repeat_interleave(arrived)
     regroup = torch.argsort(expert_of, stable=True)
-    y = moe_ops.expert_rows(rows[regroup], expert_of[regroup], torch.bincount(expert_of, minlength=held),
-                            fc1["weight"], fc2["weight"], activation, fc1.get("bias"), fc2.get("bias"))
+    y = moe_ops.expert_rows(
+        rows[regroup],
+        expert_of[regroup],
+        torch.bincount(expert_of, minlength=held),
+        fc1["weight"],
+        fc2["weight"],
+        activation,
+        fc1.get("bias"),
+        fc2.get("bias"),
+    )
     y = C.all_to_all_rows(y[torch.argsort(regroup)], ep.group, recv, send)
     weight = probs.reshape(-1)[order].to(y.dtype)
-    out = torch.zeros(b * s, h, dtype=y.dtype, device=y.device).index_add(0, token, y * weight[:, None])
+    out = torch.zeros(b * s, h, dtype=y.dtype, device=y.device).index_add(
+        0, token, y * weight[:, None]
+    )
     return out.to(x_BSH.dtype).reshape(b, s, h)
 
 
-def shared_expert(p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel, activation) -> torch.Tensor:
-    """The shared expert (a dense MLP every token goes through), gated by sigmoid(x . w) with a shared gate."""
+def shared_expert(
+    p: Params, x_BSH: torch.Tensor, config, tp: TensorParallel, activation
+) -> torch.Tensor:
+    """The shared expert (a dense MLP every token goes through), gated by sigmoid(x . w) with a
+    shared gate."""
     y = dense_mlp(p["shared"], x_BSH, activation, tp)
     if "shared_gate" in p:
         gate = ops.linear(x_BSH, replicated_param(p["shared_gate"]["weight"], tp))

@@ -1,4 +1,5 @@
-"""Vocabulary padding of a GPT's tables: rows V..Vp-1 are zero and inert, so any padding computes the same."""
+"""Vocabulary padding of a GPT's tables: rows V..Vp-1 are zero and inert, so any padding computes
+the same."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def repad_vocab(values: Any, config: Any, padded_vocab_size: int) -> Any:
-    """A whole-model tree (parameters, gradients or Adam moments) with its vocabulary tables' padding
-    replaced: the config.vocab_size real rows, then zero rows up to padded_vocab_size."""
+    """A whole-model tree (parameters, gradients or Adam moments) with its vocabulary tables'
+    padding replaced: the config.vocab_size real rows, then zero rows up to padded_vocab_size."""
     from fmeg import tree
 
     flat = tree.flatten(values)
     for path in VOCAB_TABLES:
         if path in flat:
-            flat[path] = pad_rows(flat[path][:config.vocab_size], padded_vocab_size)
+            flat[path] = pad_rows(flat[path][: config.vocab_size], padded_vocab_size)
     return tree.unflatten(flat)

@@ -30,11 +30,13 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 GATES = {"swiglu": F.silu, "quick_geglu": quick_gelu}
 
 
-def mlp_activation(h: torch.Tensor, activation: str, glu_linear_offset: float = 0.0,
-                   clamp: float | None = None) -> torch.Tensor:
-    """The MLP's activation on fc1's output [..., F]; a gated one (swiglu, quick_geglu) takes [..., 2F], gate then
-    linear half, and gives gate_fn(gate) * (linear + glu_linear_offset), with the gate clamped above at clamp and
-    the linear half to [-clamp, clamp] when clamp is given (GPT-OSS's, megatron-core's unfused GLU)."""
+def mlp_activation(
+    h: torch.Tensor, activation: str, glu_linear_offset: float = 0.0, clamp: float | None = None
+) -> torch.Tensor:
+    """The MLP's activation on fc1's output [..., F]; a gated one (swiglu, quick_geglu) takes [...,
+    2F], gate then linear half, and gives gate_fn(gate) * (linear + glu_linear_offset), with the
+    gate clamped above at clamp and the linear half to [-clamp, clamp] when clamp is given
+    (GPT-OSS's, megatron-core's unfused GLU)."""
     if activation in GATES:
         gate, up = rearrange(h, "... (two f) -> two ... f", two=2)
         if clamp is not None:

@@ -24,7 +24,11 @@ def token_cross_entropy(
     """
     flat = upcast(logits.reshape(-1, logits.shape[-1]))
     losses = F.cross_entropy(
-        flat, labels.reshape(-1), reduction="none", ignore_index=ignore_index, label_smoothing=label_smoothing
+        flat,
+        labels.reshape(-1),
+        reduction="none",
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
     )
     return losses.view(labels.shape)
 
@@ -43,8 +47,11 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Mean token loss over tokens whose label is not ignore_index and whose loss_mask is nonzero."""
-    losses = token_cross_entropy(logits, labels, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    """Mean token loss over tokens whose label is not ignore_index and whose loss_mask is
+    nonzero."""
+    losses = token_cross_entropy(
+        logits, labels, label_smoothing=label_smoothing, ignore_index=ignore_index
+    )
     mask = labels != ignore_index
     if loss_mask is not None:
         mask = mask * loss_mask.to(losses.dtype)

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias over the last dimension of x.
 
-    A weight with more than two dimensions ([..., out_last, in]) is a stack of projections that share
-    the input; the output's last dimension is its leading dimensions flattened, in order.
+    A weight with more than two dimensions ([..., out_last, in]) is a stack of projections that
+    share the input; the output's last dimension is its leading dimensions flattened, in order.
     """
     if weight.dim() > 2:
         weight = weight.flatten(0, -2)

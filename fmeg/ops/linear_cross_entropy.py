@@ -4,12 +4,13 @@
          == cross_entropy(x @ weight.T, labels, loss_mask=mask)      (the same numbers)
 
 Why fuse: the [tokens, vocab] logits dominate a small model's step. The forward pass already holds
-softmax(logits), so it keeps G = softmax - (1 - e) * onehot - e / V (zero on vocabulary padding), the gradient of each token's loss
-with respect to its logits. Per-token weights (mask / count, times the
-incoming gradient) then scale only the [tokens, hidden] operands of the two backward matmuls, and the
-[tokens, vocab] tensor is read once per matmul and never rescaled. The softmax is taken in fp32; G is
-kept in the compute dtype (x's), so with bf16 inputs every matmul, forward and backward, runs in bf16
-with fp32 accumulation, and the memory kept for backward is one [tokens, vocab] bf16 buffer.
+softmax(logits), so it keeps G = softmax - (1 - e) * onehot - e / V (zero on vocabulary padding),
+the gradient of each token's loss with respect to its logits. Per-token weights (mask / count, times
+the incoming gradient) then scale only the [tokens, hidden] operands of the two backward matmuls,
+and the [tokens, vocab] tensor is read once per matmul and never rescaled. The softmax is taken in
+fp32; G is kept in the compute dtype (x's), so with bf16 inputs every matmul, forward and backward,
+runs in bf16 with fp32 accumulation, and the memory kept for backward is one [tokens, vocab] bf16
+buffer.
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, smoothing: float,
-                vocab_size: int):
-        logits = upcast(F.linear(x, weight))  # all rows of weight: the padded vocabulary keeps the GEMM aligned
+    def forward(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        w: torch.Tensor,
+        smoothing: float,
+        vocab_size: int,
+    ):
+        # all rows of weight: the padded vocabulary keeps the GEMM aligned
+        logits = upcast(F.linear(x, weight))
         padded = logits.shape[-1] > vocab_size
         if padded:  # padding ids take no part: probability 0, so no gradient either
             real = torch.arange(logits.shape[-1], device=logits.device) < vocab_size
@@ -44,12 +52,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         uniform = smoothing / vocab_size
         if torch.compiler.is_compiling():
             # Dynamo traces this forward under autograd, where mutating a tensor that an earlier op
-            # saved silently corrupted the weight gradient (torch 2.13); inductor fuses these anyway.
+            # saved silently corrupted the weight gradient (torch 2.13); inductor fuses these
+            # anyway.
             g = logprobs.exp().scatter_add(-1, safe, target)
             if smoothing:
                 g = g - (uniform * real.to(g.dtype) if padded else uniform)
         else:
-            g = logprobs.exp_()  # eager forward runs without autograd: reuse the [tokens, vocab] buffer
+            # eager forward runs without autograd: reuse the [tokens, vocab] buffer
+            g = logprobs.exp_()
             g.scatter_add_(-1, safe, target)
             if smoothing:
                 g[..., :vocab_size].sub_(uniform)
@@ -62,7 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x, weight, w, g)
         ctx.save_for_forward(x, weight, w, g)
         ctx.mark_non_differentiable(g)
-        ctx.set_materialize_grads(False)  # g gets no gradient; don't allocate a [tokens, vocab] zero one
+        # g gets no gradient; don't allocate a [tokens, vocab] zero one
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_g):
@@ -70,16 +81,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = (grad_loss * w).unsqueeze(-1)
         # Both gradients always: under torch.compile(torch.func.grad(...)) ctx.needs_input_grad said
         # False for the weight (torch 2.13) and skipping it silently zeroed the weight gradient.
-        # The GEMMs run in the compute dtype (g's) with fp32 accumulation; the per-token scale goes on
-        # the [tokens, hidden] operands, never on the [tokens, vocab] one.
+        # The GEMMs run in the compute dtype (g's) with fp32 accumulation; the per-token scale goes
+        # on the [tokens, hidden] operands, never on the [tokens, vocab] one.
         grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
         grad_w = (g.mT @ (x * scale).to(g.dtype)).to(weight.dtype)
         return grad_x, grad_w, None, None, None, None
 
 
 class _LinearCrossEntropyWithJvp(_LinearCrossEntropy):
-    """The same op with a forward-mode rule. Dynamo cannot trace a Function that defines jvp (it breaks
-    the graph), so compiled code uses the parent class and eager code, where jvp may be asked for, this."""
+    """The same op with a forward-mode rule. Dynamo cannot trace a Function that defines jvp (it
+    breaks the graph), so compiled code uses the parent class and eager code, where jvp may be asked
+    for, this."""
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, _labels_t, _w_t, _smoothing_t, _vocab_size_t):
@@ -89,7 +101,9 @@ class _LinearCrossEntropyWithJvp(_LinearCrossEntropy):
         if x_t is not None:
             tangent = tangent + ((g @ weight.to(g.dtype)) * x_t.to(g.dtype) * w.unsqueeze(-1)).sum()
         if weight_t is not None:
-            tangent = tangent + ((g.mT @ (x.to(g.dtype) * w.unsqueeze(-1))) * weight_t.to(g.dtype)).sum()
+            tangent = (
+                tangent + ((g.mT @ (x.to(g.dtype) * w.unsqueeze(-1))) * weight_t.to(g.dtype)).sum()
+            )
         return tangent, None
 
 
@@ -104,13 +118,14 @@ def linear_cross_entropy(
     reduction: str = "mean",
     vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """Mean cross entropy of logits x @ weight.T over tokens with a valid label and nonzero mask (reduction
-    "sum": the mask-weighted sum, Megatron's --calculate-per-token-loss numerator).
+    """Mean cross entropy of logits x @ weight.T over tokens with a valid label and nonzero mask
+    (reduction "sum": the mask-weighted sum, Megatron's --calculate-per-token-loss numerator).
 
-    x [..., hidden], weight [vocab, hidden], labels [...]. Equal to ops.cross_entropy(linear(x, weight),
-    ...) in value and in gradients for x and weight, under autograd, torch.func.grad/vjp/jvp and vmap.
-    vocab_size: only the first vocab_size rows of weight are classes; the rest (vocabulary padding) take no
-    part and get a zero gradient, as with weight[:vocab_size], but the GEMMs keep the padded, aligned shape.
+    x [..., hidden], weight [vocab, hidden], labels [...]. Equal to ops.cross_entropy(linear(x,
+    weight), ...) in value and in gradients for x and weight, under autograd,
+    torch.func.grad/vjp/jvp and vmap. vocab_size: only the first vocab_size rows of weight are
+    classes; the rest (vocabulary padding) take no part and get a zero gradient, as with
+    weight[:vocab_size], but the GEMMs keep the padded, aligned shape.
     """
     acc = torch.promote_types(x.dtype, torch.float32)
     valid = (labels != ignore_index).to(acc)
@@ -118,6 +133,12 @@ def linear_cross_entropy(
     w = (mask if reduction == "sum" else mask / mask.sum().clamp_min(1.0)).reshape(-1)
     safe_labels = torch.where(labels == ignore_index, 0, labels).reshape(-1)
     fn = _LinearCrossEntropy if torch.compiler.is_compiling() else _LinearCrossEntropyWithJvp
-    loss, _ = fn.apply(x.reshape(-1, x.shape[-1]), weight, safe_labels, w, float(label_smoothing),
-                       weight.shape[0] if vocab_size is None else int(vocab_size))
+    loss, _ = fn.apply(
+        x.reshape(-1, x.shape[-1]),
+        weight,
+        safe_labels,
+        w,
+        float(label_smoothing),
+        weight.shape[0] if vocab_size is None else int(vocab_size),
+    )
     return loss

@@ -1,26 +1,30 @@
-"""Mixture-of-experts math on one device: routing, load-balancing losses, and the experts as grouped matmuls.
+"""Mixture-of-experts math on one device: routing, load-balancing losses, and the experts as grouped
+matmuls.
 
     probs_TK, experts_TK = route(logits_TE, topk=2)                 # Megatron's top-k routing
-    keep_TK = capacity_keep(probs_TK, experts_TK, E, factor=1.0)    # token dropping (None: dropless)
-    y_TH = expert_mlp(x_TH, probs_TK, experts_TK, fc1_EFH, fc2_EHF, activation)
+    keep_TK = capacity_keep(probs_TK, experts_TK, E, factor=1.0)    # token dropping (None:
+    dropless) y_TH = expert_mlp(x_TH, probs_TK, experts_TK, fc1_EFH, fc2_EHF, activation)
 
 Tokens are rows T of a [T, H] matrix, experts E, k experts per token. Shapes follow Megatron-core's
 router (megatron/core/transformer/moe/moe_utils.py) so that its flags mean the same here:
 
-- softmax scores: softmax over the top-k logits (Mixtral; equal to renormalising the top-k of a softmax over
+- softmax scores: softmax over the top-k logits (Mixtral; equal to renormalising the top-k of a
+softmax over
   all experts), or with pre_softmax the top-k of a softmax over all experts, not renormalised.
-- sigmoid scores (DeepSeek-V3): sigmoid of the logits; the top-k is chosen on sigmoid + expert_bias (the
+- sigmoid scores (DeepSeek-V3): sigmoid of the logits; the top-k is chosen on sigmoid + expert_bias
+(the
   bias steers the choice only) and the chosen scores are normalised to sum to 1 when k > 1.
-- group-limited routing: experts in num_groups equal groups; a token first picks group_topk groups by the sum
-  of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3: its top 2), then its
-  k experts inside them.
+- group-limited routing: experts in num_groups equal groups; a token first picks group_topk groups
+by the sum
+  of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3: its top 2),
+  then its k experts inside them.
 - scaling_factor multiplies the final probabilities.
 
-Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm where the
-device and dtype take it: bf16 on CUDA 9.0+, fp32 on CPU when not compiled; a loop over experts otherwise): no
-loop over tokens, and no host sync on the grouped path. The loop reads the experts' boundaries on the host,
-except under torch.compile, where it runs every expert on every row, masked (no host sync in a graph, at E
-times the FLOPs: compiled runs want the grouped path).
+Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm
+where the device and dtype take it: bf16 on CUDA 9.0+, fp32 on CPU when not compiled; a loop over
+experts otherwise): no loop over tokens, and no host sync on the grouped path. The loop reads the
+experts' boundaries on the host, except under torch.compile, where it runs every expert on every
+row, masked (no host sync in a graph, at E times the FLOPs: compiled runs want the grouped path).
 """
 
 from __future__ import annotations
@@ -34,13 +38,23 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 
 
-def route(logits_TE: torch.Tensor, *, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-          num_groups: int | None = None, group_topk: int | None = None, scaling_factor: float | None = None,
-          expert_bias: torch.Tensor | None = None, group_score_topk: int | None = None,
-          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [T, k] in at least fp32, experts [T, k] int64): each token's k experts and their weights.
-    group_score_topk: how many of a group's best scores rank it (None: topk // group_topk, megatron-core's);
-    normalize: a sigmoid router's top-k weights divided by their sum (transformers' norm_topk_prob)."""
+def route(
+    logits_TE: torch.Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+    group_score_topk: int | None = None,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, k] in at least fp32, experts [T, k] int64): each token's k experts and their
+    weights. group_score_topk: how many of a group's best scores rank it (None: topk // group_topk,
+    megatron-core's); normalize: a sigmoid router's top-k weights divided by their sum
+    (transformers' norm_topk_prob)."""
     logits = _at_least_fp32(logits_TE)
     per_group = group_score_topk or (topk // group_topk if group_topk else None)
 
@@ -71,8 +85,11 @@ def route(logits_TE: torch.Tensor, *, topk: int, score_function: str = "softmax"
     return probs, experts
 
 
-def _mask_to_groups(scores_TE: torch.Tensor, per_group: int, num_groups: int, group_topk: int) -> torch.Tensor:
-    """scores with -inf outside each token's group_topk best groups (ranked by the sum of their per_group best)."""
+def _mask_to_groups(
+    scores_TE: torch.Tensor, per_group: int, num_groups: int, group_topk: int
+) -> torch.Tensor:
+    """scores with -inf outside each token's group_topk best groups (ranked by the sum of their
+    per_group best)."""
     t, e = scores_TE.shape
     grouped = scores_TE.view(t, num_groups, e // num_groups)
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
@@ -83,12 +100,17 @@ def _mask_to_groups(scores_TE: torch.Tensor, per_group: int, num_groups: int, gr
 
 def routing_map(experts_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[T, E] float: 1 where a token is routed to an expert."""
-    return torch.zeros(experts_TK.shape[0], num_experts, device=experts_TK.device).scatter(1, experts_TK, 1.0)
+    return torch.zeros(experts_TK.shape[0], num_experts, device=experts_TK.device).scatter(
+        1, experts_TK, 1.0
+    )
 
 
-def aux_scores(logits_TE: torch.Tensor, topk: int, score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores [T, E], routing map [T, E]) that the load-balancing losses use: every expert's normalised score
-    (softmax, or sigmoid divided by its sum) and the plain top-k of those scores (no bias, no groups)."""
+def aux_scores(
+    logits_TE: torch.Tensor, topk: int, score_function: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [T, E], routing map [T, E]) that the load-balancing losses use: every expert's
+    normalised score (softmax, or sigmoid divided by its sum) and the plain top-k of those scores
+    (no bias, no groups)."""
     logits = _at_least_fp32(logits_TE)
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
@@ -98,21 +120,32 @@ def aux_scores(logits_TE: torch.Tensor, topk: int, score_function: str) -> tuple
     return scores, routing_map(torch.topk(scores, k=topk, dim=-1).indices, logits.shape[-1])
 
 
-def switch_aux_loss(scores_TE: torch.Tensor, tokens_per_expert: torch.Tensor, total_tokens: int | torch.Tensor,
-                    topk: int) -> torch.Tensor:
-    """Switch Transformer's balance loss E * sum_i f_i * P_i (uniform routing gives 1): f_i the fraction of the
-    total_tokens * topk assignments that went to expert i (tokens_per_expert: counted over all of them), P_i
-    the mean score of expert i. scores may be this rank's part of the tokens: the losses of the parts sum to
-    the loss of the whole."""
+def switch_aux_loss(
+    scores_TE: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_tokens: int | torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    """Switch Transformer's balance loss E * sum_i f_i * P_i (uniform routing gives 1): f_i the
+    fraction of the total_tokens * topk assignments that went to expert i (tokens_per_expert:
+    counted over all of them), P_i the mean score of expert i. scores may be this rank's part of the
+    tokens: the losses of the parts sum to the loss of the whole."""
     e = scores_TE.shape[-1]
-    return (scores_TE.sum(dim=0) * tokens_per_expert).sum() * (e / (topk * total_tokens * total_tokens))
+    return (scores_TE.sum(dim=0) * tokens_per_expert).sum() * (
+        e / (topk * total_tokens * total_tokens)
+    )
 
 
-def sequence_aux_loss(scores_BSE: torch.Tensor, map_BSE: torch.Tensor, topk: int,
-                      tokens_per_sequence: torch.Tensor | None = None) -> torch.Tensor:
-    """DeepSeek's sequence-level balance loss: the switch loss of each sequence, averaged over sequences.
-    tokens_per_sequence: the tokens a sequence counts (default its length; with padding, megatron-core's mean of
-    the sequences' unpadded tokens, the padded ones' scores and choices being zero)."""
+def sequence_aux_loss(
+    scores_BSE: torch.Tensor,
+    map_BSE: torch.Tensor,
+    topk: int,
+    tokens_per_sequence: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek's sequence-level balance loss: the switch loss of each sequence, averaged over
+    sequences. tokens_per_sequence: the tokens a sequence counts (default its length; with padding,
+    megatron-core's mean of the sequences' unpadded tokens, the padded ones' scores and choices
+    being zero)."""
     _, s, e = scores_BSE.shape
     count = s if tokens_per_sequence is None else tokens_per_sequence
     fraction = map_BSE.sum(dim=1) * (e / (count * topk))
@@ -120,7 +153,8 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, map_BSE: torch.Tensor, topk: int
 
 
 def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared (over the valid ones: 1 / 0 each)."""
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared (over the valid
+    ones: 1 / 0 each)."""
     z = torch.logsumexp(_at_least_fp32(logits_TE), dim=-1).square()
     return z.mean() if valid_T is None else (z * valid_T).sum() / valid_T.sum().clamp(min=1.0)
 
@@ -130,57 +164,95 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
-    """Megatron's expert capacity: ceil(tokens * topk / experts * factor), tokens being those routed together."""
+    """Megatron's expert capacity: ceil(tokens * topk / experts * factor), tokens being those
+    routed together."""
     return math.ceil(num_tokens * topk / num_experts * factor)
 
 
-def capacity_keep(probs_TK: torch.Tensor, experts_TK: torch.Tensor, num_experts: int, factor: float,
-                  policy: str = "probs") -> torch.Tensor:
-    """[T, k] bool: which assignments survive each expert's capacity (Megatron's token dropping). "probs"
-    keeps each expert's highest-probability tokens; "position" is megatron-core's: torch.topk over the 0/1
-    routing map, so among an expert's tokens it keeps those topk returns for equal values (not necessarily
-    the first ones: on CPU often later ones), and the same ones as megatron-core's router on a device."""
+def capacity_keep(
+    probs_TK: torch.Tensor,
+    experts_TK: torch.Tensor,
+    num_experts: int,
+    factor: float,
+    policy: str = "probs",
+) -> torch.Tensor:
+    """[T, k] bool: which assignments survive each expert's capacity (Megatron's token dropping).
+    "probs" keeps each expert's highest-probability tokens; "position" is megatron-core's:
+    torch.topk over the 0/1 routing map, so among an expert's tokens it keeps those topk returns for
+    equal values (not necessarily the first ones: on CPU often later ones), and the same ones as
+    megatron-core's router on a device."""
     t, k = experts_TK.shape
     cap = capacity(t, num_experts, k, factor)
     if cap >= t:
         return torch.ones_like(experts_TK, dtype=torch.bool)
     onehot = routing_map(experts_TK, num_experts).bool()  # [T, E]
     if policy == "probs":
-        dense = torch.zeros(t, num_experts, device=probs_TK.device).scatter(1, experts_TK, probs_TK.detach().float())
+        dense = torch.zeros(t, num_experts, device=probs_TK.device).scatter(
+            1, experts_TK, probs_TK.detach().float()
+        )
         dense = dense.masked_fill(~onehot, -1.0)
-        kept = torch.zeros_like(onehot).scatter(0, torch.topk(dense, k=cap, dim=0).indices, True) & onehot
+        kept = (
+            torch.zeros_like(onehot).scatter(0, torch.topk(dense, k=cap, dim=0).indices, True)
+            & onehot
+        )
     elif policy == "position":
-        kept = torch.zeros_like(onehot).scatter(0, torch.topk(onehot.int(), k=cap, dim=0, sorted=False).indices,
-                                                True) & onehot
+        kept = (
+            torch.zeros_like(onehot).scatter(
+                0, torch.topk(onehot.int(), k=cap, dim=0, sorted=False).indices, True
+            )
+            & onehot
+        )
     else:
         raise ValueError(f"drop policy must be one of {DROP_POLICIES}, got {policy!r}")
     return kept.gather(1, experts_TK)
 
 
-def expert_mlp(x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor, fc1: torch.Tensor,
-               fc2: torch.Tensor, activation, fc1_bias: torch.Tensor | None = None,
-               fc2_bias: torch.Tensor | None = None, first_expert: int = 0) -> torch.Tensor:
-    """sum over each token's k experts of prob * fc2(act(fc1(x))) -> [T, H], for the experts held in the weights
-    (fc1 [E', F, H] or [E', 2, F, H] for gated, fc2 [E', H, F]; E' experts numbered from first_expert);
-    assignments to other experts contribute nothing. activation(h [.., F] or [.., 2F]) -> [.., F]."""
+def expert_mlp(
+    x_TH: torch.Tensor,
+    probs_TK: torch.Tensor,
+    experts_TK: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    activation,
+    fc1_bias: torch.Tensor | None = None,
+    fc2_bias: torch.Tensor | None = None,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """sum over each token's k experts of prob * fc2(act(fc1(x))) -> [T, H], for the experts held in
+    the weights (fc1 [E', F, H] or [E', 2, F, H] for gated, fc2 [E', H, F]; E' experts numbered from
+    first_expert); assignments to other experts contribute nothing. activation(h [.., F] or [..,
+    2F]) -> [.., F]."""
     held = fc1.shape[0]
     local = experts_TK - first_expert
     mine = (local >= 0) & (local < held)
-    # every assignment sorted by its expert (others last), so each expert's tokens are one contiguous block
+    # every assignment sorted by its expert (others last), so each expert's tokens are one
+    # contiguous block
     key = torch.where(mine, local, held).flatten()
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=held + 1)[:held]
     token = order // experts_TK.shape[1]
     y = expert_rows(x_TH[token], key[order], counts, fc1, fc2, activation, fc1_bias, fc2_bias)
     weight = (probs_TK * mine).flatten()[order].to(y.dtype)
-    return torch.zeros_like(x_TH, dtype=y.dtype).index_add(0, token, y * weight[:, None]).to(x_TH.dtype)
+    return (
+        torch.zeros_like(x_TH, dtype=y.dtype)
+        .index_add(0, token, y * weight[:, None])
+        .to(x_TH.dtype)
+    )
 
 
-def expert_rows(rows_NH: torch.Tensor, expert_of_row: torch.Tensor, counts_E: torch.Tensor, fc1: torch.Tensor,
-                fc2: torch.Tensor, activation, fc1_bias: torch.Tensor | None = None,
-                fc2_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fc2(act(fc1(row))) of each row's expert -> [N, H], for rows sorted by expert (expert_of_row; rows after the
-    counts' blocks belong to none of the E' experts held and give zeros, their expert_of_row E')."""
+def expert_rows(
+    rows_NH: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    counts_E: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    activation,
+    fc1_bias: torch.Tensor | None = None,
+    fc2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fc2(act(fc1(row))) of each row's expert -> [N, H], for rows sorted by expert (expert_of_row;
+    rows after the counts' blocks belong to none of the E' experts held and give zeros, their
+    expert_of_row E')."""
     held = fc1.shape[0]
     w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1  # gated: [E', 2F, H], gate rows then up rows
     h = grouped_linear(rows_NH, w1, counts_E)
@@ -199,32 +271,37 @@ def _per_row(bias_EF: torch.Tensor, expert_of_row: torch.Tensor, held: int) -> t
     return padded[expert_of_row.clamp(max=held)]
 
 
-def grouped_linear(rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """rows sorted by expert (the first counts[0] rows are expert 0's, ...; any rows after them belong to no
-    expert and give zeros) times each expert's weight transposed -> [N, F]."""
+def grouped_linear(
+    rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
+    """rows sorted by expert (the first counts[0] rows are expert 0's, ...; any rows after them
+    belong to no expert and give zeros) times each expert's weight transposed -> [N, F]."""
     n, e = rows_NH.shape[0], weight_EFH.shape[0]
     if e == 0:  # an expert-parallel shard can hold none of a small model's experts
         return rows_NH.new_zeros(n, weight_EFH.shape[-2]) + 0 * weight_EFH.sum()
     ends = counts_E.cumsum(0)
     if _grouped_mm_supported(rows_NH, weight_EFH):
         offs = ends.to(torch.int32)
-        # the kernel leaves rows past the last expert's block undefined, in its output and in its input's
-        # gradient: select zeros for them on both sides
+        # the kernel leaves rows past the last expert's block undefined, in its output and in its
+        # input's gradient: select zeros for them on both sides
         valid = (torch.arange(n, device=rows_NH.device) < ends[-1])[:, None]
         rows_NH = torch.where(valid, rows_NH, rows_NH.new_zeros(()))
         out = torch._grouped_mm(rows_NH, weight_EFH.transpose(-1, -2), offs=offs)
         return torch.where(valid, out, out.new_zeros(()))
-    if torch.compiler.is_compiling():  # no host sync inside a graph: every expert on every row, masked
+    # no host sync inside a graph: every expert on every row, masked
+    if torch.compiler.is_compiling():
         starts = ends - counts_E
         position = torch.arange(n, device=rows_NH.device)
         out = rows_NH.new_zeros(n, weight_EFH.shape[-2])
         for i in range(e):
             mine = ((position >= starts[i]) & (position < ends[i]))[:, None]
-            out = out + torch.where(mine, rows_NH @ weight_EFH[i].transpose(-1, -2), out.new_zeros(()))
+            out = out + torch.where(
+                mine, rows_NH @ weight_EFH[i].transpose(-1, -2), out.new_zeros(())
+            )
         return out
     # the fallback: one matmul per expert (a host sync for the boundaries)
     bounds = [0, *ends.tolist()]
-    parts = [rows_NH[bounds[i]:bounds[i + 1]] @ weight_EFH[i].transpose(-1, -2) for i in range(e)]
+    parts = [rows_NH[bounds[i] : bounds[i + 1]] @ weight_EFH[i].transpose(-1, -2) for i in range(e)]
     rest = rows_NH.new_zeros(n - bounds[-1], weight_EFH.shape[-2])
     return torch.cat([*parts, rest])
 
@@ -236,20 +313,36 @@ def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     if rows.shape[-1] % aligned or weight.shape[-2] % aligned:
         return False
     if rows.device.type == "cuda":
-        return rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (9, 0)
+        return rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (
+            9,
+            0,
+        )
     # the CPU kernel takes fp32, but torch.compile's shape function only bf16
-    return rows.device.type == "cpu" and rows.dtype == torch.float32 and not torch.compiler.is_compiling()
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+    )
 
 
-def reference_moe(x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor, fc1: torch.Tensor,
-                  fc2: torch.Tensor, activation, fc1_bias: torch.Tensor | None = None,
-                  fc2_bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_moe(
+    x_TH: torch.Tensor,
+    probs_TK: torch.Tensor,
+    experts_TK: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    activation,
+    fc1_bias: torch.Tensor | None = None,
+    fc2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The plain definition, for tests: a loop over experts, each applied to every token, masked."""
     out = torch.zeros_like(x_TH)
     for e in range(fc1.shape[0]):
         w1 = fc1[e].flatten(0, -2)
         b1 = None if fc1_bias is None else fc1_bias[e].flatten()
-        y = F.linear(activation(F.linear(x_TH, w1, b1)), fc2[e], None if fc2_bias is None else fc2_bias[e])
+        y = F.linear(
+            activation(F.linear(x_TH, w1, b1)), fc2[e], None if fc2_bias is None else fc2_bias[e]
+        )
         weight = (probs_TK * (experts_TK == e)).sum(dim=-1, keepdim=True)
         out = out + weight * y
     return out

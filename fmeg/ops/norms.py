@@ -7,9 +7,13 @@ import torch
 import torch.nn.functional as F
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight + bias."""
-    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
+    return F.layer_norm(
+        x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,8 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (xorshift-multiply rounds), elementwise on int64 holding 32-bit values."""
+    """A 32-bit integer mixer (xorshift-multiply rounds), elementwise on int64 holding 32-bit
+    values."""
     x = x & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
@@ -43,7 +44,8 @@ def uniform(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def normal(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """fp32 standard normal values, one per element of `index` (Box-Muller on two keyed uniforms)."""
+    """fp32 standard normal values, one per element of `index` (Box-Muller on two keyed
+    uniforms)."""
     u1 = 1.0 - uniform(fold_in(key, 1), index)  # in (0, 1]: its log is finite
     u2 = uniform(fold_in(key, 2), index)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * torch.pi * u2)

@@ -1,5 +1,5 @@
-"""AdamW, one definition in two forms: the chain of transforms over pytrees, and the same update stepped in
-place over the runner's flat buffers by torch's fused kernel.
+"""AdamW, one definition in two forms: the chain of transforms over pytrees, and the same update
+stepped in place over the runner's flat buffers by torch's fused kernel.
 
     opt = adamw(b1=0.9, b2=0.999, eps=1e-8)
     state = opt.init(params)
@@ -10,8 +10,8 @@ The update torch.optim.AdamW makes, with Megatron's decay mask and --decoupled-l
 
     p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * mask * p)
 
-The flat form divides the gradient by grad_scale inside the kernel: global-norm clipping (clip_scale) with
-no pass of its own. tests/test_optim.py holds the two forms equal.
+The flat form divides the gradient by grad_scale inside the kernel: global-norm clipping
+(clip_scale) with no pass of its own. tests/test_optim.py holds the two forms equal.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ from typing import NamedTuple
 import torch
 
 from fmeg.optim.base import GradientTransformation, chain
-from fmeg.optim.transforms import Mask, add_decayed_weights, default_decay_mask, scale_by_adam, \
-    scale_by_learning_rate
+from fmeg.optim.transforms import (
+    Mask,
+    add_decayed_weights,
+    default_decay_mask,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
 
 Dtypes = tuple[torch.dtype, torch.dtype]
 
@@ -32,7 +37,8 @@ NARROW_CHUNK = 1 << 22
 
 class FusedAdamW(NamedTuple):
     """adamw's update over flat fp32 buffers (master weights, gradient) and moment buffers in
-    moment_dtypes, in place: torch._fused_adamw_ per group of leaves sharing (decoupled lr?, decays?)."""
+    moment_dtypes, in place: torch._fused_adamw_ per group of leaves sharing (decoupled lr?,
+    decays?)."""
 
     b1: float
     b2: float
@@ -43,50 +49,79 @@ class FusedAdamW(NamedTuple):
 
     def group(self, path: str, leaf: torch.Tensor) -> tuple[bool, bool]:
         """(takes decoupled_lr?, decays?) for a leaf: the leaves one kernel call steps together."""
-        return bool(self.decoupled and self.decoupled(path, leaf)), bool(self.decay_mask(path, leaf))
+        return bool(self.decoupled and self.decoupled(path, leaf)), bool(
+            self.decay_mask(path, leaf)
+        )
 
-    def step_(self, views: list[list[torch.Tensor]], steps: list[torch.Tensor], group: tuple[bool, bool], *,
-              lr: float, weight_decay: float, decoupled_lr: float | None = None,
-              grad_scale: torch.Tensor | None = None) -> None:
-        """One group's [master, grad, mu, nu] lists of views stepped in place; steps: the step count per
-        view, device tensors already advanced."""
+    def step_(
+        self,
+        views: list[list[torch.Tensor]],
+        steps: list[torch.Tensor],
+        group: tuple[bool, bool],
+        *,
+        lr: float,
+        weight_decay: float,
+        decoupled_lr: float | None = None,
+        grad_scale: torch.Tensor | None = None,
+    ) -> None:
+        """One group's [master, grad, mu, nu] lists of views stepped in place; steps: the step count
+        per view, device tensors already advanced."""
         decoupled, decays = group
-        options = dict(lr=decoupled_lr if decoupled and decoupled_lr is not None else lr, beta1=self.b1,
-                       beta2=self.b2, weight_decay=weight_decay if decays else 0.0, eps=self.eps,
-                       amsgrad=False, maximize=False, grad_scale=grad_scale)
+        options = dict(
+            lr=decoupled_lr if decoupled and decoupled_lr is not None else lr,
+            beta1=self.b1,
+            beta2=self.b2,
+            weight_decay=weight_decay if decays else 0.0,
+            eps=self.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+        )
         if self.moment_dtypes == (torch.float32, torch.float32):
             torch._fused_adamw_(*views, [], steps, **options)
         else:
             _step_narrow_moments(views, steps, options)
 
 
-def adamw(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, decay_mask: Mask = default_decay_mask,
-          moment_dtypes: Dtypes = (torch.float32, torch.float32),
-          decoupled: Mask | None = None) -> GradientTransformation:
-    """Adam with bias correction and decoupled weight decay. decay_mask(path, leaf): a bool per leaf, or a
-    0/1 tensor of its shape; moment_dtypes: the moments' storage (bf16: Megatron's precision-aware
-    optimizer); decoupled(path, leaf): the leaves update's decoupled_lr applies to."""
-    pytree = chain(scale_by_adam(b1, b2, eps, moment_dtypes), add_decayed_weights(decay_mask),
-                   scale_by_learning_rate(decoupled))
+def adamw(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    decay_mask: Mask = default_decay_mask,
+    moment_dtypes: Dtypes = (torch.float32, torch.float32),
+    decoupled: Mask | None = None,
+) -> GradientTransformation:
+    """Adam with bias correction and decoupled weight decay. decay_mask(path, leaf): a bool per
+    leaf, or a 0/1 tensor of its shape; moment_dtypes: the moments' storage (bf16: Megatron's
+    precision-aware optimizer); decoupled(path, leaf): the leaves update's decoupled_lr applies
+    to."""
+    pytree = chain(
+        scale_by_adam(b1, b2, eps, moment_dtypes),
+        add_decayed_weights(decay_mask),
+        scale_by_learning_rate(decoupled),
+    )
     return pytree._replace(flat=FusedAdamW(b1, b2, eps, moment_dtypes, decay_mask, decoupled))
 
 
 def clip_scale(norm: torch.Tensor, clip_grad: float) -> torch.Tensor | None:
-    """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): the clip of
-    clip_by_global_norm with no pass of its own and no host sync."""
+    """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): the
+    clip of clip_by_global_norm with no pass of its own and no host sync."""
     return ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
 
 
-def _step_narrow_moments(views: list[list[torch.Tensor]], steps: list[torch.Tensor], options: dict) -> None:
-    """The fused step over moments stored narrower (bf16), as Megatron's precision-aware optimizer runs it:
-    each chunk's moments widened to fp32, stepped with the fp32 master and gradient, rounded back."""
+def _step_narrow_moments(
+    views: list[list[torch.Tensor]], steps: list[torch.Tensor], options: dict
+) -> None:
+    """The fused step over moments stored narrower (bf16), as Megatron's precision-aware optimizer
+    runs it: each chunk's moments widened to fp32, stepped with the fp32 master and gradient,
+    rounded back."""
     master, grad, mu, nu = views
     for i in range(len(master)):
         for a in range(0, master[i].numel(), NARROW_CHUNK):
             part = slice(a, a + NARROW_CHUNK)
             m, v = mu[i][part].float(), nu[i][part].float()
-            torch._fused_adamw_([master[i][part]], [grad[i][part]], [m], [v], [], [steps[i]], **options)
+            torch._fused_adamw_(
+                [master[i][part]], [grad[i][part]], [m], [v], [], [steps[i]], **options
+            )
             mu[i][part].copy_(m)
             nu[i][part].copy_(v)
-
-

@@ -1,15 +1,15 @@
 """Optimizers as gradient transformations, optax's shape: a pair of pure functions over pytrees.
 
-    tx = chain(clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(), scale_by_learning_rate())
-    state = tx.init(params)
+    tx = chain(clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(),
+    scale_by_learning_rate()) state = tx.init(params)
     updates, state = tx.update(grads, state, params, lr=lr, weight_decay=wd)
     params = apply_updates(params, updates)
 
-The step's hyperparameters (lr, weight_decay, decoupled_lr) are keyword arguments of update, not state:
-schedules count samples, which only the runner knows, and a compiled step given them as 0-d tensors never
-recompiles when they change. Each transform takes the keywords it knows and ignores the rest. Nothing is
-updated in place. A transform may also say how it runs on the runner's flat buffers (its `flat`): the same
-update, one fused kernel per buffer group, never a second optimizer.
+The step's hyperparameters (lr, weight_decay, decoupled_lr) are keyword arguments of update, not
+state: schedules count samples, which only the runner knows, and a compiled step given them as 0-d
+tensors never recompiles when they change. Each transform takes the keywords it knows and ignores
+the rest. Nothing is updated in place. A transform may also say how it runs on the runner's flat
+buffers (its `flat`): the same update, one fused kernel per buffer group, never a second optimizer.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ Tree = Any
 
 
 class GradientTransformation(NamedTuple):
-    """init(params) -> state; update(updates, state, params=None, **hyperparameters) -> (updates, state).
-    flat: the same transform over flat buffers (an object the runner's state steps in place), or None."""
+    """init(params) -> state; update(updates, state, params=None, **hyperparameters) -> (updates,
+    state). flat: the same transform over flat buffers (an object the runner's state steps in
+    place), or None."""
 
     init: Callable[[Tree], Any]
     update: Callable[..., tuple[Tree, Any]]
@@ -38,9 +39,10 @@ class EmptyState(NamedTuple):
 
 def stateless(update: Callable[..., Tree]) -> GradientTransformation:
     """A transform from update(updates, params, **hyperparameters) -> updates, keeping no state."""
-    return GradientTransformation(lambda params: EmptyState(),
-                                  lambda updates, state, params=None, **hyper: (update(updates, params, **hyper),
-                                                                                state))
+    return GradientTransformation(
+        lambda params: EmptyState(),
+        lambda updates, state, params=None, **hyper: (update(updates, params, **hyper), state),
+    )
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -49,7 +51,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Tree) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: Tree, state: tuple, params: Tree = None, **hyper: Any) -> tuple[Tree, tuple]:
+    def update(
+        updates: Tree, state: tuple, params: Tree = None, **hyper: Any
+    ) -> tuple[Tree, tuple]:
         states = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params, **hyper)
@@ -62,5 +66,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """params + updates, leaf by leaf, in each parameter's dtype."""
     leaves, spec = tree.tree_flatten(params)
-    new = torch._foreach_add(leaves, [u.to(p.dtype) for u, p in zip(tree.tree_leaves(updates), leaves)])
+    new = torch._foreach_add(
+        leaves, [u.to(p.dtype) for u, p in zip(tree.tree_leaves(updates), leaves)]
+    )
     return tree.tree_unflatten(new, spec)

@@ -32,18 +32,27 @@ class LRSchedule:
         if self.style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, got {self.style!r}")
         if self.wsd_style not in WSD_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style must be one of {WSD_STYLES}, got {self.wsd_style!r}")
+            raise ValueError(
+                f"--lr-wsd-decay-style must be one of {WSD_STYLES}, got {self.wsd_style!r}"
+            )
         if not 0.0 <= self.min_lr <= self.max_lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must be between 0 and --lr ({self.max_lr})")
         if self.warmup_steps < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.warmup_steps}")
         decays = self.style not in ("constant",) and self.decay_steps is not None
         if decays and self.decay_steps <= self.warmup_steps and self.style != "inverse-square-root":
-            raise ValueError(f"--lr-decay-iters ({self.decay_steps}) must exceed --lr-warmup-iters "
-                             f"({self.warmup_steps})")
-        if self.style == "WSD" and (self.wsd_decay_steps is None or self.decay_steps is None
-                                    or not 0 < self.wsd_decay_steps <= self.decay_steps):
-            raise ValueError("--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters")
+            raise ValueError(
+                f"--lr-decay-iters ({self.decay_steps}) must exceed --lr-warmup-iters "
+                f"({self.warmup_steps})"
+            )
+        if self.style == "WSD" and (
+            self.wsd_decay_steps is None
+            or self.decay_steps is None
+            or not 0 < self.wsd_decay_steps <= self.decay_steps
+        ):
+            raise ValueError(
+                "--lr-decay-style WSD needs 0 < --lr-wsd-decay-iters <= --lr-decay-iters"
+            )
 
     def __call__(self, step: float) -> float:
         if self.warmup_steps > 0 and step <= self.warmup_steps:
@@ -80,7 +89,8 @@ def _wsd_coeff(s: LRSchedule, step: float) -> float:
 
 @dataclass(frozen=True)
 class WeightDecaySchedule:
-    """Weight decay moving from start to end over incr_steps (Megatron's --weight-decay-incr-style)."""
+    """Weight decay moving from start to end over incr_steps (Megatron's
+    --weight-decay-incr-style)."""
 
     start: float
     end: float | None = None  # None: start (constant)
@@ -89,11 +99,21 @@ class WeightDecaySchedule:
 
     def __post_init__(self) -> None:
         if self.style not in WD_STYLES:
-            raise ValueError(f"--weight-decay-incr-style must be one of {WD_STYLES}, got {self.style!r}")
+            raise ValueError(
+                f"--weight-decay-incr-style must be one of {WD_STYLES}, got {self.style!r}"
+            )
         if self.style == "constant" and self.end is not None and self.end != self.start:
-            raise ValueError("--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay")
-        if self.style != "constant" and (self.end is None or not self.incr_steps or self.incr_steps <= 0):
-            raise ValueError(f"--weight-decay-incr-style {self.style} needs an end weight decay and positive steps")
+            raise ValueError(
+                "--weight-decay-incr-style constant needs --start-weight-decay == "
+                "--end-weight-decay"
+            )
+        if self.style != "constant" and (
+            self.end is None or not self.incr_steps or self.incr_steps <= 0
+        ):
+            raise ValueError(
+                f"--weight-decay-incr-style {self.style} needs an end weight decay and positive "
+                "steps"
+            )
 
     def __call__(self, step: float) -> float:
         if self.style == "constant":

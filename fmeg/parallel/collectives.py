@@ -11,14 +11,15 @@
 | all_to_all(x, g, s, c)       | all-to-all (s -> c)    | all-to-all (c -> s)    |
 | all_to_all_rows(x, g, s, r)  | uneven all-to-all      | the same, s and r swapped |
 
-Each forward is linear, so its jvp applies the same forward to the tangent; each has a vmap rule that
-moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad, vjp, jvp
-and vmap (setup_context style). A group of None (a single rank) makes every function the identity.
-Inputs are never mutated.
+Each forward is linear, so its jvp applies the same forward to the tangent; each has a vmap rule
+that moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad,
+vjp, jvp and vmap (setup_context style). A group of None (a single rank) makes every function the
+identity. Inputs are never mutated.
 
-Under torch.compile each region is a twin Function with the same forward and backward and no jvp or vmap
-rule (dynamo does not trace Functions that define a custom jvp), and TorchGroup switches to functional
-collectives, so a compiled tensor-parallel layer is one graph with its collectives inside.
+Under torch.compile each region is a twin Function with the same forward and backward and no jvp or
+vmap rule (dynamo does not trace Functions that define a custom jvp), and TorchGroup switches to
+functional collectives, so a compiled tensor-parallel layer is one graph with its collectives
+inside.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ Group = Any  # fmeg.parallel.comm.Group or None
 
 def _chunk(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
     if x.shape[dim] % g.size:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split evenly over {g.size} ranks")
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} does not split evenly over {g.size} ranks"
+        )
     return x.chunk(g.size, dim=dim)[g.rank].contiguous()
 
 
@@ -48,9 +51,11 @@ _PRIMS: dict[str, Callable] = {
 }
 
 
-def _region(name: str, forward: str, backward: str, traceable: bool = False) -> type[torch.autograd.Function]:
-    """An autograd Function whose forward is _PRIMS[forward] and whose backward is _PRIMS[backward], with
-    jvp and vmap rules unless `traceable` (the twin that torch.compile traces)."""
+def _region(
+    name: str, forward: str, backward: str, traceable: bool = False
+) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is _PRIMS[forward] and whose backward is _PRIMS[backward],
+    with jvp and vmap rules unless `traceable` (the twin that torch.compile traces)."""
 
     def fwd(x, group, dims):
         return _PRIMS[forward](x, group, dims)
@@ -72,7 +77,11 @@ def _region(name: str, forward: str, backward: str, traceable: bool = False) -> 
         shifted = tuple(d % rank + 1 for d in dims)
         return cls.apply(x, group, shifted), 0
 
-    rules = {"forward": staticmethod(fwd), "setup_context": staticmethod(setup_context), "backward": staticmethod(bwd)}
+    rules = {
+        "forward": staticmethod(fwd),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(bwd),
+    }
     if not traceable:
         rules.update(jvp=staticmethod(jvp), vmap=staticmethod(vmap))
     cls = type(name, (torch.autograd.Function,), rules)
@@ -81,7 +90,9 @@ def _region(name: str, forward: str, backward: str, traceable: bool = False) -> 
 
 def _twins(name: str, forward: str, backward: str) -> tuple[type, type]:
     """(the eager Function with every torch.func rule, its traceable twin)."""
-    return _region(name, forward, backward), _region(name + "Traced", forward, backward, traceable=True)
+    return _region(name, forward, backward), _region(
+        name + "Traced", forward, backward, traceable=True
+    )
 
 
 def _apply(twins: tuple[type, type], *args: Any) -> torch.Tensor:
@@ -98,7 +109,8 @@ _AllToAll = _twins("_AllToAll", "all_to_all", "all_to_all_back")
 
 
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Enter a parallel region with a replicated x: identity forward, gradients summed over the group."""
+    """Enter a parallel region with a replicated x: identity forward, gradients summed over the
+    group."""
     return x if group is None else _apply(_CopyTo, x, group, ())
 
 
@@ -113,30 +125,34 @@ def scatter_to(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
 
 
 def gather_from(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """Concatenate the ranks' chunks along dim into a replicated tensor; the backward keeps our chunk."""
+    """Concatenate the ranks' chunks along dim into a replicated tensor; the backward keeps our
+    chunk."""
     return x if group is None else _apply(_GatherFrom, x, group, (dim,))
 
 
 def gather_from_sp(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Sequence parallel -> tensor parallel: all-gather along the sequence dim; the backward
-    reduce-scatters, because each rank's consumer produced a partial gradient of the whole sequence."""
+    reduce-scatters, because each rank's consumer produced a partial gradient of the whole
+    sequence."""
     return x if group is None else _apply(_GatherFromSP, x, group, (dim,))
 
 
 def reduce_scatter_to(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Tensor parallel -> sequence parallel: sum partial results and keep this rank's sequence chunk."""
+    """Tensor parallel -> sequence parallel: sum partial results and keep this rank's sequence
+    chunk."""
     return x if group is None else _apply(_ReduceScatterTo, x, group, (dim,))
 
 
 def all_to_all(x: torch.Tensor, group: Group, split_dim: int, cat_dim: int) -> torch.Tensor:
-    """Chunk j of x (along split_dim) goes to rank j; received chunks are concatenated along cat_dim."""
+    """Chunk j of x (along split_dim) goes to rank j; received chunks are concatenated along
+    cat_dim."""
     return x if group is None else _apply(_AllToAll, x, group, (split_dim, cat_dim))
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """Rows of x go to the ranks by the counts `send` and arrive by `recv` (host lists every pair agrees on):
-    linear, so its jvp moves the tangent the same way and its backward moves the gradient back. Eager only:
-    the counts are host values, which a compiled graph cannot take."""
+    """Rows of x go to the ranks by the counts `send` and arrive by `recv` (host lists every pair
+    agrees on): linear, so its jvp moves the tangent the same way and its backward moves the
+    gradient back. Eager only: the counts are host values, which a compiled graph cannot take."""
 
     @staticmethod
     def forward(x, group, send, recv):
@@ -158,23 +174,29 @@ class _AllToAllRows(torch.autograd.Function):
     def vmap(info, in_dims, x, group, send, recv):
         if in_dims[0] is None:
             return _AllToAllRows.apply(x, group, send, recv), None
-        return _AllToAllRows.apply(x.movedim(in_dims[0], 1), group, send, recv), 1  # rows stay first
+        # rows stay first
+        return _AllToAllRows.apply(x.movedim(in_dims[0], 1), group, send, recv), 1
 
 
-def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
-    """Uneven all-to-all along the rows (dim 0): the next send[j] rows go to rank j; the result holds the recv[j]
-    rows from each rank j, in rank order. The backward sends gradients back the same way."""
+def all_to_all_rows(
+    x: torch.Tensor, group: Group, send: list[int], recv: list[int]
+) -> torch.Tensor:
+    """Uneven all-to-all along the rows (dim 0): the next send[j] rows go to rank j; the result
+    holds the recv[j] rows from each rank j, in rank order. The backward sends gradients back the
+    same way."""
     if group is None:
         return x
     if torch.compiler.is_compiling():
-        raise RuntimeError("all_to_all_rows takes host counts, which a compiled graph cannot: run it eagerly")
+        raise RuntimeError(
+            "all_to_all_rows takes host counts, which a compiled graph cannot: run it eagerly"
+        )
     return _AllToAllRows.apply(x, group, list(send), list(recv))
 
 
 class _Constant(torch.autograd.Function):
-    """A collective whose result is treated as a constant (maxima for numerical shifts that cancel, counts,
-    routing choices): no gradient flows through it. op: "max" or "sum" (all-reduce) or "gather" (all-gather
-    along dim)."""
+    """A collective whose result is treated as a constant (maxima for numerical shifts that cancel,
+    counts, routing choices): no gradient flows through it. op: "max" or "sum" (all-reduce) or
+    "gather" (all-gather along dim)."""
 
     @staticmethod
     def forward(x, group, op, dim):
@@ -225,5 +247,6 @@ def all_reduce_constant(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_gather_constant(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """every rank's x concatenated along dim, with no gradient (integer choices such as routed experts)."""
+    """every rank's x concatenated along dim, with no gradient (integer choices such as routed
+    experts)."""
     return _constant(x, group, "gather", dim)

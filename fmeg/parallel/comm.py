@@ -1,19 +1,23 @@
 """Communicators: the few out-of-place collectives fmeg needs, over one group of ranks.
 
-A Group has `size`, `rank` (index inside the group) and returns new tensors, never mutating its input:
+A Group has `size`, `rank` (index inside the group) and returns new tensors, never mutating its
+input:
 
     all_reduce(x, op)                 sum ("sum") or maximum ("max") over the group
     all_gather(x, dim)                concatenation of every rank's x along dim, in rank order
     reduce_scatter(x, dim)            this rank's chunk (along dim) of the sum over the group
-    all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along cat_dim
-    all_to_all_rows(x, send, recv)    uneven: rank i's next send[j] rows go to rank j; recv[j] rows arrive
+    all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along
+    cat_dim all_to_all_rows(x, send, recv)    uneven: rank i's next send[j] rows go to rank j;
+    recv[j] rows arrive
                                       from rank j (the counts every pair agrees on), in rank order
-    send(x, dst, tag) / recv(src, tag) point to point (pipelines): sends are buffered (the sender goes on
-                                      at once, finish() waits for them), receives block; messages with one
-                                      (source, destination, tag) arrive in the order they were sent
+    send(x, dst, tag) / recv(src, tag) point to point (pipelines): sends are buffered (the sender
+    goes on
+                                      at once, finish() waits for them), receives block; messages
+                                      with one (source, destination, tag) arrive in the order they
+                                      were sent
 
-Two asynchronous calls, for gradient buckets, work in place on a buffer the caller owns and must leave
-alone until the returned handle's wait() has returned:
+Two asynchronous calls, for gradient buckets, work in place on a buffer the caller owns and must
+leave alone until the returned handle's wait() has returned:
 
     all_reduce_async(x)               x becomes the sum over the group
     reduce_async(x, dst)              on group rank dst, x becomes the sum; elsewhere x is scratch
@@ -41,9 +45,10 @@ _HEADER = 9  # dtype code, ndim, up to 7 sizes
 
 
 class TorchGroup:
-    """A torch.distributed process group seen from one of its members. device: where point-to-point headers
-    and received tensors are allocated (a CUDA device for NCCL, which moves only CUDA tensors). Under
-    torch.compile the four collectives are functional collectives, which dynamo traces into the graph."""
+    """A torch.distributed process group seen from one of its members. device: where point-to-point
+    headers and received tensors are allocated (a CUDA device for NCCL, which moves only CUDA
+    tensors). Under torch.compile the four collectives are functional collectives, which dynamo
+    traces into the graph."""
 
     def __init__(self, process_group: Any, rank: int, device: Any = "cpu"):
         self.pg, self.rank, self.size = process_group, rank, dist.get_world_size(process_group)
@@ -85,7 +90,8 @@ class TorchGroup:
         return out
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # chunks stacked on a new leading dim travel as one tensor
+        # chunks stacked on a new leading dim travel as one tensor
+        if torch.compiler.is_compiling():
             stacked = torch.stack(x.chunk(self.size, dim=split_dim)).contiguous()
             received = funcol.all_to_all_single(stacked, None, None, self.pg)
             return torch.cat(received.unbind(0), dim=cat_dim)
@@ -96,15 +102,20 @@ class TorchGroup:
 
     def all_to_all_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty(sum(recv), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=self.pg)
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=self.pg
+        )
         return out
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Buffered: a header (dtype, shape) then the data, both isend; finish() waits for them."""
         if x.dim() > _HEADER - 2:
             raise ValueError(f"send: at most {_HEADER - 2} dimensions, got {x.dim()}")
-        header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_HEADER - 2 - x.dim()),
-                              dtype=torch.int64, device=self.device)
+        header = torch.tensor(
+            [_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_HEADER - 2 - x.dim()),
+            dtype=torch.int64,
+            device=self.device,
+        )
         data = x.detach().contiguous().clone()
         self._pending = getattr(self, "_pending", [])
         for t in (header, data):
@@ -167,7 +178,8 @@ class ThreadGroup:
         self._rv, self.rank, self.size = rendezvous, rank, size
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's x, in rank order: this rank's own x, the others' as plain data (see _shareable)."""
+        """Every rank's x, in rank order: this rank's own x, the others' as plain data (see
+        _shareable)."""
         self._rv.slots[self.rank] = _shareable(x)
         self._rv.barrier.wait()
         everyone = list(self._rv.slots)
@@ -213,7 +225,9 @@ class ThreadGroup:
         splits = self._exchange(torch.tensor(send))
         out = torch.cat([p.split(c.tolist())[self.rank] for p, c in zip(parts, splits)])
         if out.shape[0] != sum(recv):
-            raise ValueError(f"rank {self.rank}: expected {sum(recv)} rows, peers sent {out.shape[0]}")
+            raise ValueError(
+                f"rank {self.rank}: expected {sum(recv)} rows, peers sent {out.shape[0]}"
+            )
         return out
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -223,8 +237,9 @@ class ThreadGroup:
         try:
             return self._rv.mailbox(src, self.rank, tag).get(timeout=self._rv.timeout)
         except queue.Empty:
-            raise TimeoutError(f"rank {self.rank}: nothing from rank {src} (tag {tag}) within "
-                               f"{self._rv.timeout} s") from None
+            raise TimeoutError(
+                f"rank {self.rank}: nothing from rank {src} (tag {tag}) within {self._rv.timeout} s"
+            ) from None
 
     def finish(self) -> None:
         """Sends are delivered when made; nothing to wait for."""
@@ -233,10 +248,10 @@ class ThreadGroup:
 def _shareable(x: torch.Tensor) -> torch.Tensor:
     """x's data without torch.func's gradient-tracking wrappers, safe for another thread to read.
 
-    In a backward pass under torch.func.grad the gradient reaching a collective is wrapped at the calling
-    thread's transform level. Levels are per thread: a peer that computes with the wrapper after its owner
-    has left torch.func.grad fails ("bad optional access"), and its result would join the owner's graph.
-    What a peer needs is the value, as torch.distributed would send it."""
+    In a backward pass under torch.func.grad the gradient reaching a collective is wrapped at the
+    calling thread's transform level. Levels are per thread: a peer that computes with the wrapper
+    after its owner has left torch.func.grad fails ("bad optional access"), and its result would
+    join the owner's graph. What a peer needs is the value, as torch.distributed would send it."""
     while torch._C._functorch.is_gradtrackingtensor(x):
         x = torch._C._functorch.get_unwrapped(x)
     with torch._C._DisableFuncTorch():  # inside a transform, detach() would wrap the result again
@@ -252,8 +267,8 @@ class _Done:
 
 @dataclass
 class RecordingGroup:
-    """Wraps a group and records (operation, bytes) per call: the logical volume, i.e. the size of the
-    full (unsharded) tensor an all-reduce, all-gather or reduce-scatter works on."""
+    """Wraps a group and records (operation, bytes) per call: the logical volume, i.e. the size of
+    the full (unsharded) tensor an all-reduce, all-gather or reduce-scatter works on."""
 
     inner: Any
     log: list[tuple[str, int]] = field(default_factory=list)

@@ -1,21 +1,24 @@
 """Data-parallel gradient reduction in buckets, started while the backward pass is still running.
 
     sync = GradSync(params, dp_group, owner_slices=zero)   # params: this rank's {stage: tree}
-    execute(..., grads_into=sync)     # each microbatch's gradients added into the buffer; final ones start buckets
-    sync.finish()                                          # waits; the buffer now holds the dp mean
-    grads = sync.tree()     # replicated optimizer: the whole mean as a pytree of views into the buffer
-    g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
+    execute(..., grads_into=sync)     # each microbatch's gradients added into the buffer; final
+    ones start buckets sync.finish()                                          # waits; the buffer
+    now holds the dp mean grads = sync.tree()     # replicated optimizer: the whole mean as a pytree
+    of views into the buffer g = sync.owned()        # ZeRO-1: this rank's slice, laid out as
+    zero.FlatBuffer's
 
 Gradients accumulate in one flat buffer (at least fp32 unless a buffer of another dtype is given, as
---grad-reduce-in-bf16 gives a bf16 one; the first contribution of an iteration is copied, the others added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The
-buffer is cut into buckets of about bucket_numel elements, walking leaves in reverse (the order backward produces them, as Megatron does), and a bucket's collective starts
-as soon as its last leaf has arrived, so communication overlaps with the rest of the backward pass.
-Without ZeRO a bucket is all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to
-that rank only (reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied
-embedding copies, whose gradients are summed across pipeline stages afterwards), which are all-reduced.
-Which bucket starts when depends only on the schedule, so every data-parallel rank issues the same
-collectives in the same order. Without overlap (overlap=False) buckets start at finish(), in tree order:
-the same numbers.
+--grad-reduce-in-bf16 gives a bf16 one; the first contribution of an iteration is copied, the others
+added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The buffer
+is cut into buckets of about bucket_numel elements, walking leaves in reverse (the order backward
+produces them, as Megatron does), and a bucket's collective starts as soon as its last leaf has
+arrived, so communication overlaps with the rest of the backward pass. Without ZeRO a bucket is
+all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to that rank only
+(reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied embedding
+copies, whose gradients are summed across pipeline stages afterwards), which are all-reduced. Which
+bucket starts when depends only on the schedule, so every data-parallel rank issues the same
+collectives in the same order. Without overlap (overlap=False) buckets start at finish(), in tree
+order: the same numbers.
 """
 
 from __future__ import annotations
@@ -36,51 +39,80 @@ def default_bucket_numel(dp: int) -> int:
 
 
 class GradSync:
-    """An iteration's data-parallel gradient mean (group None: dp = 1); reset() readies it for the next
-    iteration without rebuilding the layout and the buckets."""
+    """An iteration's data-parallel gradient mean (group None: dp = 1); reset() readies it for the
+    next iteration without rebuilding the layout and the buckets."""
 
-    def __init__(self, params: dict[int, Any], group: Any, *, owner_slices: bool = False,
-                 replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                 buffer: torch.Tensor | None = None, overlap: bool = True, divisor: int | None = None):
-        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh one;
-        overlap: start each bucket once its leaves are final, else all of them at finish(); divisor: what the
-        group's sum is divided by (default its size: the mean; context-parallel ranks, whose gradients are their
-        tokens' shares, divide by the data-parallel size alone)."""
+    def __init__(
+        self,
+        params: dict[int, Any],
+        group: Any,
+        *,
+        owner_slices: bool = False,
+        replicated: frozenset[str] = frozenset(),
+        bucket_numel: int | None = None,
+        buffer: torch.Tensor | None = None,
+        overlap: bool = True,
+        divisor: int | None = None,
+    ):
+        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh
+        one; overlap: start each bucket once its leaves are final, else all of them at finish();
+        divisor: what the group's sum is divided by (default its size: the mean; context-parallel
+        ranks, whose gradients are their tokens' shares, divide by the data-parallel size alone)."""
         self.group, self.dp = group, 1 if group is None else group.size
         self.divisor = self.dp if divisor is None else divisor
         self.rank = 0 if group is None else group.rank
         self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
-        self.owner_slices, self.spec, self.shapes = owner_slices, self.layout.spec, self.layout.shapes
+        self.owner_slices, self.spec, self.shapes = (
+            owner_slices,
+            self.layout.spec,
+            self.layout.shapes,
+        )
         self.padded = self.layout.padded
         leaves = list(tree.items(params))
         self.paths = [path for path, _ in leaves]
         sizes = [shape.numel() for shape in self.shapes]
         self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
         self.index = {path: i for i, path in enumerate(self.paths)}
-        if buffer is not None and (buffer.shape != (self.padded,) or not buffer.is_floating_point()):
-            raise ValueError(f"GradSync: buffer of {tuple(buffer.shape)} {buffer.dtype}, need ({self.padded},) floats")
+        if buffer is not None and (
+            buffer.shape != (self.padded,) or not buffer.is_floating_point()
+        ):
+            raise ValueError(
+                f"GradSync: buffer of {tuple(buffer.shape)} {buffer.dtype}, need ({self.padded},) "
+                "floats"
+            )
         dtype = torch.promote_types(leaves[0][1].dtype if leaves else torch.float32, torch.float32)
-        self.buffer = buffer if buffer is not None else \
-            torch.zeros(self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu")
+        self.buffer = (
+            buffer
+            if buffer is not None
+            else torch.zeros(
+                self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu"
+            )
+        )
         unknown = set(replicated) - set(self.index)
         if unknown:
             raise ValueError(f"GradSync: replicated paths {sorted(unknown)} are not parameters")
-        self.buckets = _buckets(sizes, self.padded, self.dp if owner_slices else 1,
-                                {self.index[p] for p in replicated},
-                                bucket_numel or default_bucket_numel(self.dp))
+        self.buckets = _buckets(
+            sizes,
+            self.padded,
+            self.dp if owner_slices else 1,
+            {self.index[p] for p in replicated},
+            bucket_numel or default_bucket_numel(self.dp),
+        )
         self._buckets_of: list[list[int]] = [[] for _ in leaves]
         for b, (_, _, leaves_of, _) in enumerate(self.buckets):
             for i in leaves_of:
                 self._buckets_of[i].append(b)
-        self._views = [self.buffer[start:start + shape.numel()].view(shape)
-                       for start, shape in zip(self.offsets, self.shapes)]
+        self._views = [
+            self.buffer[start : start + shape.numel()].view(shape)
+            for start, shape in zip(self.offsets, self.shapes)
+        ]
         self.overlap = overlap
         self._index_cache: dict[tuple, list[int]] = {}
         self.reset()
 
     def reset(self) -> "GradSync":
-        """Ready for an iteration: no gradient arrived yet (the buffer's old values are overwritten by each
-        leaf's first contribution)."""
+        """Ready for an iteration: no gradient arrived yet (the buffer's old values are overwritten
+        by each leaf's first contribution)."""
         self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
         self._arrived = [False] * len(self.paths)
         self._touched = [False] * len(self.paths)  # received a contribution this iteration
@@ -92,13 +124,16 @@ class GradSync:
         return self
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
-        """Add gradients of some leaves of `stage` ({path inside the stage: gradient}) into the buffer;
-        final: nothing more comes for them this iteration (their buckets may start). The leaves' first
-        contributions are copied and later ones added, each group as one multi-tensor op."""
+        """Add gradients of some leaves of `stage` ({path inside the stage: gradient}) into the
+        buffer; final: nothing more comes for them this iteration (their buckets may start). The
+        leaves' first contributions are copied and later ones added, each group as one multi-tensor
+        op."""
         indices = self._indices(stage, tuple(grads))
         late = [i for i in indices if self._arrived[i]]
         if late:
-            raise RuntimeError(f"GradSync: gradient of {self.paths[late[0]]} given after its final one")
+            raise RuntimeError(
+                f"GradSync: gradient of {self.paths[late[0]]} given after its final one"
+            )
         copy: tuple[list, list] = ([], [])
         add: tuple[list, list] = ([], [])
         for i, grad in zip(indices, grads.values()):
@@ -115,7 +150,8 @@ class GradSync:
                 self._arrive(i)
 
     def _indices(self, stage: int, paths: tuple[str, ...]) -> list[int]:
-        """The buffer leaves of these stage paths (cached: each segment hands over the same paths every time)."""
+        """The buffer leaves of these stage paths (cached: each segment hands over the same paths
+        every time)."""
         key = (stage, paths)
         found = self._index_cache.get(key)
         if found is None:
@@ -136,7 +172,9 @@ class GradSync:
     def finish(self) -> "GradSync":
         missing = [p for p, touched in zip(self.paths, self._touched) if not touched]
         if missing:
-            raise RuntimeError(f"GradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+            raise RuntimeError(
+                f"GradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}"
+            )
         for i, arrived in enumerate(self._arrived):  # without overlap: every bucket starts now
             if not arrived:
                 self._arrive(i)
@@ -148,11 +186,13 @@ class GradSync:
         return self
 
     def settle(self) -> "GradSync":
-        """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned parts here)."""
+        """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned
+        parts here)."""
         return self
 
     def tree(self) -> dict[int, Any]:
-        """{stage: gradient tree} as views into the buffer (valid where this rank holds the mean)."""
+        """{stage: gradient tree} as views into the buffer (valid where this rank holds the
+        mean)."""
         return tree.tree_unflatten([self._view(i) for i in range(len(self.paths))], self.spec)
 
     def leaf(self, path: str) -> torch.Tensor:
@@ -161,7 +201,7 @@ class GradSync:
     def owned(self) -> torch.Tensor:
         """This rank's contiguous slice of the flat buffer (ZeRO-1's gradient shard)."""
         size = self.padded // self.dp
-        return self.buffer[self.rank * size:(self.rank + 1) * size]
+        return self.buffer[self.rank * size : (self.rank + 1) * size]
 
     def _view(self, i: int) -> torch.Tensor:
         return self._views[i]
@@ -172,16 +212,25 @@ class GradSync:
         if self.group is None:
             return
         piece = self.buffer[start:end]
-        self._handles.append(self.group.all_reduce_async(piece) if owner is None
-                             else self.group.reduce_async(piece, owner))
+        self._handles.append(
+            self.group.all_reduce_async(piece)
+            if owner is None
+            else self.group.reduce_async(piece, owner)
+        )
 
 
-def _buckets(sizes: list[int], padded: int, owners: int, replicated: set[int],
-             bucket_numel: int, extra_cuts: set[int] = frozenset()) -> list[tuple[int, int, list[int], int | None]]:
-    """[(start, end, leaves it touches, owner rank or None for an all-reduce)], in the order backward fills
-    them: element ranges cut at leaf boundaries once they hold bucket_numel elements, always cut at the
-    owners' slice boundaries, around replicated leaves (which are all-reduced even with owners > 1) and at
-    extra_cuts (leaf boundaries)."""
+def _buckets(
+    sizes: list[int],
+    padded: int,
+    owners: int,
+    replicated: set[int],
+    bucket_numel: int,
+    extra_cuts: set[int] = frozenset(),
+) -> list[tuple[int, int, list[int], int | None]]:
+    """[(start, end, leaves it touches, owner rank or None for an all-reduce)], in the order
+    backward fills them: element ranges cut at leaf boundaries once they hold bucket_numel elements,
+    always cut at the owners' slice boundaries, around replicated leaves (which are all-reduced even
+    with owners > 1) and at extra_cuts (leaf boundaries)."""
     offsets = list(itertools.accumulate(sizes, initial=0))
     slice_size = padded // owners
     hard = {k * slice_size for k in range(owners + 1)} | set(extra_cuts)
@@ -189,7 +238,8 @@ def _buckets(sizes: list[int], padded: int, owners: int, replicated: set[int],
         hard |= {offsets[i], offsets[i + 1]}
     cuts = sorted(hard | set(offsets))
 
-    def leaf_at(position: int) -> int | None:  # the leaf holding element `position`; None in the padding
+    # the leaf holding element `position`; None in the padding
+    def leaf_at(position: int) -> int | None:
         i = bisect.bisect_right(offsets, position) - 1
         return i if i < len(sizes) and sizes[i] > 0 else None
 

@@ -1,6 +1,7 @@
-"""A run's layout: how the model and the batch are split over ranks (tp, pp with virtual stages, dp, cp,
-ep and the experts' tp, sequence parallelism, recomputation, what data-parallel ranks keep a slice of). The
-mesh (fmeg.parallel.mesh) holds the process groups of the same axes; the layout says how they are used.
+"""A run's layout: how the model and the batch are split over ranks (tp, pp with virtual stages, dp,
+cp, ep and the experts' tp, sequence parallelism, recomputation, what data-parallel ranks keep a
+slice of). The mesh (fmeg.parallel.mesh) holds the process groups of the same axes; the layout says
+how they are used.
 """
 
 from __future__ import annotations
@@ -20,19 +21,23 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"
-    recompute: tuple[str, str | None, int | None] | None = None  # Megatron's (granularity, method, layers)
+    # Megatron's (granularity, method, layers)
+    recompute: tuple[str, str | None, int | None] | None = None
     recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recomputation recomputes
-    sharding: str = "no_shard"  # what data-parallel ranks keep a slice of (fmeg.state.SHARDINGS); "optim": ZeRO-1
+    # what data-parallel ranks keep a slice of (fmeg.state.SHARDINGS); "optim": ZeRO-1
+    sharding: str = "no_shard"
     micro_batch_size: int = 1
     ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
     etp: int | None = None  # the experts' tensor parallelism (None: tp)
-    cp: int = 1  # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
+    # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
+    cp: int = 1
     cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
     cp_a2a: int = 1  # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
 
     @property
     def zero(self) -> bool:
-        """Whether the optimizer state is sliced over data parallelism (the distributed optimizer, or more)."""
+        """Whether the optimizer state is sliced over data parallelism (the distributed
+        optimizer, or more)."""
         return self.sharding != "no_shard"
 
     @property
@@ -41,7 +46,8 @@ class Layout:
 
     @property
     def experts_apart(self) -> bool:
-        """Whether the experts are laid out apart from the dense leaves (expert parallelism, or their own tp)."""
+        """Whether the experts are laid out apart from the dense leaves (expert parallelism, or
+        their own tp)."""
         return self.ep > 1 or self.expert_tp != self.tp
 
     @property
@@ -57,37 +63,73 @@ class Layout:
         return global_batch // (self.micro_batch_size * self.dp)
 
     def sizes(self) -> dict[str, int]:
-        experts = {"ep": self.ep, "etp": self.expert_tp,
-                   "edp": self.dp * self.tp * self.cp // (self.ep * self.expert_tp)} \
-            if self.experts_apart else {}
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **experts, **({"cp": self.cp} if self.cp > 1 else {})}
+        experts = (
+            {
+                "ep": self.ep,
+                "etp": self.expert_tp,
+                "edp": self.dp * self.tp * self.cp // (self.ep * self.expert_tp),
+            }
+            if self.experts_apart
+            else {}
+        )
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            **experts,
+            **({"cp": self.cp} if self.cp > 1 else {}),
+        }
 
     def coords(self, mesh: Mesh) -> dict[str, int]:
-        """This rank's coordinates as checkpoints record them (its place in the experts' grid only when the
-        experts are laid out apart)."""
-        experts = {"ep": mesh.coord("ep"), "etp": mesh.coord("expert_tp"), "edp": mesh.coord("expert_dp")} \
-            if self.experts_apart else {}
-        return {**{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")}, **experts,
-                **({"cp": mesh.coord("cp")} if self.cp > 1 else {})}
+        """This rank's coordinates as checkpoints record them (its place in the experts' grid only
+        when the experts are laid out apart)."""
+        experts = (
+            {"ep": mesh.coord("ep"), "etp": mesh.coord("expert_tp"), "edp": mesh.coord("expert_dp")}
+            if self.experts_apart
+            else {}
+        )
+        return {
+            **{axis: mesh.coord(axis) for axis in ("tp", "pp", "dp")},
+            **experts,
+            **({"cp": mesh.coord("cp")} if self.cp > 1 else {}),
+        }
 
     def checkpoint_meta(self, dtype: torch.dtype) -> dict:
         """The layout as checkpoints record it (fmeg.checkpoint.same_layout compares these)."""
-        return {"tp": self.tp, "pp": self.pp, "chunks": self.chunks, "dp": self.dp, "zero": self.zero,
-                **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
-                "dtype": str(dtype).removeprefix("torch."),
-                **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
-                **({"cp": self.cp} if self.cp > 1 else {})}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "chunks": self.chunks,
+            "dp": self.dp,
+            "zero": self.zero,
+            **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
+            "dtype": str(dtype).removeprefix("torch."),
+            **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
+            **({"cp": self.cp} if self.cp > 1 else {}),
+        }
 
     def describe(self) -> str:
         """As the start line says it: 'tp 2 x pp 2 (x1 virtual) x dp 1, sequence parallel'."""
-        recompute = " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
-        if self.recompute and self.recompute[0] == "selective" and self.recompute_modules != ("core_attn",):
+        recompute = (
+            " ".join(str(r) for r in self.recompute if r is not None) if self.recompute else ""
+        )
+        if (
+            self.recompute
+            and self.recompute[0] == "selective"
+            and self.recompute_modules != ("core_attn",)
+        ):
             recompute += f" ({' '.join(self.recompute_modules)})"
-        return (f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
-                + (f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
-                   + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "") + ")"
-                   if self.cp > 1 else "")
-                + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
-                + (", sequence parallel" if self.sequence_parallel else "")
-                + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
-                + (f", recompute {recompute}" if recompute else ""))
+        return (
+            f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
+            + (
+                f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
+                + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "")
+                + ")"
+                if self.cp > 1
+                else ""
+            )
+            + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
+            + (", sequence parallel" if self.sequence_parallel else "")
+            + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
+            + (f", recompute {recompute}" if recompute else "")
+        )

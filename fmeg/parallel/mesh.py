@@ -1,14 +1,15 @@
 """Rank groups as pure data, and a Mesh that binds them to communicators once.
 
-    groups = rank_groups(16, tp=2, pp=4)      # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 4, 8, 12], ...], ...}
-    mesh = Mesh.from_torch_distributed(tp=2, pp=4)    # under torchrun
-    mesh.group("tp"), mesh.coord("tp")                 # this rank's communicator and index on an axis
+    groups = rank_groups(16, tp=2, pp=4)      # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 4, 8, 12],
+    ...], ...} mesh = Mesh.from_torch_distributed(tp=2, pp=4)    # under torchrun
+    mesh.group("tp"), mesh.coord("tp")                 # this rank's communicator and index on an
+    axis
 
-Ranks are laid out as Megatron lays them: the axes of `order` ("tp-cp-ep-dp-pp" by default) from fastest
-to slowest varying, so rank = sum(coordinate[axis] * stride[axis]) with strides the prefix products of
-the sizes. A group over a set of axes holds the ranks that differ only on those axes. Attention layers see
-a decoder grid (tp, cp, dp, pp); expert layers an expert grid (expert_tp, ep, expert_dp, pp) with the
-same pipeline groups.
+Ranks are laid out as Megatron lays them: the axes of `order` ("tp-cp-ep-dp-pp" by default) from
+fastest to slowest varying, so rank = sum(coordinate[axis] * stride[axis]) with strides the prefix
+products of the sizes. A group over a set of axes holds the ranks that differ only on those axes.
+Attention layers see a decoder grid (tp, cp, dp, pp); expert layers an expert grid (expert_tp, ep,
+expert_dp, pp) with the same pipeline groups.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 def _grid_groups(sizes: dict[str, int], order: list[str], spanned: list[str]) -> list[list[int]]:
-    """Groups of ranks that differ only on the `spanned` axes; within a group, leftmost axis fastest."""
+    """Groups of ranks that differ only on the `spanned` axes; within a group, leftmost axis
+    fastest."""
     strides, stride = {}, 1
     for axis in order:
         strides[axis] = stride
@@ -33,8 +35,12 @@ def _grid_groups(sizes: dict[str, int], order: list[str], spanned: list[str]) ->
     groups = []
     for outer in _mixed_radix([sizes[a] for a in fixed]):
         base = sum(i * strides[a] for i, a in zip(outer, fixed))
-        groups.append([base + sum(i * strides[a] for i, a in zip(pos, inner))
-                       for pos in _mixed_radix([sizes[a] for a in inner])])
+        groups.append(
+            [
+                base + sum(i * strides[a] for i, a in zip(pos, inner))
+                for pos in _mixed_radix([sizes[a] for a in inner])
+            ]
+        )
     return groups
 
 
@@ -51,28 +57,44 @@ def _order_axes(order: str, sizes: dict[str, int]) -> list[str]:
     for axis, size in sizes.items():
         if axis not in axes:
             if size != 1:
-                raise ValueError(f"order {order!r} leaves out {axis}, whose size is {size}; add it to the order")
+                raise ValueError(
+                    f"order {order!r} leaves out {axis}, whose size is {size}; add it to the order"
+                )
             axes.append(axis)
     return axes
 
 
-def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
-                order: str = DEFAULT_ORDER, cp_a2a: int = 1) -> dict[str, list[list[int]]]:
+def rank_groups(
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    order: str = DEFAULT_ORDER,
+    cp_a2a: int = 1,
+) -> dict[str, list[list[int]]]:
     """Every group Megatron's initialize_model_parallel builds, as lists of global ranks.
 
     Keys: tp, pp, dp, cp, dp_cp, mp (tp-pp), tp_cp, tp_dp, tp_dp_cp, embedding, position_embedding,
-    ep, expert_tp, expert_dp, tp_ep, tp_ep_pp, and hierarchical context parallelism's two levels (Megatron's
-    --hierarchical-context-parallel-sizes cp_a2a, cp / cp_a2a): cp_a2a, every cp_a2a consecutive ranks of a cp
-    group, and cp_p2p, the ranks of a cp group cp_a2a apart.
+    ep, expert_tp, expert_dp, tp_ep, tp_ep_pp, and hierarchical context parallelism's two levels
+    (Megatron's --hierarchical-context-parallel-sizes cp_a2a, cp / cp_a2a): cp_a2a, every cp_a2a
+    consecutive ranks of a cp group, and cp_p2p, the ranks of a cp group cp_a2a apart.
     """
     etp = tp if etp is None else etp
     for name, size in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).items():
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if world_size % (tp * pp * cp):
-        raise ValueError(f"world size {world_size} must be divisible by tp * pp * cp = {tp} * {pp} * {cp}")
+        raise ValueError(
+            f"world size {world_size} must be divisible by tp * pp * cp = {tp} * {pp} * {cp}"
+        )
     if world_size % (etp * ep * pp):
-        raise ValueError(f"world size {world_size} must be divisible by expert tp * ep * pp = {etp} * {ep} * {pp}")
+        raise ValueError(
+            f"world size {world_size} must be divisible by expert tp * ep * pp = {etp} * {ep} * "
+            f"{pp}"
+        )
     dp, expert_dp = world_size // (tp * pp * cp), world_size // (etp * ep * pp)
 
     decoder = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
@@ -81,16 +103,31 @@ def rank_groups(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
     dec = lambda *axes: _grid_groups(decoder, d_order, list(axes))  # noqa: E731
     exp = lambda *axes: _grid_groups(expert, e_order, list(axes))  # noqa: E731
 
-    groups = {"tp": dec("tp"), "pp": dec("pp"), "dp": dec("dp"), "cp": dec("cp"), "dp_cp": dec("dp", "cp"),
-              "mp": dec("tp", "pp"), "tp_cp": dec("tp", "cp"), "tp_dp": dec("tp", "dp"),
-              "tp_dp_cp": dec("tp", "dp", "cp"),
-              "ep": exp("ep"), "expert_tp": exp("tp"), "expert_dp": exp("dp"), "tp_ep": exp("tp", "ep"),
-              "tp_ep_pp": exp("tp", "ep", "pp")}
+    groups = {
+        "tp": dec("tp"),
+        "pp": dec("pp"),
+        "dp": dec("dp"),
+        "cp": dec("cp"),
+        "dp_cp": dec("dp", "cp"),
+        "mp": dec("tp", "pp"),
+        "tp_cp": dec("tp", "cp"),
+        "tp_dp": dec("tp", "dp"),
+        "tp_dp_cp": dec("tp", "dp", "cp"),
+        "ep": exp("ep"),
+        "expert_tp": exp("tp"),
+        "expert_dp": exp("dp"),
+        "tp_ep": exp("tp", "ep"),
+        "tp_ep_pp": exp("tp", "ep", "pp"),
+    }
     if exp("pp") != groups["pp"]:
-        raise ValueError("the decoder and expert grids give different pipeline groups; change the order")
+        raise ValueError(
+            "the decoder and expert grids give different pipeline groups; change the order"
+        )
     if cp % cp_a2a:
-        raise ValueError(f"the a2a level of hierarchical context parallelism ({cp_a2a}) must divide cp = {cp}")
-    groups["cp_a2a"] = [g[i:i + cp_a2a] for g in groups["cp"] for i in range(0, cp, cp_a2a)]
+        raise ValueError(
+            f"the a2a level of hierarchical context parallelism ({cp_a2a}) must divide cp = {cp}"
+        )
+    groups["cp_a2a"] = [g[i : i + cp_a2a] for g in groups["cp"] for i in range(0, cp, cp_a2a)]
     groups["cp_p2p"] = [g[i::cp_a2a] for g in groups["cp"] for i in range(cp_a2a)]
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
@@ -106,8 +143,8 @@ def group_of(groups: list[list[int]], rank: int) -> list[int] | None:
 class Mesh:
     """This rank's view of the rank groups: for each group name, a communicator and a coordinate.
 
-    Communicators follow fmeg.parallel.comm.Group; a group of one rank has communicator None, and every
-    transform treats None as "no communication".
+    Communicators follow fmeg.parallel.comm.Group; a group of one rank has communicator None, and
+    every transform treats None as "no communication".
     """
 
     rank: int
@@ -130,10 +167,11 @@ class Mesh:
         return self.comms.get(name)
 
     @classmethod
-    def build(cls, rank: int, world_size: int, make_comm, *, sequence_parallel: bool = False,
-              **sizes: Any) -> "Mesh":
-        """A mesh whose communicators come from make_comm(ranks) for every group (all ranks call this
-        in the same order, as torch.distributed.new_group requires)."""
+    def build(
+        cls, rank: int, world_size: int, make_comm, *, sequence_parallel: bool = False, **sizes: Any
+    ) -> "Mesh":
+        """A mesh whose communicators come from make_comm(ranks) for every group (all ranks call
+        this in the same order, as torch.distributed.new_group requires)."""
         groups = rank_groups(world_size, **sizes)
         comms = {}
         for name, lists in groups.items():
@@ -151,11 +189,18 @@ class Mesh:
         return cls.build(0, 1, lambda ranks: None)
 
     @classmethod
-    def from_torch_distributed(cls, *, sequence_parallel: bool = False, device: Any = "cpu", timeout: Any = None,
-                               **sizes: Any) -> "Mesh":
-        """A mesh over the initialised default process group (torchrun), with one new_group per group;
-        device is where the groups' own buffers live (cuda:LOCAL_RANK under NCCL); timeout (a timedelta): how
-        long a collective waits for a missing rank (torch's default for new groups is not the default group's)."""
+    def from_torch_distributed(
+        cls,
+        *,
+        sequence_parallel: bool = False,
+        device: Any = "cpu",
+        timeout: Any = None,
+        **sizes: Any,
+    ) -> "Mesh":
+        """A mesh over the initialised default process group (torchrun), with one new_group per
+        group; device is where the groups' own buffers live (cuda:LOCAL_RANK under NCCL); timeout (a
+        timedelta): how long a collective waits for a missing rank (torch's default for new groups
+        is not the default group's)."""
         import torch.distributed as dist
 
         from fmeg.parallel.comm import TorchGroup

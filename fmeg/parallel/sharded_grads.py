@@ -1,21 +1,24 @@
-"""Sharded gradients (Megatron-FSDP's optim_grads): each microbatch's gradients reduced into the owners' slices.
+"""Sharded gradients (Megatron-FSDP's optim_grads): each microbatch's gradients reduced into the
+owners' slices.
 
-    sync = ShardedGradSync(params, dp_group, accumulator, unit_of=unit)   # accumulator: this rank's slice
-    execute(..., grads_into=sync)   # every microbatch: each bucket, once its leaves are in, reduced to its owner
-    sync.finish()                   # waits; accumulator holds the slice of the dp mean, replicated leaves whole
-    sync.settle()                   # after the tied copies are summed (sync.leaf): their owned parts copied in
+    sync = ShardedGradSync(params, dp_group, accumulator, unit_of=unit)   # accumulator: this rank's
+    slice execute(..., grads_into=sync)   # every microbatch: each bucket, once its leaves are in,
+    reduced to its owner sync.finish()                   # waits; accumulator holds the slice of the
+    dp mean, replicated leaves whole sync.settle()                   # after the tied copies are
+    summed (sync.leaf): their owned parts copied in
 
-The layout is zero.FlatBuffer's (leaves in tree order, padded to a multiple of dp) and this rank owns the slice
-[rank * padded / dp, (rank + 1) * padded / dp), as with ZeRO-1; but no rank keeps the whole gradient. A
-microbatch's gradients go into a staging tensor per bucket, allocated when the bucket's first leaf arrives; when
-its last leaf has arrived the bucket is reduced to the rank owning it (buckets lie inside one owner's slice, one
-pipeline stage and one unit: a layer), the owner adds it into its accumulator, and the staging is freed. At most
-`in_flight` reductions are outstanding, which bounds the staging memory. Leaves named `replicated` (the tied
-embedding copies, whose gradients are summed over pipeline stages after the mean) are kept whole in a buffer of
-their own over the iteration and all-reduced at finish().
+The layout is zero.FlatBuffer's (leaves in tree order, padded to a multiple of dp) and this rank
+owns the slice [rank * padded / dp, (rank + 1) * padded / dp), as with ZeRO-1; but no rank keeps the
+whole gradient. A microbatch's gradients go into a staging tensor per bucket, allocated when the
+bucket's first leaf arrives; when its last leaf has arrived the bucket is reduced to the rank owning
+it (buckets lie inside one owner's slice, one pipeline stage and one unit: a layer), the owner adds
+it into its accumulator, and the staging is freed. At most `in_flight` reductions are outstanding,
+which bounds the staging memory. Leaves named `replicated` (the tied embedding copies, whose
+gradients are summed over pipeline stages after the mean) are kept whole in a buffer of their own
+over the iteration and all-reduced at finish().
 
-Arithmetic: the accumulator holds sum over microbatches of (sum over ranks), where ZeRO-1 reduces the sum over
-microbatches once; with one microbatch per rank the two are the same numbers.
+Arithmetic: the accumulator holds sum over microbatches of (sum over ranks), where ZeRO-1 reduces
+the sum over microbatches once; with one microbatch per rank the two are the same numbers.
 """
 
 from __future__ import annotations
@@ -31,19 +34,31 @@ from fmeg.parallel.zero import FlatBuffer
 
 
 class ShardedGradSync:
-    def __init__(self, params: dict[int, Any], group: Any, accumulator: torch.Tensor, *,
-                 unit_of: Callable[[str], str], replicated: frozenset[str] = frozenset(),
-                 bucket_numel: int | None = None, divisor: int | None = None, in_flight: int = 2):
-        """params: this rank's {stage: tree} (shapes only are read); accumulator: this rank's slice of the flat
-        gradient (padded / dp elements, any float dtype); unit_of(path): the unit a leaf belongs to (buckets
-        never span two); divisor: what the group's sum is divided by (default its size)."""
+    def __init__(
+        self,
+        params: dict[int, Any],
+        group: Any,
+        accumulator: torch.Tensor,
+        *,
+        unit_of: Callable[[str], str],
+        replicated: frozenset[str] = frozenset(),
+        bucket_numel: int | None = None,
+        divisor: int | None = None,
+        in_flight: int = 2,
+    ):
+        """params: this rank's {stage: tree} (shapes only are read); accumulator: this rank's slice
+        of the flat gradient (padded / dp elements, any float dtype); unit_of(path): the unit a leaf
+        belongs to (buckets never span two); divisor: what the group's sum is divided by (default
+        its size)."""
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
         self.divisor = self.dp if divisor is None else divisor
         layout = FlatBuffer.of(params, self.dp)
         self.size = layout.padded // self.dp
         if accumulator.shape != (self.size,):
-            raise ValueError(f"ShardedGradSync: accumulator of {tuple(accumulator.shape)}, need ({self.size},)")
+            raise ValueError(
+                f"ShardedGradSync: accumulator of {tuple(accumulator.shape)}, need ({self.size},)"
+            )
         self.accumulator, self.in_flight = accumulator, in_flight
         leaves = list(tree.items(params))
         self.paths = [path for path, _ in leaves]
@@ -53,29 +68,43 @@ class ShardedGradSync:
         self.index = {path: i for i, path in enumerate(self.paths)}
         unknown = set(replicated) - set(self.index)
         if unknown:
-            raise ValueError(f"ShardedGradSync: replicated paths {sorted(unknown)} are not parameters")
+            raise ValueError(
+                f"ShardedGradSync: replicated paths {sorted(unknown)} are not parameters"
+            )
         self.replicated = {self.index[p] for p in replicated}
         units = [unit_of(path) for path in self.paths]
         unit_cuts = {self.offsets[i] for i in range(1, len(units)) if units[i] != units[i - 1]}
-        buckets = _buckets(sizes, layout.padded, self.dp, self.replicated,
-                           bucket_numel or default_bucket_numel(self.dp), extra_cuts=unit_cuts)
-        self.buckets = [(a, b, [i for i in leaves_of if i not in self.replicated], a // self.size)
-                        for a, b, leaves_of, _ in buckets
-                        if not (leaves_of and all(i in self.replicated for i in leaves_of))]
+        buckets = _buckets(
+            sizes,
+            layout.padded,
+            self.dp,
+            self.replicated,
+            bucket_numel or default_bucket_numel(self.dp),
+            extra_cuts=unit_cuts,
+        )
+        self.buckets = [
+            (a, b, [i for i in leaves_of if i not in self.replicated], a // self.size)
+            for a, b, leaves_of, _ in buckets
+            if not (leaves_of and all(i in self.replicated for i in leaves_of))
+        ]
         self._buckets_of: list[list[int]] = [[] for _ in self.paths]
         for k, (_, _, leaves_of, _) in enumerate(self.buckets):
             for i in leaves_of:
                 self._buckets_of[i].append(k)
         device = accumulator.device
         whole_dtype = torch.promote_types(accumulator.dtype, torch.float32)
-        self.whole = {i: torch.zeros(self.shapes[i], dtype=whole_dtype, device=device) for i in self.replicated}
+        self.whole = {
+            i: torch.zeros(self.shapes[i], dtype=whole_dtype, device=device)
+            for i in self.replicated
+        }
         self._index_cache: dict[tuple, list[int]] = {}
         self.reset()
 
     def reset(self) -> "ShardedGradSync":
         self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
         self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._rounds = [0] * len(self.buckets)  # reductions added into the accumulator this iteration
+        # reductions added into the accumulator this iteration
+        self._rounds = [0] * len(self.buckets)
         self._touched = [False] * len(self.paths)
         self._pending: list[tuple[Any, int, torch.Tensor]] = []
         for whole in self.whole.values():
@@ -83,7 +112,8 @@ class ShardedGradSync:
         return self
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
-        """Add one microbatch's gradients of some leaves of `stage` (each leaf once per microbatch)."""
+        """Add one microbatch's gradients of some leaves of `stage` (each leaf once per
+        microbatch)."""
         key = (stage, tuple(grads))
         indices = self._index_cache.get(key)
         if indices is None:
@@ -98,8 +128,12 @@ class ShardedGradSync:
                 a, b, _, _ = self.buckets[k]
                 lo, hi = max(a, self.offsets[i]), min(b, self.offsets[i + 1])
                 if self._staging[k] is None:
-                    self._staging[k] = torch.zeros(b - a, dtype=self.accumulator.dtype, device=flat.device)
-                self._staging[k][lo - a:hi - a].copy_(flat[lo - self.offsets[i]:hi - self.offsets[i]])
+                    self._staging[k] = torch.zeros(
+                        b - a, dtype=self.accumulator.dtype, device=flat.device
+                    )
+                self._staging[k][lo - a : hi - a].copy_(
+                    flat[lo - self.offsets[i] : hi - self.offsets[i]]
+                )
                 self._waiting[k] -= 1
                 if self._waiting[k] == 0:
                     self._start(k)
@@ -122,7 +156,7 @@ class ShardedGradSync:
             handle.wait()
         a, b, _, owner = self.buckets[k]
         if owner == self.rank or self.group is None:
-            target = self.accumulator[a - self.rank * self.size:b - self.rank * self.size]
+            target = self.accumulator[a - self.rank * self.size : b - self.rank * self.size]
             if self._rounds[k]:
                 target.add_(staging)
             else:
@@ -132,16 +166,20 @@ class ShardedGradSync:
     def finish(self) -> "ShardedGradSync":
         missing = [p for p, touched in zip(self.paths, self._touched) if not touched]
         if missing:
-            raise RuntimeError(f"ShardedGradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+            raise RuntimeError(
+                "ShardedGradSync: no gradient for "
+                f"{missing[:3]}{' ...' if len(missing) > 3 else ''}"
+            )
         while self._pending:
             self._complete()
         lo = self.rank * self.size
         for k, (a, b, leaves_of, owner) in enumerate(self.buckets):
             if owner == self.rank and not self._rounds[k]:  # padding
-                self.accumulator[a - lo:b - lo].zero_()
+                self.accumulator[a - lo : b - lo].zero_()
         for i, whole in self.whole.items():
             if self.group is not None:
-                whole.copy_(self.group.all_reduce(whole.clone()))  # a clone: thread peers may still read it
+                # a clone: thread peers may still read it
+                whole.copy_(self.group.all_reduce(whole.clone()))
             whole.div_(self.divisor)
         if self.divisor != 1:
             self.accumulator.div_(self.divisor)
@@ -152,12 +190,15 @@ class ShardedGradSync:
         return self.whole[self.index[path]]
 
     def settle(self) -> "ShardedGradSync":
-        """Copy the replicated leaves' owned parts into the accumulator (after the tied copies are summed)."""
+        """Copy the replicated leaves' owned parts into the accumulator (after the tied copies
+        are summed)."""
         lo, hi = self.rank * self.size, (self.rank + 1) * self.size
         for i, whole in self.whole.items():
             a, b = max(self.offsets[i], lo), min(self.offsets[i + 1], hi)
             if a < b:
-                self.accumulator[a - lo:b - lo].copy_(whole.view(-1)[a - self.offsets[i]:b - self.offsets[i]])
+                self.accumulator[a - lo : b - lo].copy_(
+                    whole.view(-1)[a - self.offsets[i] : b - self.offsets[i]]
+                )
         return self
 
     def owned(self) -> torch.Tensor:

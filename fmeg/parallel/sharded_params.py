@@ -1,23 +1,27 @@
-"""Sharded weights (Megatron-FSDP's optim_grads_params): each rank keeps a slice; a unit is gathered to be used.
+"""Sharded weights (Megatron-FSDP's optim_grads_params): each rank keeps a slice; a unit is gathered
+to be used.
 
-    weights = ShardedParams(params, owned, dp_group, unit_of=unit)  # owned: this rank's slice, compute dtype
-    weights.params                        # {stage: tree} of views of per-unit buffers, empty until gathered
-    with weights.use(stage, ("layers.3",)):   # gathered on entry (the prefetched one waited for), freed on exit
+    weights = ShardedParams(params, owned, dp_group, unit_of=unit)  # owned: this rank's slice,
+    compute dtype weights.params                        # {stage: tree} of views of per-unit
+    buffers, empty until gathered with weights.use(stage, ("layers.3",)):   # gathered on entry (the
+    prefetched one waited for), freed on exit
         out = layer(weights.params[stage]["layers"][3], x)
 
-The layout is zero.FlatBuffer's, and this rank owns the slice [rank * padded / dp, (rank + 1) * padded / dp) as
-with ZeRO-1. A unit (a layer, the embedding, the head: unit_of(path)) covers a contiguous range of the layout
-and has a buffer of its own, allocated once; its storage is resized to nothing when the unit is not in use, so a
-rank holds at most the units in use and the one being prefetched. Gathering a unit broadcasts each owner's piece
-of it into the buffer from the owner (a unit usually lies inside one or two owners' slices), as every
-data-parallel rank does in the same order. Autograd keeps the views a forward saved: their storage comes back,
-with the same values, when backward gathers the unit again (the buffer's version counter is left alone, as
-torch's FSDP does). use() also starts gathering the unit that came after this one last time (the order of the
+The layout is zero.FlatBuffer's, and this rank owns the slice [rank * padded / dp, (rank + 1) *
+padded / dp) as with ZeRO-1. A unit (a layer, the embedding, the head: unit_of(path)) covers a
+contiguous range of the layout and has a buffer of its own, allocated once; its storage is resized
+to nothing when the unit is not in use, so a rank holds at most the units in use and the one being
+prefetched. Gathering a unit broadcasts each owner's piece of it into the buffer from the owner (a
+unit usually lies inside one or two owners' slices), as every data-parallel rank does in the same
+order. Autograd keeps the views a forward saved: their storage comes back, with the same values,
+when backward gathers the unit again (the buffer's version counter is left alone, as torch's FSDP
+does). use() also starts gathering the unit that came after this one last time (the order of the
 previous iteration's uses, forward then backward), so its broadcast overlaps this unit's compute.
 
-keep_after_forward(unit) (torch FSDP2's reshard_after_forward=False for the units it is true of): a unit its
-forward used with autograd recording stays gathered until the matching backward has used it, so backward does not
-gather it again; a rank then holds those units from their first forward to their last backward.
+keep_after_forward(unit) (torch FSDP2's reshard_after_forward=False for the units it is true of): a
+unit its forward used with autograd recording stays gathered until the matching backward has used
+it, so backward does not gather it again; a rank then holds those units from their first forward to
+their last backward.
 """
 
 from __future__ import annotations
@@ -34,19 +38,30 @@ from fmeg.parallel.zero import FlatBuffer
 
 
 class ShardedParams:
-    def __init__(self, params: dict[int, Any], owned: torch.Tensor, group: Any, *, dp: int, rank: int,
-                 unit_of: Callable[[str], str], prefetch: bool = True,
-                 keep_after_forward: Callable[[str], bool] = lambda unit: False):
-        """params: this rank's {stage: tree} (shapes only are read); owned: this rank's slice (the rank-th of dp)
-        of the flat compute weights, which the optimizer writes; group: the dp ranks (None: no gathering from
-        others); unit_of(path): a leaf's unit; keep_after_forward(unit): whether the unit stays gathered from a
-        forward to its backward."""
+    def __init__(
+        self,
+        params: dict[int, Any],
+        owned: torch.Tensor,
+        group: Any,
+        *,
+        dp: int,
+        rank: int,
+        unit_of: Callable[[str], str],
+        prefetch: bool = True,
+        keep_after_forward: Callable[[str], bool] = lambda unit: False,
+    ):
+        """params: this rank's {stage: tree} (shapes only are read); owned: this rank's slice (the
+        rank-th of dp) of the flat compute weights, which the optimizer writes; group: the dp ranks
+        (None: no gathering from others); unit_of(path): a leaf's unit; keep_after_forward(unit):
+        whether the unit stays gathered from a forward to its backward."""
         self.group, self.owned, self.prefetch, self.dp, self.rank = group, owned, prefetch, dp, rank
         self.keep_after_forward = keep_after_forward
         layout = FlatBuffer.of(params, self.dp)
         self.size = layout.padded // self.dp
         if owned.shape != (self.size,):
-            raise ValueError(f"ShardedParams: owned slice of {tuple(owned.shape)}, need ({self.size},)")
+            raise ValueError(
+                f"ShardedParams: owned slice of {tuple(owned.shape)}, need ({self.size},)"
+            )
         paths = [path for path, _ in tree.items(params)]
         offsets = list(itertools.accumulate([s.numel() for s in layout.shapes], initial=0))
         self.units: dict[str, tuple[int, int]] = {}
@@ -54,40 +69,61 @@ class ShardedParams:
             unit = unit_of(path)
             start = self.units.get(unit, (a, b))[0]
             if unit in self.units and self.units[unit][1] != a:
-                raise ValueError(f"ShardedParams: unit {unit} is not contiguous in the layout (at {path})")
+                raise ValueError(
+                    f"ShardedParams: unit {unit} is not contiguous in the layout (at {path})"
+                )
             self.units[unit] = (start, b)
-        self.buffers = {u: torch.empty(b - a, dtype=owned.dtype, device=owned.device)
-                        for u, (a, b) in self.units.items()}
+        self.buffers = {
+            u: torch.empty(b - a, dtype=owned.dtype, device=owned.device)
+            for u, (a, b) in self.units.items()
+        }
         views = []
         for path, a, shape in zip(paths, offsets, layout.shapes):
             unit = unit_of(path)
             start = a - self.units[unit][0]
-            views.append(self.buffers[unit][start:start + shape.numel()].view(shape))
+            views.append(self.buffers[unit][start : start + shape.numel()].view(shape))
         self.params = tree.tree_unflatten(views, layout.spec)
         for buffer in self.buffers.values():
             buffer.untyped_storage().resize_(0)
         self._users = {u: 0 for u in self.units}
-        self._kept = {u: 0 for u in self.units}  # forwards whose backward has not come yet (keep_after_forward)
-        self._gathering: dict[str, list] = {}  # unit -> pending handles (gathered, not yet waited for)
-        self._order: list[tuple[str, bool]] = []  # this iteration's uses (unit, backward?), in order
+        # forwards whose backward has not come yet (keep_after_forward)
+        self._kept = {u: 0 for u in self.units}
+        # unit -> pending handles (gathered, not yet waited for)
+        self._gathering: dict[str, list] = {}
+        # this iteration's uses (unit, backward?), in order
+        self._order: list[tuple[str, bool]] = []
         self._next: dict[tuple[str, bool], str] = {}  # the unit used after each use, last iteration
 
     @functools.cache  # noqa: B019 - one entry per segment, for the object's life
     def units_of(self, stage: int, keys: tuple[str, ...] | None) -> list[str]:
-        """The units holding a segment's leaves (keys: paths inside the stage; None: the whole stage)."""
+        """The units holding a segment's leaves (keys: paths inside the stage; None: the whole
+        stage)."""
         prefixes = [f"{stage}."] if keys is None else [f"{stage}.{key}" for key in keys]
-        return [u for u in self.units if any(u == p or u.startswith(p if p.endswith(".") else p + ".")
-                                             or p.startswith(u + ".") for p in prefixes)]
+        return [
+            u
+            for u in self.units
+            if any(
+                u == p or u.startswith(p if p.endswith(".") else p + ".") or p.startswith(u + ".")
+                for p in prefixes
+            )
+        ]
 
     @contextlib.contextmanager
-    def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> Iterator[None]:
-        """A segment's units gathered while inside (backward: for its backward pass, which orders prefetches)."""
+    def use(
+        self, stage: int, keys: tuple[str, ...] | None, backward: bool = False
+    ) -> Iterator[None]:
+        """A segment's units gathered while inside (backward: for its backward pass, which orders
+        prefetches)."""
         units = self.units_of(stage, keys)
         for unit in units:
             self._acquire(unit, backward)
         if self.prefetch and units:
             following = self._next.get((units[-1], backward))
-            if following is not None and not self._users[following] and following not in self._gathering:
+            if (
+                following is not None
+                and not self._users[following]
+                and following not in self._gathering
+            ):
                 self._start(following)
         keep = not backward and torch.is_grad_enabled()  # a forward that a backward will follow
         try:
@@ -114,8 +150,8 @@ class ShardedParams:
                 self._release(unit)
 
     def end_iteration(self) -> None:
-        """Remember this iteration's order of use for the next one's prefetches; drop a prefetch never used and
-        the units kept from a forward no backward came for."""
+        """Remember this iteration's order of use for the next one's prefetches; drop a prefetch
+        never used and the units kept from a forward no backward came for."""
         for unit, kept in self._kept.items():
             for _ in range(kept):
                 self._release(unit)
@@ -151,11 +187,14 @@ class ShardedParams:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
             for owner in range(a // self.size, (b - 1) // self.size + 1):
                 lo, hi = max(a, owner * self.size), min(b, (owner + 1) * self.size)
-                piece = buffer[lo - a:hi - a]
+                piece = buffer[lo - a : hi - a]
                 if owner == self.rank:
-                    piece.copy_(self.owned[lo - owner * self.size:hi - owner * self.size])
+                    piece.copy_(self.owned[lo - owner * self.size : hi - owner * self.size])
                 elif self.group is None:
-                    raise RuntimeError(f"ShardedParams: unit {unit} needs rank {owner}'s slice and there is no group")
+                    raise RuntimeError(
+                        f"ShardedParams: unit {unit} needs rank {owner}'s slice and there is no "
+                        "group"
+                    )
                 if self.group is not None:
                     handles.append(self.group.broadcast_async(piece, owner))
         self._gathering[unit] = handles

@@ -4,9 +4,10 @@
     local = shard(full_params, rules, {"tp": (rank, size)})      # this rank's slices
     full = unshard([local_0, local_1, ...], rules, "tp")         # back, from every rank's shards
 
-Initialisation is "full, then slice": every layout holds slices of the same model, which is what makes a
-run's numbers independent of the layout. A leaf matching no rule is replicated on that axis. The experts'
-tensor-parallel axis "etp" is "tp" unless coords name it (Megatron's expert tensor parallelism defaults to tp).
+Initialisation is "full, then slice": every layout holds slices of the same model, which is what
+makes a run's numbers independent of the layout. A leaf matching no rule is replicated on that axis.
+The experts' tensor-parallel axis "etp" is "tp" unless coords name it (Megatron's expert tensor
+parallelism defaults to tp).
 """
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ Rules = Sequence[tuple[str, Partition]]
 
 
 def partition_of(path: str, rules: Rules, axis: str | None = None) -> Partition | None:
-    """The first rule matching path (restricted to `axis` if given; "tp" also takes "etp" rules, the experts'
-    default), or None (replicated)."""
+    """The first rule matching path (restricted to `axis` if given; "tp" also takes "etp" rules, the
+    experts' default), or None (replicated)."""
     for pattern, part in rules:
-        if fnmatchcase(path, pattern) and (axis is None or part.axis == axis or (axis, part.axis) == ("tp", "etp")):
+        if fnmatchcase(path, pattern) and (
+            axis is None or part.axis == axis or (axis, part.axis) == ("tp", "etp")
+        ):
             return part
     return None
 
 
-def splits(path: str, rules: Rules, coords: dict[str, tuple[int, int]]) -> list[tuple[str, int, int, int]]:
-    """(axis, dim, index, size) for each axis of coords (axis -> (index, size)) that splits the leaf at path, in
-    the order shard cuts them. Without an "etp" entry the experts' "etp" leaves split over "tp"."""
+def splits(
+    path: str, rules: Rules, coords: dict[str, tuple[int, int]]
+) -> list[tuple[str, int, int, int]]:
+    """(axis, dim, index, size) for each axis of coords (axis -> (index, size)) that splits the leaf
+    at path, in the order shard cuts them. Without an "etp" entry the experts' "etp" leaves split
+    over "tp"."""
     experts_apart = "etp" in coords
     out = []
     for axis, (index, size) in coords.items():
@@ -57,20 +63,24 @@ def shard(params: Any, rules: Rules, coords: dict[str, tuple[int, int]]) -> Any:
     def take(path: str, leaf: torch.Tensor) -> torch.Tensor:
         for axis, dim, index, size in splits(path, rules, coords):
             if leaf.shape[dim] % size:
-                raise ValueError(f"{path}: dimension {dim} of size {leaf.shape[dim]} does not split "
-                                 f"over {axis}={size}")
+                raise ValueError(
+                    f"{path}: dimension {dim} of size {leaf.shape[dim]} does not split over "
+                    f"{axis}={size}"
+                )
             leaf = leaf.chunk(size, dim=dim)[index]
         return leaf.contiguous()
 
     return tree.map_with_path(take, params)
 
 
-def block_of(path: str, local_shape: Sequence[int], rules: Rules, coords: dict[str, tuple[int, int]]
-             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, global shape): where a rank's slice of the leaf at path (of local_shape, cut by shard with these
-    coords) sits in the full tensor."""
+def block_of(
+    path: str, local_shape: Sequence[int], rules: Rules, coords: dict[str, tuple[int, int]]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, global shape): where a rank's slice of the leaf at path (of local_shape, cut by
+    shard with these coords) sits in the full tensor."""
     offset, shape = [0] * len(local_shape), list(local_shape)
-    for _, dim, index, size in reversed(splits(path, rules, coords)):  # the last cut is the innermost
+    # the last cut is the innermost
+    for _, dim, index, size in reversed(splits(path, rules, coords)):
         dim %= len(local_shape)
         offset[dim] += index * shape[dim]
         shape[dim] *= size

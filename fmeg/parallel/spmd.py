@@ -4,10 +4,11 @@
     with GlooRanks(4) as ranks:                      # ranks are gloo processes on 127.0.0.1
         results = ranks.run(fn, x, tp=2)
 
-Either way fn receives a Mesh for its rank (built with the given group sizes) and the same arguments, and
-the call returns the list of per-rank results. Threads start in milliseconds and suit notebooks and
-property tests; gloo processes are the ground truth (real torch.distributed, real serialisation). A rank
-that fails or hangs fails the call within `timeout` seconds instead of blocking.
+Either way fn receives a Mesh for its rank (built with the given group sizes) and the same
+arguments, and the call returns the list of per-rank results. Threads start in milliseconds and suit
+notebooks and property tests; gloo processes are the ground truth (real torch.distributed, real
+serialisation). A rank that fails or hangs fails the call within `timeout` seconds instead of
+blocking.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from fmeg.parallel.comm import ThreadWorld
 from fmeg.parallel.mesh import Mesh
 
 
-def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 60.0, sequence_parallel: bool = False,
-                **sizes: Any) -> list[Any]:
+def run_threads(
+    world_size: int,
+    fn: Callable,
+    *args: Any,
+    timeout: float = 60.0,
+    sequence_parallel: bool = False,
+    **sizes: Any,
+) -> list[Any]:
     """fn(mesh, *args) on world_size ranks that are threads of this process."""
     world = ThreadWorld(world_size, timeout)
     results: list[Any] = [None] * world_size
@@ -33,23 +40,34 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 60.0
 
     def rank_main(rank: int) -> None:
         try:
-            mesh = Mesh.build(rank, world_size, lambda ranks: world.group(ranks, rank),
-                              sequence_parallel=sequence_parallel, **sizes)
+            mesh = Mesh.build(
+                rank,
+                world_size,
+                lambda ranks: world.group(ranks, rank),
+                sequence_parallel=sequence_parallel,
+                **sizes,
+            )
             results[rank] = fn(mesh, *args)
         except BaseException as e:  # noqa: BLE001 - reported below, after waking the other ranks
             errors.append((rank, e))
             world.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)]
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout)
     if any(t.is_alive() for t in threads):
         world.abort()
-        raise TimeoutError(f"run_threads: ranks still running after {timeout} s (a collective mismatch?)")
+        raise TimeoutError(
+            f"run_threads: ranks still running after {timeout} s (a collective mismatch?)"
+        )
     if errors:
-        first = next((e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)), errors[0])
+        first = next(
+            (e for e in errors if not isinstance(e[1], threading.BrokenBarrierError)), errors[0]
+        )
         raise RuntimeError(f"rank {first[0]} failed: {first[1]!r}") from first[1]
     return results
 
@@ -66,9 +84,15 @@ def _gloo_rank_main(rank: int, world_size: int, port: int, conn: Any, timeout: f
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: tests never leave the machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    # loopback only: tests never leave the machine
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     meshes: dict[tuple, Mesh] = {}
     try:
         while True:
@@ -90,7 +114,8 @@ def _gloo_rank_main(rank: int, world_size: int, port: int, conn: Any, timeout: f
 
 
 class GlooRanks:
-    """world_size gloo processes on 127.0.0.1 that stay up between calls (start-up costs seconds)."""
+    """world_size gloo processes on 127.0.0.1 that stay up between calls (start-up costs
+    seconds)."""
 
     def __init__(self, world_size: int, timeout: float = 120.0):
         import torch.multiprocessing as mp
@@ -101,12 +126,16 @@ class GlooRanks:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_gloo_rank_main, args=(rank, world_size, port, child, timeout), daemon=True)
+            proc = ctx.Process(
+                target=_gloo_rank_main, args=(rank, world_size, port, child, timeout), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
 
-    def run(self, fn: Callable, *args: Any, sequence_parallel: bool = False, **sizes: Any) -> list[Any]:
+    def run(
+        self, fn: Callable, *args: Any, sequence_parallel: bool = False, **sizes: Any
+    ) -> list[Any]:
         """fn(mesh, *args) on every rank; fn must be importable (a module-level function)."""
         for conn in self._conns:
             conn.send((fn, args, sequence_parallel, sizes))
@@ -140,4 +169,3 @@ class GlooRanks:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

@@ -1,20 +1,22 @@
 """Tensor and sequence parallelism as pure functions of local shards.
 
-A TensorParallel value names the group and whether sequence parallelism is on. Shapes below are for one
-rank of a group of size t; activations are [batch, seq, hidden] and the sequence dimension is 1.
+A TensorParallel value names the group and whether sequence parallelism is on. Shapes below are for
+one rank of a group of size t; activations are [batch, seq, hidden] and the sequence dimension is 1.
 
     column_parallel_linear   x [b, s, h] (or [b, s/t, h] with SP) , w [out/t, in] -> y [b, s, out/t]
-    row_parallel_linear      x [b, s, in/t], w [out, in/t], bias [out] -> y [b, s, out] (or [b, s/t, out])
-    vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
-    vocab_parallel_cross_entropy  logits [b, s, V/t], labels [b, s] -> per-token loss [b, s], replicated
+    row_parallel_linear      x [b, s, in/t], w [out, in/t], bias [out] -> y [b, s, out] (or [b, s/t,
+    out]) vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
+    vocab_parallel_cross_entropy  logits [b, s, V/t], labels [b, s] -> per-token loss [b, s],
+    replicated
 
-The vocabulary may be padded (V = padded size, Megatron's multiple of 128 * t): ids at or above the real
-vocab_size are masked out of every softmax (mask_vocab_padding), so the padding changes no number.
+The vocabulary may be padded (V = padded size, Megatron's multiple of 128 * t): ids at or above the
+real vocab_size are masked out of every softmax (mask_vocab_padding), so the padding changes no
+number.
 
 With group None every function is its single-device counterpart. Gradients of a replicated parameter
-used on a sequence shard (norm weights, row-parallel biases, position embeddings) are partial on each
-rank; `replicated_param` routes such a parameter through copy_to so its gradient arrives already summed
-over the group, the all-reduce Megatron performs for sequence-parallel parameters.
+used on a sequence shard (norm weights, row-parallel biases, position embeddings) are partial on
+each rank; `replicated_param` routes such a parameter through copy_to so its gradient arrives
+already summed over the group, the all-reduce Megatron performs for sequence-parallel parameters.
 """
 
 from __future__ import annotations
@@ -36,17 +38,21 @@ SEQ_DIM = 1
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """Expert parallelism seen from one rank: its index and the number of expert-parallel ranks (each holds
-    num_experts / size experts), and the group a mixture-of-experts layer exchanges its tokens over: the
-    expert-parallel ranks times the experts' tensor-parallel ones (megatron-core's tp_ep group of the expert
-    grid), or None when tokens need no exchange."""
+    """Expert parallelism seen from one rank: its index and the number of expert-parallel ranks
+    (each holds num_experts / size experts), and the group a mixture-of-experts layer exchanges its
+    tokens over: the expert-parallel ranks times the experts' tensor-parallel ones (megatron-core's
+    tp_ep group of the expert grid), or None when tokens need no exchange."""
+
     group: Any = None
     rank: int = 0
     size: int = 1
-    tp_group: Any = None  # the experts' tensor parallelism (each expert's F split), when tp_size is given
+    # the experts' tensor parallelism (each expert's F split), when tp_size is given
+    tp_group: Any = None
     tp_rank: int = 0
-    tp_size: int | None = None  # None: the experts split their F over tp, and tokens move over tp x ep
-    balance_group: Any = None  # the ranks whose tokens global_aux_loss counts (megatron-core's tp-dp-cp group)
+    # None: the experts split their F over tp, and tokens move over tp x ep
+    tp_size: int | None = None
+    # the ranks whose tokens global_aux_loss counts (megatron-core's tp-dp-cp group)
+    balance_group: Any = None
 
 
 NO_EP = ExpertParallel()
@@ -57,7 +63,8 @@ class TensorParallel:
     group: Any = None  # a fmeg.parallel.comm Group, or None for one rank
     sequence_parallel: bool = False
     experts: ExpertParallel = NO_EP  # where mixture-of-experts layers find their experts' ranks
-    context: ContextParallel = NO_CP  # the sequence split over context-parallel ranks (fmeg.parallel.context)
+    # the sequence split over context-parallel ranks (fmeg.parallel.context)
+    context: ContextParallel = NO_CP
 
     @property
     def size(self) -> int:
@@ -81,8 +88,9 @@ NO_TP = TensorParallel()
 
 
 def token_positions(s_held: int, tp: TensorParallel, device: Any) -> tuple[torch.Tensor, int]:
-    """(the global positions of the s_held sequence rows this rank holds, the whole sequence's length), under
-    context parallelism (its chunks) and sequence parallelism (tp's piece of them)."""
+    """(the global positions of the s_held sequence rows this rank holds, the whole sequence's
+    length), under context parallelism (its chunks) and sequence parallelism (tp's piece of
+    them)."""
     cp = tp.context
     local = s_held * (tp.size if tp.sp else 1)
     held = context_positions(local * cp.size, cp.size, cp.rank, device)
@@ -90,8 +98,8 @@ def token_positions(s_held: int, tp: TensorParallel, device: Any) -> tuple[torch
 
 
 def hidden_dropout(x_BSH: torch.Tensor, p: float, key: Any, tp: TensorParallel) -> torch.Tensor:
-    """Dropout of activations keyed by each element's position in the whole [b, s, h] tensor, so the mask is one
-    device's whatever the sequence sharding (sequence and context parallelism)."""
+    """Dropout of activations keyed by each element's position in the whole [b, s, h] tensor, so the
+    mask is one device's whatever the sequence sharding (sequence and context parallelism)."""
     if p == 0.0:
         return x_BSH
     index = None
@@ -118,16 +126,29 @@ def leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return C.reduce_scatter_to(x, tp.group, SEQ_DIM) if tp.sp else C.reduce_from(x, tp.group)
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           tp: TensorParallel, *, gather_output: bool = False) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tp: TensorParallel,
+    *,
+    gather_output: bool = False,
+) -> torch.Tensor:
     """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all."""
     y = ops.linear(enter(x, tp), weight, bias)
     return C.gather_from(y, tp.group, -1) if gather_output else y
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        tp: TensorParallel, *, input_is_parallel: bool = True) -> torch.Tensor:
-    """y = sum over ranks of x_r @ w_r.T, then + b (b is replicated and added once, after the reduction)."""
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tp: TensorParallel,
+    *,
+    input_is_parallel: bool = True,
+) -> torch.Tensor:
+    """y = sum over ranks of x_r @ w_r.T, then + b (b is replicated and added once, after the
+    reduction)."""
     if not input_is_parallel:
         x = C.scatter_to(x, tp.group, -1)
     y = leave(ops.linear(x, weight), tp)
@@ -139,8 +160,11 @@ def vocab_range(vocab_shard: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank * vocab_shard, (tp.rank + 1) * vocab_shard
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Rows of a vocabulary-sharded table: ids outside this rank's range give zeros, then the ranks sum."""
+def vocab_parallel_embedding(
+    ids: torch.Tensor, table: torch.Tensor, tp: TensorParallel
+) -> torch.Tensor:
+    """Rows of a vocabulary-sharded table: ids outside this rank's range give zeros, then the
+    ranks sum."""
     if tp.group is None:
         return ops.embedding(ids, table)
     start, end = vocab_range(table.shape[0], tp)
@@ -150,26 +174,37 @@ def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, tp: TensorP
     return leave(local, tp)
 
 
-def vocab_padding(vocab_shard: int, vocab_size: int | None, tp: TensorParallel, device: Any) -> torch.Tensor | None:
-    """[vocab_shard] bool, True at this rank's padding ids (global id >= vocab_size); None if it has none."""
+def vocab_padding(
+    vocab_shard: int, vocab_size: int | None, tp: TensorParallel, device: Any
+) -> torch.Tensor | None:
+    """[vocab_shard] bool, True at this rank's padding ids (global id >= vocab_size); None if it
+    has none."""
     start, end = vocab_range(vocab_shard, tp)
     if vocab_size is None or vocab_size >= end:
         return None
     return torch.arange(start, end, device=device) >= vocab_size
 
 
-def mask_vocab_padding(logits: torch.Tensor, vocab_size: int | None, tp: TensorParallel) -> torch.Tensor:
+def mask_vocab_padding(
+    logits: torch.Tensor, vocab_size: int | None, tp: TensorParallel
+) -> torch.Tensor:
     """logits [..., V/t] with -inf at padding ids: no probability there and no gradient to them."""
     padding = vocab_padding(logits.shape[-1], vocab_size, tp, logits.device)
     return logits if padding is None else logits.masked_fill(padding, float("-inf"))
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: TensorParallel, *,
-                                 label_smoothing: float = 0.0, ignore_index: int = ops.IGNORE_INDEX,
-                                 vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp: TensorParallel,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = ops.IGNORE_INDEX,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
     """Per-token cross entropy of vocabulary-sharded logits, equal to ops.token_cross_entropy of the
-    gathered logits' first vocab_size columns (all of them when None): padding ids take no part, and label
-    smoothing is exact (the mean over the whole real vocabulary, not the shard).
+    gathered logits' first vocab_size columns (all of them when None): padding ids take no part, and
+    label smoothing is exact (the mean over the whole real vocabulary, not the shard).
 
     Built from differentiable collectives, so grad, jvp and vmap follow from theirs.
     """

@@ -1,13 +1,14 @@
 """ZeRO-1, the distributed optimizer: optimizer state sharded over data-parallel ranks.
 
-    flat = FlatBuffer.of(params, dp)           # the local params as one fp32 vector, padded to a multiple of dp
-    shard = flat.shard(flat.flatten(grads), rank)
+    flat = FlatBuffer.of(params, dp)           # the local params as one fp32 vector, padded to a
+    multiple of dp shard = flat.shard(flat.flatten(grads), rank)
     ...
 
 Each data-parallel rank owns a contiguous slice of the flattened local parameters. Gradients are
-reduce-scattered (each rank receives the data-parallel sum of its slice), AdamW steps on the slice only
-(its two moments cost 8 / dp bytes per parameter in fp32), and the updated slices are all-gathered.
-The arithmetic per element is the replicated optimizer's, so the loss curve is the same.
+reduce-scattered (each rank receives the data-parallel sum of its slice), AdamW steps on the slice
+only (its two moments cost 8 / dp bytes per parameter in fp32), and the updated slices are
+all-gathered. The arithmetic per element is the replicated optimizer's, so the loss curve is the
+same.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class FlatBuffer:
 
     def unflatten(self, flat: torch.Tensor, like: Any) -> Any:
         pieces = flat[: self.numel].split([s.numel() for s in self.shapes])
-        leaves = [p.view(s).to(x.dtype) for p, s, x in zip(pieces, self.shapes, tree.tree_leaves(like))]
+        leaves = [
+            p.view(s).to(x.dtype) for p, s, x in zip(pieces, self.shapes, tree.tree_leaves(like))
+        ]
         return tree.tree_unflatten(leaves, self.spec)
 
     def views(self, flat: torch.Tensor) -> Any:
@@ -51,4 +54,4 @@ class FlatBuffer:
 
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         size = self.padded // self.dp
-        return flat[rank * size:(rank + 1) * size]
+        return flat[rank * size : (rank + 1) * size]

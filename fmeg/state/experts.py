@@ -1,15 +1,16 @@
-"""The training state under expert parallelism: the dense leaves and the experts' leaves in two FlatStates.
+"""The training state under expert parallelism: the dense leaves and the experts' leaves in two
+FlatStates.
 
-    state = ExpertSplitState(params, counted, mesh, ep=2, ...)    # {stage: tree} as FlatState takes it
-    state.params                   # one {stage: tree}, views into both
-    sync = state.grad_sync(...)    # gradients summed over dp x cp (dense) or expert_dp (experts), / dp
-    norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
+    state = ExpertSplitState(params, counted, mesh, ep=2, ...)    # {stage: tree} as FlatState takes
+    it state.params                   # one {stage: tree}, views into both
+    sync = state.grad_sync(...)    # gradients summed over dp x cp (dense) or expert_dp (experts), /
+    dp norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
 
-Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients cannot
-join the dense leaves' data-parallel reduction: they are summed over the ranks holding the same experts
-(megatron-core's expert_dp group, tp x dp / (ep x expert tp) ranks) and divided by dp, which is the dense leaves' data-parallel
-mean over the same tokens. The global norm counts each expert once: its squares are summed over the
-tp x ep x pp group instead of tp x pp.
+Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients
+cannot join the dense leaves' data-parallel reduction: they are summed over the ranks holding the
+same experts (megatron-core's expert_dp group, tp x dp / (ep x expert tp) ranks) and divided by dp,
+which is the dense leaves' data-parallel mean over the same tokens. The global norm counts each
+expert once: its squares are summed over the tp x ep x pp group instead of tp x pp.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def is_expert(path: str) -> bool:
 
 
 def split_experts(values: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
-    """({stage: the tree without the experts' leaves}, {stage: the experts' leaves only}), both nested as the
-    model nests them (layers lists keep their length; a layer without experts is an empty dict)."""
+    """({stage: the tree without the experts' leaves}, {stage: the experts' leaves only}), both
+    nested as the model nests them (layers lists keep their length; a layer without experts is an
+    empty dict)."""
     dense, experts = {}, {}
     for stage, t in values.items():
         dense[stage] = _select(t, keep_experts=False)
@@ -65,9 +67,9 @@ def merge(dense: Any, experts: Any) -> Any:
 
 
 class _SplitSync:
-    """The two data-parallel reductions of one backward: gradients go to the dense or the experts' sync by
-    path; both divide their sum by the data-parallel size (for the experts, summed over expert_dp, that is their
-    data-parallel mean)."""
+    """The two data-parallel reductions of one backward: gradients go to the dense or the experts'
+    sync by path; both divide their sum by the data-parallel size (for the experts, summed over
+    expert_dp, that is their data-parallel mean)."""
 
     def __init__(self, dense, experts):
         self.dense, self.experts = dense, experts
@@ -96,26 +98,54 @@ class _SplitSync:
 
 
 class ExpertSplitState(Parts):
-    """The training-state protocol (fmeg.state.protocol) over two FlatStates; what is the same call on each
-    part comes from Parts."""
+    """The training-state protocol (fmeg.state.protocol) over two FlatStates; what is the same call
+    on each part comes from Parts."""
 
-    def __init__(self, params: dict[int, Any], counted, mesh: Any, *, sharding: str, dp: int,
-                 **flat_state_options: Any):
-        """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as FlatState's.
-        Sharded (FlatState's sharding) the dense state is sliced over dp x cp (the ranks holding the same dense
-        weights), the experts' over expert_dp; dp: the data-parallel size, which both parts' summed gradients are
-        divided by."""
+    def __init__(
+        self,
+        params: dict[int, Any],
+        counted,
+        mesh: Any,
+        *,
+        sharding: str,
+        dp: int,
+        **flat_state_options: Any,
+    ):
+        """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as
+        FlatState's. Sharded (FlatState's sharding) the dense state is sliced over dp x cp (the
+        ranks holding the same dense weights), the experts' over expert_dp; dp: the data-parallel
+        size, which both parts' summed gradients are divided by."""
         dense, experts = split_experts(params)
         edp = mesh.size("expert_dp")
         self.mesh, self.dp, self.zero = mesh, dp, sharding != "no_shard"
-        self.dense = FlatState(dense, counted, sharding=sharding, dp=mesh.size("dp_cp"),
-                               dp_rank=mesh.coord("dp_cp"), dp_group=mesh.group("dp_cp"), **flat_state_options)
+        self.dense = FlatState(
+            dense,
+            counted,
+            sharding=sharding,
+            dp=mesh.size("dp_cp"),
+            dp_rank=mesh.coord("dp_cp"),
+            dp_group=mesh.group("dp_cp"),
+            **flat_state_options,
+        )
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
-        self.experts = FlatState(experts, counted, sharding=sharding, dp=edp, dp_rank=mesh.coord("expert_dp"),
-                                 dp_group=mesh.group("expert_dp"), **flat_state_options) \
-            if tree.tree_leaves(experts) else None
-        self.params = {s: merge(self.dense.params[s], self.experts.params[s]) for s in params} \
-            if self.experts else self.dense.params
+        self.experts = (
+            FlatState(
+                experts,
+                counted,
+                sharding=sharding,
+                dp=edp,
+                dp_rank=mesh.coord("expert_dp"),
+                dp_group=mesh.group("expert_dp"),
+                **flat_state_options,
+            )
+            if tree.tree_leaves(experts)
+            else None
+        )
+        self.params = (
+            {s: merge(self.dense.params[s], self.experts.params[s]) for s in params}
+            if self.experts
+            else self.dense.params
+        )
 
     @property
     def parts(self) -> tuple[FlatState, ...]:
@@ -133,8 +163,11 @@ class ExpertSplitState(Parts):
         if not self.experts:
             return self.dense.opt_state
         d, e = self.dense.opt_state, self.experts.opt_state
-        adam = type(d["adam"])(d["adam"].count, self._merged(d["adam"].mu, e["adam"].mu),
-                               self._merged(d["adam"].nu, e["adam"].nu))
+        adam = type(d["adam"])(
+            d["adam"].count,
+            self._merged(d["adam"].mu, e["adam"].mu),
+            self._merged(d["adam"].nu, e["adam"].nu),
+        )
         state = {"adam": adam}
         if "main" in d:
             state["main"] = self._merged(d["main"], e["main"])
@@ -145,30 +178,66 @@ class ExpertSplitState(Parts):
             return {"shard": dense["shard"], "expert_shard": experts["shard"]}
         return {s: merge(dense[s], experts[s]) for s in dense}
 
-    def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                  overlap: bool = False, divisor: int | None = None) -> _SplitSync:
-        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's expert_dp group; both
-        sums are divided by divisor (default: the data-parallel size), the mean over dp of each leaf's tokens."""
+    def grad_sync(
+        self,
+        group: Any,
+        *,
+        replicated: frozenset[str] = frozenset(),
+        bucket_numel: int | None = None,
+        overlap: bool = False,
+        divisor: int | None = None,
+    ) -> _SplitSync:
+        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's
+        expert_dp group; both sums are divided by divisor (default: the data-parallel size), the
+        mean over dp of each leaf's tokens."""
         divisor = self.dp if divisor is None else divisor
-        dense = self.dense.grad_sync(group, replicated=replicated, bucket_numel=bucket_numel, overlap=overlap,
-                                     divisor=divisor)
+        dense = self.dense.grad_sync(
+            group,
+            replicated=replicated,
+            bucket_numel=bucket_numel,
+            overlap=overlap,
+            divisor=divisor,
+        )
         if not self.experts:
             return dense
-        experts = self.experts.grad_sync(self.mesh.group("expert_dp"), bucket_numel=bucket_numel, overlap=overlap,
-                                         divisor=divisor)
+        experts = self.experts.grad_sync(
+            self.mesh.group("expert_dp"),
+            bucket_numel=bucket_numel,
+            overlap=overlap,
+            divisor=divisor,
+        )
         return _SplitSync(dense, experts)
 
     def add_(self, path: str, delta: torch.Tensor) -> None:
         (self.experts if is_expert(path) else self.dense).add_(path, delta)
 
     @torch.no_grad()
-    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
-             decoupled_lr: float | None = None) -> torch.Tensor:
-        experts = self.experts.norm_squared(mesh, ("expert_dp",) if self.zero else ()) if self.experts else \
-            torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
+    def step(
+        self,
+        mesh: Any,
+        *,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        decoupled_lr: float | None = None,
+    ) -> torch.Tensor:
+        experts = (
+            self.experts.norm_squared(mesh, ("expert_dp",) if self.zero else ())
+            if self.experts
+            else torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
+        )
         group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
         experts = group.all_reduce(experts) if group is not None else experts
-        norm = (self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts).sqrt()
+        norm = (
+            self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts
+        ).sqrt()
         groups = tuple(mesh.group(name) for name in ("dp_cp", "expert_dp"))
-        return step_parts(self.parts, groups, norm, clip_grad=clip_grad, lr=lr, weight_decay=weight_decay,
-                          decoupled_lr=decoupled_lr)
+        return step_parts(
+            self.parts,
+            groups,
+            norm,
+            clip_grad=clip_grad,
+            lr=lr,
+            weight_decay=weight_decay,
+            decoupled_lr=decoupled_lr,
+        )

@@ -1,37 +1,39 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
-    state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16, optimizer=adamw())
-    state.assign(unit)                   # weights of the leaves given (others meta): the model built a unit at a time
-    state.params, state.opt_state        # {stage: tree} views of the buffers
-    with state.use(stage, ("layers.3",)):   # a segment's weights readable (gathered when sharded)
-    state.buffers(), state.leaves()      # what checkpoints save and load (fmeg.training.checkpoint_state)
-    sync = state.grad_sync(dp_group, ...)   # backward accumulates into it: the dp mean gradient in state.grad
-    g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
-    norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)    # in place; nothing allocated to keep
+    state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16,
+    optimizer=adamw()) state.assign(unit)                   # weights of the leaves given (others
+    meta): the model built a unit at a time state.params, state.opt_state        # {stage: tree}
+    views of the buffers with state.use(stage, ("layers.3",)):   # a segment's weights readable
+    (gathered when sharded) state.buffers(), state.leaves()      # what checkpoints save and load
+    (fmeg.training.checkpoint_state) sync = state.grad_sync(dp_group, ...)   # backward accumulates
+    into it: the dp mean gradient in state.grad g = state.main_grad()                   # the owned
+    slice in fp32 (unscale it here) norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)
+    # in place; nothing allocated to keep
 
-dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel group with
-context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as zero.FlatBuffer lays
-out this rank's {stage: tree} (leaves in tree order, padded to a multiple of dp). With any sharding but
-no_shard this rank owns the slice [lo, hi) of it; the sharding (Megatron-FSDP's strategies, SHARDINGS) says
-which buffers are only that slice:
+dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel
+group with context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as
+zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded to a multiple of
+dp). With any sharding but no_shard this rank owns the slice [lo, hi) of it; the sharding
+(Megatron-FSDP's strategies, SHARDINGS) says which buffers are only that slice:
 
                                       no_shard   optim (ZeRO-1)  optim_grads   optim_grads_params
-    weights  compute dtype            whole      whole           whole         slice (units gathered to use)
-    grad     grad_dtype: fp32, or     whole      whole           slice         slice
+    weights  compute dtype            whole      whole           whole         slice (units gathered
+    to use) grad     grad_dtype: fp32, or     whole      whole           slice         slice
              fp16/bf16 (Megatron's fp16 default, --grad-reduce-in-bf16)
     grad32   fp32 copy of a half-precision grad's owned part (main_grad())
-    main     fp32 master weights      whole      slice           slice         slice (absent in fp32)
-    mu, nu   fp32 Adam moments        whole      slice           slice         slice
+    main     fp32 master weights      whole      slice           slice         slice (absent in
+    fp32) mu, nu   fp32 Adam moments        whole      slice           slice         slice
 
-state.params are views of the weights, or with optim_grads_params of per-unit buffers that ShardedParams fills
-inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8), 2 + 4 + 12 / dp (optim),
-2 + 16 / dp (optim_grads), 18 / dp (optim_grads_params); at fp32, 16, 4 + 4 + 8 / dp, 4 + 12 / dp, 16 / dp. A
-half-precision grad saves 2 (or 2 / dp) and its fp32 copy costs 4 / dp (4 whole).
-The step is the same few whole-buffer ops whatever the number of leaves: the global norm (one foreach norm
-over the owned pieces of the leaves, each parameter counted once), then torch's fused AdamW kernel over the
-owned slice (fmeg.optim.adamw's flat form), one call per (learning rate, weight decay or not) group, with the
-clip as its grad_scale (a device tensor: no host sync, no pass of its own) and the decoupled weight decay inside
-it, and the refresh of the compute weights from the master (optim and optim_grads: an all-gather).
+state.params are views of the weights, or with optim_grads_params of per-unit buffers that
+ShardedParams fills inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8),
+2 + 4 + 12 / dp (optim), 2 + 16 / dp (optim_grads), 18 / dp (optim_grads_params); at fp32, 16, 4 + 4
++ 8 / dp, 4 + 12 / dp, 16 / dp. A half-precision grad saves 2 (or 2 / dp) and its fp32 copy costs 4
+/ dp (4 whole). The step is the same few whole-buffer ops whatever the number of leaves: the global
+norm (one foreach norm over the owned pieces of the leaves, each parameter counted once), then
+torch's fused AdamW kernel over the owned slice (fmeg.optim.adamw's flat form), one call per
+(learning rate, weight decay or not) group, with the clip as its grad_scale (a device tensor: no
+host sync, no pass of its own) and the decoupled weight decay inside it, and the refresh of the
+compute weights from the master (optim and optim_grads: an all-gather).
 """
 
 from __future__ import annotations
@@ -49,19 +51,24 @@ from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
 from fmeg.state.protocol import step_parts
 
-# What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy): nothing, the
-# optimizer state (ZeRO-1, --use-distributed-optimizer), also the gradients, also the compute weights.
+# What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy):
+# nothing, the optimizer state (ZeRO-1, --use-distributed-optimizer), also the gradients, also the
+# compute weights.
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-# reshard_after_forward -> keep_after_forward(unit): which gathered units stay from their forward to their backward
-KEEP_AFTER_FORWARD = {"true": lambda unit: False, "false": lambda unit: True,
-                      "auto": lambda unit: unit.split(".")[1] != "layers"}
+# reshard_after_forward -> keep_after_forward(unit): which gathered units stay from their forward to
+# their backward
+KEEP_AFTER_FORWARD = {
+    "true": lambda unit: False,
+    "false": lambda unit: True,
+    "auto": lambda unit: unit.split(".")[1] != "layers",
+}
 
 
 def unit_of(path: str) -> str:
-    """The unit of sharded gradients' buckets and gathered weights a leaf ("stage.path") belongs to: its layer
-    ("0.layers.3"), or its top-level part ("0.embedding", "1.final_norm")."""
+    """The unit of sharded gradients' buckets and gathered weights a leaf ("stage.path") belongs to:
+    its layer ("0.layers.3"), or its top-level part ("0.embedding", "1.final_norm")."""
     parts = path.split(".")
     return ".".join(parts[:3] if parts[1] == "layers" else parts[:2])
 
@@ -69,20 +76,32 @@ def unit_of(path: str) -> str:
 class FlatState:
     """The training-state protocol (fmeg.state.protocol) over one set of flat buffers."""
 
-    def __init__(self, params: dict[int, Any], counted: Callable[[str, torch.Tensor], bool], *, sharding: str,
-                 dp: int, dp_rank: int, compute_dtype: torch.dtype,
-                 optimizer: optim.GradientTransformation | None = None,
-                 grad_dtype: torch.dtype = torch.float32, dp_group: Any = None, device: Any = None,
-                 reshard_after_forward: str = "true"):
-        """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then zeros until
-        assign() fills them, a unit at a time, or a checkpoint is read); counted(path, leaf): whether the leaf
-        counts toward the global norm here (tensor-parallel replicas and the tied output copy count once);
-        optimizer: the optimizer stepped in place, by its flat form (default optim.adamw(): its decay mask, its
-        decoupled leaves, its moments' dtypes); grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced over dp
-        (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params); device: the buffers'
-        (default: the params'); reshard_after_forward (optim_grads_params): "true" frees every gathered unit after
-        its forward, "false" keeps every one until its backward, "auto" keeps the embedding and the head
-        (torch's fully_shard default: its root module's)."""
+    def __init__(
+        self,
+        params: dict[int, Any],
+        counted: Callable[[str, torch.Tensor], bool],
+        *,
+        sharding: str,
+        dp: int,
+        dp_rank: int,
+        compute_dtype: torch.dtype,
+        optimizer: optim.GradientTransformation | None = None,
+        grad_dtype: torch.dtype = torch.float32,
+        dp_group: Any = None,
+        device: Any = None,
+        reshard_after_forward: str = "true",
+    ):
+        """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then
+        zeros until assign() fills them, a unit at a time, or a checkpoint is read); counted(path,
+        leaf): whether the leaf counts toward the global norm here (tensor-parallel replicas and the
+        tied output copy count once); optimizer: the optimizer stepped in place, by its flat form
+        (default optim.adamw(): its decay mask, its decoupled leaves, its moments' dtypes);
+        grad_dtype: the dtype gradients are accumulated and reduced in; sharding: what is sliced
+        over dp (SHARDINGS); dp_group: the group the weights are gathered over (optim_grads_params);
+        device: the buffers' (default: the params'); reshard_after_forward (optim_grads_params):
+        "true" frees every gathered unit after its forward, "false" keeps every one until its
+        backward, "auto" keeps the embedding and the head (torch's fully_shard default: its root
+        module's)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -93,47 +112,87 @@ class FlatState:
         self.optimizer = optimizer = optimizer or optim.adamw()
         moment_dtypes = optimizer.flat.moment_dtypes
         size = self.flat.padded // dp
-        self.lo, self.hi = (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
+        self.lo, self.hi = (
+            (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
+        )
         self.dp_rank = dp_rank
         sizes = [leaf.numel() for _, leaf in tree.items(params)]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._where = {path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)}
+        self._where = {
+            path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)
+        }
         device = tree.tree_leaves(params)[0].device if device is None else torch.device(device)
+        self._allocate(device, compute_dtype, grad_dtype, moment_dtypes)
+        self.assign(params)
+        self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
+        self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
+        self.gathered = (
+            ShardedParams(
+                params,
+                self.weights,
+                dp_group,
+                dp=dp,
+                rank=dp_rank,
+                unit_of=unit_of,
+                keep_after_forward=KEEP_AFTER_FORWARD[reshard_after_forward],
+            )
+            if self.shard_params
+            else None
+        )
+        self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
+        self._index_the_step(params, counted, device)
+
+    def _allocate(
+        self,
+        device: Any,
+        compute_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        moment_dtypes: tuple[torch.dtype, torch.dtype],
+    ) -> None:
+        """The buffers, once: whole or this rank's slice as the sharding says."""
         owned = self.hi - self.lo
-        self.weights = torch.zeros(owned if self.shard_params else self.flat.padded, device=device, dtype=compute_dtype)
-        self.grad = torch.zeros(owned if self.shard_grads else self.flat.padded, device=device, dtype=grad_dtype)
+        weights = owned if self.shard_params else self.flat.padded
+        self.weights = torch.zeros(weights, device=device, dtype=compute_dtype)
+        grad = owned if self.shard_grads else self.flat.padded
+        self.grad = torch.zeros(grad, device=device, dtype=grad_dtype)
         mixed = compute_dtype != torch.float32
         self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device, dtype=moment_dtypes[0])
         self.nu = torch.zeros(owned, device=device, dtype=moment_dtypes[1])
-        self.assign(params)
-        self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
-        self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
-        self.gathered = ShardedParams(params, self.weights, dp_group, dp=dp, rank=dp_rank, unit_of=unit_of,
-                                      keep_after_forward=KEEP_AFTER_FORWARD[reshard_after_forward]) \
-            if self.shard_params else None
-        self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
+
+    def _index_the_step(self, params: dict[int, Any], counted: Callable, device: Any) -> None:
+        """The views the step reads, made once so that it slices nothing: the owned gradient's
+        pieces for the norm with their counted weights, and each optimizer group's runs."""
         pieces = self._owned_pieces(params)
-        self._owned_grad = owned_grad = self.grad32 if self.grad32 is not None else self._owned(self.grad)
+        self._owned_grad = owned_grad = (
+            self.grad32 if self.grad32 is not None else self._owned(self.grad)
+        )
         self._norm_pieces = [owned_grad[a:b] for _, _, a, b in pieces]
-        self._norm_weight = torch.tensor([float(counted(path, leaf)) for path, leaf, _, _ in pieces],
-                                         dtype=torch.float64, device=device)
+        self._norm_weight = torch.tensor(
+            [float(counted(path, leaf)) for path, leaf, _, _ in pieces],
+            dtype=torch.float64,
+            device=device,
+        )
         master = self.master
         self._groups = self._adam_groups(pieces)
-        self._adam_views = {group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
-                            for group, runs in self._groups.items()}  # made once: the step slices nothing
+        # made once: the step slices nothing
+        self._adam_views = {
+            group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
+            for group, runs in self._groups.items()
+        }
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
 
     def _owned(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's slice [lo, hi) of a buffer laid out whole or already only the slice."""
-        return buffer if buffer.numel() == self.hi - self.lo else buffer[self.lo:self.hi]
+        return buffer if buffer.numel() == self.hi - self.lo else buffer[self.lo : self.hi]
 
     @torch.no_grad()
     def assign(self, values: dict[int, Any]) -> None:
-        """Set the weights (and the fp32 master) of the leaves of values ({stage: tree} shaped as params) that are
-        not meta tensors to them, the part held here only: the model can be built a unit at a time, every other
-        unit a meta tensor, without its whole copy on any rank. The optimizer's moments are left as they are."""
+        """Set the weights (and the fp32 master) of the leaves of values ({stage: tree} shaped as
+        params) that are not meta tensors to them, the part held here only: the model can be built a
+        unit at a time, every other unit a meta tensor, without its whole copy on any rank. The
+        optimizer's moments are left as they are."""
         first = self.lo if self.shard_params else 0
         for path, leaf in tree.items(values):
             if leaf.is_meta:
@@ -142,39 +201,62 @@ class FlatState:
             flat = leaf.reshape(-1)
             a, b = max(start, first), min(start + n, first + self.weights.numel())
             if a < b:
-                self.weights[a - first:b - first].copy_(flat[a - start:b - start])
+                self.weights[a - first : b - first].copy_(flat[a - start : b - start])
             a, b = max(start, self.lo), min(start + n, self.hi)
             if self.main is not None and a < b:
-                self.main[a - self.lo:b - self.lo].copy_(flat[a - start:b - start])
+                self.main[a - self.lo : b - self.lo].copy_(flat[a - start : b - start])
 
-    def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                  overlap: bool = False, divisor: int | None = None) -> GradSync:
-        """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), the sum over group
-        divided by divisor (default: the group's size), ready for an iteration: built on first use and reset on
-        every later call with the same arguments."""
+    def grad_sync(
+        self,
+        group: Any,
+        *,
+        replicated: frozenset[str] = frozenset(),
+        bucket_numel: int | None = None,
+        overlap: bool = False,
+        divisor: int | None = None,
+    ) -> GradSync:
+        """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), the
+        sum over group divided by divisor (default: the group's size), ready for an iteration: built
+        on first use and reset on every later call with the same arguments."""
         key = (group, replicated, bucket_numel, overlap, divisor)
         cached = getattr(self, "_grad_sync", None)
         if cached is not None and cached[0] == key:
             return cached[1].reset()
         if self.shard_grads:
-            sync = ShardedGradSync(self.params, group, self.grad, unit_of=unit_of, replicated=replicated,
-                                   bucket_numel=bucket_numel, divisor=divisor)
+            sync = ShardedGradSync(
+                self.params,
+                group,
+                self.grad,
+                unit_of=unit_of,
+                replicated=replicated,
+                bucket_numel=bucket_numel,
+                divisor=divisor,
+            )
         else:
-            sync = GradSync(self.params, group, owner_slices=self.zero, bucket_numel=bucket_numel,
-                            replicated=replicated, buffer=self.grad, overlap=overlap, divisor=divisor)
+            sync = GradSync(
+                self.params,
+                group,
+                owner_slices=self.zero,
+                bucket_numel=bucket_numel,
+                replicated=replicated,
+                buffer=self.grad,
+                overlap=overlap,
+                divisor=divisor,
+            )
         self._grad_sync = (key, sync)
         return sync
 
     def main_grad(self) -> torch.Tensor:
-        """The owned slice of the gradient in fp32, which step() reads: a view of grad, or (a half-precision
-        grad) its fp32 copy, refreshed here; unscaling and overflow checks belong on it, in fp32."""
+        """The owned slice of the gradient in fp32, which step() reads: a view of grad, or (a
+        half-precision grad) its fp32 copy, refreshed here; unscaling and overflow checks belong on
+        it, in fp32."""
         if self.grad32 is not None:
             self.grad32.copy_(self._owned(self.grad))
         return self._owned_grad
 
     def _adam_groups(self, pieces: list) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
-        """{(decoupled learning rate?, weight decay?): [(start, end)]}: the owned pieces cut into maximal runs
-        of neighbouring leaves that share both, each group one fused AdamW call."""
+        """{(decoupled learning rate?, weight decay?): [(start, end)]}: the owned pieces cut into
+        maximal runs of neighbouring leaves that share both, each group one fused AdamW call."""
         runs: list[list] = []
         for path, leaf, a, b in pieces:
             group = self.optimizer.flat.group(path, leaf)
@@ -199,12 +281,14 @@ class FlatState:
 
     @property
     def master(self) -> torch.Tensor:
-        """The fp32 weights the optimizer updates: main, or (fp32 compute) the owned part of weights."""
+        """The fp32 weights the optimizer updates: main, or (fp32 compute) the owned part of
+        weights."""
         return self.main if self.main is not None else self._owned(self.weights)
 
     @property
     def opt_state(self) -> dict:
-        """{"adam": AdamState(count, mu, nu), "main"?: ...}: trees of views, or {"shard": slice} with ZeRO-1."""
+        """{"adam": AdamState(count, mu, nu), "main"?: ...}: trees of views, or {"shard": slice}
+        with ZeRO-1."""
         as_tree = (lambda t: {"shard": t}) if self.zero else self.flat.views
         state = {"adam": optim.AdamState(self.count, as_tree(self.mu), as_tree(self.nu))}
         if self.main is not None:
@@ -212,7 +296,9 @@ class FlatState:
         return state
 
     def bytes_per_parameter(self) -> float:
-        buffers = [self.weights, self.grad, self.mu, self.nu] + [b for b in (self.main, self.grad32) if b is not None]
+        buffers = [self.weights, self.grad, self.mu, self.nu] + [
+            b for b in (self.main, self.grad32) if b is not None
+        ]
         return sum(b.numel() * b.element_size() for b in buffers) / self.flat.numel
 
     @property
@@ -227,9 +313,11 @@ class FlatState:
         return frozenset({"main", "mu", "nu"} | ({"params"} if self.shard_params else set()))
 
     def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False):
-        """A context in which a segment's weights (keys inside stage; None: all of it) can be read: gathered
-        with sharded weights (ShardedParams.use), always readable otherwise."""
-        return self.gathered.use(stage, keys, backward) if self.gathered else contextlib.nullcontext()
+        """A context in which a segment's weights (keys inside stage; None: all of it) can be read:
+        gathered with sharded weights (ShardedParams.use), always readable otherwise."""
+        return (
+            self.gathered.use(stage, keys, backward) if self.gathered else contextlib.nullcontext()
+        )
 
     def all_weights(self):
         """A context in which every weight of state.params can be read."""
@@ -241,14 +329,21 @@ class FlatState:
 
     def leaves(self) -> list[tuple[str, torch.Size, int]]:
         """(stage.path, local shape, flat start) of every leaf, in the buffers' order."""
-        return [(path, shape, self._where[path][0]) for path, shape in zip(self._where, self.flat.shapes)]
+        return [
+            (path, shape, self._where[path][0])
+            for path, shape in zip(self._where, self.flat.shapes)
+        ]
 
     def buffers(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """What checkpoints save and load, by kind, each with the flat index of its first element: params (the
-        compute weights, whole), main (fp32 master weights; absent in fp32, where the weights are the master), mu
-        and nu (Adam's moments); the last three are the slice [lo, hi) with ZeRO-1."""
-        out = {"params": (self.weights, self.lo if self.shard_params else 0), "mu": (self.mu, self.lo),
-               "nu": (self.nu, self.lo)}
+        """What checkpoints save and load, by kind, each with the flat index of its first element:
+        params (the compute weights, whole), main (fp32 master weights; absent in fp32, where the
+        weights are the master), mu and nu (Adam's moments); the last three are the slice [lo, hi)
+        with ZeRO-1."""
+        out = {
+            "params": (self.weights, self.lo if self.shard_params else 0),
+            "mu": (self.mu, self.lo),
+            "nu": (self.nu, self.lo),
+        }
         if self.main is not None:
             out["main"] = (self.main, self.lo)
         return out
@@ -260,8 +355,8 @@ class FlatState:
 
     @torch.no_grad()
     def fresh_optimizer(self) -> None:
-        """The optimizer state a new run starts with, for the weights held now: the master from the weights, zero
-        moments, step count 0 (--finetune, --no-load-optim)."""
+        """The optimizer state a new run starts with, for the weights held now: the master from the
+        weights, zero moments, step count 0 (--finetune, --no-load-optim)."""
         if self.main is not None:
             self.main.copy_(self._owned(self.weights))
         self.mu.zero_()
@@ -269,17 +364,33 @@ class FlatState:
         self.set_count(0)
 
     @torch.no_grad()
-    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
-             decoupled_lr: float | None = None) -> torch.Tensor:
-        """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned slice, then
-        the compute weights from the master. The owned gradient is main_grad()'s, taken after the data-parallel
-        mean (GradSync.finish). decoupled_lr: the learning rate of the leaves marked decoupled (default lr)."""
+    def step(
+        self,
+        mesh: Any,
+        *,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        decoupled_lr: float | None = None,
+    ) -> torch.Tensor:
+        """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned
+        slice, then the compute weights from the master. The owned gradient is main_grad()'s, taken
+        after the data-parallel mean (GradSync.finish). decoupled_lr: the learning rate of the
+        leaves marked decoupled (default lr)."""
         norm = self.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)).sqrt()
-        return step_parts((self,), (mesh.group("dp_cp"),), norm, clip_grad=clip_grad, lr=lr,
-                          weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+        return step_parts(
+            (self,),
+            (mesh.group("dp_cp"),),
+            norm,
+            clip_grad=clip_grad,
+            lr=lr,
+            weight_decay=weight_decay,
+            decoupled_lr=decoupled_lr,
+        )
 
     def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:
-        """The squared norm of the owned gradient, each parameter counted once, summed over mesh's groups."""
+        """The squared norm of the owned gradient, each parameter counted once, summed over
+        mesh's groups."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()
@@ -289,19 +400,33 @@ class FlatState:
             total = group.all_reduce(total) if group is not None else total
         return total
 
-    def update(self, grad_scale: torch.Tensor | None, *, lr: float, weight_decay: float,
-               decoupled_lr: float | None = None) -> None:
-        """The optimizer's flat form on the owned slice, the gradient divided by grad_scale (the clip)."""
+    def update(
+        self,
+        grad_scale: torch.Tensor | None,
+        *,
+        lr: float,
+        weight_decay: float,
+        decoupled_lr: float | None = None,
+    ) -> None:
+        """The optimizer's flat form on the owned slice, the gradient divided by grad_scale (the
+        clip)."""
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
         for group, views in self._adam_views.items():
-            self.optimizer.flat.step_(views, self._adam_steps[group], group, lr=lr, weight_decay=weight_decay,
-                                      decoupled_lr=decoupled_lr, grad_scale=grad_scale)
+            self.optimizer.flat.step_(
+                views,
+                self._adam_steps[group],
+                group,
+                lr=lr,
+                weight_decay=weight_decay,
+                decoupled_lr=decoupled_lr,
+                grad_scale=grad_scale,
+            )
 
     def refresh(self, dp_group: Any) -> None:
-        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over dp_group; with
-        sharded weights, the owned slice only: units are gathered when used)."""
+        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over
+        dp_group; with sharded weights, the owned slice only: units are gathered when used)."""
         if self.gathered is not None:
             if self.main is not None:
                 self.weights.copy_(self.main)
@@ -312,17 +437,20 @@ class FlatState:
 
     @torch.no_grad()
     def add_(self, path: str, delta: torch.Tensor) -> None:
-        """leaf `path` ("stage.path") += delta outside the optimizer (Megatron's expert-bias update), in the
-        compute weights and in the fp32 master where there is one (its owned part under ZeRO-1)."""
+        """leaf `path` ("stage.path") += delta outside the optimizer (Megatron's expert-bias
+        update), in the compute weights and in the fp32 master where there is one (its owned part
+        under ZeRO-1)."""
         start, n = self._where[path]
         delta = delta.reshape(-1).to(self.weights.device)
         a, b = max(start, self.lo), min(start + n, self.hi)
         if self.gathered is None:
-            self.weights[start:start + n] += delta.to(self.weights.dtype)
+            self.weights[start : start + n] += delta.to(self.weights.dtype)
         elif a < b:
-            self.weights[a - self.lo:b - self.lo] += delta[a - start:b - start].to(self.weights.dtype)
+            self.weights[a - self.lo : b - self.lo] += delta[a - start : b - start].to(
+                self.weights.dtype
+            )
         if self.main is not None and a < b:
-            self.main[a - self.lo:b - self.lo] += delta[a - start:b - start]
+            self.main[a - self.lo : b - self.lo] += delta[a - start : b - start]
 
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""

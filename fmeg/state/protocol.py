@@ -2,13 +2,14 @@
 
     state.params                          {stage: tree} of the weights, views of the buffers
     with state.use(stage, keys): ...      a segment's weights readable (gathered when sharded)
-    sync = state.grad_sync(group, ...)    backward accumulates into it: the data-parallel mean gradient
-    norm = state.step(mesh, lr=..., weight_decay=..., clip_grad=...)   the optimizer, in place
-    state.parts                           the flat states that hold the buffers checkpoints read and write
+    sync = state.grad_sync(group, ...)    backward accumulates into it: the data-parallel mean
+    gradient norm = state.step(mesh, lr=..., weight_decay=..., clip_grad=...)   the optimizer, in
+    place state.parts                           the flat states that hold the buffers checkpoints
+    read and write
 
-FlatState (fmeg.state.flat) implements it over one set of flat buffers; ExpertSplitState (fmeg.state.experts)
-over two, the dense leaves and the experts', each a FlatState. What only loops over the parts is written once,
-in Parts, which ExpertSplitState inherits.
+FlatState (fmeg.state.flat) implements it over one set of flat buffers; ExpertSplitState
+(fmeg.state.experts) over two, the dense leaves and the experts', each a FlatState. What only loops
+over the parts is written once, in Parts, which ExpertSplitState inherits.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from fmeg import optim, tree
 
 @runtime_checkable
 class TrainingState(Protocol):
-    """A rank's persistent training state: the weights in the compute dtype, the gradient buffers, the fp32
-    master weights and the optimizer's state, allocated once; every method updates them in place."""
+    """A rank's persistent training state: the weights in the compute dtype, the gradient buffers,
+    the fp32 master weights and the optimizer's state, allocated once; every method updates them in
+    place."""
 
     params: dict[int, Any]
 
@@ -33,24 +35,46 @@ class TrainingState(Protocol):
     @property
     def opt_state(self) -> dict: ...
     def assign(self, values: dict[int, Any]) -> None: ...
-    def grad_sync(self, group: Any, *, replicated: frozenset[str] = frozenset(), bucket_numel: int | None = None,
-                  overlap: bool = False, divisor: int | None = None) -> Any: ...
+    def grad_sync(
+        self,
+        group: Any,
+        *,
+        replicated: frozenset[str] = frozenset(),
+        bucket_numel: int | None = None,
+        overlap: bool = False,
+        divisor: int | None = None,
+    ) -> Any: ...
     def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> Any: ...
     def all_weights(self) -> Any: ...
     def end_iteration(self) -> None: ...
     def add_(self, path: str, delta: torch.Tensor) -> None: ...
     def main_grads(self) -> list[torch.Tensor]: ...
-    def step(self, mesh: Any, *, lr: float, weight_decay: float, clip_grad: float,
-             decoupled_lr: float | None = None) -> torch.Tensor: ...
+    def step(
+        self,
+        mesh: Any,
+        *,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        decoupled_lr: float | None = None,
+    ) -> torch.Tensor: ...
     def set_count(self, count: int) -> None: ...
     def fresh_optimizer(self) -> None: ...
     def bytes_per_parameter(self) -> float: ...
 
 
-def step_parts(parts: tuple[Any, ...], groups: tuple[Any, ...], norm: torch.Tensor, *, clip_grad: float,
-               lr: float, weight_decay: float, decoupled_lr: float | None) -> torch.Tensor:
-    """The optimizer on every part, all clipped by the one global norm, then each part's compute weights
-    refreshed over its data-parallel group (groups: one per part); returns norm."""
+def step_parts(
+    parts: tuple[Any, ...],
+    groups: tuple[Any, ...],
+    norm: torch.Tensor,
+    *,
+    clip_grad: float,
+    lr: float,
+    weight_decay: float,
+    decoupled_lr: float | None,
+) -> torch.Tensor:
+    """The optimizer on every part, all clipped by the one global norm, then each part's compute
+    weights refreshed over its data-parallel group (groups: one per part); returns norm."""
     scale = optim.clip_scale(norm, clip_grad)
     for part, group in zip(parts, groups):
         part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
@@ -59,12 +83,15 @@ def step_parts(parts: tuple[Any, ...], groups: tuple[Any, ...], norm: torch.Tens
 
 
 class Parts:
-    """The protocol's methods that are the same call on each part, for a state of several FlatStates."""
+    """The protocol's methods that are the same call on each part, for a state of several
+    FlatStates."""
 
     parts: tuple[Any, ...]
 
     @contextlib.contextmanager
-    def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> Iterator[None]:
+    def use(
+        self, stage: int, keys: tuple[str, ...] | None, backward: bool = False
+    ) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for part in self.parts:
                 stack.enter_context(part.use(stage, keys, backward))

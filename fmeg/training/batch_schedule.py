@@ -1,24 +1,33 @@
 """The global batch size over a run, a pure function of the samples consumed so far.
 
-Megatron's two forms: --rampup-batch-size START INCREMENT SAMPLES (the global batch starts at START and grows
-by INCREMENT each SAMPLES / ((final - START) / INCREMENT) consumed samples until it reaches the final
---global-batch-size; current Megatron ignores it), and --step-batch-size-schedule "0:768 250B:1536" (from
-each threshold in tokens on, that batch; K, M, B and T suffixes; the last batch is the final one).
+Megatron's two forms: --rampup-batch-size START INCREMENT SAMPLES (the global batch starts at START
+and grows by INCREMENT each SAMPLES / ((final - START) / INCREMENT) consumed samples until it
+reaches the final --global-batch-size; current Megatron ignores it), and --step-batch-size-schedule
+"0:768 250B:1536" (from each threshold in tokens on, that batch; K, M, B and T suffixes; the last
+batch is the final one).
 """
 
 from __future__ import annotations
 
 
-def check_rampup(start: int, increment: int, samples: int, final: int, micro_times_dp: int) -> list[str]:
+def check_rampup(
+    start: int, increment: int, samples: int, final: int, micro_times_dp: int
+) -> list[str]:
     problems = []
     if start <= 0 or increment <= 0 or samples <= 0:
-        problems.append("--rampup-batch-size needs three positive numbers: start, increment, samples")
+        problems.append(
+            "--rampup-batch-size needs three positive numbers: start, increment, samples"
+        )
     elif (final - start) % increment:
-        problems.append(f"--rampup-batch-size: --global-batch-size {final} minus start {start} must be a multiple "
-                        f"of the increment {increment}")
+        problems.append(
+            f"--rampup-batch-size: --global-batch-size {final} minus start {start} must be a "
+            f"multiple of the increment {increment}"
+        )
     elif start % micro_times_dp or increment % micro_times_dp:
-        problems.append(f"--rampup-batch-size: start {start} and increment {increment} must be multiples of "
-                        f"--micro-batch-size * data-parallel size = {micro_times_dp}")
+        problems.append(
+            f"--rampup-batch-size: start {start} and increment {increment} must be multiples of "
+            f"--micro-batch-size * data-parallel size = {micro_times_dp}"
+        )
     elif start > final:
         problems.append(f"--rampup-batch-size: start {start} exceeds --global-batch-size {final}")
     return problems
@@ -37,8 +46,9 @@ def _number(text: str) -> int:
 
 
 def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ...]:
-    """((first sample, global batch), ...) from Megatron's "THRESHOLD:BATCH ..." (thresholds in tokens,
-    turned into samples by // seq_length; commas may separate entries); ValueError naming the problem."""
+    """((first sample, global batch), ...) from Megatron's "THRESHOLD:BATCH ..." (thresholds in
+    tokens, turned into samples by // seq_length; commas may separate entries); ValueError naming
+    the problem."""
     steps = []
     for entry in text.replace(",", " ").split():
         threshold, colon, batch = entry.partition(":")
@@ -47,23 +57,33 @@ def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ..
                 raise ValueError(entry)
             steps.append((_number(threshold) // seq_length, _number(batch)))
         except ValueError:
-            raise ValueError(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE "
-                             "(e.g. \"0:256 10M:512\", thresholds in tokens)") from None
+            raise ValueError(
+                f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE "
+                '(e.g. "0:256 10M:512", thresholds in tokens)'
+            ) from None
     steps.sort()
     if not steps:
-        raise ValueError("--step-batch-size-schedule: no THRESHOLD:BATCH_SIZE entries (e.g. \"0:256 10M:512\"); "
-                         "give some, or leave the flag out")
+        raise ValueError(
+            '--step-batch-size-schedule: no THRESHOLD:BATCH_SIZE entries (e.g. "0:256 10M:512"); '
+            "give some, or leave the flag out"
+        )
     if steps[0][0] != 0:
         raise ValueError("--step-batch-size-schedule: the first threshold must be 0")
     if any(b[0] == a[0] for a, b in zip(steps, steps[1:])):
-        raise ValueError("--step-batch-size-schedule: two thresholds fall on the same sample; make them distinct")
+        raise ValueError(
+            "--step-batch-size-schedule: two thresholds fall on the same sample; make them distinct"
+        )
     if any(batch <= 0 for _, batch in steps):
         raise ValueError("--step-batch-size-schedule: every batch size must be positive")
     return tuple(steps)
 
 
-def global_batch_size(consumed: int, final: int, rampup: tuple[int, int, int] | None = None,
-                      steps: tuple[tuple[int, int], ...] | None = None) -> int:
+def global_batch_size(
+    consumed: int,
+    final: int,
+    rampup: tuple[int, int, int] | None = None,
+    steps: tuple[tuple[int, int], ...] | None = None,
+) -> int:
     """The global batch for the step that starts after `consumed` samples."""
     if steps is not None:
         return [batch for first, batch in steps if consumed >= first][-1]
@@ -77,10 +97,14 @@ def global_batch_size(consumed: int, final: int, rampup: tuple[int, int, int] | 
     return min(final, start + increment * int(consumed / per_step))
 
 
-def iterations_for(samples: int, final: int, rampup: tuple[int, int, int] | None = None,
-                   steps: tuple[tuple[int, int], ...] | None = None) -> int:
-    """Iterations that --train-samples means, as Megatron counts them: every ramp-up step, then whole
-    global batches of `final` (a remainder smaller than one batch is not trained)."""
+def iterations_for(
+    samples: int,
+    final: int,
+    rampup: tuple[int, int, int] | None = None,
+    steps: tuple[tuple[int, int], ...] | None = None,
+) -> int:
+    """Iterations that --train-samples means, as Megatron counts them: every ramp-up step, then
+    whole global batches of `final` (a remainder smaller than one batch is not trained)."""
     consumed = iterations = 0
     while consumed < samples:
         batch = global_batch_size(consumed, final, rampup, steps)

@@ -1,20 +1,23 @@
-"""The training state as boxes of a checkpoint's global tensors: the one model-specific listing of placements.
+"""The training state as boxes of a checkpoint's global tensors: the one model-specific listing of
+placements.
 
-    places = placements(state, config, layout, mesh)      # per leaf: global path, this rank's block, replicas
-    boxes = regions(state, places, KINDS)                 # every buffer's values as (kind, box, view)
-    pieces = save_pieces(boxes, fully_parallel=True)      # what this rank writes (fmeg.checkpoint.write_rank)
-    ckpt.read(load_requests(ckpt, boxes))                 # or fills the same views from a checkpoint
+    places = placements(state, config, layout, mesh)      # per leaf: global path, this rank's
+    block, replicas boxes = regions(state, places, KINDS)                 # every buffer's values as
+    (kind, box, view) pieces = save_pieces(boxes, fully_parallel=True)      # what this rank writes
+    (fmeg.checkpoint.write_rank) ckpt.read(load_requests(ckpt, boxes))                 # or fills
+    the same views from a checkpoint
 
-A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's copy of the
-word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and never written). Its block
-is where this rank's tensor- and expert-parallel slice sits in the full tensor (sharding.block_of, the rules
-shard_params cuts by). The buffers (the compute weights, the fp32 master weights, Adam's moments) hold each leaf whole or, with the
-distributed optimizer, a slice of the flattened leaves: a slice is a few boxes of a leaf's block
-(boxes.flat_boxes). The ranks holding the same block in the same kind of buffer are its replicas: the decoder's
-data- and context-parallel ranks (and the tensor-parallel ones for a leaf tp does not split), the experts'
-expert-data-parallel ranks; a distributed-optimizer slice has replicas only over tp. Replicas write a block
-once between them (fully parallel: each its share of the cells; otherwise the first), and every rank reads
-exactly the boxes it holds.
+A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's
+copy of the word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and
+never written). Its block is where this rank's tensor- and expert-parallel slice sits in the full
+tensor (sharding.block_of, the rules shard_params cuts by). The buffers (the compute weights, the
+fp32 master weights, Adam's moments) hold each leaf whole or, with the distributed optimizer, a
+slice of the flattened leaves: a slice is a few boxes of a leaf's block (boxes.flat_boxes). The
+ranks holding the same block in the same kind of buffer are its replicas: the decoder's data- and
+context-parallel ranks (and the tensor-parallel ones for a leaf tp does not split), the experts'
+expert-data-parallel ranks; a distributed-optimizer slice has replicas only over tp. Replicas write
+a block once between them (fully parallel: each its share of the cells; otherwise the first), and
+every rank reads exactly the boxes it holds.
 """
 
 from __future__ import annotations
@@ -36,14 +39,17 @@ from fmeg.models.vocab import VOCAB_TABLES
 from fmeg.parallel.sharding import block_of, partition_of, splits
 from fmeg.state.experts import is_expert
 
-KINDS = ("params", "main", "mu", "nu")  # the compute weights, the fp32 master weights, Adam's moments
-REPLICA_GROUPS = ("dp_cp", "expert_dp")  # the groups holding a state part's whole buffers alike (dense, experts)
+# the compute weights, the fp32 master weights, Adam's moments
+KINDS = ("params", "main", "mu", "nu")
+# the groups holding a state part's whole buffers alike (dense, experts)
+REPLICA_GROUPS = ("dp_cp", "expert_dp")
 
 
 @dataclass(frozen=True)
 class Replicas:
-    """The ranks holding a block alike: those that differ from this one only on `axes`; this rank is the
-    index-th of count."""
+    """The ranks holding a block alike: those that differ from this one only on `axes`; this rank is
+    the index-th of count."""
+
     index: int
     count: int
     axes: tuple[str, ...]
@@ -54,11 +60,13 @@ class Placement:
     name: str  # the global path: "layers.3.attn.qkv.weight"
     block: Box  # this rank's block of the global tensor
     global_shape: tuple[int, ...]
-    split_dims: tuple[int, ...]  # the dimensions expert and tensor parallelism split (cells are cut along them)
+    # the dimensions expert and tensor parallelism split (cells are cut along them)
+    split_dims: tuple[int, ...]
     whole: "Replicas"  # the ranks holding the block alike in a whole buffer
     sliced: "Replicas"  # the same in a distributed-optimizer slice
     copy: bool = False  # the last stage's copy of the word embedding: written from stage 0's
-    vocab: bool = False  # a vocabulary table: rows past a checkpoint's saved rows are padding (zeros)
+    # a vocabulary table: rows past a checkpoint's saved rows are padding (zeros)
+    vocab: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,9 +86,11 @@ def _replicas(mesh: Any, axes: list[str]) -> Replicas:
     return Replicas(index, count, tuple(axes))
 
 
-def placement(stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConfig, layout: Any, mesh: Any
-              ) -> Placement:
-    """Where the leaf at path of this rank's stage `stage` sits in the checkpoint's global tensors."""
+def placement(
+    stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConfig, layout: Any, mesh: Any
+) -> Placement:
+    """Where the leaf at path of this rank's stage `stage` sits in the checkpoint's global
+    tensors."""
     stages = layout.num_stages
     name = path
     if path.startswith("layers."):
@@ -93,7 +103,8 @@ def placement(stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConf
         coords["etp"] = (mesh.coord("expert_tp"), layout.expert_tp)
     rules = gpt.TP_RULES + moe.EP_RULES
     offset, global_shape = block_of(path, shape, rules, coords)
-    split = {axis for axis, *_ in splits(path, rules, {k: (0, 2) for k in coords})}  # what would split it
+    # what would split it
+    split = {axis for axis, *_ in splits(path, rules, {k: (0, 2) for k in coords})}
     parts = [partition_of(path, rules_) for rules_ in (moe.EP_RULES, gpt.TP_RULES)]
     if layout.experts_apart and is_expert(path):
         free = [axis for axis, name_ in (("expert_tp", "etp"), ("ep", "ep")) if name_ not in split]
@@ -101,28 +112,50 @@ def placement(stage: int, path: str, shape: tuple[int, ...], config: gpt.GPTConf
     else:
         free = [] if "tp" in split else ["tp"]
         whole, sliced = free + ["cp", "dp"], free
-    return Placement(name, Box(offset, tuple(shape)), global_shape, tuple(p.dim for p in parts if p),
-                     _replicas(mesh, whole), _replicas(mesh, sliced), copy, name in VOCAB_TABLES)
+    return Placement(
+        name,
+        Box(offset, tuple(shape)),
+        global_shape,
+        tuple(p.dim for p in parts if p),
+        _replicas(mesh, whole),
+        _replicas(mesh, sliced),
+        copy,
+        name in VOCAB_TABLES,
+    )
 
 
-def placements(state: Any, config: gpt.GPTConfig, layout: Any, mesh: Any) -> list[list[tuple[int, int, Placement]]]:
-    """For each part of the state (the dense leaves; the experts' when laid out apart): (flat start, numel,
-    placement) of every leaf, in the part's buffer order."""
+def placements(
+    state: Any, config: gpt.GPTConfig, layout: Any, mesh: Any
+) -> list[list[tuple[int, int, Placement]]]:
+    """For each part of the state (the dense leaves; the experts' when laid out apart): (flat start,
+    numel, placement) of every leaf, in the part's buffer order."""
     out = []
     for part in state.parts:
         leaves = []
         for path, shape, start in part.leaves():
             stage, _, local = path.partition(".")
-            leaves.append((start, math.prod(shape), placement(int(stage), local, tuple(shape), config, layout, mesh)))
+            leaves.append(
+                (
+                    start,
+                    math.prod(shape),
+                    placement(int(stage), local, tuple(shape), config, layout, mesh),
+                )
+            )
         out.append(leaves)
     return out
 
 
-def regions(state: Any, places: list, kinds: tuple[str, ...] = KINDS, *, buffers: dict | None = None,
-            ranges: dict | None = None) -> list[Region]:
-    """The boxes of the state's buffers of these kinds, each with a view of its values: of the state's own
-    buffers, or of buffers[(part, kind)] laid out as them (a host copy); ranges[(part, kind)] = (lo, hi) limits a
-    buffer to that flat range of the part."""
+def regions(
+    state: Any,
+    places: list,
+    kinds: tuple[str, ...] = KINDS,
+    *,
+    buffers: dict | None = None,
+    ranges: dict | None = None,
+) -> list[Region]:
+    """The boxes of the state's buffers of these kinds, each with a view of its values: of the
+    state's own buffers, or of buffers[(part, kind)] laid out as them (a host copy); ranges[(part,
+    kind)] = (lo, hi) limits a buffer to that flat range of the part."""
     out = []
     for p, (part, leaves) in enumerate(zip(state.parts, places)):
         own = part.buffers()
@@ -134,34 +167,53 @@ def regions(state: Any, places: list, kinds: tuple[str, ...] = KINDS, *, buffers
             lo, hi = (ranges or {}).get((p, kind), (first, first + buffer.numel()))
             for start, numel, place in leaves:
                 a, b = max(start, lo), min(start + numel, hi)
-                for box, flat in flat_boxes(place.block.shape, a - start, b - start) if a < b else ():
+                for box, flat in (
+                    flat_boxes(place.block.shape, a - start, b - start) if a < b else ()
+                ):
                     at = start + flat - first
                     offset = tuple(o + g for o, g in zip(box.offset, place.block.offset))
-                    out.append(Region(p, kind, place, Box(offset, box.shape),
-                                      buffer[at:at + box.numel].view(box.shape), kind in part.sliced_kinds))
+                    out.append(
+                        Region(
+                            p,
+                            kind,
+                            place,
+                            Box(offset, box.shape),
+                            buffer[at : at + box.numel].view(box.shape),
+                            kind in part.sliced_kinds,
+                        )
+                    )
     return out
 
 
 def replicas(r: Region) -> Replicas | None:
-    """The ranks that hold a region alike and write it between them; None for the tied copy, written from the
-    first stage's."""
+    """The ranks that hold a region alike and write it between them; None for the tied copy, written
+    from the first stage's."""
     return None if r.placement.copy else r.placement.sliced if r.sliced else r.placement.whole
 
 
-def save_pieces(boxes: list[Region], fully_parallel: bool, max_cell: int = MAX_CELL_BYTES) -> list[Piece]:
-    """What this rank writes of its regions: each block once over its replicas; fully parallel, the replicas
-    of a kind of block share its cells by bytes (checkpoint.save.shares), otherwise the first writes them.
-    max_cell: the cells' size (the same on every rank)."""
+def save_pieces(
+    boxes: list[Region], fully_parallel: bool, max_cell: int = MAX_CELL_BYTES
+) -> list[Piece]:
+    """What this rank writes of its regions: each block once over its replicas; fully parallel, the
+    replicas of a kind of block share its cells by bytes (checkpoint.save.shares), otherwise the
+    first writes them. max_cell: the cells' size (the same on every rank)."""
     classes: dict[tuple, list[Piece]] = {}
     for r in boxes:
         who = replicas(r)
         if who is None or (who.index and not fully_parallel):
             continue
-        steps = cell_steps(r.placement.block.shape, r.view.element_size(), r.placement.split_dims, max_cell)
-        piece = Piece(f"{r.kind}/{r.placement.name}", r.box, r.placement.global_shape, r.view, steps)
+        steps = cell_steps(
+            r.placement.block.shape, r.view.element_size(), r.placement.split_dims, max_cell
+        )
+        piece = Piece(
+            f"{r.kind}/{r.placement.name}", r.box, r.placement.global_shape, r.view, steps
+        )
         classes.setdefault((who.axes, who.index, who.count), []).append(piece)
-    return [p for (_, index, count), pieces in classes.items()
-            for p in (shares(pieces, index, count) if fully_parallel else pieces)]
+    return [
+        p
+        for (_, index, count), pieces in classes.items()
+        for p in (shares(pieces, index, count) if fully_parallel else pieces)
+    ]
 
 
 def count_piece(count: torch.Tensor) -> Piece:
@@ -170,37 +222,58 @@ def count_piece(count: torch.Tensor) -> Piece:
 
 
 def load_requests(ckpt: Checkpoint, boxes: list[Region]) -> list[Request]:
-    """Requests filling the regions from ckpt. The weights come from the saved weights, or from the fp32
-    master when the saved weights are narrower than this run's; the master from the saved master, or from
-    the saved weights (a run without one: fp32, or an import)."""
+    """Requests filling the regions from ckpt. The weights come from the saved weights, or from the
+    fp32 master when the saved weights are narrower than this run's; the master from the saved
+    master, or from the saved weights (a run without one: fp32, or an import)."""
     out = []
     for r in boxes:
         name = r.placement.name
         source = r.kind
-        if r.kind == "params" and ckpt.has(f"params/{name}") and ckpt.has(f"main/{name}") and \
-                ckpt.dtype(f"params/{name}").itemsize < r.view.element_size():
+        if (
+            r.kind == "params"
+            and ckpt.has(f"params/{name}")
+            and ckpt.has(f"main/{name}")
+            and ckpt.dtype(f"params/{name}").itemsize < r.view.element_size()
+        ):
             source = "main"
         elif r.kind == "main" and not ckpt.has(f"main/{name}"):
             source = "params"
         if not ckpt.has(f"{source}/{name}"):
-            raise CheckpointError(f"{ckpt.path}: holds no {source}/{name}; this run's model has a parameter the "
-                                  "checkpoint's has not")
+            raise CheckpointError(
+                f"{ckpt.path}: holds no {source}/{name}; this run's model has a parameter the "
+                "checkpoint's has not"
+            )
         out.append(Request(f"{source}/{name}", r.box, r.view, pad_with_zeros=r.placement.vocab))
     return out
 
 
-def held_zeros(config: gpt.GPTConfig, layout: Any, mesh: Any, device: Any = "cpu",
-               dtype: torch.dtype = torch.float32) -> dict[int, Any]:
-    """This rank's {stage: tree} of zeros, shaped as shard_params cuts the model, without building the model
-    (a state a checkpoint then fills)."""
+def held_zeros(
+    config: gpt.GPTConfig,
+    layout: Any,
+    mesh: Any,
+    device: Any = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[int, Any]:
+    """This rank's {stage: tree} of zeros, shaped as shard_params cuts the model, without building
+    the model (a state a checkpoint then fills)."""
     from fmeg.training.parallel_step import local_shapes
 
-    return tree.tree_map(lambda t: torch.zeros(t.shape, dtype=dtype, device=device), local_shapes(config, layout, mesh))
+    return tree.tree_map(
+        lambda t: torch.zeros(t.shape, dtype=dtype, device=device),
+        local_shapes(config, layout, mesh),
+    )
 
 
-def read_params(ckpt: Checkpoint, config: gpt.GPTConfig, layout: Any, mesh: Any, device: Any = "cpu",
-                dtype: torch.dtype = torch.float32) -> dict[int, Any]:
-    """This rank's {stage: tree} of weights in dtype, its blocks only read from ckpt (generation, conversion)."""
+def read_params(
+    ckpt: Checkpoint,
+    config: gpt.GPTConfig,
+    layout: Any,
+    mesh: Any,
+    device: Any = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[int, Any]:
+    """This rank's {stage: tree} of weights in dtype, its blocks only read from ckpt (generation,
+    conversion)."""
     held = held_zeros(config, layout, mesh, device, dtype)
     boxes = []
     for stage, stage_tree in held.items():
@@ -211,9 +284,11 @@ def read_params(ckpt: Checkpoint, config: gpt.GPTConfig, layout: Any, mesh: Any,
     return held
 
 
-def save_single_rank(root: Any, iteration: int, state: Any, config: gpt.GPTConfig, metadata: dict) -> Any:
-    """A one-rank state (fmeg.training.parallel_step.init_state at Layout()) written as a complete checkpoint:
-    import-hf's, and tests'."""
+def save_single_rank(
+    root: Any, iteration: int, state: Any, config: gpt.GPTConfig, metadata: dict
+) -> Any:
+    """A one-rank state (fmeg.training.parallel_step.init_state at Layout()) written as a complete
+    checkpoint: import-hf's, and tests'."""
     from fmeg.checkpoint import finalize, temporary_dir, write_rank
     from fmeg.checkpoint.load import FORMAT
     from fmeg.parallel.mesh import Mesh
@@ -225,8 +300,18 @@ def save_single_rank(root: Any, iteration: int, state: Any, config: gpt.GPTConfi
     tmp.mkdir(parents=True, exist_ok=True)
     write_rank(tmp, 0, {"tp": 0, "pp": 0, "dp": 0}, pieces + [count_piece(state.parts[0].count)])
     dtype = state.parts[0].weights.dtype
-    return finalize(root, iteration, {"format": FORMAT, "world_size": 1, "layout": layout.checkpoint_meta(dtype),
-                                      "consumed_samples": 0, "model": dataclasses.asdict(config), **metadata})
+    return finalize(
+        root,
+        iteration,
+        {
+            "format": FORMAT,
+            "world_size": 1,
+            "layout": layout.checkpoint_meta(dtype),
+            "consumed_samples": 0,
+            "model": dataclasses.asdict(config),
+            **metadata,
+        },
+    )
 
 
 def saved_count(ckpt: Checkpoint) -> int:

@@ -1,13 +1,14 @@
-"""Megatron's GPT-OSS flags (megatron/training/arguments.py: --softmax-type, --window-size, --window-attn-skip-freq,
---quick-geglu, --glu-linear-offset, --activation-func-clamp-value; megatron/post_training's --enable-gpt-oss): their
-parser group, the GPTConfig fields they set, and their rules.
+"""Megatron's GPT-OSS flags (megatron/training/arguments.py: --softmax-type, --window-size,
+--window-attn-skip-freq, --quick-geglu, --glu-linear-offset, --activation-func-clamp-value;
+megatron/post_training's --enable-gpt-oss): their parser group, the GPTConfig fields they set, and
+their rules.
 
---enable-gpt-oss sets YaRN rotary embeddings (whatever --position-embedding-type says, as Megatron's model builder
-does) with the values that builder gives them: factor 32, original context 131072, beta_fast 32, beta_slow 1,
-mscale 1 and 0, the correction range not rounded. (Hugging Face's gpt-oss checkpoints say original context 4096.)
-The --yarn-* flags (Megatron-Bridge's names) override those values (with --multi-latent-attention, the original
-context, betas and rounding of MLA's YaRN: fmeg.training.mla_flags); --use-checkpoint-args sets them from an
-imported checkpoint.
+--enable-gpt-oss sets YaRN rotary embeddings (whatever --position-embedding-type says, as Megatron's
+model builder does) with the values that builder gives them: factor 32, original context 131072,
+beta_fast 32, beta_slow 1, mscale 1 and 0, the correction range not rounded. (Hugging Face's gpt-oss
+checkpoints say original context 4096.) The --yarn-* flags (Megatron-Bridge's names) override those
+values (with --multi-latent-attention, the original context, betas and rounding of MLA's YaRN:
+fmeg.training.mla_flags); --use-checkpoint-args sets them from an imported checkpoint.
 """
 
 from __future__ import annotations
@@ -16,18 +17,32 @@ import argparse
 
 from fmeg.training.moe_flags import layer_freq
 
-GPT_OSS_YARN = dict(position="rope", rope_type="yarn", rotary_scaling_factor=32.0,
-                    original_max_position_embeddings=131072, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
-                    mscale_all_dim=0.0, yarn_round_to_int=False)
+GPT_OSS_YARN = dict(
+    position="rope",
+    rope_type="yarn",
+    rotary_scaling_factor=32.0,
+    original_max_position_embeddings=131072,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.0,
+    yarn_round_to_int=False,
+)
 # {flag dest: the GPTConfig field it overrides}
-YARN_FLAGS = {"yarn_rotary_scaling_factor": "rotary_scaling_factor",
-              "yarn_original_max_position_embeddings": "original_max_position_embeddings",
-              "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale",
-              "yarn_mscale_all_dim": "mscale_all_dim", "yarn_correction_range_round_to_int": "yarn_round_to_int"}
+YARN_FLAGS = {
+    "yarn_rotary_scaling_factor": "rotary_scaling_factor",
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "yarn_mscale": "mscale",
+    "yarn_mscale_all_dim": "mscale_all_dim",
+    "yarn_correction_range_round_to_int": "yarn_round_to_int",
+}
 
 
 def window(text: str) -> tuple[int, int]:
-    """--window-size: "left,right" (Megatron's tuple form, brackets allowed), or one number for left."""
+    """--window-size: "left,right" (Megatron's tuple form, brackets allowed), or one number for
+    left."""
     parts = [p for p in text.strip().strip("()[]").split(",") if p.strip()]
     try:
         values = tuple(int(p) for p in parts)
@@ -40,37 +55,76 @@ def window(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("GPT-OSS attention and MLP")
-    g.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
-                   help="attention sinks: off-by-one adds a logit 0 to every softmax, learnable one logit per head")
-    g.add_argument("--window-size", type=window, default=None,
-                   help="sliding-window attention: LEFT,0, each query sees itself and LEFT keys before it")
-    g.add_argument("--window-attn-skip-freq", type=layer_freq, default=None,
-                   help="N: every N-th layer attends fully; or a 0/1 pattern per layer (1: windowed)")
-    g.add_argument("--quick-geglu", action="store_true", help="gated MLP with quick GELU, x * sigmoid(1.702 x)")
-    g.add_argument("--glu-linear-offset", type=float, default=0.0,
-                   help="gated MLPs: act(gate) * (linear + offset)")
-    g.add_argument("--activation-func-clamp-value", type=float, default=None,
-                   help="gated MLPs: the gate clamped above at C, the linear half to [-C, C]")
-    g.add_argument("--enable-gpt-oss", action="store_true",
-                   help="YaRN rotary embeddings with GPT-OSS's values, as Megatron's model builder sets them")
+    g.add_argument(
+        "--softmax-type",
+        choices=["vanilla", "off-by-one", "learnable"],
+        default="vanilla",
+        help="attention sinks: off-by-one adds a logit 0 to every softmax, learnable one logit per "
+        "head",
+    )
+    g.add_argument(
+        "--window-size",
+        type=window,
+        default=None,
+        help="sliding-window attention: LEFT,0, each query sees itself and LEFT keys before it",
+    )
+    g.add_argument(
+        "--window-attn-skip-freq",
+        type=layer_freq,
+        default=None,
+        help="N: every N-th layer attends fully; or a 0/1 pattern per layer (1: windowed)",
+    )
+    g.add_argument(
+        "--quick-geglu", action="store_true", help="gated MLP with quick GELU, x * sigmoid(1.702 x)"
+    )
+    g.add_argument(
+        "--glu-linear-offset",
+        type=float,
+        default=0.0,
+        help="gated MLPs: act(gate) * (linear + offset)",
+    )
+    g.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        default=None,
+        help="gated MLPs: the gate clamped above at C, the linear half to [-C, C]",
+    )
+    g.add_argument(
+        "--enable-gpt-oss",
+        action="store_true",
+        help="YaRN rotary embeddings with GPT-OSS's values, as Megatron's model builder sets them",
+    )
     for dest, field in YARN_FLAGS.items():
         flag = f"--{dest.replace('_', '-')}"
         if field == "yarn_round_to_int":  # no Megatron flag: --use-checkpoint-args sets it
-            g.add_argument(flag, type=lambda t: t.lower() == "true", default=None, help=argparse.SUPPRESS)
+            g.add_argument(
+                flag, type=lambda t: t.lower() == "true", default=None, help=argparse.SUPPRESS
+            )
         else:
-            g.add_argument(flag, type=int if field == "original_max_position_embeddings" else float, default=None,
-                           help=f"with --enable-gpt-oss: YaRN's {field} (default {GPT_OSS_YARN[field]})")
+            g.add_argument(
+                flag,
+                type=int if field == "original_max_position_embeddings" else float,
+                default=None,
+                help=f"with --enable-gpt-oss: YaRN's {field} (default {GPT_OSS_YARN[field]})",
+            )
 
 
 def model_fields(a: argparse.Namespace) -> dict:
     """The GPTConfig fields of these flags (the activation itself: megatron_flags.activation)."""
-    fields = dict(softmax_type=a.softmax_type, glu_linear_offset=a.glu_linear_offset,
-                  activation_func_clamp_value=a.activation_func_clamp_value)
+    fields = dict(
+        softmax_type=a.softmax_type,
+        glu_linear_offset=a.glu_linear_offset,
+        activation_func_clamp_value=a.activation_func_clamp_value,
+    )
     if a.window_size is not None:
         fields |= dict(window_size=a.window_size[0], window_attn_skip_freq=a.window_attn_skip_freq)
     if not a.enable_gpt_oss:
         return fields
-    given = {field: getattr(a, dest) for dest, field in YARN_FLAGS.items() if getattr(a, dest) is not None}
+    given = {
+        field: getattr(a, dest)
+        for dest, field in YARN_FLAGS.items()
+        if getattr(a, dest) is not None
+    }
     return fields | GPT_OSS_YARN | given
 
 
@@ -81,30 +135,49 @@ def problems(a: argparse.Namespace) -> list[str]:
     if a.quick_geglu and (a.swiglu or a.squared_relu):
         out.append("--quick-geglu, --swiglu and --squared-relu are alternatives; choose one")
     if not gated and (a.glu_linear_offset != 0.0 or a.activation_func_clamp_value is not None):
-        out.append("--glu-linear-offset and --activation-func-clamp-value act on gated MLPs: add --quick-geglu "
-                   "(GPT-OSS's) or --swiglu, or drop them")
+        out.append(
+            "--glu-linear-offset and --activation-func-clamp-value act on gated MLPs: add "
+            "--quick-geglu (GPT-OSS's) or --swiglu, or drop them"
+        )
     if a.activation_func_clamp_value is not None and a.activation_func_clamp_value <= 0:
-        out.append(f"--activation-func-clamp-value must be positive, got {a.activation_func_clamp_value}")
+        out.append(
+            f"--activation-func-clamp-value must be positive, got {a.activation_func_clamp_value}"
+        )
     if a.window_size is not None:
         left, right = a.window_size
         if right != 0 or left < 0:
-            out.append(f"--window-size {left},{right}: a causal model's window looks back only; use LEFT,0 with "
-                       "LEFT >= 0 (GPT-OSS: 127,0 for Hugging Face's sliding_window 128)")
+            out.append(
+                f"--window-size {left},{right}: a causal model's window looks back only; use "
+                "LEFT,0 with LEFT >= 0 (GPT-OSS: 127,0 for Hugging Face's sliding_window 128)"
+            )
         freq = a.window_attn_skip_freq
         if isinstance(freq, tuple) and len(freq) != a.num_layers:
-            out.append(f"--window-attn-skip-freq gives {len(freq)} layers for --num-layers {a.num_layers}")
+            out.append(
+                f"--window-attn-skip-freq gives {len(freq)} layers for --num-layers {a.num_layers}"
+            )
         elif isinstance(freq, int) and freq <= 0:
             out.append(f"--window-attn-skip-freq must be positive, got {freq}")
     given = [f"--{dest.replace('_', '-')}" for dest in YARN_FLAGS if getattr(a, dest) is not None]
-    mla_own = [flag for flag in given if flag in ("--yarn-rotary-scaling-factor", "--yarn-mscale",
-                                                   "--yarn-mscale-all-dim")]
+    mla_own = [
+        flag
+        for flag in given
+        if flag in ("--yarn-rotary-scaling-factor", "--yarn-mscale", "--yarn-mscale-all-dim")
+    ]
     if a.multi_latent_attention and mla_own:
-        out.append(f"{mla_own[0]}: multi-latent attention's YaRN takes --rotary-scaling-factor, --mscale and "
-                   "--mscale-all-dim")
+        out.append(
+            f"{mla_own[0]}: multi-latent attention's YaRN takes --rotary-scaling-factor, --mscale "
+            "and --mscale-all-dim"
+        )
     elif given and not a.enable_gpt_oss and not a.multi_latent_attention:
-        out.append(f"{given[0]} sets YaRN's values for --enable-gpt-oss or --multi-latent-attention: add one, or "
-                   "drop the flag")
-    if (a.softmax_type != "vanilla" or a.window_size is not None or a.enable_gpt_oss) and a.multi_latent_attention:
-        out.append("--softmax-type, --window-size and --enable-gpt-oss are for standard attention, not "
-                   "--multi-latent-attention")
+        out.append(
+            f"{given[0]} sets YaRN's values for --enable-gpt-oss or --multi-latent-attention: add "
+            "one, or drop the flag"
+        )
+    if (
+        a.softmax_type != "vanilla" or a.window_size is not None or a.enable_gpt_oss
+    ) and a.multi_latent_attention:
+        out.append(
+            "--softmax-type, --window-size and --enable-gpt-oss are for standard attention, not "
+            "--multi-latent-attention"
+        )
     return out

@@ -1,5 +1,5 @@
-"""Where the runner's metrics go: sinks behind one interface (metrics.jsonl, TensorBoard, Weights & Biases),
-and progress a person can read (ETA and tokens per second; a progress bar on a terminal).
+"""Where the runner's metrics go: sinks behind one interface (metrics.jsonl, TensorBoard, Weights &
+Biases), and progress a person can read (ETA and tokens per second; a progress bar on a terminal).
 
     sinks = open_sinks(cfg.logging, run_config={"num_layers": 4})
     for sink in sinks: sink.write({"iteration": 1, "lm_loss": 5.4, ...})
@@ -18,10 +18,19 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-# record key -> the scalar's name in TensorBoard and W&B (Megatron writes "lm loss", "lm loss validation", ...)
-SCALARS = {"lm_loss": "lm loss", "validation_lm_loss": "validation lm loss", "grad_norm": "grad norm", "lr": "lr",
-           "loss_scale": "loss scale", "tokens_per_s": "tokens per s", "tflops": "tflops",
-           "params_norm": "params norm", "global_batch_size": "global batch size"}
+# record key -> the scalar's name in TensorBoard and W&B (Megatron writes "lm loss", "lm loss
+# validation", ...)
+SCALARS = {
+    "lm_loss": "lm loss",
+    "validation_lm_loss": "validation lm loss",
+    "grad_norm": "grad norm",
+    "lr": "lr",
+    "loss_scale": "loss scale",
+    "tokens_per_s": "tokens per s",
+    "tflops": "tflops",
+    "params_norm": "params norm",
+    "global_batch_size": "global batch size",
+}
 
 
 class MetricSink(Protocol):
@@ -30,8 +39,14 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-# the auxiliary losses under megatron-core's names, and their per-layer values under "moe/" (--moe-per-layer-logging)
-AUX_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss", "global_load_balancing_loss")
+# the auxiliary losses under megatron-core's names, and their per-layer values under "moe/"
+# (--moe-per-layer-logging)
+AUX_LOSSES = (
+    "load_balancing_loss",
+    "seq_load_balancing_loss",
+    "z_loss",
+    "global_load_balancing_loss",
+)
 
 
 def _display_name(key: str) -> str | None:
@@ -47,8 +62,11 @@ def _display_name(key: str) -> str | None:
 def scalars(record: dict) -> dict[str, float]:
     """The record's finite scalars under their display names."""
     named = {key: _display_name(key) for key in record}
-    return {name: float(record[key]) for key, name in named.items()
-            if name is not None and isinstance(record[key], (int, float)) and record[key] == record[key]}
+    return {
+        name: float(record[key])
+        for key, name in named.items()
+        if name is not None and isinstance(record[key], (int, float)) and record[key] == record[key]
+    }
 
 
 class JsonlSink:
@@ -83,15 +101,27 @@ class TensorBoardSink:
 
 class WandbSink:
     """A Weights & Biases run (Megatron's --wandb-project, --wandb-exp-name, --wandb-save-dir,
-    --wandb-entity); offline, into save_dir/wandb, when no API key is set (WANDB_API_KEY or WANDB_MODE)."""
+    --wandb-entity); offline, into save_dir/wandb, when no API key is set (WANDB_API_KEY or
+    WANDB_MODE)."""
 
-    def __init__(self, project: str, name: str | None, save_dir: str, entity: str | None, run_config: dict):
+    def __init__(
+        self, project: str, name: str | None, save_dir: str, entity: str | None, run_config: dict
+    ):
         import wandb
 
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode = os.environ.get("WANDB_MODE") or (
+            "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        )
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=project, name=name, dir=save_dir, entity=entity, config=run_config,
-                               mode=mode, settings=wandb.Settings(console="off", silent=True))
+        self._run = wandb.init(
+            project=project,
+            name=name,
+            dir=save_dir,
+            entity=entity,
+            config=run_config,
+            mode=mode,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def write(self, record: dict) -> None:
         values = scalars(record)
@@ -103,13 +133,17 @@ class WandbSink:
 
 
 def wandb_missing(project: str | None) -> str | None:
-    """The one line for --wandb-project without the package (None when it is not asked for or installed)."""
+    """The one line for --wandb-project without the package (None when it is not asked for or
+    installed)."""
     if not project:
         return None
     try:
         import wandb  # noqa: F401
     except ImportError:
-        return f"--wandb-project {project} needs the wandb package: pip install wandb (or \"fmeg[wandb]\")"
+        return (
+            f"--wandb-project {project} needs the wandb package: pip install wandb (or "
+            '"fmeg[wandb]")'
+        )
     return None
 
 
@@ -121,8 +155,15 @@ def open_sinks(logging, run_config: dict) -> list[MetricSink]:
     if logging.tensorboard_dir:
         sinks.append(TensorBoardSink(logging.tensorboard_dir))
     if logging.wandb_project:
-        sinks.append(WandbSink(logging.wandb_project, logging.wandb_exp_name,
-                               logging.wandb_save_dir or logging.log_dir or ".", logging.wandb_entity, run_config))
+        sinks.append(
+            WandbSink(
+                logging.wandb_project,
+                logging.wandb_exp_name,
+                logging.wandb_save_dir or logging.log_dir or ".",
+                logging.wandb_entity,
+                run_config,
+            )
+        )
     return sinks
 
 
@@ -132,9 +173,9 @@ def eta(iterations_left: int, seconds_per_iteration: float) -> str:
 
 
 class ProgressDisplay:
-    """Progress beside Megatron's log line. On a terminal, a progress bar (tqdm) with the ETA and tokens/s,
-    above which the log lines are printed; into a file or pipe, the log lines exactly as Megatron prints
-    them, each followed by one 'progress:' line with the same ETA and tokens/s."""
+    """Progress beside Megatron's log line. On a terminal, a progress bar (tqdm) with the ETA and
+    tokens/s, above which the log lines are printed; into a file or pipe, the log lines exactly as
+    Megatron prints them, each followed by one 'progress:' line with the same ETA and tokens/s."""
 
     def __init__(self, total: int, first: int, stream=None, recent: int = 20):
         self.stream = stream or sys.stdout
@@ -146,17 +187,22 @@ class ProgressDisplay:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, initial=first - 1, file=self.stream, unit="it", dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=total, initial=first - 1, file=self.stream, unit="it", dynamic_ncols=True
+                )
 
     def seconds_per_iteration(self) -> float:
-        times = self._times[-self._recent:]
+        times = self._times[-self._recent :]
         return sum(times) / len(times) if times else 0.0
 
     def step(self, iteration: int, seconds: float, tokens_per_s: float) -> None:
         self._times.append(seconds)
         if self._bar is not None:
-            self._bar.set_postfix_str(f"ETA {eta(self.total - iteration, self.seconds_per_iteration())}, "
-                                      f"{tokens_per_s:,.0f} tokens/s", refresh=False)
+            self._bar.set_postfix_str(
+                f"ETA {eta(self.total - iteration, self.seconds_per_iteration())}, "
+                f"{tokens_per_s:,.0f} tokens/s",
+                refresh=False,
+            )
             self._bar.update(1)
 
     def print(self, line: str) -> None:
@@ -167,15 +213,19 @@ class ProgressDisplay:
             print(line, file=self.stream, flush=True)
 
     def log_line(self, lines: list[str], iteration: int, tokens_per_s: float) -> None:
-        """Megatron's log line (and fmeg's timers line), then, unless a bar shows it, the progress line."""
+        """Megatron's log line (and fmeg's timers line), then, unless a bar shows it, the
+        progress line."""
         for line in lines:
             self.print(line)
         if self._bar is None:
-            print(f"    progress: {iteration}/{self.total} iterations, ETA "
-                  f"{eta(self.total - iteration, self.seconds_per_iteration())}, {tokens_per_s:,.0f} tokens/s",
-                  file=self.stream, flush=True)
+            print(
+                f"    progress: {iteration}/{self.total} iterations, ETA "
+                f"{eta(self.total - iteration, self.seconds_per_iteration())}, {tokens_per_s:,.0f} "
+                "tokens/s",
+                file=self.stream,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-

@@ -8,10 +8,18 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-token prediction")
-    g.add_argument("--mtp-num-layers", type=int, default=None,
-                   help="DeepSeek-V3's multi-token prediction: this many extra layers, each one token further")
-    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
-                   help="the MTP losses' weight: their mean over the depths times this joins the objective")
+    g.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="DeepSeek-V3's multi-token prediction: this many extra layers, each one token further",
+    )
+    g.add_argument(
+        "--mtp-loss-scaling-factor",
+        type=float,
+        default=0.1,
+        help="the MTP losses' weight: their mean over the depths times this joins the objective",
+    )
 
 
 def model_fields(a: argparse.Namespace) -> dict:
@@ -28,10 +36,16 @@ def problems(a: argparse.Namespace) -> list[str]:
     if a.mtp_num_layers < 0:
         return [f"--mtp-num-layers must be positive, got {a.mtp_num_layers}"]
     if a.seq_length and a.mtp_num_layers >= a.seq_length > 0:
-        # depth k shifts the targets k places left: from depth --seq-length on, no place of a sample has one
-        return [f"--mtp-num-layers {a.mtp_num_layers}: depths from {a.seq_length} on would have no target in a "
-                f"--seq-length {a.seq_length} sample; use at most {a.seq_length - 1}"]
+        # depth k shifts the targets k places left: from depth --seq-length on, no place of a sample
+        # has one
+        return [
+            f"--mtp-num-layers {a.mtp_num_layers}: depths from {a.seq_length} on would have no "
+            f"target in a --seq-length {a.seq_length} sample; use at most {a.seq_length - 1}"
+        ]
     if a.position_embedding_type != "rope":
-        return [f"--mtp-num-layers needs --position-embedding-type rope (its layers on the last pipeline stage would "
-                f"need the first stage's {a.position_embedding_type} position table)"]
+        return [
+            "--mtp-num-layers needs --position-embedding-type rope (its layers on the last "
+            f"pipeline stage would need the first stage's {a.position_embedding_type} position "
+            "table)"
+        ]
     return []

@@ -1,4 +1,5 @@
-"""What the runner reports: model FLOPs, a memory estimate, and the loss-curve picture (pure helpers)."""
+"""What the runner reports: model FLOPs, a memory estimate, and the loss-curve picture (pure
+helpers)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from fmeg.models.gpt import GPTConfig
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     """Megatron's num_floating_point_operations (forward and backward, every matmul three times):
-    12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query heads
-    of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
-    72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on dense layers,
-    topk * the expert width + the shared expert's on MoE layers (the router's matmul is not counted). Multi-latent
-    attention counts as any attention does: 6 x its projections' weights + 6 s N (dq + dr + dv) for the scores and
-    the values, per token and layer (Megatron's MLA count, less its norms' per-token terms). Multi-token prediction
-    adds, as Megatron counts it, 6 (3h + 2h^2) per token and depth for its norms and eh_proj and one more output
-    layer per depth: Megatron leaves the depths' transformer layers out, and so does this count."""
+    12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query
+    heads of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
+    72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on
+    dense layers, topk * the expert width + the shared expert's on MoE layers (the router's matmul
+    is not counted). Multi-latent attention counts as any attention does: 6 x its projections'
+    weights + 6 s N (dq + dr + dv) for the scores and the values, per token and layer (Megatron's
+    MLA count, less its norms' per-token terms). Multi-token prediction adds, as Megatron counts it,
+    6 (3h + 2h^2) per token and depth for its norms and eh_proj and one more output layer per depth:
+    Megatron leaves the depths' transformer layers out, and so does this count."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
     c, s = config, seq_len
@@ -30,53 +32,84 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     moe = sum(moe_layers(c))
     ffn = c.ffn_hidden_size * (L - moe) / L
     if moe:
-        ffn += (expert_ffn(c) * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0)) * moe / L
+        ffn += (
+            (expert_ffn(c) * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0))
+            * moe
+            / L
+        )
     mlp = ffn / h * (1.5 if c.activation == "swiglu" else 1.0)
     depths = c.mtp_num_layers or 0
     logits = c.padded_vocab_size / (2 * L * h) * (depths + 1)
-    mtp = depths * (3 * h + 2 * h * h) / (2 * L * h * h)  # Megatron's: their norms and eh_proj, not their layers
+    # Megatron's: their norms and eh_proj, not their layers
+    mtp = depths * (3 * h + 2 * h * h) / (2 * L * h * h)
     return 12.0 * global_batch * s * L * h * h * (attention + mlp + mtp + logits)
 
 
 def activation_units(config: GPTConfig) -> float:
-    """Activation bytes per token per layer in 16-bit, in units of h, averaged over the layers (before the 5 a s / h
-    of the attention scores): Korthikanti et al. 2022's 34 for GPT-2's MLP of 4h, with the MLP's 19 taken apart as
-    3 (its input, output dropout mask) + 4 F / h (the inputs of its activation and of fc2; x 1.5 with SwiGLU). An MoE
-    layer keeps each of a token's topk copies (their rows, 2) through an expert of width F_e, and the shared expert
-    as a dense MLP; the router's [E] scores are left out. The attention's 15 are its two norms' inputs (4), its
-    input (2), q and k (4), v (2), the projection's input (2) and a dropout mask (1); multi-latent attention keeps
-    q and k of N (dq + dr) dimensions, v and the projection's input of N dv, and each latent it makes (kv, and q's
-    with q-lora) twice: as its norm's input and as its up-projection's."""
+    """Activation bytes per token per layer in 16-bit, in units of h, averaged over the layers
+    (before the 5 a s / h of the attention scores): Korthikanti et al. 2022's 34 for GPT-2's MLP of
+    4h, with the MLP's 19 taken apart as 3 (its input, output dropout mask) + 4 F / h (the inputs of
+    its activation and of fc2; x 1.5 with SwiGLU). An MoE layer keeps each of a token's topk copies
+    (their rows, 2) through an expert of width F_e, and the shared expert as a dense MLP; the
+    router's [E] scores are left out. The attention's 15 are its two norms' inputs (4), its input
+    (2), q and k (4), v (2), the projection's input (2) and a dropout mask (1); multi-latent
+    attention keeps q and k of N (dq + dr) dimensions, v and the projection's input of N dv, and
+    each latent it makes (kv, and q's with q-lora) twice: as its norm's input and as its
+    up-projection's."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
     c, h = config, config.hidden_size
     attention = 15.0
     if c.multi_latent_attention:
         n, latents = c.num_heads, c.kv_lora_rank + (c.q_lora_rank or 0)
-        attention = 7 + (4 * latents + 4 * n * (c.qk_head_dim + c.qk_pos_emb_head_dim) + 4 * n * c.v_head_dim) / h
+        attention = (
+            7
+            + (4 * latents + 4 * n * (c.qk_head_dim + c.qk_pos_emb_head_dim) + 4 * n * c.v_head_dim)
+            / h
+        )
     gated = 1.5 if c.activation == "swiglu" else 1.0
     dense = 3 + 4 * c.ffn_hidden_size / h * gated
-    experts = 3 + c.moe_router_topk * (2 + 4 * expert_ffn(c) / h * gated) + \
-        4 * (c.moe_shared_expert_intermediate_size or 0) / h * gated if c.num_experts else dense
+    experts = (
+        3
+        + c.moe_router_topk * (2 + 4 * expert_ffn(c) / h * gated)
+        + 4 * (c.moe_shared_expert_intermediate_size or 0) / h * gated
+        if c.num_experts
+        else dense
+    )
     moe = sum(moe_layers(c))
     return attention + (dense * (c.num_layers - moe) + experts * moe) / c.num_layers
 
 
 def holds_attention_scores(config: GPTConfig) -> bool:
-    """Whether training keeps each layer's [b, heads, s, s] attention probabilities: with attention dropout
-    (dropped by a counter-based mask on explicit probabilities) or with sinks or a sliding window
-    (ops.sink_attention); scaled_dot_product_attention's fused kernels keep none."""
-    return config.attention_dropout > 0 or config.softmax_type != "vanilla" or config.window_size is not None
+    """Whether training keeps each layer's [b, heads, s, s] attention probabilities: with attention
+    dropout (dropped by a counter-based mask on explicit probabilities) or with sinks or a sliding
+    window (ops.sink_attention); scaled_dot_product_attention's fused kernels keep none."""
+    return (
+        config.attention_dropout > 0
+        or config.softmax_type != "vanilla"
+        or config.window_size is not None
+    )
 
 
-def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micro_batch: int, seq_len: int,
-                    tp: int, pp: int, in_flight: int, activation_bytes: int = 4, cp: int = 1) -> dict[str, float]:
-    """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the microbatches a
-    rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer in 16-bit, / tp; units as
-    activation_units says, 34 for GPT-2 shapes). The 5 a s / h term is the attention scores, counted only where
-    fmeg holds them (holds_attention_scores): fused attention keeps none. Context parallelism holds s / cp of
-    the tokens, their scores against the whole sequence. The last stage also holds each multi-token prediction depth: one more layer and
-    the 8 h of its two norms' inputs and its eh_proj's [2h] input."""
+def memory_estimate(
+    local_params: int,
+    state_bytes: int,
+    config: GPTConfig,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    pp: int,
+    in_flight: int,
+    activation_bytes: int = 4,
+    cp: int = 1,
+) -> dict[str, float]:
+    """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the
+    microbatches a rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer
+    in 16-bit, / tp; units as activation_units says, 34 for GPT-2 shapes). The 5 a s / h term is the
+    attention scores, counted only where fmeg holds them (holds_attention_scores): fused attention
+    keeps none. Context parallelism holds s / cp of the tokens, their scores against the whole
+    sequence. The last stage also holds each multi-token prediction depth: one more layer and the 8
+    h of its two norms' inputs and its eh_proj's [2h] input."""
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
     scores = 5 * a * s / h if holds_attention_scores(config) else 0.0
     per_layer_16bit = s * b * h * (activation_units(config) + scores) / (tp * cp)
@@ -84,8 +117,12 @@ def memory_estimate(local_params: int, state_bytes: int, config: GPTConfig, micr
     layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
     activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
     weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
-    return {"weights_and_grads": weights, "optimizer": float(state_bytes), "activations": activations,
-            "total": weights + state_bytes + activations}
+    return {
+        "weights_and_grads": weights,
+        "optimizer": float(state_bytes),
+        "activations": activations,
+        "total": weights + state_bytes + activations,
+    }
 
 
 def draw_loss_curve(records: list[dict], path: str | Path) -> Path | None:
@@ -98,7 +135,9 @@ def draw_loss_curve(records: list[dict], path: str | Path) -> Path | None:
     except ImportError:
         return None
     train = [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r]
-    valid = [(r["iteration"], r["validation_lm_loss"]) for r in records if "validation_lm_loss" in r]
+    valid = [
+        (r["iteration"], r["validation_lm_loss"]) for r in records if "validation_lm_loss" in r
+    ]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*zip(*train), label="lm loss")
     if valid:

@@ -1,14 +1,16 @@
-"""Samples built off the training thread (Megatron's --num-workers): while a step runs, the next iteration's
-microbatches are read from the datasets and collated on worker threads, so the step waits on no data.
+"""Samples built off the training thread (Megatron's --num-workers): while a step runs, the next
+iteration's microbatches are read from the datasets and collated on worker threads, so the step
+waits on no data.
 
-    loader = SampleLoader(workers=2, build=lambda dataset, first: microbatch)   # the microbatch starting at first
-    microbatches = loader.get(dataset, [first, ...])      # built now, or taken from what was built ahead
-    loader.ahead(dataset, [next_first, ...])              # start building the next iteration's, one per worker
+    loader = SampleLoader(workers=2, build=lambda dataset, first: microbatch)   # the microbatch
+    starting at first microbatches = loader.get(dataset, [first, ...])      # built now, or taken
+    from what was built ahead loader.ahead(dataset, [next_first, ...])              # start building
+    the next iteration's, one per worker
 
-Threads, not processes: samples are memory-mapped reads, numpy and tokenizers (which release the interpreter
-lock where they work), and the batches stay in this process with nothing to pickle. --num-workers 0 builds
-each iteration's samples when it asks for them. A microbatch is a pure function of (dataset, first sample), so
-building ahead changes no number.
+Threads, not processes: samples are memory-mapped reads, numpy and tokenizers (which release the
+interpreter lock where they work), and the batches stay in this process with nothing to pickle.
+--num-workers 0 builds each iteration's samples when it asks for them. A microbatch is a pure
+function of (dataset, first sample), so building ahead changes no number.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Callable
 class SampleLoader:
     def __init__(self, workers: int, build: Callable):
         self.build = build
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="fmeg-samples") if workers > 0 else None
+        self.pool = (
+            ThreadPoolExecutor(workers, thread_name_prefix="fmeg-samples") if workers > 0 else None
+        )
         self.pending: tuple[tuple, list[Future]] | None = None
 
     def get(self, dataset, firsts: list[int]) -> list:
@@ -33,7 +37,10 @@ class SampleLoader:
 
     def ahead(self, dataset, firsts: list[int]) -> None:
         if self.pool is not None:
-            self.pending = ((id(dataset), tuple(firsts)), [self.pool.submit(self.build, dataset, f) for f in firsts])
+            self.pending = (
+                (id(dataset), tuple(firsts)),
+                [self.pool.submit(self.build, dataset, f) for f in firsts],
+            )
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,8 +1,9 @@
-"""The runner's process-level state: this rank's device, its process groups (fmeg.parallel.mesh.Mesh) and
-the few host-side agreements every rank must make (stop together, share a token, wait for each other).
+"""The runner's process-level state: this rank's device, its process groups
+(fmeg.parallel.mesh.Mesh) and the few host-side agreements every rank must make (stop together,
+share a token, wait for each other).
 
-    session = Session.start(cfg)        # after validation: the only place a process group is created
-    ...
+    session = Session.start(cfg)        # after validation: the only place a process group is
+    created ...
     session.close()
 """
 
@@ -20,15 +21,17 @@ from fmeg.parallel.mesh import Mesh
 
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK (NCCL) when asked for or, with auto, when CUDA is available; else the CPU (gloo)."""
+    """cuda:LOCAL_RANK (NCCL) when asked for or, with auto, when CUDA is available; else the CPU
+    (gloo)."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
 def first_problem(problem: str, device: torch.device) -> str:
-    """The lowest-numbered rank's problem ('' when no rank has one), the same on every rank: a problem one rank
-    alone found (a damaged part of a checkpoint that only it reads) ends every rank with the same line."""
+    """The lowest-numbered rank's problem ('' when no rank has one), the same on every rank: a
+    problem one rank alone found (a damaged part of a checkpoint that only it reads) ends every rank
+    with the same line."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problem
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -40,15 +43,16 @@ def first_problem(problem: str, device: torch.device) -> str:
     data = torch.zeros(2048, dtype=torch.uint8, device=device)
     if rank == source:
         encoded = problem.encode()[:2048]
-        data[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        data[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     dist.broadcast(data, src=source)
     return bytes(data.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def silent_ranks(wait: float = 5.0) -> list[int]:
-    """After a collective timed out on this rank: the ranks that do not answer a roll call through the
-    rendezvous store within `wait` seconds (stopped or hung; torchrun's agent holds the store, so it outlives
-    any rank). Every rank that timed out calls it; [] when the store cannot be reached."""
+    """After a collective timed out on this rank: the ranks that do not answer a roll call through
+    the rendezvous store within `wait` seconds (stopped or hung; torchrun's agent holds the store,
+    so it outlives any rank). Every rank that timed out calls it; [] when the store cannot be
+    reached."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -65,16 +69,25 @@ def silent_ranks(wait: float = 5.0) -> list[int]:
 
 
 def _restart_safe_store(rank: int, world: int, timeout: datetime.timedelta) -> dict:
-    """init_process_group's store under torchrun's agent: the agent's own (it outlives any rank, which silent_ranks
-    needs) under a prefix of its own for every restart of the workers. torch joins it unprefixed, so a
-    restarted group would read the dead group's addresses and fail to connect (pytorch/pytorch#135712).
-    Elsewhere (no agent store): {}, torch's env:// as usual."""
+    """init_process_group's store under torchrun's agent: the agent's own (it outlives any rank,
+    which silent_ranks needs) under a prefix of its own for every restart of the workers. torch
+    joins it unprefixed, so a restarted group would read the dead group's addresses and fail to
+    connect (pytorch/pytorch#135712). Elsewhere (no agent store): {}, torch's env:// as usual."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout,
+    )
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"/fmeg/restart_{restart}/", agent), "rank": rank, "world_size": world}
+    return {
+        "store": dist.PrefixStore(f"/fmeg/restart_{restart}/", agent),
+        "rank": rank,
+        "world_size": world,
+    }
 
 
 @dataclass
@@ -95,16 +108,32 @@ class Session:
             torch.cuda.set_device(device)
         if world > 1:
             timeout = datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None,
-                                    **_restart_safe_store(rank, world, timeout))
-            mesh = Mesh.from_torch_distributed(tp=cfg.layout.tp, pp=cfg.layout.pp, cp=cfg.layout.cp, ep=cfg.layout.ep,
-                                               etp=cfg.layout.expert_tp, cp_a2a=cfg.layout.cp_a2a, device=device,
-                                               timeout=timeout)
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+                **_restart_safe_store(rank, world, timeout),
+            )
+            mesh = Mesh.from_torch_distributed(
+                tp=cfg.layout.tp,
+                pp=cfg.layout.pp,
+                cp=cfg.layout.cp,
+                ep=cfg.layout.ep,
+                etp=cfg.layout.expert_tp,
+                cp_a2a=cfg.layout.cp_a2a,
+                device=device,
+                timeout=timeout,
+            )
         else:
             mesh = Mesh.single()
-        return cls(world, rank, device, mesh, "inductor" if compiled else None,
-                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return cls(
+            world,
+            rank,
+            device,
+            mesh,
+            "inductor" if compiled else None,
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
 
     @property
     def last_rank(self) -> bool:
@@ -120,9 +149,11 @@ class Session:
         return bool(value.item())
 
     def first_failure(self, failed: bool, size: int) -> tuple[int, int]:
-        """(the lowest rank that failed, or world when none did; the sum of every rank's size), in place of
-        a barrier."""
-        status = torch.tensor([self.rank if failed else self.world, size], dtype=torch.int64, device=self.device)
+        """(the lowest rank that failed, or world when none did; the sum of every rank's size), in
+        place of a barrier."""
+        status = torch.tensor(
+            [self.rank if failed else self.world, size], dtype=torch.int64, device=self.device
+        )
         if self.world > 1:
             first = status[:1].clone()
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -135,7 +166,9 @@ class Session:
 
     def shared_token(self, value: int) -> int:
         """Rank 0's value on every rank."""
-        token = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        token = torch.tensor(
+            [value if self.rank == 0 else 0], dtype=torch.int64, device=self.device
+        )
         if self.world > 1:
             dist.broadcast(token, src=0)
         return int(token.item())

@@ -18,8 +18,15 @@ import torch
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
 from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
-from fmeg.training import (context_flags, fsdp_flags, gpt_oss_flags, mla_flags, modelopt_flags, moe_flags,
-                            mtp_flags)
+from fmeg.training import (
+    context_flags,
+    fsdp_flags,
+    gpt_oss_flags,
+    mla_flags,
+    modelopt_flags,
+    moe_flags,
+    mtp_flags,
+)
 from fmeg.training.megatron_flags import later_work_problems
 
 
@@ -51,8 +58,9 @@ def microbatches_per_step(a: argparse.Namespace, world_size: int) -> int:
 
 
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
-    """Every problem with the arguments, one line each (empty when they are consistent). A feature fmeg does
-    not have yet is the only problem reported: the layout checks would be about a run that cannot happen."""
+    """Every problem with the arguments, one line each (empty when they are consistent). A feature
+    fmeg does not have yet is the only problem reported: the layout checks would be about a run that
+    cannot happen."""
     # alone: the other checks would repeat them
     problems = later_work_problems(a) + modelopt_flags.problems(a) or non_finite_problems(a)
     if problems:
@@ -60,15 +68,35 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
 
     problems, need = Problems.start()
     if a.train_samples is not None:
-        need(a.train_iters > 0, f"--train-samples {a.train_samples} is less than one global batch; raise it")
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
-                 "num_attention_heads", "seq_length", "micro_batch_size", "log_interval") + \
-            (("train_iters",) if a.train_samples is None else ()):
-        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+        need(
+            a.train_iters > 0,
+            f"--train-samples {a.train_samples} is less than one global batch; raise it",
+        )
+    for flag in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "log_interval",
+    ) + (("train_iters",) if a.train_samples is None else ()):
+        need(
+            getattr(a, flag) > 0,
+            f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}",
+        )
     if problems:
         return problems
-    for part in (_layout_problems, _batch_problems, _feature_problems, _run_problems, _optimizer_problems,
-                 _data_problems):
+    for part in (
+        _layout_problems,
+        _pipeline_problems,
+        _batch_problems,
+        _feature_problems,
+        _run_problems,
+        _optimizer_problems,
+        _data_problems,
+    ):
         problems.extend(part(a, world_size))
     return problems
 
@@ -77,52 +105,106 @@ def _layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     """The sizes of the layout and the model checked against each other."""
     problems, need = Problems.start()
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    need(world_size % (tp * pp) == 0,
-         f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
-         f"--pipeline-model-parallel-size = {tp} * {pp}")
+    need(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} must be divisible by --tensor-model-parallel-size * "
+        f"--pipeline-model-parallel-size = {tp} * {pp}",
+    )
     dp, gbs = batch_geometry(a, world_size)
     ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
     cp = max(a.context_parallel_size, 1)
-    need(a.num_experts is None or ep < 1 or etp not in (1, tp) or (tp * dp * cp) % (ep * etp) == 0
-         or world_size % (tp * pp) != 0,
-         f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp x cp = {tp} x {dp} x "
-         f"{cp} (the experts' ranks are the tensor-, data- and context-parallel ones)")
-    need(a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
-         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads} "
-         "(or give --kv-channels)")
-    need(a.kv_channels is None or a.kv_channels > 0, f"--kv-channels must be positive, got {a.kv_channels}")
-    need(not (a.swiglu and a.squared_relu), "--swiglu and --squared-relu are alternatives; choose one")
-    need(not a.use_rope_scaling or a.position_embedding_type == "rope",
-         "--use-rope-scaling needs --position-embedding-type rope")
-    need(a.rope_scaling_factor > 0, f"--rope-scaling-factor must be positive, got {a.rope_scaling_factor}")
-    need(0 < a.rope_scaling_low_freq_factor < a.rope_scaling_high_freq_factor,
-         "--rope-scaling-low-freq-factor must be positive and below --rope-scaling-high-freq-factor")
-    need(a.rope_scaling_original_max_position_embeddings > 0,
-         "--rope-scaling-original-max-position-embeddings must be positive")
-    need(0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}")
-    need(a.num_attention_heads % tp == 0,
-         f"--num-attention-heads {a.num_attention_heads} must be divisible by --tensor-model-parallel-size {tp}")
+    need(
+        a.num_experts is None
+        or ep < 1
+        or etp not in (1, tp)
+        or (tp * dp * cp) % (ep * etp) == 0
+        or world_size % (tp * pp) != 0,
+        f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide tp x dp "
+        f"x cp = {tp} x {dp} x {cp} (the experts' ranks are the tensor-, data- and "
+        "context-parallel ones)",
+    )
+    need(
+        a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
+        f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads "
+        f"{a.num_attention_heads} (or give --kv-channels)",
+    )
+    need(
+        a.kv_channels is None or a.kv_channels > 0,
+        f"--kv-channels must be positive, got {a.kv_channels}",
+    )
+    need(
+        not (a.swiglu and a.squared_relu),
+        "--swiglu and --squared-relu are alternatives; choose one",
+    )
+    need(
+        not a.use_rope_scaling or a.position_embedding_type == "rope",
+        "--use-rope-scaling needs --position-embedding-type rope",
+    )
+    need(
+        a.rope_scaling_factor > 0,
+        f"--rope-scaling-factor must be positive, got {a.rope_scaling_factor}",
+    )
+    need(
+        0 < a.rope_scaling_low_freq_factor < a.rope_scaling_high_freq_factor,
+        "--rope-scaling-low-freq-factor must be positive and below --rope-scaling-high-freq-factor",
+    )
+    need(
+        a.rope_scaling_original_max_position_embeddings > 0,
+        "--rope-scaling-original-max-position-embeddings must be positive",
+    )
+    need(
+        0.0 < a.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {a.rotary_percent}"
+    )
+    need(
+        a.num_attention_heads % tp == 0,
+        f"--num-attention-heads {a.num_attention_heads} must be divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )
     groups = a.num_query_groups
     if groups:  # else one group per head, checked just above (0 and below: refused further down)
-        need(a.num_attention_heads % groups == 0,
-             f"--num-query-groups {groups} must divide --num-attention-heads {a.num_attention_heads}")
-        need(groups % tp == 0, f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}")
+        need(
+            a.num_attention_heads % groups == 0,
+            f"--num-query-groups {groups} must divide --num-attention-heads "
+            f"{a.num_attention_heads}",
+        )
+        need(
+            groups % tp == 0,
+            f"--num-query-groups {groups} must be divisible by --tensor-model-parallel-size {tp}",
+        )
     if a.ffn_hidden_size is not None:
-        need(a.ffn_hidden_size % tp == 0,
-             f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by --tensor-model-parallel-size {tp}")
+        need(
+            a.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+    return problems
+
+
+def _pipeline_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """The pipeline's layout string and virtual stages against the layers."""
+    problems, need = Problems.start()
+    pp = a.pipeline_model_parallel_size
     problems.extend(getattr(a, "layout_problems", []))
     vp_chunks = 1
     if a.num_layers_per_virtual_pipeline_stage is not None:
-        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        need(
+            pp > 1,
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1",
+        )
         per_rank = a.num_layers // pp
-        need(a.num_layers_per_virtual_pipeline_stage > 0 and per_rank % a.num_layers_per_virtual_pipeline_stage == 0,
-             f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} must divide the "
-             f"{per_rank} layers each pipeline rank holds")
+        need(
+            a.num_layers_per_virtual_pipeline_stage > 0
+            and per_rank % a.num_layers_per_virtual_pipeline_stage == 0,
+            f"--num-layers-per-virtual-pipeline-stage {a.num_layers_per_virtual_pipeline_stage} "
+            f"must divide the {per_rank} layers each pipeline rank holds",
+        )
         if a.num_layers_per_virtual_pipeline_stage > 0:
             vp_chunks = max(1, per_rank // a.num_layers_per_virtual_pipeline_stage)
-    need(a.num_layers % (pp * vp_chunks) == 0,
-         f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * virtual stages = "
-         f"{pp} * {vp_chunks}")
+    need(
+        a.num_layers % (pp * vp_chunks) == 0,
+        f"--num-layers {a.num_layers} must be divisible by --pipeline-model-parallel-size * "
+        f"virtual stages = {pp} * {vp_chunks}",
+    )
     return problems
 
 
@@ -130,34 +212,60 @@ def _batch_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     """The batch sizes, their ramp-up and the schedules that count samples."""
     problems, need = Problems.start()
     dp, gbs = batch_geometry(a, world_size)
-    need(gbs % (a.micro_batch_size * dp) == 0 or a.step_batch_size_schedule,  # its own check names each batch
-         f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
-         f"{a.micro_batch_size} * {dp}")
+    need(
+        gbs % (a.micro_batch_size * dp) == 0
+        or a.step_batch_size_schedule,  # its own check names each batch
+        f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
+        f"{a.micro_batch_size} * {dp}",
+    )
     if a.rampup_batch_size:
         problems.extend(check_rampup(*a.rampup_batch_size, gbs, a.micro_batch_size * dp))
     if a.step_batch_size_schedule is not None:
-        need(not a.rampup_batch_size, "--step-batch-size-schedule and --rampup-batch-size are alternatives; choose one")
+        need(
+            not a.rampup_batch_size,
+            "--step-batch-size-schedule and --rampup-batch-size are alternatives; choose one",
+        )
         try:
             steps = parse_step_schedule(a.step_batch_size_schedule, a.seq_length)
         except ValueError as e:
             problems.append(str(e))
             steps = ()
         odd = [batch for _, batch in steps if batch % (a.micro_batch_size * dp)]
-        need(not odd, f"--step-batch-size-schedule: batch sizes {odd} must be multiples of --micro-batch-size * "
-                      f"data-parallel size = {a.micro_batch_size} * {dp}")
-    need(a.loss_scale is None or a.loss_scale > 0, f"--loss-scale must be positive, got {a.loss_scale}")
-    need(a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
-         "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one")
-    need(a.lr_warmup_samples is None or a.lr_decay_samples is not None or a.train_samples is not None,
-         "--lr-warmup-samples needs --lr-decay-samples or --train-samples (the schedule counts samples)")
-    need(a.lr_decay_samples is None or a.lr_warmup_samples is not None or a.lr_warmup_fraction is not None
-         or a.train_samples is not None,
-         "--lr-decay-samples needs --lr-warmup-samples or --lr-warmup-fraction (the schedule counts samples)")
+        need(
+            not odd,
+            f"--step-batch-size-schedule: batch sizes {odd} must be multiples of "
+            f"--micro-batch-size * data-parallel size = {a.micro_batch_size} * {dp}",
+        )
+    need(
+        a.loss_scale is None or a.loss_scale > 0,
+        f"--loss-scale must be positive, got {a.loss_scale}",
+    )
+    need(
+        a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
+        "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one",
+    )
+    need(
+        a.lr_warmup_samples is None
+        or a.lr_decay_samples is not None
+        or a.train_samples is not None,
+        "--lr-warmup-samples needs --lr-decay-samples or --train-samples (the schedule counts "
+        "samples)",
+    )
+    need(
+        a.lr_decay_samples is None
+        or a.lr_warmup_samples is not None
+        or a.lr_warmup_fraction is not None
+        or a.train_samples is not None,
+        "--lr-decay-samples needs --lr-warmup-samples or --lr-warmup-fraction (the schedule "
+        "counts samples)",
+    )
     warmup, decay_steps, in_samples = lr_steps(a)
     if in_samples:
-        need(0 <= warmup < decay_steps or a.lr_decay_style == "constant",
-             f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
-             "(--lr-warmup-samples, --lr-decay-samples, --train-samples)")
+        need(
+            0 <= warmup < decay_steps or a.lr_decay_style == "constant",
+            f"the LR warmup of {warmup} samples must be below the decay's {decay_steps} samples "
+            "(--lr-warmup-samples, --lr-decay-samples, --train-samples)",
+        )
     return problems
 
 
@@ -179,44 +287,80 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     problems, need = Problems.start()
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     dp, gbs = batch_geometry(a, world_size)
-    need(a.save_interval is None or a.save_interval > 0, f"--save-interval must be positive, got {a.save_interval}")
+    need(
+        a.save_interval is None or a.save_interval > 0,
+        f"--save-interval must be positive, got {a.save_interval}",
+    )
     need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
-    need(not a.no_position_embedding or a.position_embedding_type == "rope",
-         "--no-position-embedding without --position-embedding-type rope would leave the model no positions; "
-         "fmeg does not support that yet: add --position-embedding-type rope")
-    need(a.device != "cuda" or torch.cuda.is_available(),
-         "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use --device cpu")
-    need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
-         f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}")
-    need(a.load is None or not os.path.isfile(a.load), f"--load {a.load} is a file; name the checkpoint directory")
+    need(
+        not a.no_position_embedding or a.position_embedding_type == "rope",
+        "--no-position-embedding without --position-embedding-type rope would leave the model no "
+        "positions; fmeg does not support that yet: add --position-embedding-type rope",
+    )
+    need(
+        a.device != "cuda" or torch.cuda.is_available(),
+        "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use "
+        "--device cpu",
+    )
+    need(
+        a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
+        f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}",
+    )
+    need(
+        a.load is None or not os.path.isfile(a.load),
+        f"--load {a.load} is a file; name the checkpoint directory",
+    )
     if a.tensorboard_dir:
         try:
             import tensorboard  # noqa: F401
         except ImportError:
-            problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
-    need(a.eval_interval is None or a.eval_interval > 0, f"--eval-interval must be positive, got {a.eval_interval}")
+            problems.append(
+                "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
+            )
+    need(
+        a.eval_interval is None or a.eval_interval > 0,
+        f"--eval-interval must be positive, got {a.eval_interval}",
+    )
     need(a.eval_iters >= 0, f"--eval-iters must be >= 0, got {a.eval_iters}")
-    need(a.distributed_timeout_minutes > 0,
-         f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}")
+    need(
+        a.distributed_timeout_minutes > 0,
+        f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}",
+    )
     vp_chunks, microbatches = virtual_chunks(a), microbatches_per_step(a, world_size)
     if vp_chunks > 1 and microbatches:
-        need(microbatches >= pp, f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
-                                 f"microbatches per step, got {microbatches}; raise --global-batch-size")
+        need(
+            microbatches >= pp,
+            f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
+            f"microbatches per step, got {microbatches}; raise --global-batch-size",
+        )
     problems.extend(recompute_problems(a))
     problems.extend(unused_flag_problems(a))
-    need(a.eval_global_batch_size in (None, gbs),  # Megatron's default: the final global batch
-         f"--eval-global-batch-size {a.eval_global_batch_size}: a validation batch other than the final global batch "
-         f"({gbs}) is not supported by fmeg yet; drop the flag")
+    need(
+        a.eval_global_batch_size in (None, gbs),  # Megatron's default: the final global batch
+        f"--eval-global-batch-size {a.eval_global_batch_size}: a validation batch other than the "
+        f"final global batch ({gbs}) is not supported by fmeg yet; drop the flag",
+    )
     problems.extend(optimizer_precision_problems(a))
-    need(not a.sequence_parallel or a.seq_length % tp == 0,
-         f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
-         "--sequence-parallel")
+    need(
+        not a.sequence_parallel or a.seq_length % tp == 0,
+        f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
+        "--sequence-parallel",
+    )
     need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
-    need(a.initial_loss_scale >= a.min_loss_scale > 0,
-         f"--initial-loss-scale {a.initial_loss_scale} must be >= --min-loss-scale {a.min_loss_scale} > 0")
-    need(a.loss_scale_window > 0 and a.hysteresis > 0, "--loss-scale-window and --hysteresis must be positive")
+    need(
+        a.initial_loss_scale >= a.min_loss_scale > 0,
+        f"--initial-loss-scale {a.initial_loss_scale} must be >= --min-loss-scale "
+        f"{a.min_loss_scale} > 0",
+    )
+    need(
+        a.loss_scale_window > 0 and a.hysteresis > 0,
+        "--loss-scale-window and --hysteresis must be positive",
+    )
     max_pos = a.max_position_embeddings or a.seq_length
-    need(a.seq_length <= max_pos, f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
+    need(
+        a.seq_length <= max_pos,
+        f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}",
+    )
     return problems
 
 
@@ -229,57 +373,121 @@ def _optimizer_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
     if a.decoupled_lr is not None:
         low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
-        need(0 <= low <= a.decoupled_lr, f"--decoupled-min-lr {low} must be between 0 and --decoupled-lr {a.decoupled_lr}")
-    need(a.decoupled_min_lr is None or a.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+        need(
+            0 <= low <= a.decoupled_lr,
+            f"--decoupled-min-lr {low} must be between 0 and --decoupled-lr {a.decoupled_lr}",
+        )
+    need(
+        a.decoupled_min_lr is None or a.decoupled_lr is not None,
+        "--decoupled-min-lr needs --decoupled-lr",
+    )
     decay = a.lr_decay_iters or a.train_iters
     if a.lr_warmup_fraction is not None:
-        need(0.0 <= a.lr_warmup_fraction < 1.0, f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}")
-    need(0 <= a.lr_warmup_iters < decay or a.lr_decay_style == "constant" or a.lr_warmup_fraction is not None
-         or in_samples,
-         f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}")
+        need(
+            0.0 <= a.lr_warmup_fraction < 1.0,
+            f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}",
+        )
+    need(
+        0 <= a.lr_warmup_iters < decay
+        or a.lr_decay_style == "constant"
+        or a.lr_warmup_fraction is not None
+        or in_samples,
+        f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}",
+    )
     need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
     for flag in ("adam_beta1", "adam_beta2"):
-        need(0.0 <= getattr(a, flag) < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(a, flag)}")
+        need(
+            0.0 <= getattr(a, flag) < 1.0,
+            f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(a, flag)}",
+        )
     for flag in ("adam_eps", "norm_epsilon", "init_method_std", "rotary_base"):
-        need(getattr(a, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}")
+        need(
+            getattr(a, flag) > 0,
+            f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}",
+        )
     need(0 <= a.seed < 2**63, f"--seed must be in [0, 2**63), got {a.seed}")
-    for flag in ("ffn_hidden_size", "num_query_groups", "global_batch_size", "max_position_embeddings",
-                 "padded_vocab_size", "exit_interval", "lr_decay_iters", "vocab_size"):
+    for flag in (
+        "ffn_hidden_size",
+        "num_query_groups",
+        "global_batch_size",
+        "max_position_embeddings",
+        "padded_vocab_size",
+        "exit_interval",
+        "lr_decay_iters",
+        "vocab_size",
+    ):
         value = getattr(a, flag)
-        need(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+        need(
+            value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}"
+        )
     need(a.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {a.lr_warmup_iters}")
     start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
     end_wd = a.weight_decay if a.end_weight_decay is None else a.end_weight_decay
-    need(a.weight_decay_incr_style != "constant" or start_wd == end_wd,
-         "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay")
+    need(
+        a.weight_decay_incr_style != "constant" or start_wd == end_wd,
+        "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay",
+    )
     need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
-    need(0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}")
-    need(0.0 <= a.attention_dropout < 1.0, f"--attention-dropout must be in [0, 1), got {a.attention_dropout}")
+    need(
+        0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}"
+    )
+    need(
+        0.0 <= a.attention_dropout < 1.0,
+        f"--attention-dropout must be in [0, 1), got {a.attention_dropout}",
+    )
     need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
     if a.padded_vocab_size is not None:
-        need(a.padded_vocab_size % tp == 0,
-             f"--padded-vocab-size {a.padded_vocab_size} must be divisible by --tensor-model-parallel-size {tp}")
+        need(
+            a.padded_vocab_size % tp == 0,
+            f"--padded-vocab-size {a.padded_vocab_size} must be divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
     return problems
 
 
 def _data_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     """The data, the tokenizer and the directories the run writes."""
     problems, need = Problems.start()
-    need(not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one")
-    need(a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 1,
-         "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the end of document)")
-    need(a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
-         "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern v1|v2")
-    need(not a.sft or a.tokenizer_type == "SFTTokenizer",
-         "--sft needs --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR (a tokenizer with a chat template)")
-    need(not a.sft or a.data_path, "--sft needs --data-path FILE.jsonl (lines of {\"messages\": [...]})")
-    need(not a.sft_sequence_packing or a.sft, "--sft-sequence-packing packs conversations: it needs --sft")
-    need(a.num_workers >= 0, f"--num-workers must be >= 0 (0 builds samples on the training thread), got {a.num_workers}")
+    need(
+        not (a.mock_data and a.data_path), "--mock-data and --data-path are alternatives; give one"
+    )
+    need(
+        a.tokenizer_type != "NullTokenizer" or (a.vocab_size or 0) > 1,
+        "--tokenizer-type NullTokenizer needs a --vocab-size of at least 2 (its ids, the last the "
+        "end of document)",
+    )
+    need(
+        a.tokenizer_type != "TikTokenizer" or (a.tokenizer_model and a.tiktoken_pattern),
+        "--tokenizer-type TikTokenizer needs --tokenizer-model PATH.json and --tiktoken-pattern "
+        "v1|v2",
+    )
+    need(
+        not a.sft or a.tokenizer_type == "SFTTokenizer",
+        "--sft needs --tokenizer-type SFTTokenizer --tokenizer-model HF_DIR (a tokenizer with a "
+        "chat template)",
+    )
+    need(
+        not a.sft or a.data_path,
+        '--sft needs --data-path FILE.jsonl (lines of {"messages": [...]})',
+    )
+    need(
+        not a.sft_sequence_packing or a.sft,
+        "--sft-sequence-packing packs conversations: it needs --sft",
+    )
+    need(
+        a.num_workers >= 0,
+        "--num-workers must be >= 0 (0 builds samples on the training thread), got "
+        f"{a.num_workers}",
+    )
     if a.fim_data:
         from fmeg.training.run_config import fim_settings
 
         problems.extend(fim_settings(a).problems())
-        need(not a.mock_data, "--fim-data rearranges text and --mock-data has none (as in Megatron); give --data-path")
+        need(
+            not a.mock_data,
+            "--fim-data rearranges text and --mock-data has none (as in Megatron); give "
+            "--data-path",
+        )
         need(not a.sft, "--fim-data and --sft are different datasets; give one")
     if a.data_path:
         try:
@@ -291,14 +499,17 @@ def _data_problems(a: argparse.Namespace, world_size: int) -> list[str]:
             if a.sft:
                 need(os.path.isfile(prefix), f"--data-path {prefix}: no such JSONL file")
             else:
-                need(os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
-                     f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
+                need(
+                    os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"),
+                    f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx",
+                )
     try:
         parse_split(a.split)
     except ValueError as e:
         problems.append(str(e))
     for flag in ("save", "log_dir", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
-        path = getattr(a, flag) if flag != "wandb_save_dir" or a.wandb_project else None  # used with a project only
+        # used with a project only
+        path = getattr(a, flag) if flag != "wandb_save_dir" or a.wandb_project else None
         problem = unwritable_directory(path) if path else None
         need(problem is None, f"--{flag.replace('_', '-')} {path}: {problem}")
     return problems
@@ -306,19 +517,26 @@ def _data_problems(a: argparse.Namespace, world_size: int) -> list[str]:
 
 def non_finite_problems(a: argparse.Namespace) -> list[str]:
     """One line for each float flag given as inf or nan (argparse and YAML both take them)."""
-    floats = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.type is float}
+    floats = {
+        action.dest: action.option_strings[0]
+        for action in build_parser()._actions
+        if action.type is float
+    }
 
     def bad(value) -> list[float]:
         values = value if isinstance(value, list) else [value]
         return [v for v in values if isinstance(v, float) and not math.isfinite(v)]
 
-    return [f"{flag} must be a finite number, got {bad(getattr(a, dest, None))[0]}" for dest, flag in floats.items()
-            if bad(getattr(a, dest, None))]
+    return [
+        f"{flag} must be a finite number, got {bad(getattr(a, dest, None))[0]}"
+        for dest, flag in floats.items()
+        if bad(getattr(a, dest, None))
+    ]
 
 
 def unwritable_directory(path: str) -> str | None:
-    """Why a directory cannot be written or created at path (None when it can): a file is in the way, or the
-    nearest existing directory is not writable (a read-only filesystem included)."""
+    """Why a directory cannot be written or created at path (None when it can): a file is in the
+    way, or the nearest existing directory is not writable (a read-only filesystem included)."""
     target = Path(path).absolute()
     if target.exists() and not target.is_dir():
         return "is a file, not a directory; name a directory"
@@ -328,14 +546,17 @@ def unwritable_directory(path: str) -> str | None:
     if not existing.is_dir():
         return f"{existing} is a file, so no directory can be made under it; name a directory"
     if not os.access(existing, os.W_OK | os.X_OK) or not _can_make_directory_in(existing):
-        return f"{existing} is not writable ({'read-only' if existing == target else 'cannot create it'}); " \
-               "name a directory you can write"
+        return (
+            f"{existing} is not writable "
+            f"({'read-only' if existing == target else 'cannot create it'}); name a directory you "
+            "can write"
+        )
     return None
 
 
 def _can_make_directory_in(directory: Path) -> bool:
-    """Whether a directory can really be made there (root passes os.access on read-only places like /proc):
-    one is made and removed at once."""
+    """Whether a directory can really be made there (root passes os.access on read-only places like
+    /proc): one is made and removed at once."""
     import tempfile
 
     try:
@@ -346,48 +567,92 @@ def _can_make_directory_in(directory: Path) -> bool:
 
 
 def optimizer_precision_problems(a: argparse.Namespace) -> list[str]:
-    """Megatron's precision-aware optimizer flags: the dtypes act with --use-precision-aware-optimizer only, and
-    fmeg stores the moments in fp32 or bf16 (fp16 and fp8 moments need Megatron's per-tensor scaling) with fp32
-    main weights and gradients."""
-    given = {flag: getattr(a, flag) for flag in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
-                                                 "exp_avg_sq_dtype") if getattr(a, flag) != "fp32"}
+    """Megatron's precision-aware optimizer flags: the dtypes act with
+    --use-precision-aware-optimizer only, and fmeg stores the moments in fp32 or bf16 (fp16 and fp8
+    moments need Megatron's per-tensor scaling) with fp32 main weights and gradients."""
+    given = {
+        flag: getattr(a, flag)
+        for flag in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        if getattr(a, flag) != "fp32"
+    }
     if given and not a.use_precision_aware_optimizer:
         flag, value = next(iter(given.items()))
-        return [f"--{flag.replace('_', '-')} {value} acts with --use-precision-aware-optimizer (as in Megatron): add "
-                "it, or drop the flag"]
+        return [
+            f"--{flag.replace('_', '-')} {value} acts with --use-precision-aware-optimizer (as in "
+            "Megatron): add it, or drop the flag"
+        ]
     out = []
     for flag in ("main_grads_dtype", "main_params_dtype"):
         if flag in given:
-            out.append(f"--{flag.replace('_', '-')} {given[flag]}: fmeg keeps fp32 main weights and gradients (not yet "
-                       "narrower ones); use fp32" + (" (--grad-reduce-in-bf16 reduces them in bf16)"
-                                                    if flag == "main_grads_dtype" else ""))
+            out.append(
+                f"--{flag.replace('_', '-')} {given[flag]}: fmeg keeps fp32 main weights and "
+                "gradients (not yet narrower ones); use fp32"
+                + (
+                    " (--grad-reduce-in-bf16 reduces them in bf16)"
+                    if flag == "main_grads_dtype"
+                    else ""
+                )
+            )
     for flag in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if given.get(flag) in ("fp16", "fp8"):
-            out.append(f"--{flag.replace('_', '-')} {given[flag]}: moments in fp16 or fp8 need Megatron's scaling, "
-                       "which fmeg does not have yet; use bf16 or fp32")
+            out.append(
+                f"--{flag.replace('_', '-')} {given[flag]}: moments in fp16 or fp8 need Megatron's "
+                "scaling, which fmeg does not have yet; use bf16 or fp32"
+            )
     return out
 
 
-# flags that only mean something beside another: {dest given: (what it needs, the flag that gives it)}
-_NEEDS = {**{dest: ("multi_latent_attention", "--multi-latent-attention")
-             for dest in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")},
-          **{dest: ("fim_data", "--fim-data")
-             for dest in ("fim_rate", "fim_spm_rate", "fim_split_sample", "fim_fragment_rate", "fim_no_prefix")},
-          "window_attn_skip_freq": ("window_size", "--window-size")}
+# flags that only mean something beside another: {dest given: (what it needs, the flag that gives
+# it)}
+_NEEDS = {
+    **{
+        dest: ("multi_latent_attention", "--multi-latent-attention")
+        for dest in (
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+        )
+    },
+    **{
+        dest: ("fim_data", "--fim-data")
+        for dest in (
+            "fim_rate",
+            "fim_spm_rate",
+            "fim_split_sample",
+            "fim_fragment_rate",
+            "fim_no_prefix",
+        )
+    },
+    "window_attn_skip_freq": ("window_size", "--window-size"),
+}
 
 
 def unused_flag_problems(a: argparse.Namespace) -> list[str]:
-    """Flags given that would change nothing, one line each (a silent no-op hides a mistaken command)."""
+    """Flags given that would change nothing, one line each (a silent no-op hides a mistaken
+    command)."""
     given = set(getattr(a, "given", ()))
-    out = [f"--{dest.replace('_', '-')} applies to {flag}, which is not given: add it or drop this flag"
-           for dest, (need, flag) in _NEEDS.items() if dest in given and not getattr(a, need)]
+    out = [
+        f"--{dest.replace('_', '-')} applies to {flag}, which is not given: add it or drop this "
+        "flag"
+        for dest, (need, flag) in _NEEDS.items()
+        if dest in given and not getattr(a, need)
+    ]
     experts = [m for m in a.recompute_modules or () if m in ("moe", "moe_act")]
     if experts and not a.num_experts and "recompute_modules" in given:
-        out.append(f"--recompute-modules {experts[0]} recomputes the experts, and the model has none "
-                   "(--num-experts): drop it")
-    if "shared_experts" in (a.recompute_modules or ()) and not a.moe_shared_expert_intermediate_size:
-        out.append("--recompute-modules shared_experts recomputes the shared experts, and the model has none "
-                   "(--moe-shared-expert-intermediate-size): drop it")
+        out.append(
+            f"--recompute-modules {experts[0]} recomputes the experts, and the model has none "
+            "(--num-experts): drop it"
+        )
+    if (
+        "shared_experts" in (a.recompute_modules or ())
+        and not a.moe_shared_expert_intermediate_size
+    ):
+        out.append(
+            "--recompute-modules shared_experts recomputes the shared experts, and the model has "
+            "none (--moe-shared-expert-intermediate-size): drop it"
+        )
     return out
 
 
@@ -395,23 +660,39 @@ def recompute_problems(a: argparse.Namespace) -> list[str]:
     """Megatron's rules for the recompute flags, one line each."""
     per_rank = a.num_layers // a.pipeline_model_parallel_size
     if a.recompute_modules is not None and a.recompute_granularity != "selective":
-        return ["--recompute-modules applies to --recompute-granularity selective (or --recompute-activations)"]
+        return [
+            "--recompute-modules applies to --recompute-granularity selective (or "
+            "--recompute-activations)"
+        ]
     if "mla_up_proj" in (a.recompute_modules or ()) and not a.multi_latent_attention:
-        return ["--recompute-modules mla_up_proj recomputes multi-latent attention's up-projections: add "
-                "--multi-latent-attention or drop it"]
+        return [
+            "--recompute-modules mla_up_proj recomputes multi-latent attention's up-projections: "
+            "add --multi-latent-attention or drop it"
+        ]
     if a.recompute_granularity is None:
-        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
+        given = [
+            f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None
+        ]
         return [f"--{f.replace('_', '-')} needs --recompute-granularity full" for f in given]
     if a.recompute_granularity == "selective":
-        given = [f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None]
-        return [f"--{f.replace('_', '-')} applies to --recompute-granularity full, not selective" for f in given]
+        given = [
+            f for f in ("recompute_method", "recompute_num_layers") if getattr(a, f) is not None
+        ]
+        return [
+            f"--{f.replace('_', '-')} applies to --recompute-granularity full, not selective"
+            for f in given
+        ]
     if a.recompute_method is None or a.recompute_num_layers is None:
-        return ["--recompute-granularity full needs --recompute-method (uniform or block) and "
-                "--recompute-num-layers"]
+        return [
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers"
+        ]
     low = 1 if a.recompute_method == "uniform" else 0
     if not low <= a.recompute_num_layers <= per_rank:
-        return [f"--recompute-num-layers {a.recompute_num_layers} must be between {low} and the {per_rank} layers "
-                f"of each pipeline rank with --recompute-method {a.recompute_method}"]
+        return [
+            f"--recompute-num-layers {a.recompute_num_layers} must be between {low} and the "
+            f"{per_rank} layers of each pipeline rank with --recompute-method {a.recompute_method}"
+        ]
     return []
 
 
@@ -432,28 +713,54 @@ def moe_problems(a: argparse.Namespace, tp: int) -> list[str]:
     if isinstance(freq, int):
         need(freq > 0, f"--moe-layer-freq must be positive, got {freq}")
     else:
-        need(len(freq) == a.num_layers, f"--moe-layer-freq: the pattern has {len(freq)} entries for --num-layers "
-                                        f"{a.num_layers}; give one per layer")
+        need(
+            len(freq) == a.num_layers,
+            f"--moe-layer-freq: the pattern has {len(freq)} entries for --num-layers "
+            f"{a.num_layers}; give one per layer",
+        )
     ffn = a.moe_ffn_hidden_size or a.ffn_hidden_size
-    need(a.moe_ffn_hidden_size is None or a.moe_ffn_hidden_size > 0, "--moe-ffn-hidden-size must be positive")
-    need(ffn is None or ffn % tp == 0, f"--moe-ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp}")
+    need(
+        a.moe_ffn_hidden_size is None or a.moe_ffn_hidden_size > 0,
+        "--moe-ffn-hidden-size must be positive",
+    )
+    need(
+        ffn is None or ffn % tp == 0,
+        f"--moe-ffn-hidden-size {ffn} must be divisible by --tensor-model-parallel-size {tp}",
+    )
     shared = a.moe_shared_expert_intermediate_size
-    need(shared is None or (shared > 0 and shared % tp == 0),
-         f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by "
-         f"--tensor-model-parallel-size {tp}")
-    need(not a.moe_shared_expert_gate or shared, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    need(
+        shared is None or (shared > 0 and shared % tp == 0),
+        f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )
+    need(
+        not a.moe_shared_expert_gate or shared,
+        "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size",
+    )
     groups, group_topk = a.moe_router_num_groups, a.moe_router_group_topk
     if groups or group_topk:
-        need(bool(groups) and bool(group_topk), "--moe-router-num-groups and --moe-router-group-topk go together")
+        need(
+            bool(groups) and bool(group_topk),
+            "--moe-router-num-groups and --moe-router-group-topk go together",
+        )
         if groups and group_topk and e > 0:
             need(e % groups == 0, f"--moe-router-num-groups {groups} must divide --num-experts {e}")
-            need(group_topk <= groups, f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}")
-            need(e % groups or (k % group_topk == 0 and k // group_topk <= max(e // groups, 1)),
-                 f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk {group_topk}, taking at most "
-                 f"{e // groups} experts (one group's) from each group")
-    need(a.moe_expert_capacity_factor is None or a.moe_expert_capacity_factor > 0,
-         "--moe-expert-capacity-factor must be positive")
-    need(not a.moe_pad_expert_input_to_capacity or a.moe_expert_capacity_factor is not None,
-         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+            need(
+                group_topk <= groups,
+                f"--moe-router-group-topk {group_topk} exceeds --moe-router-num-groups {groups}",
+            )
+            need(
+                e % groups or (k % group_topk == 0 and k // group_topk <= max(e // groups, 1)),
+                f"--moe-router-topk {k} must be a multiple of --moe-router-group-topk "
+                f"{group_topk}, taking at most {e // groups} experts (one group's) from each group",
+            )
+    need(
+        a.moe_expert_capacity_factor is None or a.moe_expert_capacity_factor > 0,
+        "--moe-expert-capacity-factor must be positive",
+    )
+    need(
+        not a.moe_pad_expert_input_to_capacity or a.moe_expert_capacity_factor is not None,
+        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+    )
     need(min(a.moe_aux_loss_coeff) >= 0, "--moe-aux-loss-coeff must be >= 0")
     return problems

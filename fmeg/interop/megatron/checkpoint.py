@@ -1,15 +1,19 @@
-"""A Megatron-LM torch_dist checkpoint opened as fmeg opens its own: the weights read by box at any layout.
+"""A Megatron-LM torch_dist checkpoint opened as fmeg opens its own: the weights read by box at any
+layout.
 
-    if is_torch_dist(path):                          # ck/iter_0000100 holding .metadata, *.distcp, common.pt
+    if is_torch_dist(path):                          # ck/iter_0000100 holding .metadata, *.distcp,
+    common.pt
         with MegatronCheckpoint.open(path, config) as ckpt:
-            ckpt.check(config)                       # Megatron's args against the flags' model: one line each
-            ckpt.read(requests)                      # fmeg.checkpoint.Request("params/<fmeg path>", box, out)
+            ckpt.check(config)                       # Megatron's args against the flags' model: one
+            line each ckpt.read(requests)                      #
+            fmeg.checkpoint.Request("params/<fmeg path>", box, out)
 
-It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, meta, has, dtype, read,
-bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the iteration and the
-consumed samples come from common.pt. Megatron's optimizer state is not read (has() says so): the optimizer
-starts fresh, as with --no-load-optim. A vocabulary table's rows past the vocabulary are padding, zeros as fmeg
-keeps them, whatever rows Megatron padded it to (it pads for its tp) and whatever they held.
+It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, meta, has, dtype,
+read, bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the
+iteration and the consumed samples come from common.pt. Megatron's optimizer state is not read
+(has() says so): the optimizer starts fresh, as with --no-load-optim. A vocabulary table's rows past
+the vocabulary are padding, zeros as fmeg keeps them, whatever rows Megatron padded it to (it pads
+for its tp) and whatever they held.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from fmeg.interop.megatron.torch_dist import TorchDistDir
 
 
 def is_torch_dist(path: Path) -> bool:
-    """Whether an iteration directory is Megatron's torch_dist (its metadata.json names a sharded backend)."""
+    """Whether an iteration directory is Megatron's torch_dist (its metadata.json names a sharded
+    backend)."""
     try:
         meta = json.loads((Path(path) / "metadata.json").read_text())
     except (OSError, ValueError):
@@ -38,14 +43,17 @@ def is_torch_dist(path: Path) -> bool:
 
 
 def saved_args(path: Path) -> Any:
-    """The args Namespace of an iteration directory's common.pt; a CheckpointError when it holds none."""
+    """The args Namespace of an iteration directory's common.pt; a CheckpointError when it holds
+    none."""
     try:
         args = read_common(Path(path) / "common.pt").get("args")
     except MegatronCheckpointError as e:
         raise CheckpointError(str(e)) from None
     if args is None:
-        raise CheckpointError(f"{Path(path) / 'common.pt'}: holds no Megatron args to build the model from; give the "
-                              "model's flags to recipes.gpt_pretrain with --load instead")
+        raise CheckpointError(
+            f"{Path(path) / 'common.pt'}: holds no Megatron args to build the model from; give the "
+            "model's flags to recipes.gpt_pretrain with --load instead"
+        )
     return args
 
 
@@ -55,12 +63,16 @@ class MegatronCheckpoint:
         self.args = common.get("args")
         self.shapes = {p: tuple(t.shape) for p, t in tree.items(_meta_init(config))}
         arg = lambda name, default=0: getattr(self.args, name, default) or default  # noqa: E731
-        self.meta = {"iteration": int(common.get("iteration", 0) or 0),
-                     "consumed_samples": int(arg("consumed_train_samples")),
-                     "valid_consumed_samples": int(arg("consumed_valid_samples")),
-                     "layout": {"tp": arg("tensor_model_parallel_size", 1),
-                                "pp": arg("pipeline_model_parallel_size", 1),
-                                "ep": arg("expert_model_parallel_size", 1)}}
+        self.meta = {
+            "iteration": int(common.get("iteration", 0) or 0),
+            "consumed_samples": int(arg("consumed_train_samples")),
+            "valid_consumed_samples": int(arg("consumed_valid_samples")),
+            "layout": {
+                "tp": arg("tensor_model_parallel_size", 1),
+                "pp": arg("pipeline_model_parallel_size", 1),
+                "ep": arg("expert_model_parallel_size", 1),
+            },
+        }
 
     @classmethod
     def open(cls, path: str | Path, config: Any) -> "MegatronCheckpoint":
@@ -75,18 +87,24 @@ class MegatronCheckpoint:
         return f"a Megatron torch_dist checkpoint (tp {lay['tp']}, pp {lay['pp']}, ep {lay['ep']})"
 
     def check(self, config: Any) -> None:
-        """Megatron's args (when common.pt holds them) against the flags' model: a CheckpointError naming the
-        flags that differ, with both values. Shapes are checked again tensor by tensor as they are read."""
+        """Megatron's args (when common.pt holds them) against the flags' model: a CheckpointError
+        naming the flags that differ, with both values. Shapes are checked again tensor by tensor as
+        they are read."""
         if self.args is None:
             return
         damaged = model_args.damaged_dest(self.args)
         if damaged:
             raise CheckpointError(f"{self.path / 'common.pt'}: {damaged}; the file is damaged")
-        diff = [f"{flag} {theirs} there, {ours} in the flags" for flag, theirs, ours in _compared(self.args, config)
-                if theirs is not None and theirs != ours]
+        diff = [
+            f"{flag} {theirs} there, {ours} in the flags"
+            for flag, theirs, ours in _compared(self.args, config)
+            if theirs is not None and theirs != ours
+        ]
         if diff:
-            raise CheckpointError(f"{self.path / 'common.pt'}: the Megatron checkpoint's model differs from the "
-                                  f"flags: {'; '.join(diff)}")
+            raise CheckpointError(
+                f"{self.path / 'common.pt'}: the Megatron checkpoint's model differs from the "
+                f"flags: {'; '.join(diff)}"
+            )
 
     def has(self, name: str) -> bool:
         kind, _, path = name.partition("/")
@@ -107,8 +125,10 @@ class MegatronCheckpoint:
             kind, _, path = r.name.partition("/")
             src = gpt_keys.source(path, self.config.activation == "swiglu")
             if kind != "params" or src is None or path not in self.shapes:
-                raise CheckpointError(f"{self.path}: a Megatron checkpoint holds no {r.name} (only the model's "
-                                      "weights are read from it)")
+                raise CheckpointError(
+                    f"{self.path}: a Megatron checkpoint holds no {r.name} (only the model's "
+                    "weights are read from it)"
+                )
             for key, box, out in self._parts(path, src, r):
                 wanted.append((key, box, out))
         try:
@@ -126,13 +146,18 @@ class MegatronCheckpoint:
             want = (self.config.num_layers, *want)  # Megatron stacks every layer of the model
         rows_differ = r.pad_with_zeros and len(saved) == len(want) and saved[1:] == want[1:]
         if saved != want and not rows_differ:
-            raise CheckpointError(f"{self.path}: {key} has shape {list(saved)} there; this run's {path} needs "
-                                  f"{list(want)} (the flags' model differs from the checkpoint's)")
+            raise CheckpointError(
+                f"{self.path}: {key} has shape {list(saved)} there; this run's {path} needs "
+                f"{list(want)} (the flags' model differs from the checkpoint's)"
+            )
         if rows_differ and saved[0] < self.config.vocab_size:
-            raise CheckpointError(f"{self.path}: {key} has {saved[0]} rows there, fewer than this run's vocabulary "
-                                  f"of {self.config.vocab_size}; load it with the tokenizer it was trained with")
+            raise CheckpointError(
+                f"{self.path}: {key} has {saved[0]} rows there, fewer than this run's vocabulary "
+                f"of {self.config.vocab_size}; load it with the tokenizer it was trained with"
+            )
         rows = min(saved[0], self.config.vocab_size) if r.pad_with_zeros else None
-        if rows is not None and box.end[0] > rows:  # padding rows (Megatron's hold its init) are zeros, as fmeg's
+        # padding rows (Megatron's hold its init) are zeros, as fmeg's
+        if rows is not None and box.end[0] > rows:
             keep = max(rows - box.offset[0], 0)
             out[keep:].zero_()
             box, out = Box(box.offset, (keep, *box.shape[1:])), out[:keep]
@@ -148,13 +173,19 @@ class MegatronCheckpoint:
         for key in src.keys:
             if self.dist.has(key):
                 shape = self.dist.shape(key)
-                layer = Box((src.layer, *(0,) * (len(shape) - 1)), (1, *shape[1:])) if src.layer is not None else \
-                    Box((0,) * len(shape), shape)
+                layer = (
+                    Box((src.layer, *(0,) * (len(shape) - 1)), (1, *shape[1:]))
+                    if src.layer is not None
+                    else Box((0,) * len(shape), shape)
+                )
                 if src.layer is None or (shape[0] > src.layer and self.dist.covers(key, layer)):
                     return key
-        raise CheckpointError(f"{self.path}: holds no {src.keys[0]}" + (f" for layer {src.layer}" if src.layer is
-                              not None else "") + f", which this run's {path} needs (the flags' model differs "
-                              "from the checkpoint's)")
+        raise CheckpointError(
+            f"{self.path}: holds no {src.keys[0]}"
+            + (f" for layer {src.layer}" if src.layer is not None else "")
+            + f", which this run's {path} needs (the flags' model differs "
+            "from the checkpoint's)"
+        )
 
     def close(self) -> None:
         pass
@@ -174,26 +205,39 @@ def _meta_init(config: Any) -> Any:
 
 
 def _compared(args: Any, c: Any) -> list[tuple[str, Any, Any]]:
-    """(Megatron's flag, the checkpoint's value, the flags' value) for what fixes the model's function."""
+    """(Megatron's flag, the checkpoint's value, the flags' value) for what fixes the model's
+    function."""
     from fmeg.models.moe import expert_ffn
 
     get = lambda name: getattr(args, name, None)  # noqa: E731
     groups = get("num_query_groups") if get("group_query_attention") else get("num_attention_heads")
-    position = {"learned_absolute": "learned", "rope": "rope"}.get(get("position_embedding_type"),
-                                                                 get("position_embedding_type"))
-    norm = {"RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}.get(get("normalization"), get("normalization"))
+    position = {"learned_absolute": "learned", "rope": "rope"}.get(
+        get("position_embedding_type"), get("position_embedding_type")
+    )
+    norm = {"RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}.get(
+        get("normalization"), get("normalization")
+    )
     untie = get("untie_embeddings_and_output_weights")
-    return [("--num-layers", get("num_layers"), c.num_layers),
-            ("--hidden-size", get("hidden_size"), c.hidden_size),
-            ("--num-attention-heads", get("num_attention_heads"), c.num_heads),
-            ("--num-query-groups", groups, c.num_kv_heads),
-            ("--ffn-hidden-size", get("ffn_hidden_size"), c.ffn_hidden_size),
-            ("--kv-channels", get("kv_channels"), c.head_dim),
-            ("--num-experts", get("num_experts"), c.num_experts),
-            ("--moe-ffn-hidden-size", get("moe_ffn_hidden_size") if get("num_experts") else None,
-             expert_ffn(c) if c.num_experts else None),
-            ("--normalization", norm, c.norm),
-            ("--position-embedding-type", position, c.position),
-            ("--swiglu", get("swiglu"), c.activation == "swiglu"),
-            ("--untie-embeddings-and-output-weights", None if untie is None else bool(untie), not c.tie_embeddings),
-            ("--qk-layernorm", get("qk_layernorm"), c.qk_norm)]
+    return [
+        ("--num-layers", get("num_layers"), c.num_layers),
+        ("--hidden-size", get("hidden_size"), c.hidden_size),
+        ("--num-attention-heads", get("num_attention_heads"), c.num_heads),
+        ("--num-query-groups", groups, c.num_kv_heads),
+        ("--ffn-hidden-size", get("ffn_hidden_size"), c.ffn_hidden_size),
+        ("--kv-channels", get("kv_channels"), c.head_dim),
+        ("--num-experts", get("num_experts"), c.num_experts),
+        (
+            "--moe-ffn-hidden-size",
+            get("moe_ffn_hidden_size") if get("num_experts") else None,
+            expert_ffn(c) if c.num_experts else None,
+        ),
+        ("--normalization", norm, c.norm),
+        ("--position-embedding-type", position, c.position),
+        ("--swiglu", get("swiglu"), c.activation == "swiglu"),
+        (
+            "--untie-embeddings-and-output-weights",
+            None if untie is None else bool(untie),
+            not c.tie_embeddings,
+        ),
+        ("--qk-layernorm", get("qk_layernorm"), c.qk_norm),
+    ]

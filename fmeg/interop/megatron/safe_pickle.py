@@ -1,18 +1,19 @@
 """The two pickles of a Megatron torch_dist checkpoint, read without running anything they name.
 
     metadata = read_dcp_metadata(Path("ck/iter_0000100/.metadata"))   # PyTorch DCP's Metadata
-    common = read_common(Path("ck/iter_0000100/common.pt"))          # {"args": Namespace, "iteration": 100, ...}
+    common = read_common(Path("ck/iter_0000100/common.pt"))          # {"args": Namespace,
+    "iteration": 100, ...}
 
-`.metadata` is a plain pickle of PyTorch distributed checkpoint's metadata dataclasses: it is read by an
-unpickler that resolves only those classes (and torch.Size, the dtypes, a layout lookup); any other global is a
-MegatronCheckpointError naming it. `common.pt` is a torch.save archive: its data.pkl is read by an unpickler
-that turns every class it names into an inert MegatronValue stand-in (Megatron-LM's args hold signal.Signals,
-megatron-core's enums, dataclasses of its configs; a crafted file may name anything): nothing a pickle names is
-imported, constructed or called. Only torch's dtypes are looked up by name, and tensors are rebuilt by fmeg from
-the archive's storage records.
-saved_tensor reads a chunk's own data.pkl as the layout of its tensor (storage record, dtype, offset, size,
-stride), resolving only the rebuild function and the storage types to stand-ins, so that a rank reads only the
-bytes of the rows it needs.
+`.metadata` is a plain pickle of PyTorch distributed checkpoint's metadata dataclasses: it is read
+by an unpickler that resolves only those classes (and torch.Size, the dtypes, a layout lookup); any
+other global is a MegatronCheckpointError naming it. `common.pt` is a torch.save archive: its
+data.pkl is read by an unpickler that turns every class it names into an inert MegatronValue
+stand-in (Megatron-LM's args hold signal.Signals, megatron-core's enums, dataclasses of its configs;
+a crafted file may name anything): nothing a pickle names is imported, constructed or called. Only
+torch's dtypes are looked up by name, and tensors are rebuilt by fmeg from the archive's storage
+records. saved_tensor reads a chunk's own data.pkl as the layout of its tensor (storage record,
+dtype, offset, size, stride), resolving only the rebuild function and the storage types to
+stand-ins, so that a rank reads only the bytes of the rows it needs.
 """
 
 from __future__ import annotations
@@ -33,45 +34,71 @@ class MegatronCheckpointError(ValueError):
 
 _DCP = "torch.distributed.checkpoint"
 _DCP_CLASSES = {
-    f"{_DCP}.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    f"{_DCP}.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     f"{_DCP}.filesystem": {"_StorageInfo"},
-    f"{_DCP}.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
+    f"{_DCP}.planner": {
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+        "BytesIOWriteData",
+    },
     "torch.serialization": {"_get_layout"},  # torch.strided from its name
     "torch": {"Size"},
     "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta's checkpoint_id, as DCP's FileSystemWriter writes it
+    # StorageMeta's checkpoint_id, as DCP's FileSystemWriter writes it
+    "pathlib": {"PosixPath", "PurePosixPath"},
 }
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP_CLASSES.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                      torch.dtype)):
+        if name in _DCP_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"names {module}.{name}, which a checkpoint's metadata never needs")
+        raise pickle.UnpicklingError(
+            f"names {module}.{name}, which a checkpoint's metadata never needs"
+        )
 
 
 def read_dcp_metadata(path: Path) -> Any:
-    """PyTorch DCP's Metadata from a `.metadata` file, or a MegatronCheckpointError naming the file."""
+    """PyTorch DCP's Metadata from a `.metadata` file, or a MegatronCheckpointError naming the
+    file."""
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise MegatronCheckpointError(f"{path}: missing; a torch_dist checkpoint's index of its shards is "
-                                      "written last, so this save did not finish: load an earlier iteration")
+        raise MegatronCheckpointError(
+            f"{path}: missing; a torch_dist checkpoint's index of its shards is written last, so "
+            "this save did not finish: load an earlier iteration"
+        )
     except pickle.UnpicklingError as e:
-        raise MegatronCheckpointError(f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)")
+        raise MegatronCheckpointError(
+            f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)"
+        )
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
-        raise MegatronCheckpointError(f"{path}: unreadable ({type(e).__name__}: {e}); the file is damaged")
+        raise MegatronCheckpointError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); the file is damaged"
+        )
     if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
         raise MegatronCheckpointError(f"{path}: not a PyTorch distributed checkpoint's metadata")
     return metadata
 
 
 class MegatronValue:
-    """An inert stand-in for a global that common.pt's pickle names: built from what the pickle gives it and
-    nothing else (no code of the class it stands for runs). `qualified` is the name it stands for."""
+    """An inert stand-in for a global that common.pt's pickle names: built from what the pickle
+    gives it and nothing else (no code of the class it stands for runs). `qualified` is the name it
+    stands for."""
 
     qualified = ""
 
@@ -99,8 +126,11 @@ class MegatronValue:
 
 
 def _stand_in(module: str, name: str) -> type:
-    return type(name.rsplit(".", 1)[-1], (MegatronValue,), {"qualified": f"{module}.{name}",
-                                                            "__module__": "fmeg.interop.megatron.stand_in"})
+    return type(
+        name.rsplit(".", 1)[-1],
+        (MegatronValue,),
+        {"qualified": f"{module}.{name}", "__module__": "fmeg.interop.megatron.stand_in"},
+    )
 
 
 def _latin1(text: str, encoding: str = "latin1") -> bytes:
@@ -111,8 +141,9 @@ def _latin1(text: str, encoding: str = "latin1") -> bytes:
 
 
 class _CommonUnpickler(pickle.Unpickler):
-    """common.pt's data.pkl: every global becomes an inert stand-in, except the torch dtypes (values looked up by
-    name), bytes' latin-1 form, and the tensor rebuild, which reads the archive's own storage record."""
+    """common.pt's data.pkl: every global becomes an inert stand-in, except the torch dtypes (values
+    looked up by name), bytes' latin-1 form, and the tensor rebuild, which reads the archive's own
+    storage record."""
 
     def __init__(self, file: io.BytesIO, storage: Any) -> None:
         super().__init__(file)
@@ -138,7 +169,9 @@ class _CommonUnpickler(pickle.Unpickler):
         return self.storage(str(key), dtype, int(numel))
 
 
-def _rebuilt_tensor(storage: torch.Tensor, offset: int, size: Any, stride: Any, *_: Any) -> torch.Tensor:
+def _rebuilt_tensor(
+    storage: torch.Tensor, offset: int, size: Any, stride: Any, *_: Any
+) -> torch.Tensor:
     try:
         return storage.as_strided(tuple(size), tuple(stride), int(offset)).clone()
     except RuntimeError as e:
@@ -146,7 +179,8 @@ def _rebuilt_tensor(storage: torch.Tensor, offset: int, size: Any, stride: Any, 
 
 
 def _archive_reader(archive: zipfile.ZipFile) -> tuple[bytes, Any]:
-    """data.pkl's bytes and a function from (storage key, dtype, numel) to that storage's elements."""
+    """data.pkl's bytes and a function from (storage key, dtype, numel) to that storage's
+    elements."""
     names = archive.namelist()
     pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
@@ -158,55 +192,93 @@ def _archive_reader(archive: zipfile.ZipFile) -> tuple[bytes, Any]:
     def storage(key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         data = archive.read(f"{prefix}data/{key}")
         if len(data) != numel * dtype.itemsize:
-            raise pickle.UnpicklingError(f"storage {key} holds {len(data)} bytes, not {numel} {dtype}")
-        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            raise pickle.UnpicklingError(
+                f"storage {key} holds {len(data)} bytes, not {numel} {dtype}"
+            )
+        return (
+            torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        )
 
     return archive.read(pkl[0]), storage
 
 
 def _namespace(value: Any) -> Any:
     """argparse.Namespace's stand-in as a Namespace of its fields (values stay as read)."""
-    if isinstance(value, MegatronValue) and value.qualified == "argparse.Namespace" and \
-            isinstance(value.state, dict) and all(isinstance(k, str) for k in value.state):
+    if (
+        isinstance(value, MegatronValue)
+        and value.qualified == "argparse.Namespace"
+        and isinstance(value.state, dict)
+        and all(isinstance(k, str) for k in value.state)
+    ):
         return argparse.Namespace(**value.state)
     return value
 
 
 def read_common(path: Path) -> dict:
-    """common.pt's dict (args, iteration, checkpoint_version, ...). Every class its pickle names is an inert
-    MegatronValue (Megatron-LM's args hold signal.Signals, megatron-core's enums and more); the args Namespace
-    comes back as an argparse.Namespace of what was pickled, tensors as tensors read from the archive."""
+    """common.pt's dict (args, iteration, checkpoint_version, ...). Every class its pickle names is
+    an inert MegatronValue (Megatron-LM's args hold signal.Signals, megatron-core's enums and more);
+    the args Namespace comes back as an argparse.Namespace of what was pickled, tensors as tensors
+    read from the archive."""
     if not path.is_file():
-        raise MegatronCheckpointError(f"{path}: missing; a Megatron torch_dist iteration holds its args and "
-                                      "iteration there")
+        raise MegatronCheckpointError(
+            f"{path}: missing; a Megatron torch_dist iteration holds its args and iteration there"
+        )
     try:
         with zipfile.ZipFile(path) as archive:
             data, storage = _archive_reader(archive)
             common = _CommonUnpickler(io.BytesIO(data), storage).load()
     except pickle.UnpicklingError as e:
-        raise MegatronCheckpointError(f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)")
-    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError,
-            zipfile.BadZipFile, RecursionError, MemoryError) as e:
-        raise MegatronCheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is "
-                                      "damaged")
+        raise MegatronCheckpointError(
+            f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)"
+        )
+    except (
+        OSError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        RuntimeError,
+        zipfile.BadZipFile,
+        RecursionError,
+        MemoryError,
+    ) as e:
+        raise MegatronCheckpointError(
+            f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is damaged"
+        )
     if not isinstance(common, dict):
-        raise MegatronCheckpointError(f"{path}: holds a {type(common).__name__}, not Megatron's common state dict")
+        raise MegatronCheckpointError(
+            f"{path}: holds a {type(common).__name__}, not Megatron's common state dict"
+        )
     common = {key: _namespace(value) for key, value in common.items()}
     args = common.get("args")
     if args is not None and not isinstance(args, argparse.Namespace):
-        raise MegatronCheckpointError(f"{path}: its args are {args!r:.80}, not Megatron's argument Namespace; "
-                                      "nothing was run (a damaged or crafted file)")
+        raise MegatronCheckpointError(
+            f"{path}: its args are {args!r:.80}, not Megatron's argument Namespace; nothing was "
+            "run (a damaged or crafted file)"
+        )
     return common
 
 
-_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
-                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-                   "BoolStorage": torch.bool}
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32,
+    "BFloat16Storage": torch.bfloat16,
+    "HalfStorage": torch.float16,
+    "DoubleStorage": torch.float64,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
 
 
 class SavedTensor(NamedTuple):
-    """Where one torch.save'd tensor's elements lie: its storage record, dtype, storage offset, size, stride."""
+    """Where one torch.save'd tensor's elements lie: its storage record, dtype, storage offset,
+    size, stride."""
+
     storage: str
     dtype: torch.dtype
     offset: int
@@ -215,12 +287,15 @@ class SavedTensor(NamedTuple):
 
 
 class _TensorUnpickler(pickle.Unpickler):
-    """A torch.save archive's data.pkl of one tensor, read as its layout: the rebuild function and the storage
-    types resolve to local stand-ins (nothing of torch is called); anything else is refused."""
+    """A torch.save archive's data.pkl of one tensor, read as its layout: the rebuild function and
+    the storage types resolve to local stand-ins (nothing of torch is called); anything else is
+    refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *_: SavedTensor(*storage, offset, tuple(size), tuple(stride))
+            return lambda storage, offset, size, stride, *_: SavedTensor(
+                *storage, offset, tuple(size), tuple(stride)
+            )
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         if (module, name) == ("collections", "OrderedDict"):
@@ -235,7 +310,8 @@ class _TensorUnpickler(pickle.Unpickler):
 
 
 def saved_tensor(data_pkl: bytes) -> SavedTensor:
-    """The layout of the one tensor a torch.save archive's data.pkl describes; ValueError if it is not that."""
+    """The layout of the one tensor a torch.save archive's data.pkl describes; ValueError if it
+    is not that."""
     try:
         found = _TensorUnpickler(io.BytesIO(data_pkl)).load()
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError) as e:

@@ -1,8 +1,8 @@
 """Actions: what one pipeline rank does next, written as PyTorch's pipelining writes them ("2F0").
 
-A schedule is a list per pipeline rank of Actions in execution order. Stages are virtual: with v model
-chunks per rank and pp ranks, stage s = chunk * pp + rank lives on rank s % pp (Megatron's interleaving),
-and the model's layers run through stages 0, 1, ..., v * pp - 1 in order.
+A schedule is a list per pipeline rank of Actions in execution order. Stages are virtual: with v
+model chunks per rank and pp ranks, stage s = chunk * pp + rank lives on rank s % pp (Megatron's
+interleaving), and the model's layers run through stages 0, 1, ..., v * pp - 1 in order.
 
     F   forward of one microbatch through one stage
     B   backward (input gradient; the weight gradient too unless a W for it follows)
@@ -38,7 +38,9 @@ class Action:
     def parse(cls, text: str) -> "Action":
         m = _PATTERN.match(text.strip())
         if not m:
-            raise ValueError(f"cannot parse action {text!r}: expected stage, kind, microbatch as in '2F0'")
+            raise ValueError(
+                f"cannot parse action {text!r}: expected stage, kind, microbatch as in '2F0'"
+            )
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
     @property
@@ -51,7 +53,9 @@ Schedule = list[list[Action]]
 
 def format_schedule(schedule: Schedule) -> str:
     """One line per rank: 'rank 0: 0F0 0F1 0B0 ...'."""
-    return "\n".join(f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(schedule))
+    return "\n".join(
+        f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(schedule)
+    )
 
 
 def parse_schedule(text: str) -> Schedule:

@@ -10,7 +10,8 @@ COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def draw_timeline(timeline: Timeline, path: str | Path, title: str = "") -> Path:
-    """Write a PNG with one row per rank and one box per compute action, labelled with its microbatch."""
+    """Write a PNG with one row per rank and one box per compute action, labelled with its
+    microbatch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,8 +24,15 @@ def draw_timeline(timeline: Timeline, path: str | Path, title: str = "") -> Path
             if not action.is_compute:
                 continue
             ax.barh(r, end - start, left=start, color=COLOURS[action.kind], edgecolor="white")
-            ax.text((start + end) / 2, r, str(action.microbatch), ha="center", va="center", fontsize=7,
-                    color="white")
+            ax.text(
+                (start + end) / 2,
+                r,
+                str(action.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel("time")

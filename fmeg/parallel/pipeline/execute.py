@@ -4,18 +4,18 @@
 
 stage_fns[s](params, x, batch) -> the activation sent to stage s + 1, or, for the last stage, that
 microbatch's loss (x is None on stage 0, which reads its input from batch); or a list of Segments
-(pipeline.segments) that chain to the same. Forward records one autograd graph per segment, from fresh
-leaves that share storage with the params and the input, and keeps a vjp function for it (as
-torch.func.vjp would; autograd lets a torch.compile'd segment run its compiled backward); backward calls
-them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
-(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_into (a
-data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's backward
-produces them, with final=True in the stage's last backward (so data-parallel reduction can start while
-the rest runs), instead of being summed here and returned.
+(pipeline.segments) that chain to the same. Forward records one autograd graph per segment, from
+fresh leaves that share storage with the params and the input, and keeps a vjp function for it (as
+torch.func.vjp would; autograd lets a torch.compile'd segment run its compiled backward); backward
+calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
+(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_into
+(a data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's
+backward produces them, with final=True in the stage's last backward (so data-parallel reduction can
+start while the rest runs), instead of being summed here and returned.
 
 Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
-gradient to the sum. Both come from the one vjp call made at B (one autograd.grad computes them together),
-so W changes when weight gradients are applied, not how much compute B does.
+gradient to the sum. Both come from the one vjp call made at B (one autograd.grad computes them
+together), so W changes when weight gradients are applied, not how much compute B does.
 """
 
 from __future__ import annotations
@@ -35,38 +35,50 @@ FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
 def _add(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """Gradient sums are kept in at least fp32, whatever the compute dtype (bf16/fp16 microbatches)."""
+    """Gradient sums are kept in at least fp32, whatever the compute dtype (bf16/fp16
+    microbatches)."""
     new = new.to(torch.promote_types(new.dtype, torch.float32))
     return new if total is None else total + new
 
 
 def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Callable]:
-    """(fn(params, *x), vjp function returning ({path: params cotangent}, *x cotangents)), like torch.func.vjp
-    but with the params' cotangents flat by dotted path (what gradient buffers take), through autograd: fn
-    runs on detached leaves that require grad, and the vjp function releases the graph. The output is
-    detached."""
+    """(fn(params, *x), vjp function returning ({path: params cotangent}, *x cotangents)), like
+    torch.func.vjp but with the params' cotangents flat by dotted path (what gradient buffers take),
+    through autograd: fn runs on detached leaves that require grad, and the vjp function releases
+    the graph. The output is detached."""
     leaves, spec = tree.tree_flatten(params)
     inputs = [t.detach().requires_grad_() for t in [*leaves, *x]]
     with torch.enable_grad():
-        out = fn(tree.tree_unflatten(inputs[:len(leaves)], spec), *inputs[len(leaves):])
+        out = fn(tree.tree_unflatten(inputs[: len(leaves)], spec), *inputs[len(leaves) :])
 
     def pullback(grad_out: torch.Tensor) -> tuple:
-        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True, materialize_grads=True)
-        return (dict(zip(tree.paths_of(spec), grads[:len(leaves)])), *grads[len(leaves):])
+        grads = torch.autograd.grad(
+            out, inputs, grad_out, allow_unused=True, materialize_grads=True
+        )
+        return (dict(zip(tree.paths_of(spec), grads[: len(leaves)])), *grads[len(leaves) :])
 
     return out.detach(), pullback
 
 
-def _always(stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> contextlib.nullcontext:
+def _always(
+    stage: int, keys: tuple[str, ...] | None, backward: bool = False
+) -> contextlib.nullcontext:
     """The `use` of params that are always readable."""
     return contextlib.nullcontext()
 
 
-def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch: dict, use: Callable = _always,
-             stage: int = 0) -> tuple:
-    """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment, and
-    (unit, its input) for a recomputed unit, whose forward keeps nothing else. Each segment runs inside
-    use(stage, its keys), which makes its params readable (sharded weights are gathered there)."""
+def _forward(
+    segments: list[Segment],
+    params: Any,
+    x: torch.Tensor | None,
+    batch: dict,
+    use: Callable = _always,
+    stage: int = 0,
+) -> tuple:
+    """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment,
+    and (unit, its input) for a recomputed unit, whose forward keeps nothing else. Each segment runs
+    inside use(stage, its keys), which makes its params readable (sharded weights are gathered
+    there)."""
     entries: list[tuple] = []
     for unit in units(segments):
         if unit[0].recompute is not None:
@@ -85,15 +97,23 @@ def _forward(segments: list[Segment], params: Any, x: torch.Tensor | None, batch
     return x, entries
 
 
-def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict, use: Callable = _always,
-              stage: int = 0) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
-    """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last first]).
-    A recomputed unit runs its forward again from its saved input, keeping vjps this time, then backward."""
+def _backward(
+    entries: list,
+    grad_out: torch.Tensor,
+    params: Any,
+    batch: dict,
+    use: Callable = _always,
+    stage: int = 0,
+) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
+    """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last
+    first]). A recomputed unit runs its forward again from its saved input, keeping vjps this time,
+    then backward."""
     per_segment = []
     for head, saved in reversed(entries):
         if isinstance(head, list):
             kept = [dataclasses.replace(segment, recompute=None) for segment in head]
-            with contextlib.ExitStack() as held:  # the unit's weights stay gathered from recompute to backward
+            # the unit's weights stay gathered from recompute to backward
+            with contextlib.ExitStack() as held:
                 for segment in head:
                     held.enter_context(use(stage, segment.keys, True))
                 _, inner = _forward(kept, params, saved, batch, use, stage)
@@ -108,16 +128,38 @@ def _backward(entries: list, grad_out: torch.Tensor, params: Any, batch: dict, u
 
 
 class _Execution:
-    """The state of one rank's run of its actions: what each step hands the next, the backward functions
-    kept for B, the deferred weight gradients kept for W, and the gradient sums."""
+    """The state of one rank's run of its actions: what each step hands the next, the backward
+    functions kept for B, the deferred weight gradients kept for W, and the gradient sums."""
 
-    def __init__(self, segments: dict, stage_params: dict, microbatches: list[dict], pp_group: Any,
-                 num_stages: int, *, loss_scale: float, forward_only: bool, grads_into: Any, divisor: int,
-                 use: Callable, split_backward: bool):
-        self.segments, self.params, self.microbatches, self.pp_group = segments, stage_params, microbatches, pp_group
+    def __init__(
+        self,
+        segments: dict,
+        stage_params: dict,
+        microbatches: list[dict],
+        pp_group: Any,
+        num_stages: int,
+        *,
+        loss_scale: float,
+        forward_only: bool,
+        grads_into: Any,
+        divisor: int,
+        use: Callable,
+        split_backward: bool,
+    ):
+        self.segments, self.params, self.microbatches, self.pp_group = (
+            segments,
+            stage_params,
+            microbatches,
+            pp_group,
+        )
         self.pp = 1 if pp_group is None else pp_group.size
         self.last, self.loss_scale, self.forward_only = num_stages - 1, loss_scale, forward_only
-        self.grads_into, self.divisor, self.use, self.split_backward = grads_into, divisor, use, split_backward
+        self.grads_into, self.divisor, self.use, self.split_backward = (
+            grads_into,
+            divisor,
+            use,
+            split_backward,
+        )
         # ("F"/"B", stage, microbatch) -> the input of that step, or the output to send
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -148,21 +190,30 @@ class _Execution:
         x = None if s == 0 else self.inbox.pop(("F", s, m))
         if self.forward_only:
             with torch.no_grad():
-                out = compose(self.segments[s], self.use, s)(self.params[s], x, self.microbatches[m])
+                out = compose(self.segments[s], self.use, s)(
+                    self.params[s], x, self.microbatches[m]
+                )
         else:
-            out, self.vjps[(s, m)] = _forward(self.segments[s], self.params[s], x, self.microbatches[m], self.use, s)
+            out, self.vjps[(s, m)] = _forward(
+                self.segments[s], self.params[s], x, self.microbatches[m], self.use, s
+            )
         if s == self.last:
             self.loss = (0.0 if self.loss is None else self.loss) + out.detach() / self.divisor
-        elif (s + 1) % self.pp == s % self.pp:  # the next stage is ours: hand over without communication
+        # the next stage is ours: hand over without communication
+        elif (s + 1) % self.pp == s % self.pp:
             self.inbox[("F", s + 1, m)] = out.detach()
         else:
             self.outbox[("F", s, m)] = out.detach()
 
     def backward(self, s: int, m: int) -> None:
-        grad_out = torch.full((), self.loss_scale / self.divisor, device=self.loss.device) if s == self.last \
+        grad_out = (
+            torch.full((), self.loss_scale / self.divisor, device=self.loss.device)
+            if s == self.last
             else self.inbox.pop(("B", s, m))
-        grad_in, per_segment = _backward(self.vjps.pop((s, m)), grad_out, self.params[s], self.microbatches[m],
-                                         self.use, s)
+        )
+        grad_in, per_segment = _backward(
+            self.vjps.pop((s, m)), grad_out, self.params[s], self.microbatches[m], self.use, s
+        )
         if s > 0:
             ours = (s - 1) % self.pp == s % self.pp
             if ours:
@@ -184,28 +235,47 @@ class _Execution:
                 self.sums[s][path] = _add(self.sums[s].get(path), g)
 
 
-def execute(actions: list[Action], stage_fns: dict[int, Callable | list[Segment]], stage_params: dict[int, Any],
-            microbatches: list[dict], pp_group: Any, num_stages: int,
-            trace: list | None = None, loss_scale: float = 1.0, forward_only: bool = False,
-            grads_into: Any = None, microbatch_mean: bool = True, use: Callable = _always
-            ) -> tuple[torch.Tensor | None, dict[int, Any]]:
-    """Run `actions` (this rank's list, communication included) and return (mean loss if this rank holds
-    the last stage, else None; {stage: gradient of its params}, empty when grads_into takes them). A
-    `trace` list receives (action, start, end) in time.perf_counter() seconds for every action.
-    loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of loss_scale * mean
-    loss. forward_only (evaluation) runs the F actions without keeping anything for a backward. grads_into:
-    an object with add(stage, {path: gradient}, final) that takes the gradients instead. microbatch_mean=False:
-    the loss and gradients are of the sum of the microbatch losses (per-token losses divide later).
-    use(stage, segment keys, backward) -> a context inside which each segment's forward and backward run: where
-    sharded weights are gathered (fmeg.parallel.sharded_params)."""
+def execute(
+    actions: list[Action],
+    stage_fns: dict[int, Callable | list[Segment]],
+    stage_params: dict[int, Any],
+    microbatches: list[dict],
+    pp_group: Any,
+    num_stages: int,
+    trace: list | None = None,
+    loss_scale: float = 1.0,
+    forward_only: bool = False,
+    grads_into: Any = None,
+    microbatch_mean: bool = True,
+    use: Callable = _always,
+) -> tuple[torch.Tensor | None, dict[int, Any]]:
+    """Run `actions` (this rank's list, communication included) and return (mean loss if this rank
+    holds the last stage, else None; {stage: gradient of its params}, empty when grads_into takes
+    them). A `trace` list receives (action, start, end) in time.perf_counter() seconds for every
+    action. loss_scale multiplies the backward seed (fp16 loss scaling); the gradients are of
+    loss_scale * mean loss. forward_only (evaluation) runs the F actions without keeping anything
+    for a backward. grads_into: an object with add(stage, {path: gradient}, final) that takes the
+    gradients instead. microbatch_mean=False: the loss and gradients are of the sum of the
+    microbatch losses (per-token losses divide later). use(stage, segment keys, backward) -> a
+    context inside which each segment's forward and backward run: where sharded weights are gathered
+    (fmeg.parallel.sharded_params)."""
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
     if not forward_only:
         for s in stage_params:
             check_cover(segments[s], stage_params[s], s)
-    run = _Execution(segments, stage_params, microbatches, pp_group, num_stages, loss_scale=loss_scale,
-                     forward_only=forward_only, grads_into=grads_into,
-                     divisor=len(microbatches) if microbatch_mean else 1, use=use,
-                     split_backward=any(a.kind == "W" for a in actions))
+    run = _Execution(
+        segments,
+        stage_params,
+        microbatches,
+        pp_group,
+        num_stages,
+        loss_scale=loss_scale,
+        forward_only=forward_only,
+        grads_into=grads_into,
+        divisor=len(microbatches) if microbatch_mean else 1,
+        use=use,
+        split_backward=any(a.kind == "W" for a in actions),
+    )
     for a in actions:
         start = time.perf_counter()
         run.run(a)

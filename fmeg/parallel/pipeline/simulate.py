@@ -1,9 +1,9 @@
 """Simulate a schedule: when each action runs on each rank, the bubble, and the activations held.
 
-The communication model is the executor's: a send is buffered (the sender goes on at once) and a receive
-blocks until the matching send has happened (plus `latency`). Compute actions cost costs[kind] (or a
-function of the action). A schedule that cannot finish under this model raises ScheduleError naming
-what every stuck rank waits for.
+The communication model is the executor's: a send is buffered (the sender goes on at once) and a
+receive blocks until the matching send has happened (plus `latency`). Compute actions cost
+costs[kind] (or a function of the action). A schedule that cannot finish under this model raises
+ScheduleError naming what every stuck rank waits for.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ class ScheduleError(ValueError):
 
 @dataclass
 class Timeline:
-    events: list[list[tuple[Action, float, float]]]  # per rank: (action, start, end), compute and communication
+    # per rank: (action, start, end), compute and communication
+    events: list[list[tuple[Action, float, float]]]
     total: float
-    peak_activations: list[int]  # per rank: most (stage, microbatch) pairs held between F and release
+    # per rank: most (stage, microbatch) pairs held between F and release
+    peak_activations: list[int]
 
     @property
     def busy(self) -> list[float]:
@@ -42,7 +44,9 @@ def _peer(action: Action, stages: int) -> tuple[str, int, int]:
     return ("SEND_B", action.stage + 1, action.microbatch)
 
 
-def _local_dependency(action: Action, stages: int, split_backward: bool) -> tuple[str, int, int] | None:
+def _local_dependency(
+    action: Action, stages: int, split_backward: bool
+) -> tuple[str, int, int] | None:
     """The compute action that must finish before this one (across stages or on the same stage)."""
     s, m = action.stage, action.microbatch
     if action.kind == "F":
@@ -52,14 +56,22 @@ def _local_dependency(action: Action, stages: int, split_backward: bool) -> tupl
     return ("B", s, m)  # W after its B
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], float] | None = None,
-             latency: float = 0.0) -> Timeline:
-    cost = costs if callable(costs) else (lambda a, c={"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}: c[a.kind])
+def simulate(
+    schedule: Schedule,
+    costs: dict[str, float] | Callable[[Action], float] | None = None,
+    latency: float = 0.0,
+) -> Timeline:
+    cost = (
+        costs
+        if callable(costs)
+        else (lambda a, c={"F": 1.0, "B": 1.0, "W": 1.0, **(costs or {})}: c[a.kind])
+    )
     if not any(not a.is_compute for actions in schedule for a in actions):
         schedule = with_communication(schedule)
     pp, stages = len(schedule), num_stages(schedule)
     split_backward = any(a.kind == "W" for actions in schedule for a in actions)
-    finished: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> time it completed
+    # (kind, stage, microbatch) -> time it completed
+    finished: dict[tuple[str, int, int], float] = {}
     clock, step = [0.0] * pp, [0] * pp
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     held, peak = [set() for _ in range(pp)], [0] * pp
@@ -97,8 +109,12 @@ def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], fl
         if all(step[r] == len(schedule[r]) for r in range(pp)):
             return Timeline(events, max(clock), peak)
         if not progressed:
-            stuck = [f"rank {r}, step {step[r]} ({schedule[r][step[r]]}) waits for {_waits_for(schedule[r][step[r]], stages)}"
-                     for r in range(pp) if step[r] < len(schedule[r])]
+            stuck = [
+                f"rank {r}, step {step[r]} ({schedule[r][step[r]]}) waits for "
+                f"{_waits_for(schedule[r][step[r]], stages)}"
+                for r in range(pp)
+                if step[r] < len(schedule[r])
+            ]
             raise ScheduleError("deadlock: " + "; ".join(stuck))
 
 
@@ -121,5 +137,8 @@ def timeline_text(timeline: Timeline, width: int = 100) -> str:
                 for i in range(int(s * scale), max(int(s * scale) + 1, int(e * scale))):
                     line[min(i, width - 1)] = a.kind
         rows.append(f"rank {r} |{''.join(line)}|")
-    rows.append(f"bubble {timeline.bubble_fraction:.3f}, peak activations per rank {timeline.peak_activations}")
+    rows.append(
+        f"bubble {timeline.bubble_fraction:.3f}, peak activations per rank "
+        f"{timeline.peak_activations}"
+    )
     return "\n".join(rows)

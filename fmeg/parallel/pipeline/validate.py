@@ -1,4 +1,5 @@
-"""One checker for any schedule: placement, completeness, order, matching sends and receives, no deadlock.
+"""One checker for any schedule: placement, completeness, order, matching sends and receives, no
+deadlock.
 
 Every problem is reported with the rank, the step (index in that rank's list) and the action.
 """
@@ -14,8 +15,9 @@ from fmeg.parallel.pipeline.simulate import ScheduleError, simulate
 
 def validate(schedule: Schedule, microbatches: int, stages: int | None = None) -> None:
     """Raise ScheduleError unless every (stage, microbatch) has one F and one B (and one W, if the
-    schedule uses W at all), each on rank stage % pp, in order F < B < W on that rank, with sends and
-    receives matching in order on every channel and the whole schedule finishing without deadlock."""
+    schedule uses W at all), each on rank stage % pp, in order F < B < W on that rank, with sends
+    and receives matching in order on every channel and the whole schedule finishing without
+    deadlock."""
     pp = len(schedule)
     stages = stages or num_stages(schedule)
     uses_w = any(a.kind == "W" for actions in schedule for a in actions)
@@ -26,7 +28,9 @@ def validate(schedule: Schedule, microbatches: int, stages: int | None = None) -
             if a.stage % pp != r or a.stage >= stages:
                 raise ScheduleError(f"{where}: stage {a.stage} belongs on rank {a.stage % pp}")
             if not 0 <= a.microbatch < microbatches:
-                raise ScheduleError(f"{where}: microbatch {a.microbatch} is outside 0..{microbatches - 1}")
+                raise ScheduleError(
+                    f"{where}: microbatch {a.microbatch} is outside 0..{microbatches - 1}"
+                )
             if not a.is_compute:
                 continue
             key = (a.kind, a.stage, a.microbatch)
@@ -42,7 +46,11 @@ def validate(schedule: Schedule, microbatches: int, stages: int | None = None) -
             for kind in kinds:
                 if (kind, s, m) not in seen:
                     raise ScheduleError(f"rank {s % pp}: {s}{kind}{m} is missing")
-    full = schedule if any(not a.is_compute for acts in schedule for a in acts) else with_communication(schedule)
+    full = (
+        schedule
+        if any(not a.is_compute for acts in schedule for a in acts)
+        else with_communication(schedule)
+    )
     _check_channels(full, stages)
     simulate(full)
 
@@ -50,8 +58,8 @@ def validate(schedule: Schedule, microbatches: int, stages: int | None = None) -
 def _check_channels(schedule: Schedule, stages: int) -> None:
     """The i-th send from rank a to rank b must be what the i-th receive on b from a expects.
 
-    Activations and gradients are separate channels (the executor tags them), so a forward message may
-    overtake a backward one between the same two ranks, as interleaved schedules need."""
+    Activations and gradients are separate channels (the executor tags them), so a forward message
+    may overtake a backward one between the same two ranks, as interleaved schedules need."""
     pp = len(schedule)
     sends: dict[tuple[int, int, str], list[tuple[int, int, Action]]] = defaultdict(list)
     recvs: dict[tuple[int, int, str], list[tuple[int, int, Action]]] = defaultdict(list)
@@ -66,13 +74,20 @@ def _check_channels(schedule: Schedule, stages: int) -> None:
     for channel in set(sends) | set(recvs):
         out, inc = sends[channel], recvs[channel]
         for n, (s, v) in enumerate(zip(out, inc)):
-            expected = Action(s[2].stage + (1 if s[2].kind == "SEND_F" else -1),
-                              "RECV_F" if s[2].kind == "SEND_F" else "RECV_B", s[2].microbatch)
+            expected = Action(
+                s[2].stage + (1 if s[2].kind == "SEND_F" else -1),
+                "RECV_F" if s[2].kind == "SEND_F" else "RECV_B",
+                s[2].microbatch,
+            )
             if v[2] != expected:
-                raise ScheduleError(f"rank {v[0]}, step {v[1]} ({v[2]}): message {n} from rank {channel[0]} is "
-                                    f"{s[2]} (rank {s[0]}, step {s[1]}), which {expected} would receive")
+                raise ScheduleError(
+                    f"rank {v[0]}, step {v[1]} ({v[2]}): message {n} from rank {channel[0]} is "
+                    f"{s[2]} (rank {s[0]}, step {s[1]}), which {expected} would receive"
+                )
         if len(out) != len(inc):
             extra = (out if len(out) > len(inc) else inc)[min(len(out), len(inc))]
-            raise ScheduleError(f"rank {extra[0]}, step {extra[1]} ({extra[2]}): no matching "
-                                f"{'receive' if len(out) > len(inc) else 'send'} on rank "
-                                f"{channel[1] if len(out) > len(inc) else channel[0]}")
+            raise ScheduleError(
+                f"rank {extra[0]}, step {extra[1]} ({extra[2]}): no matching "
+                f"{'receive' if len(out) > len(inc) else 'send'} on rank "
+                f"{channel[1] if len(out) > len(inc) else channel[0]}"
+            )
