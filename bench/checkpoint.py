@@ -129,7 +129,7 @@ def worker(argv: list[str], out: str, train: bool) -> None:
     and with train, the wall time of each iteration (a save's time falls in its iteration's)."""
     import torch
 
-    from fmeg.training.arguments import parse_args
+    from fmeg.config.arguments import parse_args
     from fmeg.training.run_state import Checkpointer, build_or_restore
     from fmeg.training.session import Session
     from fmeg.training.trainer import Trainer

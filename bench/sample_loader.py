@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=350.0)
     p.add_argument("--iterations", type=int, default=20)
     a = p.parse_args()
-    from fmeg.training.run_config import DataConfig
+    from fmeg.config.run_config import DataConfig
     from fmeg.training.sample_loader import SampleLoader
     from fmeg.training.trainer import collate
 

@@ -43,7 +43,7 @@ from fmeg.cli import OneLineParser
 from fmeg.interop import megatron
 from fmeg.interop.hf_dir import ImportNotice
 from fmeg.interop.megatron.model_args import args_for
-from fmeg.training.checkpoint_args import megatron_model
+from fmeg.config.checkpoint_args import megatron_model
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.parallel.mesh import Mesh

@@ -34,7 +34,7 @@ from fmeg.data.tokenizers import TOKENIZER_TYPES, padded_vocab_size, tokenizer_f
 from fmeg.inference import SamplingParams, generate
 from fmeg.inference.generate import check_prompts, stream
 from fmeg.interop import megatron
-from fmeg.training.checkpoint_args import megatron_model
+from fmeg.config.checkpoint_args import megatron_model
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.tensor import TensorParallel

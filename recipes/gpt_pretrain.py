@@ -32,42 +32,18 @@ from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # 
 from fmeg.data.fim import FIM  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
-from fmeg.data.tokenizers import tokenizer_from_flags  # noqa: E402
-from fmeg.training.arguments import parse_args  # noqa: E402
-from fmeg.training.validation import validate  # noqa: E402
-from fmeg.training.metrics import wandb_missing  # noqa: E402
 from fmeg.training.report import holds_attention_scores, memory_estimate  # noqa: E402
-from fmeg.training.run_config import RunConfig  # noqa: E402
+from fmeg.config.load import BadInput, load  # noqa: E402
+from fmeg.config.run_config import RunConfig  # noqa: E402
 from fmeg.training.run_state import Checkpointer, MissingCheckpoint, build_or_restore  # noqa: E402
 from fmeg.training.session import Session  # noqa: E402
 from fmeg.training.trainer import Trainer  # noqa: E402
 
 
-class BadInput(Exception):
-    """Problems with the flags, the tokenizer, the data or a checkpoint: one line each, exit 2."""
-
-    def __init__(self, *lines: str):
-        super().__init__(lines[0])
-        self.lines = lines
-
-
-def prepare(a, world: int):
-    """(RunConfig, training data, validation data) of validated flags, or BadInput. Everything a
+def prepare(argv: list[str] | None, world: int):
+    """(RunConfig, training data, validation data) of the command line, or BadInput. Everything a
     user can get wrong is found here, before any process group exists."""
-    problems = validate(a, world)
-    missing = wandb_missing(a.wandb_project)
-    if problems or missing:
-        raise BadInput(*problems, *([missing] if missing else []))
-    try:
-        tokenizer = tokenizer_from_flags(a.tokenizer_type, lambda name: getattr(a, name, None))
-    except ValueError as e:  # a missing or unreadable tokenizer file
-        raise BadInput(str(e)) from None
-    if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
-        raise BadInput(
-            f"--padded-vocab-size {a.padded_vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}); raise it or leave it out"
-        )
-    cfg = RunConfig.from_args(a, world, tokenizer.vocab_size)
+    cfg, tokenizer = load(argv, world)
     d, t = cfg.data, cfg.training
     data_path = (
         list(d.data_path)
@@ -205,13 +181,11 @@ def announce(cfg: RunConfig, session: Session, state) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg, train_data, valid_data = prepare(a, world)
+        cfg, train_data, valid_data = prepare(argv, world)
     except BadInput as e:
         return refuse(e.lines)
-    del a  # nothing reads the flags after this: cfg holds them
     if cfg.logging.logging_level is not None:
         logging.basicConfig(level=cfg.logging.logging_level)
     session = Session.start(cfg)

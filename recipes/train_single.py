@@ -25,9 +25,9 @@ import torch
 from fmeg.data.default_corpus import default_corpus
 from fmeg.data.token_file import TokenWindows, load_tokens
 from fmeg.data.tokenizers import ByteTokenizer
-from fmeg.training.arguments import parse_args
-from fmeg.training.validation import validate
-from fmeg.training.run_config import RunConfig
+from fmeg.config.arguments import parse_args
+from fmeg.config.validation import validate
+from fmeg.config.run_config import RunConfig
 from fmeg.training.run_state import Checkpointer, build_or_restore
 from fmeg.training.session import Session
 from fmeg.training.trainer import Trainer

@@ -432,7 +432,7 @@ def test_metadata_with_a_field_of_the_wrong_type_is_one_line(
 
 def test_a_damaged_loss_scale_is_a_checkpoint_error_when_fp16_resumes():
     from fmeg.checkpoint import CheckpointError
-    from fmeg.training import loss_scale
+    from fmeg.optim import loss_scale
     from fmeg.training.policies import resume
 
     meta = {"iteration": 1, "consumed_samples": 4}

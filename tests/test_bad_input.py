@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fmeg.training.arguments import build_parser
+from fmeg.config.arguments import build_parser
 from harness.bad_input import T, assert_one_line_exit_2_nothing_left
 
 

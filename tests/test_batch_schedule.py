@@ -4,7 +4,7 @@ schedule."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fmeg.training.batch_schedule import global_batch_size, iterations_for
+from fmeg.config.batch_schedule import global_batch_size, iterations_for
 
 
 def stepped(samples: int, final: int, rampup) -> int:

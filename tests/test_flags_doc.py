@@ -6,21 +6,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fmeg.training.arguments import build_parser
+from fmeg.config.arguments import build_parser
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
 
 
 def test_the_page_is_what_its_command_prints():
     out = subprocess.run(
-        [sys.executable, "-m", "fmeg.training.flags_doc"],
+        [sys.executable, "-m", "fmeg.config.flags_doc"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     ).stdout
     assert out == DOC.read_text(), (
-        "docs/flags.md is stale: python -m fmeg.training.flags_doc > docs/flags.md"
+        "docs/flags.md is stale: python -m fmeg.config.flags_doc > docs/flags.md"
     )
 
 

@@ -34,7 +34,7 @@ def describe(parser: argparse.ArgumentParser) -> dict:
 
 
 def current() -> dict:
-    from fmeg.training.arguments import build_parser
+    from fmeg.config.arguments import build_parser
 
     # as JSON gives it back: tuples as lists
     return json.loads(json.dumps(describe(build_parser())))

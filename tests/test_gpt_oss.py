@@ -204,10 +204,10 @@ GPT_OSS_FLAGS = [
 def test_megatrons_gpt_oss_flags_give_the_model_and_checkpoint_args_give_it_back():
     import dataclasses
 
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.checkpoint_args import model_flags
-    from fmeg.training.run_config import model_config
-    from fmeg.training.validation import validate
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.checkpoint_args import model_flags
+    from fmeg.config.run_config import model_config
+    from fmeg.config.validation import validate
 
     a = parse_args(GPT_OSS_FLAGS, world_size=1)
     assert validate(a, 1) == []
@@ -238,10 +238,10 @@ def test_megatrons_gpt_oss_flags_give_the_model_and_checkpoint_args_give_it_back
 
 
 def test_rope_type_yarn_without_multi_latent_attention_is_named_as_ignored_as_megatron_ignores_it():
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.megatron_flags import ignored_flags
-    from fmeg.training.run_config import model_config
-    from fmeg.training.validation import validate
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.megatron_flags import ignored_flags
+    from fmeg.config.run_config import model_config
+    from fmeg.config.validation import validate
 
     a = parse_args(["--rope-type", "yarn", "--position-embedding-type", "rope"], world_size=1)
     assert validate(a, 1) == [] and model_config(a, 257).rope_type == "rope"

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from fmeg.training.arguments import parse_args
-from fmeg.training.validation import validate
+from fmeg.config.arguments import parse_args
+from fmeg.config.validation import validate
 from recipes import gpt_pretrain
 from harness.runner import (
     COMMON,
@@ -382,7 +382,7 @@ def test_the_loss_falls_and_dropout_matters(reference):
 
 
 def test_with_no_parallel_flags_every_rank_is_data_parallel_as_in_megatron():
-    from fmeg.training.arguments import batch_geometry
+    from fmeg.config.arguments import batch_geometry
 
     a = parse_args([], world_size=4)
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) == (1, 1)

@@ -317,9 +317,9 @@ def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
     (transformers' routing rules too) and MTP depths."""
     import dataclasses
 
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.checkpoint_args import model_flags
-    from fmeg.training.run_config import model_config
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.checkpoint_args import model_flags
+    from fmeg.config.run_config import model_config
 
     default = from_hf(tiny_deepseek_v3())[0].replace(mtp_num_layers=2)
     # transformers' rules

@@ -136,9 +136,9 @@ def test_an_imported_gpt_oss_comes_back_from_its_checkpoint_args():
     not --enable-gpt-oss's defaults, and its experts."""
     import dataclasses
 
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.checkpoint_args import model_flags
-    from fmeg.training.run_config import model_config
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.checkpoint_args import model_flags
+    from fmeg.config.run_config import model_config
 
     config, _ = from_hf(tiny_gpt_oss())
     a = parse_args(

@@ -506,7 +506,7 @@ def test_an_exports_args_give_back_its_model():
     """model_args: the args an export writes, read as Megatron's flags, are the model that wrote
     them."""
     from fmeg.interop.megatron.model_args import args_for
-    from fmeg.training.checkpoint_args import megatron_model
+    from fmeg.config.checkpoint_args import megatron_model
 
     for config in [
         *CONFIGS.values(),
@@ -661,7 +661,7 @@ def test_the_dest_kinds_checked_on_reading_are_the_parsers():
     """model_args.damaged_dest keeps its own table of what Megatron writes for each model dest
     (interop sits below the flags); it agrees with the parser's switches and numbers."""
     from fmeg.interop.megatron import model_args
-    from fmeg.training.arguments import build_parser
+    from fmeg.config.arguments import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
     for dest in model_args.MODEL_DESTS:

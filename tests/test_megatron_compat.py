@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from fmeg import tree
 from fmeg.models import gpt
-from fmeg.training.arguments import lr_steps, parse_args
-from fmeg.training.validation import validate
-from fmeg.training.megatron_flags import ignored_flags
+from fmeg.config.arguments import lr_steps, parse_args
+from fmeg.config.validation import validate
+from fmeg.config.megatron_flags import ignored_flags
 from harness.runner import run_recipe, sentencepiece_model, tiktoken_vocabulary
 
 # Megatron-LM's defaults (megatron/training/arguments.py) for the flags fmeg shares, where Megatron
@@ -292,7 +292,7 @@ def test_the_gelu_is_the_one_megatron_picks(flags, expected):
     --no-bias-gelu-fusion, or no biases (--disable-bias-linear turns the fusion off), gives torch's
     exact GELU."""
     from fmeg import ops
-    from fmeg.training.megatron_flags import activation
+    from fmeg.config.megatron_flags import activation
 
     assert activation(parse_args(flags)) == expected
     fused = pytest.importorskip("megatron.core.fusions.fused_bias_gelu")
@@ -830,7 +830,7 @@ def test_lr_warmup_init_starts_the_warmup_where_megatron_cores_scheduler_does():
     ).OptimizerParamScheduler
     from types import SimpleNamespace
 
-    from fmeg.training.run_config import RunConfig
+    from fmeg.config.run_config import RunConfig
 
     a = parse_args(
         [

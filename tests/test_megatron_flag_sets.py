@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fmeg.training.arguments import build_parser, parse_args
-from fmeg.training.megatron_flags import (
-    IGNORED_SETTINGS,
-    IGNORED_SWITCHES,
-    LATER_WORK,
-    ignored_flags,
-)
-from fmeg.training.validation import validate
+from fmeg.config.arguments import build_parser, parse_args
+from fmeg.config.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, ignored_flags
+from fmeg.config.validation import validate
 
 FLAG_SETS = json.loads(
     (Path(__file__).parent / "data" / "megatron_flags" / "flag_sets.json").read_text()

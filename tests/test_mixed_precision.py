@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fmeg import tree
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
-from fmeg.training import loss_scale
+from fmeg.optim import loss_scale
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
 from harness.runner import run_layout, run_recipe

@@ -23,6 +23,7 @@ LAYERS = (
     "interop",
     "log_line",
     "cli",
+    "config",
     "training",
     "launch",
 )
@@ -97,3 +98,28 @@ def test_every_fmeg_package_imports_only_those_below_it():
             if LAYERS.index(other) > LAYERS.index(mine):
                 upward.append(f"{path.relative_to(FMEG.parent)} imports fmeg.{other}")
     assert upward == [], "imports that point up:\n" + "\n".join(upward)
+
+
+def test_the_namespace_stays_in_the_config_package():
+    """Outside fmeg/config no module of fmeg imports argparse, except the one-line parser class
+    (fmeg/cli.py) and the reading and writing of Megatron-LM's own pickled args
+    (fmeg/interop/megatron); the runner takes its RunConfig from fmeg.config.load."""
+    allowed = {
+        FMEG / "cli.py",
+        *FMEG.joinpath("config").rglob("*.py"),
+        *FMEG.joinpath("interop", "megatron").rglob("*.py"),
+    }
+    runner = FMEG.parent / "recipes" / "gpt_pretrain.py"
+    found = []
+    for path in sorted([*FMEG.rglob("*.py"), runner]):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+                found.append(str(path.relative_to(FMEG.parent)))
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "argparse",
+                "fmeg.config.arguments",
+            ):
+                found.append(str(path.relative_to(FMEG.parent)))
+    assert found == [], found

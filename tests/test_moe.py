@@ -467,8 +467,8 @@ def test_experts_compile_into_one_graph_with_the_eager_numbers():
 
 
 def test_the_alltoall_dispatcher_refuses_experts_split_over_tp_in_one_line():
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.validation import validate
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.validation import validate
 
     flags = [
         "--num-experts",

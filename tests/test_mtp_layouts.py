@@ -93,9 +93,9 @@ def test_an_mtp_checkpoints_model_comes_back_from_its_flags():
     """--use-checkpoint-args: the flags written back from a saved MTP model give the same model."""
     import dataclasses
 
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.checkpoint_args import model_flags
-    from fmeg.training.run_config import model_config
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.checkpoint_args import model_flags
+    from fmeg.config.run_config import model_config
 
     size = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]
     a = parse_args(

@@ -4,9 +4,9 @@ would, and any other layout is one line naming what fmeg's pipeline cannot hold.
 
 import pytest
 
-from fmeg.training.arguments import parse_args
-from fmeg.training.pipeline_layout import expand, stages
-from fmeg.training.validation import validate
+from fmeg.config.arguments import parse_args
+from fmeg.config.pipeline_layout import expand, stages
+from fmeg.config.validation import validate
 
 
 def test_megatrons_examples_expand_as_documented():

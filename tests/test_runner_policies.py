@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmeg.data.tokenizers import NullTokenizer
-from fmeg.training import loss_scale
-from fmeg.training.arguments import parse_args
-from fmeg.training.validation import validate
-from fmeg.training.batch_schedule import global_batch_size, iterations_for, parse_step_schedule
+from fmeg.optim import loss_scale
+from fmeg.config.arguments import parse_args
+from fmeg.config.validation import validate
+from fmeg.config.batch_schedule import global_batch_size, iterations_for, parse_step_schedule
 from fmeg.training.policies import (
     Progress,
     exit_reasons,
@@ -21,7 +21,7 @@ from fmeg.training.policies import (
     should_evaluate,
     should_save,
 )
-from fmeg.training.run_config import RunConfig
+from fmeg.config.run_config import RunConfig
 from harness.steps import megatron_step_batch
 
 META = {

@@ -417,7 +417,7 @@ def test_bad_sft_input_stops_every_rank_with_one_line(tmp_path):
 def test_naming_the_default_format_says_that_the_answers_alone_are_trained_on():
     """Megatron's `default` format trains on every token; fmeg's trains on the answers, as every
     format, and says so."""
-    from fmeg.training.arguments import parse_args
+    from fmeg.config.arguments import parse_args
 
     notices = parse_args(
         ["--sft", "--sft-tokenizer-prompt-format", "default"], world_size=1

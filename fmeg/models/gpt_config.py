@@ -73,7 +73,7 @@ class GPTConfig:
     # how many of a group's best scores rank it (None: megatron-core's topk // group_topk; 2:
     # transformers' DeepSeek-V3), and whether a sigmoid router's top-k weights are divided by their
     # sum (transformers' norm_topk_prob; megatron-core always divides): imported models keep their
-    # own rules, and --use-checkpoint-args carries them (fmeg.training.moe_flags: hidden flags, no
+    # own rules, and --use-checkpoint-args carries them (fmeg.config.moe_flags: hidden flags, no
     # Megatron one)
     moe_router_group_score_topk: int | None = None
     moe_router_norm_topk: bool = True

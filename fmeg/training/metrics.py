@@ -132,21 +132,6 @@ class WandbSink:
         self._run.finish()
 
 
-def wandb_missing(project: str | None) -> str | None:
-    """The one line for --wandb-project without the package (None when it is not asked for or
-    installed)."""
-    if not project:
-        return None
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        return (
-            f"--wandb-project {project} needs the wandb package: pip install wandb (or "
-            '"fmeg[wandb]")'
-        )
-    return None
-
-
 def open_sinks(logging, run_config: dict) -> list[MetricSink]:
     """The sinks the logging configuration asks for (on the rank that logs)."""
     sinks: list[MetricSink] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fmeg.checkpoint import CheckpointError
-from fmeg.training import loss_scale
+from fmeg.optim import loss_scale
 
 
 @dataclass(frozen=True)

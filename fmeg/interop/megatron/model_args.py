@@ -134,7 +134,7 @@ def config_from_args(
     args: Any, model_from_dests: ModelFromDests, vocab_size: int | None = None
 ) -> gpt.GPTConfig:
     """The model a Megatron checkpoint's args describe, built by model_from_dests (fmeg's reading of
-    the flags: fmeg.training.checkpoint_args.megatron_model passes it). vocab_size: the tokenizer's;
+    the flags: fmeg.config.checkpoint_args.megatron_model passes it). vocab_size: the tokenizer's;
     None takes the args' vocab_size (NullTokenizer runs record it), else its padded_vocab_size
     (every row an id)."""
     damaged = damaged_dest(args)

@@ -1,20 +1,20 @@
 """docs/flags.md from the runner's parser: every flag once, by group, with its default, its choices
 and what it does (for a flag accepted from Megatron and ignored, why).
 
-    python -m fmeg.training.flags_doc > docs/flags.md
+    python -m fmeg.config.flags_doc > docs/flags.md
 """
 
 from __future__ import annotations
 
 import argparse
 
-from fmeg.training import fsdp_flags, megatron_flags, mla_flags, modelopt_flags, moe_flags
-from fmeg.training.arguments import build_parser
+from fmeg.config import fsdp_flags, megatron_flags, mla_flags, modelopt_flags, moe_flags
+from fmeg.config.arguments import build_parser
 
 HEADER = """# The runner's flags
 
 `torchrun --nproc-per-node N -m recipes.gpt_pretrain [flags]` takes Megatron-LM's flags under their
-names and defaults. This page is generated from the parser (`python -m fmeg.training.flags_doc >
+names and defaults. This page is generated from the parser (`python -m fmeg.config.flags_doc >
 docs/flags.md`; a test keeps it current). A flag in the last two groups is accepted so that
 Megatron's scripts run as written: its 'off' value only (a feature fmeg does not have yet), or
 ignored, named in the start line with the reason given here.

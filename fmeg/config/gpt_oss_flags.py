@@ -8,14 +8,14 @@ model builder does) with the values that builder gives them: factor 32, original
 beta_fast 32, beta_slow 1, mscale 1 and 0, the correction range not rounded. (Hugging Face's gpt-oss
 checkpoints say original context 4096.) The --yarn-* flags (Megatron-Bridge's names) override those
 values (with --multi-latent-attention, the original context, betas and rounding of MLA's YaRN:
-fmeg.training.mla_flags); --use-checkpoint-args sets them from an imported checkpoint.
+fmeg.config.mla_flags); --use-checkpoint-args sets them from an imported checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from fmeg.training.moe_flags import layer_freq
+from fmeg.config.moe_flags import layer_freq
 
 GPT_OSS_YARN = dict(
     position="rope",

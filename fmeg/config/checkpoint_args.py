@@ -16,7 +16,7 @@ from fmeg.interop import megatron
 from fmeg.interop.megatron import model_args
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
-from fmeg.training import mla_flags
+from fmeg.config import mla_flags
 
 
 _MOE_ARCHITECTURE = (
@@ -118,7 +118,7 @@ def _variant_flags(model: dict, activation: str) -> dict:
     flags["quick_geglu"] = activation == "quick_geglu"
     flags["window_size"] = None if model.get("window_size") is None else (model["window_size"], 0)
     if model.get("rope_type") == "yarn" and not model.get("multi_latent_attention"):
-        from fmeg.training.gpt_oss_flags import YARN_FLAGS
+        from fmeg.config.gpt_oss_flags import YARN_FLAGS
 
         # the flag that gives standard attention YaRN, with the model's own values
         flags["enable_gpt_oss"] = True
@@ -162,8 +162,8 @@ def router_without_bias(args: argparse.Namespace) -> str | None:
 def model_from_dests(dests: dict, vocab_size: int) -> gpt.GPTConfig:
     """The model Megatron's model-defining dests give, read as fmeg reads those flags (the other
     flags at their defaults)."""
-    from fmeg.training.arguments import parse_args
-    from fmeg.training.run_config import model_config
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.run_config import model_config
 
     args = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1"])
     for dest, value in dests.items():

@@ -325,7 +325,7 @@ def later_work_problems(a: argparse.Namespace) -> list[str]:
 
 def ignored_flags(a: argparse.Namespace) -> list[str]:
     """'--flag: why' for each accepted-but-ignored Megatron flag that was given."""
-    from fmeg.training import fsdp_flags, mla_flags, modelopt_flags, moe_flags
+    from fmeg.config import fsdp_flags, mla_flags, modelopt_flags, moe_flags
 
     given = {**IGNORED_SWITCHES, **IGNORED_SETTINGS}
     return (

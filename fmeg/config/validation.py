@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 
 from fmeg.data.blending import parse_blend, parse_split
-from fmeg.training.arguments import batch_geometry, build_parser, lr_steps
-from fmeg.training.batch_schedule import check_rampup, parse_step_schedule
-from fmeg.training import (
+from fmeg.config.arguments import batch_geometry, build_parser, lr_steps
+from fmeg.config.batch_schedule import check_rampup, parse_step_schedule
+from fmeg.config import (
     context_flags,
     fsdp_flags,
     gpt_oss_flags,
@@ -27,7 +27,7 @@ from fmeg.training import (
     moe_flags,
     mtp_flags,
 )
-from fmeg.training.megatron_flags import later_work_problems
+from fmeg.config.megatron_flags import later_work_problems
 
 
 class Problems(list):
@@ -480,7 +480,7 @@ def _data_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         f"{a.num_workers}",
     )
     if a.fim_data:
-        from fmeg.training.run_config import fim_settings
+        from fmeg.config.run_config import fim_settings
 
         problems.extend(fim_settings(a).problems())
         need(
@@ -764,3 +764,18 @@ def moe_problems(a: argparse.Namespace, tp: int) -> list[str]:
     )
     need(min(a.moe_aux_loss_coeff) >= 0, "--moe-aux-loss-coeff must be >= 0")
     return problems
+
+
+def wandb_missing(project: str | None) -> str | None:
+    """The one line for --wandb-project without the package (None when it is not asked for or
+    installed)."""
+    if not project:
+        return None
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return (
+            f"--wandb-project {project} needs the wandb package: pip install wandb (or "
+            '"fmeg[wandb]")'
+        )
+    return None

@@ -1,6 +1,6 @@
 """The run's configuration: Megatron's flags, once validated, as frozen groups the runner reads.
 
-    a = parse_args(argv); problems = validate(a, world)          # fmeg.training.arguments
+    a = parse_args(argv); problems = validate(a, world)          # fmeg.config.arguments
     cfg = RunConfig.from_args(a, world, tokenizer.vocab_size)    # nothing reads `a` after this
 
 Groups follow Megatron's own configuration groups: the model (gpt.GPTConfig), the parallel layout
@@ -21,11 +21,11 @@ from fmeg import optim
 from fmeg.data.fim import FIMSettings
 from fmeg.data.tokenizers import padded_vocab_size
 from fmeg.models import gpt
-from fmeg.training import loss_scale
-from fmeg.training.arguments import batch_geometry, lr_steps
-from fmeg.training.batch_schedule import global_batch_size, parse_step_schedule
-from fmeg.training import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
-from fmeg.training.megatron_flags import activation, ignored_flags
+from fmeg.optim import loss_scale
+from fmeg.config.arguments import batch_geometry, lr_steps
+from fmeg.config.batch_schedule import global_batch_size, parse_step_schedule
+from fmeg.config import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
+from fmeg.config.megatron_flags import activation, ignored_flags
 from fmeg.parallel.layout import Layout
 
 
@@ -239,7 +239,7 @@ class RunConfig:
 
     @classmethod
     def from_args(cls, a, world: int, vocab_size: int) -> RunConfig:
-        """The configuration of validated flags (fmeg.training.arguments.validate) for a tokenizer
+        """The configuration of validated flags (fmeg.config.arguments.validate) for a tokenizer
         of vocab_size ids on world ranks."""
         return cls(
             model=model_config(a, vocab_size),

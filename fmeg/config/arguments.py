@@ -2,7 +2,7 @@
 file.
 
     args = parse_args(["--tensor-model-parallel-size", "2", "--config", "run.yaml"])
-    problems = validate(args, world_size=4)        # fmeg.training.validation: one line per problem
+    problems = validate(args, world_size=4)        # fmeg.config.validation: one line per problem
 
 A YAML file holds the same settings by flag name (dashes or underscores); flags given on the command
 line override it.
@@ -18,9 +18,9 @@ from typing import Any
 from fmeg.cli import OneLineParser, refuse
 from fmeg.data.tokenizers import TOKENIZER_TYPES
 from fmeg.models.gpt_pipeline import SELECTIVE_MODULES
-from fmeg.training.batch_schedule import iterations_for, parse_step_schedule
-from fmeg.training import pipeline_layout
-from fmeg.training import (
+from fmeg.config.batch_schedule import iterations_for, parse_step_schedule
+from fmeg.config import pipeline_layout
+from fmeg.config import (
     context_flags,
     fsdp_flags,
     gpt_oss_flags,
@@ -29,7 +29,7 @@ from fmeg.training import (
     moe_flags,
     mtp_flags,
 )
-from fmeg.training.megatron_flags import (
+from fmeg.config.megatron_flags import (
     IGNORED_SETTINGS,
     IGNORED_SWITCHES,
     LATER_WORK,
@@ -89,7 +89,7 @@ def _layout_flags(g: Any) -> None:
         "--pipeline-model-parallel-layout",
         default=None,
         help="Megatron's layout string, e.g. 'Et|(tt|)*3tmL': what each (virtual) stage holds; "
-        "fmeg takes the even ones (fmeg.training.pipeline_layout)",
+        "fmeg takes the even ones (fmeg.config.pipeline_layout)",
     )
     g.add_argument(
         "--pipeline-schedule",
@@ -886,7 +886,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     # even at their default values
     args.given = tuple(sorted({*from_yaml, *_given_on_command_line(argv)}))
     if args.use_checkpoint_args and args.load:
-        from fmeg.training.checkpoint_args import apply_checkpoint_args
+        from fmeg.config.checkpoint_args import apply_checkpoint_args
 
         problem = apply_checkpoint_args(args)
         if problem:
@@ -908,7 +908,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
         args.train_iters = 100
     args.notices = megatron_leniencies(args) + moe_flags.leniencies(args)
     args.layout_problems = pipeline_layout.apply(args)  # validate() names them
-    from fmeg.training.checkpoint_args import router_without_bias
+    from fmeg.config.checkpoint_args import router_without_bias
 
     older = router_without_bias(args)
     if older:
