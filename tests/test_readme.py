@@ -71,7 +71,7 @@ def test_every_readme_command_is_run_by_a_test():
     assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 21
 
 
-@pytest.mark.slow  # the runner's context-parallel layouts run in tests/test_cp_layouts.py
+@pytest.mark.slow  # the runner's context-parallel layouts run in tests/layouts/test_cp_layouts.py
 def test_readme_context_parallelism(tmp_path):
     (stdout,) = run_block(section("Long sequences: context parallelism"), tmp_path)
     assert "world 4 = tp 1 x pp 1 (x1 virtual) x dp 1 x cp 4 (p2p)" in stdout
@@ -79,7 +79,7 @@ def test_readme_context_parallelism(tmp_path):
     assert last < first
 
 
-@pytest.mark.slow  # the runner's MoE layouts run in tests/test_moe_layouts.py
+@pytest.mark.slow  # the runner's MoE layouts run in tests/layouts/test_moe_layouts.py
 def test_readme_mixture_of_experts(tmp_path):
     (stdout,) = run_block(section("Mixtures of experts"), tmp_path)
     assert "| load_balancing_loss: " in stdout and "world 2 = tp 2" in stdout
@@ -94,7 +94,7 @@ def test_readme_main_job(tmp_path):
     assert first > 5.2 and last < 3.3  # from about ln 257 (the README says 5.4 to 3.0)
 
 
-# 90 s; the main job runs in the default suite, resharding in tests/test_checkpoint.py
+# 90 s; the main job runs in the default suite, resharding in tests/checkpoint/test_checkpoint.py
 @pytest.mark.slow
 def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
     save, resume, export, load, generated, sharded = run_block(section("Checkpoints"), tmp_path)
@@ -145,7 +145,7 @@ def test_readme_open_models(tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
 
-@pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/test_sft_layouts.py
+@pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/layouts/test_sft_layouts.py
 def test_readme_fine_tuning(tmp_path):
     """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a
     trained question."""

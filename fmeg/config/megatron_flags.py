@@ -152,8 +152,8 @@ IGNORED_SETTINGS.update(
 )
 IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
 # The flags of Megatron-LM main's GPT functional-test configurations and example scripts (issue 49's
-# walk of them, tests/test_megatron_flag_sets.py) that choose a kernel, an overlap, a memory or a
-# checkpoint-writing policy, or a rank order: none changes a number fmeg computes.
+# walk of them, tests/interop/megatron/test_megatron_flag_sets.py) that choose a kernel, an overlap,
+# a memory or a checkpoint-writing policy, or a rank order: none changes a number fmeg computes.
 _OVERLAP = "an overlap policy of Megatron's kernels"
 _GRAPHS = "fmeg captures no CUDA graphs by hand (torch.compile decides)"
 _FSDP_BUFFERS = "a buffer and NCCL-registration policy of Megatron-FSDP"

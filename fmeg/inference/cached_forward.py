@@ -14,7 +14,7 @@ vocab_size]: padded vocabulary ids are cut off, so sampling can never produce on
 
 Row b's new tokens sit at cache slots cache.length .. cache.length + new - 1 and at positions
 slot - cache.pad[b]; a query attends to the row's slots from pad[b] up to its own. The result equals
-gpt.apply over the row's unpadded prefix at those positions (tests/test_inference.py).
+gpt.apply over the row's unpadded prefix at those positions (tests/inference/test_inference.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The update torch.optim.AdamW makes, with Megatron's decay mask and --decoupled-l
     p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * mask * p)
 
 The flat form divides the gradient by grad_scale inside the kernel: global-norm clipping
-(clip_scale) with no pass of its own. tests/test_optim.py holds the two forms equal.
+(clip_scale) with no pass of its own. tests/optim/test_optim.py holds the two forms equal.
 """
 
 from __future__ import annotations

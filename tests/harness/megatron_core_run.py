@@ -11,7 +11,8 @@ torch.distributed.run):
                                           its logits for the [b, s] token tensor in TOKENS written
                                           to OUT
 
-FAMILY is one of FAMILIES below: the same models tests/test_megatron_checkpoint.py builds in fmeg.
+FAMILY is one of FAMILIES below: the same models tests/interop/megatron/test_megatron_checkpoint.py
+builds in fmeg.
 """
 
 import argparse
@@ -82,7 +83,7 @@ FAMILIES["llama_bench"] = dict(
     ffn_hidden_size=1536,
 )
 VOCAB, SEQ = 128, 32
-ARGS = Path(__file__).parent.parent / "data" / "megatron_args"
+ARGS = Path(__file__).parent.parent / "fixtures" / "megatron_args"
 
 
 def model(family: str, tp: int, pp: int, ep: int):
@@ -165,8 +166,8 @@ def model(family: str, tp: int, pp: int, ep: int):
 
 
 def _decoded(value):
-    """A value of tests/data/megatron_args/*.json as Megatron-LM's parser made it: its enums of the
-    same classes (one that this megatron-core lacks is made under Megatron's name, so that its
+    """A value of tests/fixtures/megatron_args/*.json as Megatron-LM's parser made it: its enums of
+    the same classes (one that this megatron-core lacks is made under Megatron's name, so that its
     pickle names the same class)."""
     if isinstance(value, list):
         return [_decoded(v) for v in value]
@@ -199,7 +200,7 @@ def _decoded(value):
 
 def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> argparse.Namespace:
     """The Namespace Megatron-LM's own parser made from the family's launch script (captured in
-    tests/data/megatron_args), at this layout and iteration as its training loop leaves it."""
+    tests/fixtures/megatron_args), at this layout and iteration as its training loop leaves it."""
     captured = ARGS / f"{family.removesuffix('_bench')}.json"
     args = argparse.Namespace(
         **{k: _decoded(v) for k, v in json.loads(captured.read_text())["args"].items()}

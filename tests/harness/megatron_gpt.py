@@ -1,6 +1,6 @@
 """megatron-core's GPTModel (local spec, CPU, fp32) holding fmeg's parameters, run on a gloo rank of
-its own: the reference of tests/test_mtp.py (with its MultiTokenPredictionBlock) and
-tests/test_gpt_oss.py (sinks, sliding windows, the clamped quick-GEGLU, biases, YaRN)."""
+its own: the reference of tests/models/test_mtp.py (with its MultiTokenPredictionBlock) and
+tests/models/test_gpt_oss.py (sinks, sliding windows, the clamped quick-GEGLU, biases, YaRN)."""
 
 import contextlib
 

@@ -1,4 +1,4 @@
-"""megatron-core's MLASelfAttention on CPU holding fmeg's MLA parameters (tests/test_mla.py's
+"""megatron-core's MLASelfAttention on CPU holding fmeg's MLA parameters (tests/models/test_mla.py's
 reference), run on a gloo rank of its own."""
 
 import torch

@@ -46,7 +46,8 @@ OSS = [
     *DROPOUT,
 ]
 KEYS = ("lm_loss", "load_balancing_loss")
-LAYOUTS = [  # tests/test_parallel_gpt.py checks the GPT-OSS pieces under tp in the default suite
+# tests/parallel/test_parallel_gpt.py checks the GPT-OSS pieces under tp in the default suite
+LAYOUTS = [
     pytest.param("cp2", 2, ["--context-parallel-size", "2"]),
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param("pp2_virtual", 2, PP2_VIRTUAL, marks=pytest.mark.slow),

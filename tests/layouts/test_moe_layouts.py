@@ -283,7 +283,7 @@ def test_a_deepseek_v3_style_model_trains_saves_at_ep2_and_resumes_at_ep1_on_one
 @pytest.mark.parametrize(
     "nproc, flags",
     [
-        # tests/test_moe.py: the sp rows
+        # tests/models/test_moe.py: the sp rows
         pytest.param(2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
         pytest.param(
             2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], marks=pytest.mark.slow

@@ -101,7 +101,8 @@ def test_moe_configs_transformers_cannot_hold_are_refused_in_one_line():
         to_hf(gpt.init(config, 0), config)
 
 
-@pytest.mark.slow  # the layer at tp 2 without sp is checked against one device in tests/test_moe.py
+# the layer at tp 2 without sp is checked against one device in tests/models/test_moe.py
+@pytest.mark.slow
 def test_an_imported_mixtral_generates_the_same_tokens_at_tp2_as_on_one_rank(tmp_path):
     """recipes.convert_checkpoint import-hf on a Mixtral directory, then recipes.generate greedy at
     tp 1 and at tp 2 (every rank routing all tokens, the experts' F split): the same tokens, and

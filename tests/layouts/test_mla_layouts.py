@@ -11,7 +11,8 @@ from harness.runner import run_recipe
 from harness.layouts import MLA, TP2_SP
 
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
-LAYOUTS = [  # all -m slow; tests/test_parallel_gpt.py checks MLA under tp in the default suite
+# all -m slow; tests/parallel/test_parallel_gpt.py checks MLA under tp in the default suite
+LAYOUTS = [
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param(
         "pp2_virtual",

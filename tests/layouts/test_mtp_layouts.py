@@ -15,7 +15,7 @@ from harness.layouts import PP2_VIRTUAL, assert_same
 MTP = [*MLA, *DROPOUT, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 KEYS = ("lm_loss", "mtp_1 loss", "mtp_2 loss", "seq_load_balancing_loss")
 LAYOUTS = [
-    # tests/test_parallel_gpt.py checks MTP under tp in the default suite
+    # tests/parallel/test_parallel_gpt.py checks MTP under tp in the default suite
     pytest.param("pp2_virtual", 2, PP2_VIRTUAL),
     pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
     pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),

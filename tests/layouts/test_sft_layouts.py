@@ -159,7 +159,8 @@ def moe_curves(tmp_path, name, nproc, flags) -> dict[str, list[float]]:
     return {k: [r[k] for r in train] for k in ("lm_loss", "seq_load_balancing_loss", "z_loss")}
 
 
-# the padding's semantics are checked against megatron-core's router in tests/test_moe_padding.py
+# the padding's semantics are checked against megatron-core's router in
+# tests/models/test_moe_padding.py
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, flags",

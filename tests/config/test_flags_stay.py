@@ -1,17 +1,18 @@
 """recipes.gpt_pretrain's flags as users know them stay: every flag of the parser before issue 50's
-redesign (tests/data/flags_before_redesign.json) is still there, under the same names, with the same
-default, choices, number of values and kind, shown in --help or hidden as before. New flags may
+redesign (tests/fixtures/flags_before_redesign.json) is still there, under the same names, with the
+same default, choices, number of values and kind, shown in --help or hidden as before. New flags may
 join.
 
-    python tests/test_flags_stay.py --write     # the snapshot, taken once before the redesign
+    python tests/config/test_flags_stay.py --write     # the snapshot, taken once before the
+    redesign
 """
 
 import argparse
 import json
 import sys
-from pathlib import Path
+from harness.paths import FIXTURES
 
-SNAPSHOT = Path(__file__).parent / "data" / "flags_before_redesign.json"
+SNAPSHOT = FIXTURES / "flags_before_redesign.json"
 
 
 def describe(parser: argparse.ArgumentParser) -> dict:

@@ -23,8 +23,9 @@ from fmeg.training.parallel_step import shard_params  # noqa: E402
 from fmeg import tree  # noqa: E402
 from harness.runner import Server, run_group  # noqa: E402
 from harness.checkpoints import mesh_of  # noqa: E402
+from harness.paths import TESTS
 
-PROGRAM = str(Path(__file__).parent / "harness" / "megatron_core_run.py")
+PROGRAM = str(TESTS / "harness" / "megatron_core_run.py")
 LLAMA = gpt.GPTConfig(
     vocab_size=127,
     padded_vocab_size=128,
@@ -309,9 +310,9 @@ class _RunsCode:
 
 
 def test_megatron_lms_own_args_are_read_as_inert_records(tmp_path_factory):
-    """common.pt as Megatron-LM main writes it: its parser's Namespace (tests/data/megatron_args)
-    holds signal.Signals, megatron-core's enums and torch dtypes; each class is an inert stand-in,
-    the fields kept."""
+    """common.pt as Megatron-LM main writes it: its parser's Namespace
+    (tests/fixtures/megatron_args) holds signal.Signals, megatron-core's enums and torch dtypes;
+    each class is an inert stand-in, the fields kept."""
     from fmeg.interop.megatron import saved_args
     from fmeg.interop.megatron.safe_pickle import MegatronValue
 

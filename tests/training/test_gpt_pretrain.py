@@ -209,8 +209,8 @@ SMALL = [
     ("dp2_zero1", 2, ["--use-distributed-optimizer"], "plain"),
     ("recompute_uniform_dropout", 1, [*DROPOUT, *recompute("uniform", 1)], "dropout"),
 ]
-# (the compiled row is slow: tests/test_compile.py keeps a compiled tp 2 + sp stage in the default
-# suite)
+# (the compiled row is slow: tests/parallel/test_compile.py keeps a compiled tp 2 + sp stage in the
+# default suite)
 FULL = [
     (
         "compiled_tp2_sp_dropout",
@@ -472,7 +472,7 @@ MEGATRON_SCRIPT = [
 ]
 
 
-@pytest.mark.slow  # the scripts run in tests/test_megatron_scripts.py
+@pytest.mark.slow  # the scripts run in tests/interop/megatron/test_megatron_scripts.py
 def test_megatron_script_flags_run_unchanged_and_the_params_norm_is_layout_invariant(
     tmp_path, reference
 ):

@@ -1,4 +1,4 @@
-"""Checkpoints written by fmeg before issue 50's redesign (tests/data/before_redesign, with
+"""Checkpoints written by fmeg before issue 50's redesign (tests/fixtures/before_redesign, with
 write.py's command) resume on the curve that fmeg resumed them on: a dense GPT at tp 2 x pp 2 with
 bf16 and the distributed optimizer, and MLA + experts + an MTP depth at dp 2 x ep 2. Bitwise on the
 CPU and torch they were recorded with; elsewhere within float32 rounding (another CPU may sum in
@@ -7,14 +7,14 @@ another order)."""
 import json
 import platform
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from harness.runner import run_recipe
+from harness.paths import FIXTURES
 
-DATA = Path(__file__).parent / "data" / "before_redesign"
+DATA = FIXTURES / "before_redesign"
 CURVES = json.loads((DATA / "curves.json").read_text())
 
 

@@ -103,7 +103,7 @@ def test_gpt_oss_configs_transformers_cannot_hold_are_refused_in_one_line():
         to_hf(gpt.init(config, 0), config)
 
 
-# the GPT-OSS pieces at tp 2 are checked against one device in tests/test_parallel_gpt.py
+# the GPT-OSS pieces at tp 2 are checked against one device in tests/parallel/test_parallel_gpt.py
 @pytest.mark.slow
 def test_an_imported_gpt_oss_generates_transformers_tokens_at_tp1_and_tp2(tmp_path):
     hf = tiny_gpt_oss(seed=5)

@@ -299,7 +299,7 @@ def test_transformers_routing_rules_import_as_transformers_computes_them(rule):
         args_for(config)
 
 
-# MLA and experts at tp 2 are checked against one device in tests/test_parallel_gpt.py
+# MLA and experts at tp 2 are checked against one device in tests/parallel/test_parallel_gpt.py
 @pytest.mark.slow
 def test_an_imported_deepseek_v3_generates_transformers_tokens_at_tp1_and_tp2(tmp_path):
     hf = tiny_deepseek_v3(seed=5, sharp=True)

@@ -238,8 +238,9 @@ def test_sigkill_during_saves_twenty_times_with_restarts_at_another_world_size(t
 
 
 def runner_bad_inputs(tmp_path) -> list[tuple[str, int, list[str], str]]:
-    """(name, ranks, flags, the error's words) for every runner case of tests/test_gpt_pretrain.py:
-    bad flags, bad data files and bad YAML, each on at least 2 ranks."""
+    """(name, ranks, flags, the error's words) for every runner case of
+    tests/training/test_gpt_pretrain.py: bad flags, bad data files and bad YAML, each on at least 2
+    ranks."""
     from harness.bad_input import BAD, BAD_DATA, YAML_CASES, _dataset, malformed_tokenizer_files
 
     cases = [

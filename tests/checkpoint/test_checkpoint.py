@@ -17,6 +17,7 @@ from fmeg.parallel.layout import Layout
 from fmeg.training.run_state import check_model, read_state
 from harness.runner import run_layout, run_recipe
 from harness.checkpoints import CONFIG, _Cfg, one_rank_state, save_one
+from harness.paths import ROOT
 
 
 def test_round_trip_keeps_every_buffer_bitwise(tmp_path):
@@ -290,11 +291,10 @@ def test_resharding_from_tp2_pp2(tmp_path, uninterrupted, target):
 def test_no_pickle_anywhere():
     """Nothing is unpickled but Megatron's own checkpoint metadata, through an unpickler that
     resolves only the classes it needs (fmeg/interop/megatron/safe_pickle.py;
-    tests/test_megatron_checkpoint.py refuses others)."""
-    import pathlib
+    tests/interop/megatron/test_megatron_checkpoint.py refuses others)."""
     import re
 
-    root = pathlib.Path(__file__).parents[1]
+    root = ROOT
     restricted = root / "fmeg" / "interop" / "megatron" / "safe_pickle.py"
     for path in list(root.glob("fmeg/**/*.py")) + list(root.glob("recipes/*.py")):
         text = path.read_text()

@@ -4,11 +4,11 @@ one row, and every row says what the flag does."""
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from fmeg.config.arguments import build_parser
+from harness.paths import ROOT
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+DOC = ROOT / "docs" / "flags.md"
 
 
 def test_the_page_is_what_its_command_prints():

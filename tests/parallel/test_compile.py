@@ -98,7 +98,7 @@ def test_a_compiled_tp2_sequence_parallel_stage_is_one_graph_with_the_eager_numb
     assert all(graphs == [0, 0, 0] for _, _, graphs, _ in eager)
 
 
-@pytest.mark.slow  # compiled layers stay in tests/test_training.py
+@pytest.mark.slow  # compiled layers stay in tests/training/test_training.py
 def test_under_data_parallel_overlap_each_layer_is_compiled_and_the_layers_share_a_graph():
     """dp=2 with --overlap-grad-reduce: the layers' gradients go to their buckets as each layer's
     backward ends, so each layer is a compiled segment of its own; the four share one graph (the

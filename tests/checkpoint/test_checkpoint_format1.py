@@ -1,11 +1,11 @@
 """Checkpoints written before format 2 (fmeg to 2026-11-24: whole-rank safetensors files,
 distributed-optimizer state as flat slices, a sha256 per file) still load: resumed at one rank they
-continue exactly as that fmeg continued them. The fixtures (tests/data/fmeg_format1) were written by
-the last format-1 fmeg; its command and the curves it resumed are in resumed_at_one_rank.json."""
+continue exactly as that fmeg continued them. The fixtures (tests/fixtures/fmeg_format1) were
+written by the last format-1 fmeg; its command and the curves it resumed are in
+resumed_at_one_rank.json."""
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +18,9 @@ from fmeg.parallel.layout import Layout
 from fmeg.training.run_state import read_state
 from harness.runner import run_recipe
 from harness.checkpoints import _Cfg, one_rank_state
+from harness.paths import FIXTURES
 
-DATA = Path(__file__).parent / "data" / "fmeg_format1"
+DATA = FIXTURES / "fmeg_format1"
 RECORDED = json.loads((DATA / "resumed_at_one_rank.json").read_text())
 SMALL = [
     "--global-batch-size",

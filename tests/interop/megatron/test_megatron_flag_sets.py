@@ -2,24 +2,22 @@
 train) and of its example scripts that launch pretrain_gpt.py is one fmeg's parser knows. Each is
 honoured, named at start as ignored with its reason, or, for the features still to come named below,
 refused in one line naming the feature. The flag sets are data captured from Megatron-LM main
-(tests/data/megatron_flags/capture.py). The scripts themselves run with their flags in
-tests/test_megatron_scripts.py."""
+(tests/fixtures/megatron_flags/capture.py). The scripts themselves run with their flags in
+tests/interop/megatron/test_megatron_scripts.py."""
 
 import contextlib
 import io
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from fmeg.config.arguments import build_parser, parse_args
 from fmeg.config.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, ignored_flags
 from fmeg.config.validation import validate
+from harness.paths import FIXTURES
 
-FLAG_SETS = json.loads(
-    (Path(__file__).parent / "data" / "megatron_flags" / "flag_sets.json").read_text()
-)
+FLAG_SETS = json.loads((FIXTURES / "megatron_flags" / "flag_sets.json").read_text())
 CONFIGS, SCRIPTS = FLAG_SETS["functional_tests"], FLAG_SETS["examples"]
 # the flags these configurations and scripts use that ask for a feature fmeg does not have yet
 STILL_TO_COME = {
