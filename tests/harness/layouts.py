@@ -1,7 +1,24 @@
-"""Flag sets of layouts and model variants that several invariance tests share (multi-latent
-attention, tp 2 with sequence parallelism, pp 2 with virtual stages), and assert_same, their
-comparison of two runs' loss curves."""
+"""The one table of layouts that every feature's invariance rows use: each row a name, its world
+size and its flags. A feature's test picks the rows that apply to it (rows()) and runs each against
+its one-rank reference with its own model flags; the names say what the layout is (tp2_sp: tensor
+parallelism 2 with sequence parallelism; ep2: experts over 2 ranks; zero1: the distributed
+optimizer; cp2_a2a: context parallelism 2 by all-to-all; ...)."""
 
+import pytest
+
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2_VIRTUAL = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
+CP2 = ["--context-parallel-size", "2"]
+EP2 = ["--expert-model-parallel-size", "2"]
+ZERO1 = ["--use-distributed-optimizer"]
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
+
+# multi-latent attention with experts: the model of the MLA and MTP rows
 MLA = [
     "--multi-latent-attention",
     "--position-embedding-type",
@@ -53,19 +70,136 @@ MLA = [
     "fp32",
 ]
 
+TABLE: dict[str, tuple[int, list[str]]] = {
+    "cp2_p2p": (2, [*CP2]),
+    "cp2_all_gather": (2, [*CP2, "--cp-comm-type", "all_gather"]),
+    "cp2_a2a": (2, [*CP2, "--cp-comm-type", "a2a"]),
+    "cp4": (4, ["--context-parallel-size", "4"]),
+    "cp4_a2a_p2p": (
+        4,
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+        ],
+    ),
+    "cp2_tp2_sp": (4, [*CP2, *TP2_SP]),
+    "cp2_pp2_virtual": (4, [*CP2, *PP2_VIRTUAL]),
+    "cp2_dp2_zero1": (4, [*CP2, *ZERO1]),
+    "cp2_recompute_selective": (2, [*CP2, "--recompute-granularity", "selective"]),
+    "cp2_per_token": (2, [*CP2, "--calculate-per-token-loss"]),
+    "cp2_per_layer_types": (2, [*CP2, "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"]),
+    "cp2_compiled": (2, [*CP2, "--compile"]),
+    "cp2_per_layer_types_compiled_recomputed": (
+        2,
+        [
+            *CP2,
+            "--compile",
+            "--cp-comm-type",
+            "p2p",
+            "a2a",
+            "all_gather",
+            "p2p",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
+    "tp2_sp": (2, [*TP2_SP]),
+    "pp2_virtual": (2, [*PP2_VIRTUAL]),
+    "dp2_zero1": (2, [*ZERO1]),
+    "tp2_pp2_recompute": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "selective",
+        ],
+    ),
+    "compiled": (1, ["--compile"]),
+    "cp2": (2, [*CP2]),
+    "ep2": (2, [*EP2]),
+    "ep2_tp2_sp_zero1": (4, [*TP2_SP, *EP2, *ZERO1]),
+    "cp2_allgather": (2, [*CP2, "--cp-comm-type", "all_gather"]),
+    "recompute_selective_compiled": (1, ["--recompute-granularity", "selective", "--compile"]),
+    "recompute_modules_tp2_sp_compiled": (
+        2,
+        [
+            *TP2_SP,
+            "--recompute-activations",
+            "--recompute-modules",
+            "mla_up_proj",
+            "moe",
+            "mlp",
+            "layernorm",
+            "core_attn",
+            "moe_act",
+            "shared_experts",
+            "--compile",
+        ],
+    ),
+    "ep4": (4, ["--expert-model-parallel-size", "4"]),
+    "ep2_tp2_sp": (4, [*EP2, *TP2_SP]),
+    "ep2_pp2_virtual": (4, [*EP2, *PP2_VIRTUAL]),
+    "ep2_dp2": (4, [*EP2]),
+    "ep2_dp2_zero1": (4, [*EP2, *ZERO1]),
+    "ep2_tp2_sp_etp1": (4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1"]),
+    "tp2_sp_etp1": (2, [*TP2_SP, "--expert-tensor-parallel-size", "1"]),
+    "ep2_tp2_sp_etp1_zero1": (4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *ZERO1]),
+    "ep2_tp2_sp_compiled": (4, [*EP2, *TP2_SP, "--compile"]),
+    "recompute_full": (
+        1,
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
+    "recompute_selective": (2, [*EP2, "--recompute-granularity", "selective"]),
+    "ep2_alltoall": (2, [*EP2, *A2A]),
+    "ep4_alltoall": (4, ["--expert-model-parallel-size", "4", *A2A]),
+    "ep2_tp2_sp_etp1_alltoall": (4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *A2A]),
+    "ep2_pp2_virtual_alltoall": (4, [*EP2, *PP2_VIRTUAL, *A2A]),
+    "ep2_dp2_zero1_alltoall": (4, [*EP2, *ZERO1, *A2A]),
+    "ep2_compiled_alltoall": (2, [*EP2, "--compile", *A2A]),
+    "ep2_flex": (
+        2,
+        [*EP2, "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"],
+    ),
+    "cp2_ep2": (4, [*CP2, *EP2]),
+    "cp2_ep2_zero1_alltoall": (4, [*CP2, *EP2, *ZERO1, *A2A]),
+    "cp2_tp2_sp_ep2_etp1": (4, [*CP2, *TP2_SP, *EP2, "--expert-tensor-parallel-size", "1"]),
+    "pp2_tp2_sp": (4, [*TP2_SP, "--pipeline-model-parallel-size", "2"]),
+    "tied_pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "packed_tp2": (2, ["--sft-sequence-packing", "--tensor-model-parallel-size", "2"]),
+    "packed_dp2_zero1": (2, ["--sft-sequence-packing", *ZERO1]),
+}
 
-TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
-
-PP2_VIRTUAL = [
-    "--pipeline-model-parallel-size",
-    "2",
-    "--num-layers-per-virtual-pipeline-stage",
-    "1",
-]
+def rows(names: list[str], fast: tuple[str, ...] = ()) -> list:
+    """pytest parameters (name, world size, flags) of the named rows; all but the fast ones run
+    under -m slow."""
+    return [
+        pytest.param(name, *TABLE[name], id=name, marks=() if name in fast else pytest.mark.slow)
+        for name in names
+    ]
 
 
 def assert_same(got, want, iterations=20):
+    """Two runs' curves (per key) agree to 1e-5, relative, over every iteration."""
     for key in want:
         assert len(got[key]) == len(want[key]) == iterations, key
         for a, b in zip(got[key], want[key]):

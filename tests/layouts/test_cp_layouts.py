@@ -10,6 +10,7 @@ import re
 import pytest
 
 from harness.runner import DROPOUT, run_recipe
+from harness import layouts
 
 LLAMA = [
     "--position-embedding-type",
@@ -25,64 +26,24 @@ LLAMA = [
     *DROPOUT,
 ]
 CP2 = ["--context-parallel-size", "2"]
-DEFAULT = ("cp2_p2p", "cp2_a2a")  # the rest are -m slow
-LAYOUTS = [
-    ("cp2_p2p", 2, CP2),
-    ("cp2_all_gather", 2, [*CP2, "--cp-comm-type", "all_gather"]),
-    ("cp2_a2a", 2, [*CP2, "--cp-comm-type", "a2a"]),
-    ("cp4", 4, ["--context-parallel-size", "4"]),
-    (
+LAYOUTS = layouts.rows(
+    [
+        "cp2_p2p",
+        "cp2_all_gather",
+        "cp2_a2a",
+        "cp4",
         "cp4_a2a_p2p",
-        4,
-        [
-            "--context-parallel-size",
-            "4",
-            "--cp-comm-type",
-            "a2a+p2p",
-            "--hierarchical-context-parallel-sizes",
-            "2",
-            "2",
-        ],
-    ),
-    ("cp2_tp2_sp", 4, [*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    (
+        "cp2_tp2_sp",
         "cp2_pp2_virtual",
-        4,
-        [
-            *CP2,
-            "--pipeline-model-parallel-size",
-            "2",
-            "--num-layers-per-virtual-pipeline-stage",
-            "1",
-        ],
-    ),
-    ("cp2_dp2_zero1", 4, [*CP2, "--use-distributed-optimizer"]),
-    ("cp2_recompute_selective", 2, [*CP2, "--recompute-granularity", "selective"]),
-    ("cp2_per_token", 2, [*CP2, "--calculate-per-token-loss"]),
-    ("cp2_per_layer_types", 2, [*CP2, "--cp-comm-type", "p2p", "a2a", "all_gather", "p2p"]),
-    # inductor on CPU: 3.5 and 6.5 minutes (the second compiles each layer apart, one graph per comm
-    # type)
-    ("cp2_compiled", 2, [*CP2, "--compile"]),
-    (
+        "cp2_dp2_zero1",
+        "cp2_recompute_selective",
+        "cp2_per_token",
+        "cp2_per_layer_types",
+        "cp2_compiled",
         "cp2_per_layer_types_compiled_recomputed",
-        2,
-        [
-            *CP2,
-            "--compile",
-            "--cp-comm-type",
-            "p2p",
-            "a2a",
-            "all_gather",
-            "p2p",
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
-        ],
-    ),
-]
+    ],
+    fast=("cp2_p2p", "cp2_a2a"),
+)
 
 
 def curve(tmp_path, name, nproc, flags):
@@ -107,11 +68,7 @@ def optimizer_bytes(stdout):
     )
 
 
-@pytest.mark.parametrize(
-    "name, nproc, flags",
-    [pytest.param(*row, marks=() if row[0] in DEFAULT else pytest.mark.slow) for row in LAYOUTS],
-    ids=[row[0] for row in LAYOUTS],
-)
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
 def test_context_parallel_curves_are_layout_invariant(tmp_path, reference, name, nproc, flags):
     got, stdout = curve(tmp_path, name, nproc, flags)
     assert len(got) == 20 and " x cp " in stdout

@@ -9,6 +9,7 @@ other."""
 import pytest
 
 from harness.runner import DROPOUT, run_recipe
+from harness import layouts
 
 LLAMA = [
     "--position-embedding-type",
@@ -29,46 +30,21 @@ LLAMA = [
     "64",
 ]
 PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
-DEFAULT = ("tp2_sp", "cp2_p2p")  # the rest are -m slow
-LAYOUTS = [
-    ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ("cp2_p2p", 2, ["--context-parallel-size", "2"]),
-    ("cp2_a2a", 2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
-    ("cp2_all_gather", 2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
-    (
+LAYOUTS = layouts.rows(
+    [
+        "tp2_sp",
+        "cp2_p2p",
+        "cp2_a2a",
+        "cp2_all_gather",
         "cp4_a2a_p2p",
-        4,
-        [
-            "--context-parallel-size",
-            "4",
-            "--cp-comm-type",
-            "a2a+p2p",
-            "--hierarchical-context-parallel-sizes",
-            "2",
-            "2",
-        ],
-    ),
-    ("cp2_compiled", 2, ["--context-parallel-size", "2", "--compile"]),
-    (
+        "cp2_compiled",
         "pp2_virtual",
-        2,
-        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-    ),
-    ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
-    (
+        "dp2_zero1",
         "tp2_pp2_recompute",
-        4,
-        [
-            "--tensor-model-parallel-size",
-            "2",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--recompute-granularity",
-            "selective",
-        ],
-    ),
-    ("compiled", 1, ["--compile"]),
-]
+        "compiled",
+    ],
+    fast=("tp2_sp", "cp2_p2p"),
+)
 
 
 def curve(tmp_path, name, nproc, flags):
@@ -87,11 +63,7 @@ def reference(tmp_path_factory):
     return curve(tmp_path_factory.mktemp("documents"), "single", 1, PACKED)[0]
 
 
-@pytest.mark.parametrize(
-    "name, nproc, flags",
-    [pytest.param(*row, marks=() if row[0] in DEFAULT else pytest.mark.slow) for row in LAYOUTS],
-    ids=[row[0] for row in LAYOUTS],
-)
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
 def test_packed_document_curves_are_layout_invariant(tmp_path, reference, name, nproc, flags):
     got, stdout = curve(tmp_path, name, nproc, [*PACKED, *flags])
     assert_same(got, reference)

@@ -11,6 +11,7 @@ import pytest
 from harness.runner import DROPOUT, run_recipe
 from harness.layouts import TP2_SP
 from harness.layouts import PP2_VIRTUAL, assert_same
+from harness import layouts
 
 OSS = [
     "--position-embedding-type",
@@ -47,25 +48,10 @@ OSS = [
 ]
 KEYS = ("lm_loss", "load_balancing_loss")
 # tests/parallel/test_parallel_gpt.py checks the GPT-OSS pieces under tp in the default suite
-LAYOUTS = [
-    pytest.param("cp2", 2, ["--context-parallel-size", "2"]),
-    pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
-    pytest.param("pp2_virtual", 2, PP2_VIRTUAL, marks=pytest.mark.slow),
-    pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param(
-        "cp2_a2a",
-        2,
-        ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param(
-        "ep2_tp2_sp_zero1",
-        4,
-        [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-        marks=pytest.mark.slow,
-    ),
-]
+LAYOUTS = layouts.rows(
+    ["cp2", "tp2_sp", "pp2_virtual", "ep2", "cp2_a2a", "dp2_zero1", "ep2_tp2_sp_zero1"],
+    fast=("cp2"),
+)
 
 
 def curves(tmp_path, name, nproc, flags):

@@ -9,63 +9,25 @@ import pytest
 
 from harness.runner import run_recipe
 from harness.layouts import MLA, TP2_SP
+from harness import layouts
 
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 # all -m slow; tests/parallel/test_parallel_gpt.py checks MLA under tp in the default suite
-LAYOUTS = [
-    pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
-    pytest.param(
+LAYOUTS = layouts.rows(
+    [
+        "tp2_sp",
         "pp2_virtual",
-        2,
-        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param(
+        "ep2",
+        "cp2",
         "cp2_a2a",
-        2,
-        ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
         "cp2_allgather",
-        2,
-        ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param(
+        "dp2_zero1",
         "ep2_tp2_sp_zero1",
-        4,
-        [*TP2_SP, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
         "recompute_selective_compiled",
-        1,
-        ["--recompute-granularity", "selective", "--compile"],
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
         "recompute_modules_tp2_sp_compiled",
-        2,
-        [  # the DeepSeek-V3 script's modules, and the rest
-            *TP2_SP,
-            "--recompute-activations",
-            "--recompute-modules",
-            "mla_up_proj",
-            "moe",
-            "mlp",
-            "layernorm",
-            "core_attn",
-            "moe_act",
-            "shared_experts",
-            "--compile",
-        ],
-        marks=pytest.mark.slow,
-    ),
-]
+    ],
+    fast=(),
+)
 
 
 def curves(tmp_path, name, nproc, flags):

@@ -11,6 +11,7 @@ its own layout and at ep 2 without it, on the same curve."""
 import pytest
 
 from harness.runner import run_recipe
+from harness import layouts
 
 # Mixtral-style routing (top-2 of 4 experts, aux loss, z-loss) on a DeepSeek-style layer pattern (a
 # dense first layer) with a shared expert.
@@ -50,55 +51,38 @@ PP2_VIRTUAL = [
     "--num-layers-per-virtual-pipeline-stage",
     "1",
 ]
-DEFAULT = ("ep2", "pp2_virtual")  # the rest are -m slow
-LAYOUTS = [
-    ("ep2", 2, EP2),
-    ("ep4", 4, ["--expert-model-parallel-size", "4"]),
-    ("ep2_tp2_sp", 4, [*EP2, *TP2_SP]),
-    ("ep2_pp2_virtual", 4, [*EP2, *PP2_VIRTUAL]),
-    ("ep2_dp2", 4, EP2),
-    ("ep2_dp2_zero1", 4, [*EP2, "--use-distributed-optimizer"]),
-    ("ep2_tp2_sp_etp1", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1"]),
-    ("tp2_sp_etp1", 2, [*TP2_SP, "--expert-tensor-parallel-size", "1"]),
-    (
+LAYOUTS = layouts.rows(
+    [
+        "ep2",
+        "ep4",
+        "ep2_tp2_sp",
+        "ep2_pp2_virtual",
+        "ep2_dp2",
+        "ep2_dp2_zero1",
+        "ep2_tp2_sp_etp1",
+        "tp2_sp_etp1",
         "ep2_tp2_sp_etp1_zero1",
-        4,
-        [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"],
-    ),
-    ("ep2_tp2_sp_compiled", 4, [*EP2, *TP2_SP, "--compile"]),
-    ("compiled", 1, ["--compile"]),
-    (
+        "ep2_tp2_sp_compiled",
+        "compiled",
         "recompute_full",
-        1,
-        [
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
-        ],
-    ),
-    ("recompute_selective", 2, [*EP2, "--recompute-granularity", "selective"]),
-    ("pp2_virtual", 2, PP2_VIRTUAL),
-    ("tp2_sp", 2, TP2_SP),
-    ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
-    ("ep2_alltoall", 2, [*EP2, *A2A]),
-    ("ep4_alltoall", 4, ["--expert-model-parallel-size", "4", *A2A]),
-    ("ep2_tp2_sp_etp1_alltoall", 4, [*EP2, *TP2_SP, "--expert-tensor-parallel-size", "1", *A2A]),
-    ("ep2_pp2_virtual_alltoall", 4, [*EP2, *PP2_VIRTUAL, *A2A]),
-    ("ep2_dp2_zero1_alltoall", 4, [*EP2, "--use-distributed-optimizer", *A2A]),
-    ("ep2_compiled_alltoall", 2, [*EP2, "--compile", *A2A]),
-    (
+        "recompute_selective",
+        "pp2_virtual",
+        "tp2_sp",
+        "dp2_zero1",
+        "ep2_alltoall",
+        "ep4_alltoall",
+        "ep2_tp2_sp_etp1_alltoall",
+        "ep2_pp2_virtual_alltoall",
+        "ep2_dp2_zero1_alltoall",
+        "ep2_compiled_alltoall",
         "ep2_flex",
-        2,
-        [*EP2, "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"],
-    ),
-    ("cp2", 2, CP2),
-    ("cp2_ep2", 4, [*CP2, *EP2]),
-    ("cp2_ep2_zero1_alltoall", 4, [*CP2, *EP2, "--use-distributed-optimizer", *A2A]),
-    ("cp2_tp2_sp_ep2_etp1", 4, [*CP2, *TP2_SP, *EP2, "--expert-tensor-parallel-size", "1"]),
-]
+        "cp2",
+        "cp2_ep2",
+        "cp2_ep2_zero1_alltoall",
+        "cp2_tp2_sp_ep2_etp1",
+    ],
+    fast=("ep2", "pp2_virtual"),
+)
 NAMES = ("lm_loss", "load_balancing_loss", "z_loss")
 
 
@@ -119,11 +103,7 @@ def moe_reference(tmp_path_factory):
     return curves(tmp_path_factory.mktemp("moe"), "single", 1, [])
 
 
-@pytest.mark.parametrize(
-    "name, nproc, flags",
-    [pytest.param(*row, marks=() if row[0] in DEFAULT else pytest.mark.slow) for row in LAYOUTS],
-    ids=[row[0] for row in LAYOUTS],
-)
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
 def test_moe_curves_and_balance_losses_are_layout_invariant(
     tmp_path, moe_reference, name, nproc, flags
 ):

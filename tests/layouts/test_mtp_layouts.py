@@ -11,21 +11,14 @@ import pytest
 from harness.runner import DROPOUT, run_recipe
 from harness.layouts import MLA, TP2_SP
 from harness.layouts import PP2_VIRTUAL, assert_same
+from harness import layouts
 
 MTP = [*MLA, *DROPOUT, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 KEYS = ("lm_loss", "mtp_1 loss", "mtp_2 loss", "seq_load_balancing_loss")
-LAYOUTS = [
-    # tests/parallel/test_parallel_gpt.py checks MTP under tp in the default suite
-    pytest.param("pp2_virtual", 2, PP2_VIRTUAL),
-    pytest.param("tp2_sp", 2, TP2_SP, marks=pytest.mark.slow),
-    pytest.param("ep2", 2, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param("cp2", 2, ["--context-parallel-size", "2"], marks=pytest.mark.slow),
-    pytest.param("dp2_zero1", 2, ["--use-distributed-optimizer"], marks=pytest.mark.slow),
-    pytest.param(
-        "pp2_tp2_sp", 4, [*TP2_SP, "--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow
-    ),
-    pytest.param("tied_pp2", 2, ["--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow),
-]
+LAYOUTS = layouts.rows(
+    ["pp2_virtual", "tp2_sp", "ep2", "cp2", "dp2_zero1", "pp2_tp2_sp", "tied_pp2"],
+    fast=("pp2_virtual",),
+)
 
 
 def curves(tmp_path, name, nproc, flags):

@@ -15,6 +15,7 @@ import pytest
 
 from harness.chat_data import chat_tokenizer_dir, random_conversation, write_jsonl
 from harness.runner import DROPOUT, run_recipe
+from harness import layouts
 
 LLAMA = [
     "--position-embedding-type",
@@ -33,19 +34,10 @@ LLAMA = [
     "128",
 ]
 # the rest are -m slow (packed documents at cp 2 run by default in test_document_layouts)
-DEFAULT = ("tp2_sp",)
-LAYOUTS = [
-    ("tp2_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ("cp2", 2, ["--context-parallel-size", "2"]),
-    (
-        "pp2_virtual",
-        2,
-        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-    ),
-    ("dp2_zero1", 2, ["--use-distributed-optimizer"]),
-    ("packed_tp2", 2, ["--sft-sequence-packing", "--tensor-model-parallel-size", "2"]),
-    ("packed_dp2_zero1", 2, ["--sft-sequence-packing", "--use-distributed-optimizer"]),
-]
+LAYOUTS = layouts.rows(
+    ["tp2_sp", "cp2", "pp2_virtual", "dp2_zero1", "packed_tp2", "packed_dp2_zero1"],
+    fast=("tp2_sp",),
+)
 
 
 def conversations(tokenizer, rng: random.Random, multiple: int) -> list[dict]:
@@ -116,11 +108,7 @@ def reference(tmp_path_factory, chat):
     return of
 
 
-@pytest.mark.parametrize(
-    "name, nproc, flags",
-    [pytest.param(*row, marks=() if row[0] in DEFAULT else pytest.mark.slow) for row in LAYOUTS],
-    ids=[row[0] for row in LAYOUTS],
-)
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
 def test_sft_curves_are_layout_invariant(tmp_path, chat, reference, name, nproc, flags):
     packing = ("--sft-sequence-packing",) if "--sft-sequence-packing" in flags else ()
     assert_same(curve(tmp_path, name, nproc, [*chat[0], *DROPOUT, *flags]), reference(packing))
