@@ -45,7 +45,8 @@ def plan(job: Job, model: LoadedModel) -> dict:
             continue
         try:
             ids.append(([tokenizer.eod] if job.add_bos else []) + encode(tokenizer, text))
-        except Exception as e:  # noqa: BLE001 - whatever the tokenizer cannot read is the request's problem
+        # whatever the tokenizer cannot read is the request's problem
+        except Exception as e:  # noqa: BLE001
             raise BadRequest(
                 f"prompt {i} cannot be tokenized ({type(e).__name__}: {str(e)[:100]})"
             ) from None

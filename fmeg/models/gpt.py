@@ -41,8 +41,16 @@ from einops import rearrange
 from fmeg import ops
 from fmeg.models import mla, moe
 from fmeg.models.mlp import dense_mlp
-from fmeg.models.gpt_config import ACTIVATIONS, GATED, NORMS, POSITIONS, GPTConfig  # noqa: F401 - gpt's interface
-from fmeg.models.vocab import VOCAB_TABLES, pad_rows, repad_vocab  # noqa: F401 - part of gpt's interface
+
+# part of gpt's interface: re-exported (the "X as X" form says so)
+from fmeg.models.gpt_config import ACTIVATIONS as ACTIVATIONS
+from fmeg.models.gpt_config import GATED as GATED
+from fmeg.models.gpt_config import NORMS as NORMS
+from fmeg.models.gpt_config import POSITIONS as POSITIONS
+from fmeg.models.gpt_config import GPTConfig as GPTConfig
+from fmeg.models.vocab import VOCAB_TABLES as VOCAB_TABLES
+from fmeg.models.vocab import pad_rows as pad_rows
+from fmeg.models.vocab import repad_vocab as repad_vocab
 from fmeg.parallel import collectives as C
 from fmeg.parallel import context
 from fmeg.parallel.sharding import Partition

@@ -15,7 +15,8 @@ def assert_each_rank_holds_its_rows(results, want, want_grads, doubled):
     world, seq = len(results), want.shape[-2]
     twice = doubled()
     for r, got in enumerate(results):
-        mine = lambda t: t.index_select(-2, context.positions(seq, world, r))  # noqa: E731 - rank r's rows
+        # rank r's rows
+        mine = lambda t: t.index_select(-2, context.positions(seq, world, r))
         torch.testing.assert_close(got["out"], mine(want), rtol=1e-10, atol=1e-10)
         for g, w in zip(got["grads"], want_grads):
             torch.testing.assert_close(g, mine(w), rtol=1e-10, atol=1e-10)

@@ -109,7 +109,8 @@ def model(family: str, tp: int, pp: int, ep: int):
         moe_utils.te_general_gemm = None
     try:
         model_parallel_cuda_manual_seed(1234)
-    except Exception:  # noqa: BLE001 - CPU only: without dropout the CUDA RNG tracker has nothing to fork
+    # CPU only: without dropout the CUDA RNG tracker has nothing to fork
+    except Exception:
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     f = dict(FAMILIES[family])
     gpt2 = family.startswith("gpt2")

@@ -118,7 +118,8 @@ def megatron_gpt(mesh, params, batch, config):
     torch.cuda.current_device = lambda: "cpu"
     try:
         model_parallel_cuda_manual_seed(0)
-    except Exception:  # noqa: BLE001 - CPU only: without dropout the CUDA RNG tracker has nothing to fork
+    # CPU only: without dropout the CUDA RNG tracker has nothing to fork
+    except Exception:
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     logged: dict[int, float] = {}
 

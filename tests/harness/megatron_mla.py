@@ -21,7 +21,8 @@ def megatron_mla(mesh, attn_params, x_BSH, dout_BSH, config):
         torch.cuda.current_device = lambda: "cpu"
     try:
         model_parallel_cuda_manual_seed(0)
-    except Exception:  # noqa: BLE001 - CPU only: without dropout, the CUDA RNG tracker has nothing to fork
+    # CPU only: without dropout, the CUDA RNG tracker has nothing to fork
+    except Exception:
         import contextlib
 
         from megatron.core import tensor_parallel

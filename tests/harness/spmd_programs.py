@@ -65,7 +65,7 @@ def sequence_parallel_region(mesh, x, w, dim, cot, tan, batch):
     dim. Reference: chunk_r(sum_r tanh(x * w_r))."""
     g, wr = mesh.group("tp"), w[mesh.coord("tp")]
     shard = lambda t, d=dim: _chunk(t, mesh, d)  # noqa: E731
-    fn = lambda x: C.reduce_scatter_to(torch.tanh(C.gather_from_sp(x, g, dim) * wr), g, dim)  # noqa: E731
+    fn = lambda x: C.reduce_scatter_to(torch.tanh(C.gather_from_sp(x, g, dim) * wr), g, dim)
     return _rules(fn, shard(x), shard(cot), shard(tan), _chunk(batch, mesh, dim + 1))
 
 
@@ -361,7 +361,8 @@ def megatron_gpt_logits(mesh, params, tokens, config):
         torch.cuda.current_device = lambda: "cpu"  # (this worker process only)
     try:
         model_parallel_cuda_manual_seed(0)
-    except Exception:  # noqa: BLE001 - CPU only: without dropout, the CUDA RNG tracker has nothing to fork
+    # CPU only: without dropout, the CUDA RNG tracker has nothing to fork
+    except Exception:
         import contextlib
 
         from megatron.core import tensor_parallel

@@ -116,7 +116,7 @@ def _freed_outside_use(mesh):
         shard_params(gpt.init(CONFIG, 0), CONFIG, layout, mesh), CONFIG, layout, mesh
     )
     weights = state.gathered
-    held = lambda: {u for u, b in weights.buffers.items() if b.untyped_storage().nbytes()}  # noqa: E731
+    held = lambda: {u for u, b in weights.buffers.items() if b.untyped_storage().nbytes()}
     before = held()
     with state.use(0, ("layers.1",)):
         inside = held()
@@ -250,7 +250,7 @@ def _kept_from_forward(mesh, policy):
         mesh,
         reshard_after_forward=policy,
     )
-    held = lambda: {u for u, b in state.gathered.buffers.items() if b.untyped_storage().nbytes()}  # noqa: E731
+    held = lambda: {u for u, b in state.gathered.buffers.items() if b.untyped_storage().nbytes()}
     with state.use(0, ("embedding", "layers.0", "layers.1")):
         pass
     after_forward = held()

@@ -136,7 +136,7 @@ def test_the_activation_estimate_is_korthikantis_and_grows_with_the_experts_a_to
         0, 0, gpt2, micro_batch=2, seq_len=32, tp=2, pp=1, in_flight=1, activation_bytes=2
     )
     assert est["activations"] == 2 * (32 * 2 * 32 * (34 + 5 * 4 * 32 / 32) / 2)
-    moe = lambda **kw: dataclasses.replace(gpt2, num_experts=8, moe_ffn_hidden_size=32, **kw)  # noqa: E731
+    moe = lambda **kw: dataclasses.replace(gpt2, num_experts=8, moe_ffn_hidden_size=32, **kw)
     top1, top2 = activation_units(moe(moe_router_topk=1)), activation_units(moe(moe_router_topk=2))
     assert top1 == 15 + 3 + (2 + 4) and top2 == 15 + 3 + 2 * (2 + 4)
     half = activation_units(moe(moe_router_topk=2, moe_layer_freq=(0, 1)))

@@ -106,9 +106,8 @@ def extra_states(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
         ):
             for layer in range(t.shape[0]):
                 for e in range(t.shape[1]):
-                    out[
-                        f"decoder.layers.{module}._extra_state/shard_{layer}.{e}_{t.shape[0]}.{t.shape[1]}"
-                    ] = [None]
+                    shard = f"shard_{layer}.{e}_{t.shape[0]}.{t.shape[1]}"
+                    out[f"decoder.layers.{module}._extra_state/{shard}"] = [None]
     return out
 
 
