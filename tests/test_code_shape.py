@@ -49,3 +49,15 @@ def test_no_test_module_imports_another():
                 if n.split(".")[-1].startswith("test_")
             ]
     assert found == [], "\n".join(found)
+
+
+def test_no_line_is_longer_than_100_characters():
+    """ruff's E501 forgives lines that end in a pragma; the style guide does not."""
+    long = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("fmeg", "recipes", "tests", "bench")
+        for path in sorted(ROOT.joinpath(folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
+    assert long == [], long
