@@ -2,7 +2,7 @@
 cp 1.
 
     python bench/context_parallel.py [--seqs 8192 32768] [--cps 1 2 4] [--comm-type p2p] [--time-seq
-    4096]
+        4096]
 
 Memory: the bytes one rank's forward keeps for its backward (saved-tensor hooks, each storage
 counted once), the activation memory Korthikanti et al. count, for a tiny GPT (2 layers, hidden 64,

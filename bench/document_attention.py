@@ -2,7 +2,7 @@
 on CPU.
 
     python bench/document_attention.py [--seq 4096] [--mean-document 512] [--batch 2] [--heads 8]
-    [--head-dim 64]
+        [--head-dim 64]
 
 One forward-backward of the attention core (q [b, N, s, d], grouped keys N/2), median of 5 after a
 warm-up, side by side in one run: causal attention over the whole row (what --reset-attention-mask

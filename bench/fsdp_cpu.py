@@ -2,8 +2,9 @@
 memory per rank and step time at dp 4 (gloo processes), bf16 weights with fp32 master weights and
 gradients.
 
-    python bench/fsdp_cpu.py                     # 12 layers, hidden 768, vocab 32000: 117M
-    parameters python bench/fsdp_cpu.py --layers 2 --hidden 256 --steps 2    # a quicker look
+    # 12 layers, hidden 768, vocab 32000: 117M parameters
+    python bench/fsdp_cpu.py
+    python bench/fsdp_cpu.py --layers 2 --hidden 256 --steps 2    # a quicker look
 
 Each strategy runs on four fresh gloo processes (so one strategy's peak cannot hide another's), the
 same weights and batches. The state is built as the runner builds it, a layer at a time

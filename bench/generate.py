@@ -1,8 +1,9 @@
 """Decode speed: fmeg's generate vs transformers' generate on the same model, in one run (CPU or
 GPU).
 
-    python bench/generate.py                        # GPT-2 shape: 6 layers, hidden 512, 8 heads,
-    vocab 50257 python bench/generate.py --batches 1 --new 16   # a quicker look
+    # GPT-2 shape: 6 layers, hidden 512, 8 heads, vocab 50257
+    python bench/generate.py
+    python bench/generate.py --batches 1 --new 16   # a quicker look
     python bench/generate.py --device cuda --dtype bfloat16
 
 Both sides generate greedily from the same weights (fmeg's exported with interop.hf.to_hf) and the

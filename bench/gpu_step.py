@@ -1,13 +1,18 @@
 """The runner's training step against a compiled nanoGPT-style step, side by side in one process.
 
-    python bench/gpu_step.py                         # GPT-2 124M, 1.3B and a Llama-style 1B on the
-    GPU python bench/gpu_step.py --model 1.3b --steps 20
-    python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile      # a smoke run
-    anywhere python bench/gpu_step.py --model 1.3b --profile     # also: one profiled step of each,
-    kernels by time python bench/gpu_step.py --model host --device cpu --steps 30   # the host-time
-    proxy, compiled, on a CPU python bench/gpu_step.py --sharding optim_grads_params     # also: the
-    same step with sharded weights python bench/gpu_step.py --model llama-1b --mla     # also:
-    multi-latent attention against GQA at this width
+    # GPT-2 124M, 1.3B and a Llama-style 1B on the GPU
+    python bench/gpu_step.py
+    python bench/gpu_step.py --model 1.3b --steps 20
+    # a smoke run anywhere
+    python bench/gpu_step.py --model tiny --device cpu --steps 2 --no-compile
+    # also: one profiled step of each, kernels by time
+    python bench/gpu_step.py --model 1.3b --profile
+    # the host-time proxy, compiled, on a CPU
+    python bench/gpu_step.py --model host --device cpu --steps 30
+    # also: the same step with sharded weights
+    python bench/gpu_step.py --sharding optim_grads_params
+    # also: multi-latent attention against GQA at this width
+    python bench/gpu_step.py --model llama-1b --mla
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16
 compute, fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank,

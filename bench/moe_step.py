@@ -2,8 +2,9 @@
 side.
 
     python bench/moe_step.py                              # CPU shapes, fp32, eager
-    python bench/moe_step.py --device cuda --dtype bf16   # GPU shapes (Mixtral-like, 8 experts,
-    top-2) python bench/moe_step.py --shape tiny --steps 1 --rounds 1   # a smoke run
+    # GPU shapes (Mixtral-like, 8 experts, top-2)
+    python bench/moe_step.py --device cuda --dtype bf16
+    python bench/moe_step.py --shape tiny --steps 1 --rounds 1   # a smoke run
 
 Both run the runner's real step (fmeg.training.parallel_step.train_iteration on one rank's
 FlatState). The dense model's FFN is topk x the expert FFN, so each token meets the same number of

@@ -2,8 +2,9 @@
 eager. fmeg's step is the runner's (parallel_step.train_iteration on one rank), its layers compiled
 or not.
 
-    python bench/step_cpu.py                 # GPT-2 shape: 6 layers, hidden 384, 6 heads, seq 256,
-    batch 8 python bench/step_cpu.py --steps 5 --layers 2    # a quicker look
+    # GPT-2 shape: 6 layers, hidden 384, 6 heads, seq 256, batch 8
+    python bench/step_cpu.py
+    python bench/step_cpu.py --steps 5 --layers 2    # a quicker look
 
 All variants train the same weights on the same batch in one process; rounds alternate between them
 so drift in the machine's speed touches each alike. Prints median step times and ratios to

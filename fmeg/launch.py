@@ -10,7 +10,8 @@ differs only at the end:
 - a worker's exit code is the launcher's (2 for bad input, whose one line the worker printed), with
 no
   traceback and no report of torchrun's; each refusal is printed once, by the first rank to reach
-  it, so a line is never lost to the race of ranks exiting (fmeg.cli.print_refusal);
+      it, so a
+  line is never lost to the race of ranks exiting (fmeg.cli.print_refusal);
 - a worker killed by a signal is named in one line, and the exit code is 128 + the signal's number;
 - SIGTERM is forwarded to the workers, and the launcher exits as they do: 0 once they have saved a
   checkpoint and exited under --exit-signal-handler (on Linux; elsewhere torchrun handles SIGTERM).
@@ -112,8 +113,8 @@ def _cuda() -> bool:
 
 
 def _stopped(pid: int) -> bool:
-    """Whether a process is stopped (state T: SIGSTOP, or t: a tracer), which ignores SIGTERM
-    until continued."""
+    """Whether a process is stopped (state T: SIGSTOP, or t: a tracer), which ignores SIGTERM until
+    continued."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")

@@ -2,11 +2,13 @@
 Megatron-LM.
 
     python -m recipes.convert_checkpoint consolidate --load ckpt --output model.safetensors
-    python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/      # config.json
-    + model.safetensors python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt
-    # a starting checkpoint python -m recipes.convert_checkpoint export-megatron --load ckpt --save
-    megatron_ckpt  # for Megatron at tp 1 python -m recipes.convert_checkpoint import-megatron
-    --input megatron_ckpt --save ckpt
+    # config.json + model.safetensors
+    python -m recipes.convert_checkpoint export-hf --load ckpt --output hf_model/
+    # a starting checkpoint
+    python -m recipes.convert_checkpoint import-hf --input hf_model/ --save ckpt
+    # for Megatron at tp 1
+    python -m recipes.convert_checkpoint export-megatron --load ckpt --save megatron_ckpt
+    python -m recipes.convert_checkpoint import-megatron --input megatron_ckpt --save ckpt
 
 export-megatron writes a torch_dist checkpoint (fmeg.interop.megatron.export) that Megatron-LM
 resumes with its model flags, --load and --no-load-optim --no-load-rng (or --finetune), at the tp it

@@ -1,17 +1,17 @@
 """Generate text from an fmeg checkpoint, at any tensor x pipeline layout.
 
     python -m recipes.generate --load checkpoints/gpt --prompt "def main(" --tokens 64
-    torchrun --nproc-per-node 4 -m recipes.generate --load checkpoints/gpt
-    --tensor-model-parallel-size 2 \\
-        --pipeline-model-parallel-size 2 --prompt "import os" --temperature 0.8 --top-k 40 --seed 7
+    torchrun --nproc-per-node 4 -m recipes.generate --load checkpoints/gpt \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --prompt "import os" \\
+        --temperature 0.8 --top-k 40 --seed 7
 
 The checkpoint may have been saved at any layout: each rank reads only its own blocks of the
-weights, as --load does. The tokenizer is the one
-the run was trained with (from the checkpoint's arguments) unless --tokenizer-type and its files are
-given. One prompt streams to the terminal as it is generated; several are generated as one batch.
---json prints one JSON object per prompt (text, token ids, logprobs, finish reason). Prompt i
-samples with seed --seed + i (mod 2**63), so a sampled run is reproducible across layouts and
-batches. Problems with the flags, the checkpoint or a prompt are one line and exit 2.
+weights, as --load does. The tokenizer is the one the run was trained with (from the checkpoint's
+arguments) unless --tokenizer-type and its files are given. One prompt streams to the terminal as it
+is generated; several are generated as one batch. --json prints one JSON object per prompt (text,
+token ids, logprobs, finish reason). Prompt i samples with seed --seed + i (mod 2**63), so a sampled
+run is reproducible across layouts and batches. Problems with the flags, the checkpoint or a prompt
+are one line and exit 2.
 """
 
 from __future__ import annotations

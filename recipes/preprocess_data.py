@@ -2,7 +2,7 @@
 
     python -m recipes.preprocess_data --input corpus.jsonl --output-prefix data/corpus --append-eod
     python -m recipes.preprocess_data --input c.jsonl --output-prefix out --tokenizer-type
-    GPT2BPETokenizer \\
+        GPT2BPETokenizer \\
         --vocab-file vocab.json --merge-file merges.txt --workers 4
 
 Writes {output_prefix}_{key}_document.bin/.idx for every --json-keys key (Megatron's names), one

@@ -4,30 +4,33 @@ reason.
 Megatron's `PUT /api` (tools/run_text_generation_server.py):
     {"prompts": ["..."], "tokens_to_generate": 64, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
      "logprobs": false, "random_seed": -1, "add_BOS": false, "stop_on_eol": false,
-     "stop_on_double_eol": false, "stop_token": <eod>, "no_log": false}
+         "stop_on_double_eol": false,
+     "stop_token": <eod>, "no_log": false}
     -> {"text": [prompt + completion], "tokens": [prompt ids + new ids], "segments": [[piece per
-    token]],
-        "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}     (logprobs when
-        asked)
+        token]],
+        "logprobs": [[prompt logprobs (from the second token) + new logprobs]]}
+            (logprobs when asked)
     a bad request: HTTP 400 {"message": reason}, which Megatron's tools/text_generation_cli.py
-    prints
+        prints
 OpenAI's `POST /v1/chat/completions`:
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..." | [{"type": "text",
-    "text": ...}]}],
+        "text": ...}]}],
      "max_completion_tokens" | "max_tokens": the rest of the context, "temperature", "top_p",
-     "stop", "logprobs": false, "top_logprobs": 0..20, "seed", "stream", "stream_options", "n": 1,
-     ...}
+         "stop",
+     "logprobs": false, "top_logprobs": 0..20, "seed", "stream", "stream_options", "n": 1, ...}
     the messages rendered by the model's chat template (with the generation prompt, as --sft renders
-    them), then run as a completion of those token ids
+        them),
+    then run as a completion of those token ids
 OpenAI's `POST /v1/completions`:
     {"prompt": "..." | ["..."] | [ids] | [[ids]], "max_tokens": 16, "temperature": 1.0, "top_p":
-    1.0,
+        1.0,
      "stop": "..." | [...], "logprobs": null | 0..20, "echo": false, "seed": null, "stream": false,
-     "n": 1, ...}
+         "n": 1, ...}
     -> choices[i].logprobs {"tokens", "token_logprobs", "top_logprobs", "text_offset"} over the
-    prompt too with
+        prompt too with
        echo (its first token's logprob and top_logprobs null); max_tokens 0 with echo scores the
-       prompt alone, as lm-evaluation-harness's local-completions asks for loglikelihoods
+           prompt alone,
+       as lm-evaluation-harness's local-completions asks for loglikelihoods
 
 A field the format does not define, or one fmeg does not implement (beam search, top-p decay,
 penalties), is refused with its name, so a request is never half-honoured. Every value is checked

@@ -148,8 +148,8 @@ class Broadcast:
         return self._exchange(None)
 
     def keep_alive(self, every_s: float = KEEP_ALIVE_S) -> None:
-        """On rank 0, in a daemon thread: KEEP_ALIVE every every_s seconds, between jobs, until
-        the stop."""
+        """On rank 0, in a daemon thread: KEEP_ALIVE every every_s seconds, between jobs, until the
+        stop."""
 
         def beat() -> None:
             while not self.stopped:

@@ -1,10 +1,11 @@
 """Train a small GPT on one process from a token file and watch the loss fall: the runner's one-rank
 case.
 
-    python -m recipes.train_single                                  # bytes of the stdlib, ~1 minute
-    on CPU python -m recipes.train_single --data-path train.bin --vocab-size 50257 --num-layers 6
-    --hidden-size 384 python -m recipes.train_single --data-path tokens.npy --model llama
-    --num-query-groups 2
+    # bytes of the stdlib, ~1 minute on CPU
+    python -m recipes.train_single
+    python -m recipes.train_single --data-path train.bin --vocab-size 50257 --num-layers 6 \\
+        --hidden-size 384
+    python -m recipes.train_single --data-path tokens.npy --model llama --num-query-groups 2
 
 Every flag of recipes.gpt_pretrain works (the same RunConfig, Trainer and step), with defaults for a
 quick look (2 layers, micro batch 16, 200 iterations, cosine decay from 3e-3 to 3e-4 after 10 warmup

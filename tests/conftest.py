@@ -1,7 +1,7 @@
 """Hypothesis profiles: "ci" (the default) keeps the suite within CI's budget; "dev" searches
 harder.
 
-HYPOTHESIS_PROFILE=dev pytest
+    HYPOTHESIS_PROFILE=dev pytest
 """
 
 import os

@@ -26,8 +26,8 @@ def test_readme_python_example_runs():
 
 
 def bash_commands(text: str) -> list[str]:
-    """The commands of text's ```bash blocks (continuation lines joined), set-up and test
-    commands left out."""
+    """The commands of text's ```bash blocks (continuation lines joined), set-up and test commands
+    left out."""
     commands = []
     for body in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines = [c.strip() for c in body.replace("\\\n", " ").splitlines() if c.strip()]

@@ -1,18 +1,20 @@
 """Checkpoints as placements: boxes of global tensors, written once, read where they overlap what a
 rank holds.
 
-    DIR/iter_0000010/rank_00003.safetensors   this rank's cells: each a box of a global tensor,
-    named by it
+    DIR/iter_0000010/rank_00003.safetensors
+        this rank's cells: each a box of a global tensor, named by it
                                               ("mu/layers.0.mlp.fc1.weight[64:72,0:32]"); any
-                                              safetensors reader opens the file
-    DIR/iter_0000010/rank_00003.json          this rank's pieces: global name, global shape, dtype,
-    box, how
+                                                  safetensors
+                                              reader opens the file
+    DIR/iter_0000010/rank_00003.json
+        this rank's pieces: global name, global shape, dtype, box, how
                                               the box is cut into cells, the cells written and their
-                                              crc32s
-    DIR/iter_0000010/metadata.json            format 2, layout, model config, iteration, consumed
-    samples (the
+                                                  crc32s
+    DIR/iter_0000010/metadata.json
+        format 2, layout, model config, iteration, consumed samples (the
                                               sampler's and the schedules' position), loss scale,
-                                              arguments, and every rank's pieces (written last)
+                                                  arguments,
+                                              and every rank's pieces (written last)
     DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint (moved last)
 
 Names are "<kind>/<global path>": params (the weights in the run's compute dtype), main (fp32 master

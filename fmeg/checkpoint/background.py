@@ -2,10 +2,12 @@
 rank's own.
 
     writer = BackgroundWriter()          # owned by the runner
-    writer.start(write_files, ...)       # returns at once; the arguments are host copies the step
-    never touches writer.done                          # has it finished (without waiting)?
-    problem = writer.wait()              # blocks; None, or the OSError (or other error) the write
-    raised writer.close()                       # waits, at the end of the run
+    # returns at once; the arguments are host copies the step never touches
+    writer.start(write_files, ...)
+    writer.done                          # has it finished (without waiting)?
+    # blocks; None, or the OSError (or other error) the write raised
+    problem = writer.wait()
+    writer.close()                       # waits, at the end of the run
 
 The thread is a daemon: a process that dies mid-write leaves a temporary directory, which no load
 chooses.

@@ -3,8 +3,9 @@ reads.
 
     box = Box((48, 0), (48, 32))                     # rows 48..96 of a [96, 32] tensor
     box.intersect(Box((64, 0), (64, 32)))            # Box((64, 0), (32, 32))
-    flat_boxes((6, 4), 5, 17)                        # a row-major range of a block as boxes, each
-    contiguous cells(box, steps)                                # the cells a stored box is cut into
+    # a row-major range of a block as boxes, each contiguous
+    flat_boxes((6, 4), 5, 17)
+    cells(box, steps)                                # the cells a stored box is cut into
 
 A tensor-parallel shard is a box; a distributed-optimizer slice of a flattened block is a few boxes
 (flat_boxes); a stored box is cut into cells, each written as one tensor with its own checksum, so

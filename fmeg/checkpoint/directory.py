@@ -1,10 +1,12 @@
 """The checkpoint directory: iterations written aside and renamed into place, the newest named by a
 pointer file.
 
-    DIR/iter_0000010.tmp-<attempt>/   a save in progress (a token the ranks of one run share, new
-    every run) DIR/iter_0000010/                 a complete checkpoint: every rank's files, then
-    metadata.json (written last) DIR/latest_checkpointed_iteration.txt   the newest complete
-    iteration (Megatron's name; moved last)
+    DIR/iter_0000010.tmp-<attempt>/
+        a save in progress (a token the ranks of one run share, new every run)
+    DIR/iter_0000010/
+        a complete checkpoint: every rank's files, then metadata.json (written last)
+    DIR/latest_checkpointed_iteration.txt
+        the newest complete iteration (Megatron's name; moved last)
 
 A killed save leaves only a temporary directory, which loading ignores and a restart never writes
 into; remove_stale deletes such leftovers when a run starts. Files are fsynced before the rename and

@@ -28,8 +28,8 @@ class LegacyEntry:
 
 
 def _global_path(stage_path: str, model: dict, stages: int) -> str | None:
-    """layers.i.rest of stage s -> layers.(s * L / S + i).rest; None for the tied copy of the
-    word embedding."""
+    """layers.i.rest of stage s -> layers.(s * L / S + i).rest; None for the tied copy of the word
+    embedding."""
     stage, _, path = stage_path.partition("/")
     s = int(stage)
     if path.startswith("layers."):

@@ -2,9 +2,10 @@
 its crc32.
 
     ckpt = Checkpoint.open(Path("ck/iter_0000010"))          # metadata.json only; no tensor is read
-    ckpt.read([Request("mu/layers.0.mlp.fc1.weight", Box((0, 0), (64, 32)), out)])   # fills out in
-    place ckpt.bytes_read                                           # what this process read of the
-    checkpoint
+    # fills out in place
+    ckpt.read([Request("mu/layers.0.mlp.fc1.weight", Box((0, 0), (64, 32)), out)])
+    # what this process read of the checkpoint
+    ckpt.bytes_read
 
 A request names a global tensor, the box of it wanted, and the tensor to fill (any dtype: values are
 cast). Every element of the box must come from the checkpoint: a box that no stored piece covers is

@@ -157,8 +157,8 @@ class SafetensorsFile:
         return out, dtype, shape
 
     def check_sha256(self, expected: str) -> None:
-        """Check the whole file against a sha256 (older fmeg checkpoints, which have no
-        per-tensor crc32)."""
+        """Check the whole file against a sha256 (older fmeg checkpoints, which have no per-tensor
+        crc32)."""
         h, offset = hashlib.sha256(), 0
         while block := os.pread(self.fd, 1 << 22, offset):
             h.update(block)

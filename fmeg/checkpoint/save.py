@@ -2,8 +2,9 @@
 file per rank.
 
     piece = Piece("mu/layers.0.mlp.fc1.weight", Box((64, 0), (64, 32)), (128, 32), values, steps,
-    share=(1, 2)) entry = write_rank(tmp_dir, rank=3, coords={...}, pieces=[...])   #
-    rank_00003.safetensors and .json
+        share=(1, 2))
+    # rank_00003.safetensors and .json
+    entry = write_rank(tmp_dir, rank=3, coords={...}, pieces=[...])
 
 A piece is a box that this rank holds. It is cut into cells (boxes.Grid); each cell is one tensor of
 the file, named by its place in the global tensor ("mu/layers.0.mlp.fc1.weight[64:72,0:32]"), with a

@@ -1,8 +1,8 @@
 """Megatron's --use-checkpoint-args: the model's flags read from the checkpoint --load names, so
 that a run continues an imported or earlier model without repeating its architecture.
 
-    apply_checkpoint_args(args)       # in place, before validation; the flags given still decide
-    the rest
+    # in place, before validation; the flags given still decide the rest
+    apply_checkpoint_args(args)
 """
 
 from __future__ import annotations

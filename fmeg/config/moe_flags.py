@@ -1,5 +1,5 @@
-"""Megatron's mixture-of-experts flags: their parser group, the GPTConfig fields they set, and
-their rules."""
+"""Megatron's mixture-of-experts flags: their parser group, the GPTConfig fields they set, and their
+rules."""
 
 from __future__ import annotations
 

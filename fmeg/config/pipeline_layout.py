@@ -1,10 +1,10 @@
 """Megatron's --pipeline-model-parallel-layout: a string naming what each pipeline stage holds.
 
-    "Et*3|(tt|)*29,m|L"     stages split by "|", in forward order (all pp ranks' first virtual
-    stage, then their
+    "Et*3|(tt|)*29,m|L"
+        stages split by "|", in forward order (all pp ranks' first virtual stage, then their
                             second...); E the embedding, t a decoder layer, m a multi-token
-                            prediction layer, L the loss; X*N and (...)*N repeat; commas are
-                            cosmetic; a stage may be empty
+                                prediction layer, L the
+                            loss; X*N and (...)*N repeat; commas are cosmetic; a stage may be empty
 
 The number of stages is pp x the virtual stages per rank. fmeg's pipeline holds the same number of
 decoder layers on every stage, the embedding on the first and the MTP layers with the loss on the
@@ -63,8 +63,8 @@ def stages(text: str) -> list[str]:
 
 
 def layers_per_stage(text: str, num_layers: int, mtp_layers: int, pp: int) -> int:
-    """The decoder layers of every stage of a layout fmeg's pipeline holds; ValueError naming
-    what differs."""
+    """The decoder layers of every stage of a layout fmeg's pipeline holds; ValueError naming what
+    differs."""
     held = stages(text)
     if len(held) % pp:
         raise ValueError(

@@ -84,8 +84,8 @@ def template_renderer(source: str, special_tokens: dict[str, str]) -> Renderer:
 
 
 def assistant_spans(render: Renderer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(the conversation's text, the [start, end) characters of each assistant turn's answer and
-    end of turn)."""
+    """(the conversation's text, the [start, end) characters of each assistant turn's answer and end
+    of turn)."""
     text = render(messages, False)
     spans = []
     for k, message in enumerate(messages):

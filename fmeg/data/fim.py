@@ -4,9 +4,9 @@ documents.
 Each document of the sample (the runs between end-of-document tokens, which stay in place) is, with
 probability --fim-rate, decoded to text, cut at two uniformly drawn character positions into prefix,
 middle and suffix, re-encoded, and laid out with the FIM tokens as
-    PSM   <prefix> prefix <suffix> suffix <middle> middle               (probability 1 -
-    --fim-spm-rate) SPM   <prefix> <suffix> suffix <middle> prefix middle               (probability
-    --fim-spm-rate)
+    PSM   <prefix> prefix <suffix> suffix <middle> middle
+        (probability 1 - --fim-spm-rate)
+    SPM   <prefix> <suffix> suffix <middle> prefix middle               (probability --fim-spm-rate)
 so that the model learns to write the middle after seeing both sides. A document whose text starts
 with --fim-no-prefix is left alone. With --fim-split-sample TOKEN a document holding that token is,
 with probability --fim-rate, cut at it into fragments (files of a repository, say), each rearranged
@@ -71,8 +71,8 @@ class FIM:
 
     @classmethod
     def of(cls, settings: FIMSettings, tokenizer) -> FIM:
-        """Resolve the token names; ValueError in one line naming the flags of tokens the
-        tokenizer lacks."""
+        """Resolve the token names; ValueError in one line naming the flags of tokens the tokenizer
+        lacks."""
         lookup = getattr(tokenizer, "token_to_id", None)
         names = {
             "prefix": settings.prefix_token,

@@ -5,11 +5,12 @@ shuffled document order; sample k starts at token k * seq_len of that stream, so
 share one token. Three indices define everything, built once and cached as .npy files under a name
 that hashes every input that changes them:
 
-    document_index  documents of all epochs, shuffled (numpy RandomState(seed); the final epoch
-    shuffled
+    document_index
+        documents of all epochs, shuffled (numpy RandomState(seed); the final epoch shuffled
                     apart when it contributes less than 80% of an epoch's samples)
-    sample_index    [num_samples + 1, 2]: (position in document_index, token offset) of each sample
-    start shuffle_index   a permutation of the samples (the final epoch again apart)
+    sample_index
+        [num_samples + 1, 2]: (position in document_index, token offset) of each sample start
+    shuffle_index   a permutation of the samples (the final epoch again apart)
 
 For the same files, seed, sequence length, documents and sample count this yields the samples of
 megatron-core's GPTDataset in the same order.

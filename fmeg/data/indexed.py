@@ -1,10 +1,11 @@
 """Megatron's indexed dataset format (.bin/.idx), read memory-mapped and written atomically.
 
     prefix.bin  the tokens of every sequence, back to back, in one integer dtype
-    prefix.idx  b"MMIDIDX\\x00\\x00", <Q version 1, <B dtype code, <Q sequence count, <Q document
-    count,
+    prefix.idx
+        b"MMIDIDX\\x00\\x00", <Q version 1, <B dtype code, <Q sequence count, <Q document count,
                 int32 sequence lengths, int64 sequence byte offsets into .bin, int64 document
-                indices (0 first; each document end appends the running sequence count)
+                    indices
+                (0 first; each document end appends the running sequence count)
 
 A document is one or more sequences (usually one). Files written here are read by megatron-core's
 IndexedDataset and files written by its IndexedDatasetBuilder are read here. Every malformed input

@@ -42,8 +42,8 @@ def split_conversations(messages: list[dict]) -> list[list[dict]]:
 
 
 def line_conversations(raw: bytes, where: str) -> list[list[dict]]:
-    """The conversations of one JSONL line, checked: SFTDataError names `where` (file and line)
-    and the fix."""
+    """The conversations of one JSONL line, checked: SFTDataError names `where` (file and line) and
+    the fix."""
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

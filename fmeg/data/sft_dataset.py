@@ -12,12 +12,12 @@ token is padding (megatron-core's padding_mask: experts route those tokens, but 
 and load counts leave them out).
 
 Which conversations a sample holds:
-    default                 those of one line, as Megatron-LM's SFTDataset: a line that does not fit
-    is cut at
+    default
+        those of one line, as Megatron-LM's SFTDataset: a line that does not fit is cut at
                             seq_len (the conversation across the cut is truncated, the ones after it
-                            dropped)
-    --sft-sequence-packing  consecutive conversations of the split, as many as fit; one longer than
-    seq_len is
+                                dropped)
+    --sft-sequence-packing
+        consecutive conversations of the split, as many as fit; one longer than seq_len is
                             truncated, none is dropped
 Samples go through the split's lines (or packs) in file order and start again at the first when they
 run out, as Megatron's SFTDataset does.
@@ -33,8 +33,8 @@ from fmeg.data.sft_corpus import SFTCorpus, sft_corpus
 
 
 def pad_granularity(cp: int) -> int:
-    """Megatron's: each conversation is padded to a multiple of 2 x cp at context parallelism cp
-    > 1."""
+    """Megatron's: each conversation is padded to a multiple of 2 x cp at context parallelism cp >
+    1."""
     return 2 * cp if cp > 1 else 1
 
 

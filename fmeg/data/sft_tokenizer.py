@@ -1,11 +1,13 @@
 """Megatron's SFTTokenizer: a Hugging Face tokenizer directory and a chat template, turning
 conversations into token ids and the tokens a fine-tuned model is trained on.
 
-    tok = SFTTokenizer("hf_dir")                                   # the directory's own chat
-    template tok = SFTTokenizer("hf_dir", "nemotron-h-aligned")             # one of Megatron's
-    named formats ids, trained = tok.tokenize_conversation(messages)             # trained[i]: token
-    i is part of an answer ids = tok.chat_prompt(messages)                                # what a
-    model answers (recipes.serve's chat)
+    # the directory's own chat template
+    tok = SFTTokenizer("hf_dir")
+    tok = SFTTokenizer("hf_dir", "nemotron-h-aligned")             # one of Megatron's named formats
+    # trained[i]: token i is part of an answer
+    ids, trained = tok.tokenize_conversation(messages)
+    # what a model answers (recipes.serve's chat)
+    ids = tok.chat_prompt(messages)
 
 ids are transformers' apply_chat_template(messages, tokenize=True) (the rendered text, no special
 tokens added); trained marks each token that overlaps an assistant answer's span

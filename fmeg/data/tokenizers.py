@@ -3,9 +3,10 @@
     ByteTokenizer()                                 ids 0..255 are bytes, 256 is end-of-document
     HuggingFaceTokenizer("tokenizer.json")          any tokenizers-library file
     GPT2BPETokenizer("vocab.json", "merges.txt")    GPT-2's byte-level BPE files
-    NullTokenizer(vocab_size), Llama2Tokenizer("tokenizer.model"), TikTokenizer("vocab.json")   as
-    Megatron's SFTTokenizer("hf_dir", prompt_format)          a directory and its chat template
-    (fmeg.data.sft_tokenizer)
+    NullTokenizer(vocab_size), Llama2Tokenizer("tokenizer.model"), TikTokenizer("vocab.json")
+        as Megatron's
+    SFTTokenizer("hf_dir", prompt_format)
+        a directory and its chat template (fmeg.data.sft_tokenizer)
 
 Each has encode(text) -> list[int], decode(ids) -> str, vocab_size and eod (the end-of-document id).
 """

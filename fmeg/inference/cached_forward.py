@@ -1,10 +1,12 @@
 """The decoder over new tokens with a KV cache: prefill (many tokens) and decode (one) are the same
 call.
 
-    logits, cache = stage_forward(params, tokens_BS, None, cache, config)            # one rank,
-    whole model x, cache = stage_forward(stage_params, tokens_BS, None, cache, config, final=False)
-    # pipeline stage 0 logits, cache = stage_forward(stage_params, tokens_BS, x, cache, config,
-    tp=tp)   # the last stage, a TP shard
+    # one rank, whole model
+    logits, cache = stage_forward(params, tokens_BS, None, cache, config)
+    # pipeline stage 0
+    x, cache = stage_forward(stage_params, tokens_BS, None, cache, config, final=False)
+    # the last stage, a TP shard
+    logits, cache = stage_forward(stage_params, tokens_BS, x, cache, config, tp=tp)
 
 Sharding contract: params are any span of the model as gpt.decoder_span takes it (embeddings when x
 is None, params["layers"], the final norm and output layer when final), whole or a tensor-parallel

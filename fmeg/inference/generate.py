@@ -2,7 +2,7 @@
 
     for step in stream(params, prompts, config, max_new_tokens=32): ...    # one Step per new token
     result = generate(params, prompts, config, max_new_tokens=32,
-    sampling=SamplingParams(temperature=0))
+        sampling=SamplingParams(temperature=0))
 
 Sharding contract: params are this rank's stage (gpt_pipeline.split with pp stages, one per pipeline
 rank, then its tensor-parallel shard); tp and pp_group are this rank's groups. Every rank of the

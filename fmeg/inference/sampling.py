@@ -67,6 +67,6 @@ def sample(
 
 
 def token_logprobs(logits_BV: torch.Tensor, ids_B: torch.Tensor) -> torch.Tensor:
-    """log p(id) under the model's own distribution (the raw logits: no temperature, no cut),
-    fp32 [b]."""
+    """log p(id) under the model's own distribution (the raw logits: no temperature, no cut), fp32
+    [b]."""
     return torch.log_softmax(logits_BV.float(), -1).gather(-1, ids_B[:, None])[:, 0]

@@ -5,22 +5,28 @@ What maps to what (layer i of L; N heads):
 - attention is multi-latent attention (fmeg.models.mla): q_proj or q_a_proj / q_a_layernorm /
 q_b_proj as q or
   q_down / q_latent_norm / q_up, kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj as kv_down /
-  kv_latent_norm / kv_up, o_proj as proj. rope_interleave (DeepSeek's pairs (2i, 2i + 1)) is how
-  megatron-core and fmeg rotate MLA's rotary part; YaRN from rope_parameters (factor, mscale,
-  mscale_all_dim: the tables' and the softmax's scales).
+      kv_latent_norm /
+  kv_up, o_proj as proj. rope_interleave (DeepSeek's pairs (2i, 2i + 1)) is how megatron-core and
+      fmeg rotate MLA's
+  rotary part; YaRN from rope_parameters (factor, mscale, mscale_all_dim: the tables' and the
+      softmax's scales).
 - MLPs: the first first_k_dense_replace layers are dense (gate_proj, up_proj as fc1 [2, F, H]); the
 others are
   DeepSeek's mixtures: a sigmoid router (gate.weight) with its expert bias
-  (gate.e_score_correction_bias, the aux-loss-free balancing), groups (n_group, topk_group),
-  normalised top-k scaled by routed_scaling_factor, experts stacked as transformers stacks them, and
-  n_shared_experts shared experts as one shared MLP.
+      (gate.e_score_correction_bias, the
+  aux-loss-free balancing), groups (n_group, topk_group), normalised top-k scaled by
+      routed_scaling_factor,
+  experts stacked as transformers stacks them, and n_shared_experts shared experts as one shared
+      MLP.
 - multi-token prediction: the checkpoint's layers after the last decoder layer (model.layers.{L +
 k}, which
   transformers' model does not load) are fmeg's MTP depths: enorm, hnorm, eh_proj, shared_head.norm
-  (the depth's final norm) and a decoder layer; their embed_tokens and shared_head.head are the
-  model's own embedding and output layer, stored again. These live in the safetensors files in
-  DeepSeek's layout (one tensor per expert: mlp.experts.{e}.gate_proj.weight); mtp_params_from and
-  mtp_files_from read and write that layout.
+      (the depth's
+  final norm) and a decoder layer; their embed_tokens and shared_head.head are the model's own
+      embedding and
+  output layer, stored again. These live in the safetensors files in DeepSeek's layout (one tensor
+      per expert:
+  mlp.experts.{e}.gate_proj.weight); mtp_params_from and mtp_files_from read and write that layout.
 """
 
 from __future__ import annotations
@@ -213,8 +219,8 @@ def _missing_for_hf(
 
 
 def hf_config(c: GPTConfig) -> Any:
-    """transformers' DeepseekV3Config of a DeepSeek-V3-shaped GPTConfig; ValueError naming what
-    it cannot hold."""
+    """transformers' DeepseekV3Config of a DeepSeek-V3-shaped GPTConfig; ValueError naming what it
+    cannot hold."""
     from transformers import DeepseekV3Config
 
     pattern = moe_layers(c) if c.num_experts else ()

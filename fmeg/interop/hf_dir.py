@@ -1,8 +1,8 @@
 """Read a transformers model directory (config.json and safetensors weights) or refuse it in one
 line.
 
-    model, extra = read_model_dir("hf_model/")     # a transformers causal LM in fp32, every weight
-    from the files
+    # a transformers causal LM in fp32, every weight from the files
+    model, extra = read_model_dir("hf_model/")
 
 What is read: config.json, and the weights as safetensors only (model.safetensors, or the shards
 that model.safetensors.index.json names), through transformers' from_pretrained with local files

@@ -5,12 +5,13 @@ What maps to what:
 - attention: q, k, v and o projections with biases; `sinks` [N] are the learnable sinks
 (softmax_type "learnable");
   sliding_window W attends to W keys, the query's own included: fmeg's (Megatron's) window_size W -
-  1; layer_types give window_attn_skip_freq, one 0/1 per layer.
+      1; layer_types
+  give window_attn_skip_freq, one 0/1 per layer.
 - experts: gate_up_proj [E, H, 2F] holds the gate and linear halves interleaved (gate at even
 columns), as fc1
   [E, 2, F, H]; down_proj [E, F, H] as fc2 [E, H, F]; their biases; the router's weight and bias.
-  The activation is the clamped quick-GEGLU: (clamp(up) + 1) * quick_gelu(clamp(gate)), swiglu_limit
-  the clamp.
+      The activation
+  is the clamped quick-GEGLU: (clamp(up) + 1) * quick_gelu(clamp(gate)), swiglu_limit the clamp.
 - YaRN rotary embeddings from rope_parameters (truncate: rounding of the correction range).
 """
 

@@ -6,8 +6,9 @@
 
 Parameter paths (leaves present depending on config):
 
-    embedding.word.weight          [Vp, H]                         Vp = padded_vocab_size >= V =
-    vocab_size embedding.position.weight      [S, H]                          position == "learned"
+    embedding.word.weight          [Vp, H]
+        Vp = padded_vocab_size >= V = vocab_size
+    embedding.position.weight      [S, H]                          position == "learned"
     layers.{i}.attn_norm.{weight,bias}                             bias for layernorm only
     layers.{i}.attn.qkv.{weight,bias}   [G * (N/G + 2) * D, H]     Megatron's grouped q-k-v order
     layers.{i}.attn.proj.{weight,bias}  [H, N * D]

@@ -2,7 +2,8 @@
 made.
 
     config = GPTConfig(vocab_size=..., max_seq_len=..., num_layers=..., hidden_size=...,
-    num_heads=...) config = GPTConfig.llama(num_layers=4)          # presets, overridden by keyword
+        num_heads=...)
+    config = GPTConfig.llama(num_layers=4)          # presets, overridden by keyword
     config.replace(num_layers=8)                    # a copy with changes
 
 Every field is plain data (JSON-able: checkpoints store it); a field that makes no sense raises

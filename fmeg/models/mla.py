@@ -11,13 +11,14 @@ Parameters of one layer's attention (N heads, H hidden, dq = qk_head_dim, dr = q
 
     q.weight         [N * (dq + dr), H]          q_lora_rank None       column-parallel (heads)
     q_down.weight    [q_lora_rank, H]            with q_lora_rank       replicated
-    q_latent_norm    [q_lora_rank]               with q_lora_rank and qk_norm (megatron-core's
-    q_layernorm) q_up.weight      [N * (dq + dr), q_lora_rank]                       column-parallel
-    (heads) kv_down.weight   [kv_lora_rank + dr, H]                             replicated
+    q_latent_norm    [q_lora_rank]
+        with q_lora_rank and qk_norm (megatron-core's q_layernorm)
+    q_up.weight      [N * (dq + dr), q_lora_rank]                       column-parallel (heads)
+    kv_down.weight   [kv_lora_rank + dr, H]                             replicated
     kv_latent_norm   [kv_lora_rank]              with qk_norm (megatron-core's kv_layernorm)
-    kv_up.weight     [N * (dq + dv), kv_lora_rank]                      column-parallel (heads): [k
-    nope, v] per head proj.weight      [H, N * dv]
-    row-parallel
+    kv_up.weight     [N * (dq + dv), kv_lora_rank]
+        column-parallel (heads): [k nope, v] per head
+    proj.weight      [H, N * dv]                                        row-parallel
 
 Sharding contract: under tensor parallelism a rank holds whole heads of q / q_up / kv_up / proj and
 all of the replicated down projections, which run on its (sequence-sharded, under sp) tokens; their
@@ -195,6 +196,6 @@ def _up_and_rotate(
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Dimensions (0, 2, 4, ..., 1, 3, 5, ...): megatron-core's MLA rotates pairs (2i, 2i + 1)
-    this way."""
+    """Dimensions (0, 2, 4, ..., 1, 3, 5, ...): megatron-core's MLA rotates pairs (2i, 2i + 1) this
+    way."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

@@ -3,8 +3,9 @@
 Parameter paths (in place of the dense layer's mlp):
 
     layers.{i}.mlp.router.weight              [E, H]              replicated
-    layers.{i}.mlp.experts.fc1.{weight,bias}  [E, F, H] or [E, 2, F, H] (gate, up), bias [E, F] /
-    [E, 2, F] layers.{i}.mlp.experts.fc2.{weight,bias}  [E, H, F], bias [E, H]
+    layers.{i}.mlp.experts.fc1.{weight,bias}
+        [E, F, H] or [E, 2, F, H] (gate, up), bias [E, F] / [E, 2, F]
+    layers.{i}.mlp.experts.fc2.{weight,bias}  [E, H, F], bias [E, H]
     layers.{i}.mlp.shared.fc1 / fc2           a dense MLP of moe_shared_expert_intermediate_size
     layers.{i}.mlp.shared_gate.weight         [1, H]             with moe_shared_expert_gate
 

@@ -65,8 +65,8 @@ def shift_left(
 
 
 def embedding_table(params: Params, config) -> torch.Tensor:
-    """The word embedding the depths look their tokens up in: the last stage's copy, or the
-    model's own."""
+    """The word embedding the depths look their tokens up in: the last stage's copy, or the model's
+    own."""
     if "mtp_embedding" in params:
         return params["mtp_embedding"]["weight"]
     return (

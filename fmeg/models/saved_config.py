@@ -1,9 +1,9 @@
 """A checkpoint's model configuration against this run's: what must match to load it, and what may
 change.
 
-saved = saved_model(meta["model"], where="ck/iter_0000010/metadata.json")   # ValueError if a newer
-fmeg wrote it differing(saved, config)        # fields that must match and do not
-changed_on_load(saved, config)  # 'name saved -> now' for the settings a load may change
+    saved = saved_model(meta["model"], where="ck/iter_0000010/metadata.json")   # ValueError if a
+    newer fmeg wrote it differing(saved, config)        # fields that must match and do not
+    changed_on_load(saved, config)  # 'name saved -> now' for the settings a load may change
 """
 
 from __future__ import annotations

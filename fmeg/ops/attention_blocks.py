@@ -105,8 +105,8 @@ def _groups(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _fold_groups(t: torch.Tensor, g: int) -> torch.Tensor:
-    """[b, N, s, d] gradients of repeated kv heads -> [b, G, s, d], summed over each group's
-    query heads."""
+    """[b, N, s, d] gradients of repeated kv heads -> [b, G, s, d], summed over each group's query
+    heads."""
     b, n, s, d = t.shape
     return t if n == g else t.reshape(b, g, n // g, s, d).sum(dim=2)
 
@@ -200,8 +200,8 @@ def block_backward(
 def merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention over two disjoint key sets from each one's (out, lse); out accumulates in
-    fp32 or wider."""
+    """The attention over two disjoint key sets from each one's (out, lse); out accumulates in fp32
+    or wider."""
     out_b = out_b.to(_accumulate(out_b))
     if out is None:
         return out_b, lse_b

@@ -2,8 +2,8 @@
 only (Megatron's --reset-attention-mask; THD attention with cumulative sequence lengths,
 megatron-core's PackedSeqParams).
 
-    out = document_attention(q, k, v, cu_seqlens)       q [b, N, s, d]; k, v [b, G, s, d] (G divides
-    N)
+    out = document_attention(q, k, v, cu_seqlens)
+        q [b, N, s, d]; k, v [b, G, s, d] (G divides N)
 
 cu_seqlens [b, s + 1] (integers, on the host) holds each row's document boundaries as cumulative
 lengths, 0, end of the first document, ..., s, padded with s (zero-length documents are skipped, as

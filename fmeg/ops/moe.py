@@ -2,8 +2,9 @@
 matmuls.
 
     probs_TK, experts_TK = route(logits_TE, topk=2)                 # Megatron's top-k routing
-    keep_TK = capacity_keep(probs_TK, experts_TK, E, factor=1.0)    # token dropping (None:
-    dropless) y_TH = expert_mlp(x_TH, probs_TK, experts_TK, fc1_EFH, fc2_EHF, activation)
+    # token dropping (None: dropless)
+    keep_TK = capacity_keep(probs_TK, experts_TK, E, factor=1.0)
+    y_TH = expert_mlp(x_TH, probs_TK, experts_TK, fc1_EFH, fc2_EHF, activation)
 
 Tokens are rows T of a [T, H] matrix, experts E, k experts per token. Shapes follow Megatron-core's
 router (megatron/core/transformer/moe/moe_utils.py) so that its flags mean the same here:
@@ -17,7 +18,8 @@ softmax over
 - group-limited routing: experts in num_groups equal groups; a token first picks group_topk groups
 by the sum
   of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3: its top 2),
-  then its k experts inside them.
+      then its
+  k experts inside them.
 - scaling_factor multiplies the final probabilities.
 
 Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm
@@ -153,8 +155,8 @@ def sequence_aux_loss(
 
 
 def z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
-    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared (over the valid
-    ones: 1 / 0 each)."""
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits) squared (over the valid ones: 1
+    / 0 each)."""
     z = torch.logsumexp(_at_least_fp32(logits_TE), dim=-1).square()
     return z.mean() if valid_T is None else (z * valid_T).sum() / valid_T.sum().clamp(min=1.0)
 
@@ -164,8 +166,8 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
-    """Megatron's expert capacity: ceil(tokens * topk / experts * factor), tokens being those
-    routed together."""
+    """Megatron's expert capacity: ceil(tokens * topk / experts * factor), tokens being those routed
+    together."""
     return math.ceil(num_tokens * topk / num_experts * factor)
 
 

@@ -2,8 +2,8 @@
 --softmax-type and --window-size).
 
     keep = visible(q_pos, k_pos, window=W, documents=cu_seqlens)      [b or 1, 1, sq, sk] booleans
-    out = sink_attention(q, k, v, keep, sinks=s)                      q [b, N, sq, d]; k, v [b, G,
-    sk, d]
+    out = sink_attention(q, k, v, keep, sinks=s)
+        q [b, N, sq, d]; k, v [b, G, sk, d]
 
 Query i (at global position q_pos[i]) sees key j (at k_pos[j]) when k_pos[j] <= q_pos[i] and, with a
 window W, k_pos[j] >= q_pos[i] - W: Megatron's window (W, 0), W + 1 keys (Hugging Face's
@@ -37,8 +37,8 @@ def visible(
     window: int | None = None,
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which keys each query sees: causal, within the window, within the query's document ([b or
-    1, 1, sq, sk])."""
+    """Which keys each query sees: causal, within the window, within the query's document ([b or 1,
+    1, sq, sk])."""
     keep = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         keep = keep & (k_pos[None, :] >= q_pos[:, None] - window)

@@ -1,7 +1,8 @@
 """Optimizers as gradient transformations, optax's shape: a pair of pure functions over pytrees.
 
     tx = chain(clip_by_global_norm(1.0), scale_by_adam(), add_decayed_weights(),
-    scale_by_learning_rate()) state = tx.init(params)
+        scale_by_learning_rate())
+    state = tx.init(params)
     updates, state = tx.update(grads, state, params, lr=lr, weight_decay=wd)
     params = apply_updates(params, updates)
 

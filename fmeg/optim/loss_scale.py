@@ -1,8 +1,8 @@
 """Megatron's dynamic loss scaler for fp16, as a pure function of its state.
 
     state = LossScale(scale=2.0**32)
-    state = update(state, overflow)      # after every step; an overflowed step is skipped by the
-    caller
+    # after every step; an overflowed step is skipped by the caller
+    state = update(state, overflow)
 
 The scale halves (never below min_scale) once `hysteresis` overflowed steps have been seen since the
 last growth, and doubles after `window` consecutive clean steps. A static scale (Megatron's

@@ -1,11 +1,11 @@
 """The small gradient transforms AdamW is chained from (fmeg.optim.base's shape), each a pure
 function.
 
-clip_by_global_norm(max_norm)      scale by min(1, max_norm / (norm + 1e-6)); its state keeps the
-norm scale_by_adam(b1, b2, eps)         Adam's bias-corrected m / (sqrt(v) + eps); moments in their
-dtypes add_decayed_weights(mask)          + weight_decay * p where mask says (decoupled decay)
-scale_by_learning_rate(decoupled)  * -lr (-decoupled_lr where decoupled says: Megatron's
---decoupled-lr)
+    clip_by_global_norm(max_norm)      scale by min(1, max_norm / (norm + 1e-6)); its state keeps
+    the norm scale_by_adam(b1, b2, eps)         Adam's bias-corrected m / (sqrt(v) + eps); moments
+    in their dtypes add_decayed_weights(mask)          + weight_decay * p where mask says (decoupled
+    decay) scale_by_learning_rate(decoupled)  * -lr (-decoupled_lr where decoupled says: Megatron's
+    --decoupled-lr)
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def add_decayed_weights(mask: Mask = default_decay_mask) -> GradientTransformati
 
 
 def scale_by_learning_rate(decoupled: Mask | None = None) -> GradientTransformation:
-    """updates * -lr; the leaves decoupled(path, leaf) marks take -decoupled_lr when update is
-    given one."""
+    """updates * -lr; the leaves decoupled(path, leaf) marks take -decoupled_lr when update is given
+    one."""
 
     def update(
         updates: Tree, params: Tree, *, lr: Any, decoupled_lr: Any = None, **hyper: Any

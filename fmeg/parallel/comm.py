@@ -7,14 +7,15 @@ input:
     all_gather(x, dim)                concatenation of every rank's x along dim, in rank order
     reduce_scatter(x, dim)            this rank's chunk (along dim) of the sum over the group
     all_to_all(x, split_dim, cat_dim) chunk j of rank i's x goes to rank j, concatenated along
-    cat_dim all_to_all_rows(x, send, recv)    uneven: rank i's next send[j] rows go to rank j;
-    recv[j] rows arrive
+        cat_dim
+    all_to_all_rows(x, send, recv)
+        uneven: rank i's next send[j] rows go to rank j; recv[j] rows arrive
                                       from rank j (the counts every pair agrees on), in rank order
     send(x, dst, tag) / recv(src, tag) point to point (pipelines): sends are buffered (the sender
-    goes on
+        goes on
                                       at once, finish() waits for them), receives block; messages
-                                      with one (source, destination, tag) arrive in the order they
-                                      were sent
+                                          with one
+                                      (source, destination, tag) arrive in the order they were sent
 
 Two asynchronous calls, for gradient buckets, work in place on a buffer the caller owns and must
 leave alone until the returned handle's wait() has returned:

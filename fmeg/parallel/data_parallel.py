@@ -1,11 +1,12 @@
 """Data-parallel gradient reduction in buckets, started while the backward pass is still running.
 
     sync = GradSync(params, dp_group, owner_slices=zero)   # params: this rank's {stage: tree}
-    execute(..., grads_into=sync)     # each microbatch's gradients added into the buffer; final
-    ones start buckets sync.finish()                                          # waits; the buffer
-    now holds the dp mean grads = sync.tree()     # replicated optimizer: the whole mean as a pytree
-    of views into the buffer g = sync.owned()        # ZeRO-1: this rank's slice, laid out as
-    zero.FlatBuffer's
+    # each microbatch's gradients added into the buffer; final ones start buckets
+    execute(..., grads_into=sync)
+    sync.finish()                                          # waits; the buffer now holds the dp mean
+    # replicated optimizer: the whole mean as a pytree of views into the buffer
+    grads = sync.tree()
+    g = sync.owned()        # ZeRO-1: this rank's slice, laid out as zero.FlatBuffer's
 
 Gradients accumulate in one flat buffer (at least fp32 unless a buffer of another dtype is given, as
 --grad-reduce-in-bf16 gives a bf16 one; the first contribution of an iteration is copied, the others
@@ -186,8 +187,8 @@ class GradSync:
         return self
 
     def settle(self) -> "GradSync":
-        """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned
-        parts here)."""
+        """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned parts
+        here)."""
         return self
 
     def tree(self) -> dict[int, Any]:

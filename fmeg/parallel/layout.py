@@ -36,8 +36,8 @@ class Layout:
 
     @property
     def zero(self) -> bool:
-        """Whether the optimizer state is sliced over data parallelism (the distributed
-        optimizer, or more)."""
+        """Whether the optimizer state is sliced over data parallelism (the distributed optimizer,
+        or more)."""
         return self.sharding != "no_shard"
 
     @property

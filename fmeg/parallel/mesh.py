@@ -1,9 +1,10 @@
 """Rank groups as pure data, and a Mesh that binds them to communicators once.
 
-    groups = rank_groups(16, tp=2, pp=4)      # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 4, 8, 12],
-    ...], ...} mesh = Mesh.from_torch_distributed(tp=2, pp=4)    # under torchrun
-    mesh.group("tp"), mesh.coord("tp")                 # this rank's communicator and index on an
-    axis
+    # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 4, 8, 12], ...], ...}
+    groups = rank_groups(16, tp=2, pp=4)
+    mesh = Mesh.from_torch_distributed(tp=2, pp=4)    # under torchrun
+    # this rank's communicator and index on an axis
+    mesh.group("tp"), mesh.coord("tp")
 
 Ranks are laid out as Megatron lays them: the axes of `order` ("tp-cp-ep-dp-pp" by default) from
 fastest to slowest varying, so rank = sum(coordinate[axis] * stride[axis]) with strides the prefix

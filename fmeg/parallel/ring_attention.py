@@ -1,8 +1,8 @@
 """p2p (ring) and all_gather context-parallel attention: autograd Functions over attention blocks,
 and the custom ops torch.compile sees instead of them.
 
-    out = blockwise(q, k, v, "p2p", group, handle, dropout)    # this rank's rows of the whole
-    causal attention
+    # this rank's rows of the whole causal attention
+    out = blockwise(q, k, v, "p2p", group, handle, dropout)
 
 q [b, N, 2c, d], k, v [b, G, 2c, d] hold this rank's chunks r and 2 size - 1 - r
 (fmeg.parallel.context_layout). p2p passes key/value blocks around the ring (send to r + 1, receive
@@ -358,8 +358,8 @@ def _ring_documents(q, k, v, group, drop, spans):
 
 
 def _ring_document_gradients(dout, q, k, v, out, lse, group, drop, spans):
-    """_Ring.gradients over packed documents: the key/value gradients travel with their blocks,
-    as there."""
+    """_Ring.gradients over packed documents: the key/value gradients travel with their blocks, as
+    there."""
     q_pos, dq_parts = positions(q.shape[SEQ] * group.size, group.size, group.rank, q.device), []
     dkv = torch.zeros(2, *k.shape, dtype=blocks._accumulate(k), device=k.device)
     for kv, pieces, k_pos in _ring_steps(q, k, v, group, spans):

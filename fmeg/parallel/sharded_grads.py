@@ -1,11 +1,14 @@
 """Sharded gradients (Megatron-FSDP's optim_grads): each microbatch's gradients reduced into the
 owners' slices.
 
-    sync = ShardedGradSync(params, dp_group, accumulator, unit_of=unit)   # accumulator: this rank's
-    slice execute(..., grads_into=sync)   # every microbatch: each bucket, once its leaves are in,
-    reduced to its owner sync.finish()                   # waits; accumulator holds the slice of the
-    dp mean, replicated leaves whole sync.settle()                   # after the tied copies are
-    summed (sync.leaf): their owned parts copied in
+    # accumulator: this rank's slice
+    sync = ShardedGradSync(params, dp_group, accumulator, unit_of=unit)
+    # every microbatch: each bucket, once its leaves are in, reduced to its owner
+    execute(..., grads_into=sync)
+    # waits; accumulator holds the slice of the dp mean, replicated leaves whole
+    sync.finish()
+    # after the tied copies are summed (sync.leaf): their owned parts copied in
+    sync.settle()
 
 The layout is zero.FlatBuffer's (leaves in tree order, padded to a multiple of dp) and this rank
 owns the slice [rank * padded / dp, (rank + 1) * padded / dp), as with ZeRO-1; but no rank keeps the
@@ -190,8 +193,8 @@ class ShardedGradSync:
         return self.whole[self.index[path]]
 
     def settle(self) -> "ShardedGradSync":
-        """Copy the replicated leaves' owned parts into the accumulator (after the tied copies
-        are summed)."""
+        """Copy the replicated leaves' owned parts into the accumulator (after the tied copies are
+        summed)."""
         lo, hi = self.rank * self.size, (self.rank + 1) * self.size
         for i, whole in self.whole.items():
             a, b = max(self.offsets[i], lo), min(self.offsets[i + 1], hi)

@@ -1,10 +1,12 @@
 """Sharded weights (Megatron-FSDP's optim_grads_params): each rank keeps a slice; a unit is gathered
 to be used.
 
-    weights = ShardedParams(params, owned, dp_group, unit_of=unit)  # owned: this rank's slice,
-    compute dtype weights.params                        # {stage: tree} of views of per-unit
-    buffers, empty until gathered with weights.use(stage, ("layers.3",)):   # gathered on entry (the
-    prefetched one waited for), freed on exit
+    # owned: this rank's slice, compute dtype
+    weights = ShardedParams(params, owned, dp_group, unit_of=unit)
+    # {stage: tree} of views of per-unit buffers, empty until gathered
+    weights.params
+    # gathered on entry (the prefetched one waited for), freed on exit
+    with weights.use(stage, ("layers.3",)):
         out = layer(weights.params[stage]["layers"][3], x)
 
 The layout is zero.FlatBuffer's, and this rank owns the slice [rank * padded / dp, (rank + 1) *

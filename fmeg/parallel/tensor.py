@@ -4,10 +4,11 @@ A TensorParallel value names the group and whether sequence parallelism is on. S
 one rank of a group of size t; activations are [batch, seq, hidden] and the sequence dimension is 1.
 
     column_parallel_linear   x [b, s, h] (or [b, s/t, h] with SP) , w [out/t, in] -> y [b, s, out/t]
-    row_parallel_linear      x [b, s, in/t], w [out, in/t], bias [out] -> y [b, s, out] (or [b, s/t,
-    out]) vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
-    vocab_parallel_cross_entropy  logits [b, s, V/t], labels [b, s] -> per-token loss [b, s],
-    replicated
+    row_parallel_linear
+        x [b, s, in/t], w [out, in/t], bias [out] -> y [b, s, out] (or [b, s/t, out])
+    vocab_parallel_embedding ids [b, s], table [V/t, h] -> [b, s, h] (or [b, s/t, h])
+    vocab_parallel_cross_entropy
+        logits [b, s, V/t], labels [b, s] -> per-token loss [b, s], replicated
 
 The vocabulary may be padded (V = padded size, Megatron's multiple of 128 * t): ids at or above the
 real vocab_size are masked out of every softmax (mask_vocab_padding), so the padding changes no
@@ -163,8 +164,8 @@ def vocab_range(vocab_shard: int, tp: TensorParallel) -> tuple[int, int]:
 def vocab_parallel_embedding(
     ids: torch.Tensor, table: torch.Tensor, tp: TensorParallel
 ) -> torch.Tensor:
-    """Rows of a vocabulary-sharded table: ids outside this rank's range give zeros, then the
-    ranks sum."""
+    """Rows of a vocabulary-sharded table: ids outside this rank's range give zeros, then the ranks
+    sum."""
     if tp.group is None:
         return ops.embedding(ids, table)
     start, end = vocab_range(table.shape[0], tp)
@@ -177,8 +178,8 @@ def vocab_parallel_embedding(
 def vocab_padding(
     vocab_shard: int, vocab_size: int | None, tp: TensorParallel, device: Any
 ) -> torch.Tensor | None:
-    """[vocab_shard] bool, True at this rank's padding ids (global id >= vocab_size); None if it
-    has none."""
+    """[vocab_shard] bool, True at this rank's padding ids (global id >= vocab_size); None if it has
+    none."""
     start, end = vocab_range(vocab_shard, tp)
     if vocab_size is None or vocab_size >= end:
         return None

@@ -1,7 +1,8 @@
 """ZeRO-1, the distributed optimizer: optimizer state sharded over data-parallel ranks.
 
-    flat = FlatBuffer.of(params, dp)           # the local params as one fp32 vector, padded to a
-    multiple of dp shard = flat.shard(flat.flatten(grads), rank)
+    # the local params as one fp32 vector, padded to a multiple of dp
+    flat = FlatBuffer.of(params, dp)
+    shard = flat.shard(flat.flatten(grads), rank)
     ...
 
 Each data-parallel rank owns a contiguous slice of the flattened local parameters. Gradients are

@@ -1,10 +1,12 @@
 """The training state under expert parallelism: the dense leaves and the experts' leaves in two
 FlatStates.
 
-    state = ExpertSplitState(params, counted, mesh, ep=2, ...)    # {stage: tree} as FlatState takes
-    it state.params                   # one {stage: tree}, views into both
-    sync = state.grad_sync(...)    # gradients summed over dp x cp (dense) or expert_dp (experts), /
-    dp norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
+    # {stage: tree} as FlatState takes it
+    state = ExpertSplitState(params, counted, mesh, ep=2, ...)
+    state.params                   # one {stage: tree}, views into both
+    # gradients summed over dp x cp (dense) or expert_dp (experts), / dp
+    sync = state.grad_sync(...)
+    norm = state.step(mesh, ...)   # one global norm and clip over both, then AdamW on each
 
 Expert-parallel ranks are data-parallel ranks holding different experts, so the experts' gradients
 cannot join the dense leaves' data-parallel reduction: they are summed over the ranks holding the

@@ -1,14 +1,18 @@
 """This rank's training state in contiguous buffers allocated once; the pytrees are views of them.
 
     state = FlatState(params, counted, sharding="optim", dp=dp, dp_rank=r, compute_dtype=bf16,
-    optimizer=adamw()) state.assign(unit)                   # weights of the leaves given (others
-    meta): the model built a unit at a time state.params, state.opt_state        # {stage: tree}
-    views of the buffers with state.use(stage, ("layers.3",)):   # a segment's weights readable
-    (gathered when sharded) state.buffers(), state.leaves()      # what checkpoints save and load
-    (fmeg.training.checkpoint_state) sync = state.grad_sync(dp_group, ...)   # backward accumulates
-    into it: the dp mean gradient in state.grad g = state.main_grad()                   # the owned
-    slice in fp32 (unscale it here) norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)
+        optimizer=adamw())
+    # weights of the leaves given (others meta): the model built a unit at a time
+    state.assign(unit)
+    state.params, state.opt_state        # {stage: tree} views of the buffers
+    with state.use(stage, ("layers.3",)):   # a segment's weights readable (gathered when sharded)
+    # what checkpoints save and load (fmeg.training.checkpoint_state)
+    state.buffers(), state.leaves()
+    # backward accumulates into it: the dp mean gradient in state.grad
+    sync = state.grad_sync(dp_group, ...)
+    g = state.main_grad()                   # the owned slice in fp32 (unscale it here)
     # in place; nothing allocated to keep
+    norm = state.step(mesh, lr=lr, weight_decay=wd, clip_grad=1.0)
 
 dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel
 group with context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as
@@ -17,12 +21,14 @@ dp). With any sharding but no_shard this rank owns the slice [lo, hi) of it; the
 (Megatron-FSDP's strategies, SHARDINGS) says which buffers are only that slice:
 
                                       no_shard   optim (ZeRO-1)  optim_grads   optim_grads_params
-    weights  compute dtype            whole      whole           whole         slice (units gathered
-    to use) grad     grad_dtype: fp32, or     whole      whole           slice         slice
+    weights  compute dtype            whole      whole           whole
+        slice (units gathered to use)
+    grad     grad_dtype: fp32, or     whole      whole           slice         slice
              fp16/bf16 (Megatron's fp16 default, --grad-reduce-in-bf16)
     grad32   fp32 copy of a half-precision grad's owned part (main_grad())
-    main     fp32 master weights      whole      slice           slice         slice (absent in
-    fp32) mu, nu   fp32 Adam moments        whole      slice           slice         slice
+    main     fp32 master weights      whole      slice           slice
+        slice (absent in fp32)
+    mu, nu   fp32 Adam moments        whole      slice           slice         slice
 
 state.params are views of the weights, or with optim_grads_params of per-unit buffers that
 ShardedParams fills inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8),
@@ -389,8 +395,8 @@ class FlatState:
         )
 
     def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:
-        """The squared norm of the owned gradient, each parameter counted once, summed over
-        mesh's groups."""
+        """The squared norm of the owned gradient, each parameter counted once, summed over mesh's
+        groups."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()

@@ -2,10 +2,11 @@
 
     state.params                          {stage: tree} of the weights, views of the buffers
     with state.use(stage, keys): ...      a segment's weights readable (gathered when sharded)
-    sync = state.grad_sync(group, ...)    backward accumulates into it: the data-parallel mean
-    gradient norm = state.step(mesh, lr=..., weight_decay=..., clip_grad=...)   the optimizer, in
-    place state.parts                           the flat states that hold the buffers checkpoints
-    read and write
+    sync = state.grad_sync(group, ...)
+        backward accumulates into it: the data-parallel mean gradient
+    norm = state.step(mesh, lr=..., weight_decay=..., clip_grad=...)   the optimizer, in place
+    state.parts
+        the flat states that hold the buffers checkpoints read and write
 
 FlatState (fmeg.state.flat) implements it over one set of flat buffers; ExpertSplitState
 (fmeg.state.experts) over two, the dense leaves and the experts', each a FlatState. What only loops

@@ -1,11 +1,14 @@
 """The training state as boxes of a checkpoint's global tensors: the one model-specific listing of
 placements.
 
-    places = placements(state, config, layout, mesh)      # per leaf: global path, this rank's
-    block, replicas boxes = regions(state, places, KINDS)                 # every buffer's values as
-    (kind, box, view) pieces = save_pieces(boxes, fully_parallel=True)      # what this rank writes
-    (fmeg.checkpoint.write_rank) ckpt.read(load_requests(ckpt, boxes))                 # or fills
-    the same views from a checkpoint
+    # per leaf: global path, this rank's block, replicas
+    places = placements(state, config, layout, mesh)
+    # every buffer's values as (kind, box, view)
+    boxes = regions(state, places, KINDS)
+    # what this rank writes (fmeg.checkpoint.write_rank)
+    pieces = save_pieces(boxes, fully_parallel=True)
+    # or fills the same views from a checkpoint
+    ckpt.read(load_requests(ckpt, boxes))
 
 A leaf of stage s is named by its global path (its layer counted over all stages; the last stage's
 copy of the word embedding, gpt_pipeline.embedding_copy, is the embedding itself, held elsewhere and

@@ -198,8 +198,8 @@ class ProgressDisplay:
             print(line, file=self.stream, flush=True)
 
     def log_line(self, lines: list[str], iteration: int, tokens_per_s: float) -> None:
-        """Megatron's log line (and fmeg's timers line), then, unless a bar shows it, the
-        progress line."""
+        """Megatron's log line (and fmeg's timers line), then, unless a bar shows it, the progress
+        line."""
         for line in lines:
             self.print(line)
         if self._bar is None:

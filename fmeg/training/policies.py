@@ -4,8 +4,8 @@ them without processes.
 
     progress = Progress()                                       # a fresh run
     progress = resume(meta, finetune=False, no_load_optim=False, in_samples=False,
-    scaler=None).progress progress = progress.after_step(global_batch=8, skipped=False,
-    in_samples=False)
+        scaler=None).progress
+    progress = progress.after_step(global_batch=8, skipped=False, in_samples=False)
 """
 
 from __future__ import annotations

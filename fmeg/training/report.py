@@ -9,8 +9,8 @@ from fmeg.models.gpt import GPTConfig
 
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
-    """Megatron's num_floating_point_operations (forward and backward, every matmul three times):
-    12 B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query
+    """Megatron's num_floating_point_operations (forward and backward, every matmul three times): 12
+    B s L h^2 ((1 + G/N + s/h) (N d / h) + (F / h) (3/2 with SwiGLU) + Vp / (2 L h)), for N query
     heads of size d in G groups, MLP width F and the padded vocabulary Vp. GPT-2 shapes reduce it to
     72 B s L h^2 (1 + s/6h + V/12Lh). With experts, F is Megatron's average over the layers: F on
     dense layers, topk * the expert width + the shared expert's on MoE layers (the router's matmul

@@ -3,11 +3,14 @@ it from --load at any layout (each rank reading only the boxes it holds), and sa
 (in the background with --async-save).
 
     state, progress, said = build_or_restore(cfg, session)
-    saver = Checkpointer(cfg, session)            # removes what dead runs left, agrees on this
-    run's token ok = saver.save(state, progress)              # False (one line printed) when some
-    rank could not write ok = saver.poll()                             # after every iteration:
-    completes a background save once written ok = saver.finish()                           # at the
-    end: waits for a background save and completes it
+    # removes what dead runs left, agrees on this run's token
+    saver = Checkpointer(cfg, session)
+    # False (one line printed) when some rank could not write
+    ok = saver.save(state, progress)
+    # after every iteration: completes a background save once written
+    ok = saver.poll()
+    # at the end: waits for a background save and completes it
+    ok = saver.finish()
 """
 
 from __future__ import annotations

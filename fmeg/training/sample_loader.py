@@ -2,10 +2,12 @@
 iteration's microbatches are read from the datasets and collated on worker threads, so the step
 waits on no data.
 
-    loader = SampleLoader(workers=2, build=lambda dataset, first: microbatch)   # the microbatch
-    starting at first microbatches = loader.get(dataset, [first, ...])      # built now, or taken
-    from what was built ahead loader.ahead(dataset, [next_first, ...])              # start building
-    the next iteration's, one per worker
+    # the microbatch starting at first
+    loader = SampleLoader(workers=2, build=lambda dataset, first: microbatch)
+    # built now, or taken from what was built ahead
+    microbatches = loader.get(dataset, [first, ...])
+    # start building the next iteration's, one per worker
+    loader.ahead(dataset, [next_first, ...])
 
 Threads, not processes: samples are memory-mapped reads, numpy and tokenizers (which release the
 interpreter lock where they work), and the batches stay in this process with nothing to pickle.

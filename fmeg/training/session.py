@@ -2,8 +2,9 @@
 (fmeg.parallel.mesh.Mesh) and the few host-side agreements every rank must make (stop together,
 share a token, wait for each other).
 
-    session = Session.start(cfg)        # after validation: the only place a process group is
-    created ...
+    # after validation: the only place a process group is created
+    session = Session.start(cfg)
+    ...
     session.close()
 """
 

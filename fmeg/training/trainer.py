@@ -3,8 +3,8 @@
 the log line.
 
     trainer = Trainer(cfg, session, state, progress, train_data, valid_data, checkpointer,
-    started_at) code = trainer.run()        # 0, or 1 when a non-finite step or a failed save
-    stopped the run
+        started_at)
+    code = trainer.run()        # 0, or 1 when a non-finite step or a failed save stopped the run
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class Trainer:
             )
 
     def microbatch_starts(self, first_sample: int, global_batch: int) -> list[int]:
-        """The first sample of each of this data-parallel rank's microbatches of the global batch
-        at first_sample."""
+        """The first sample of each of this data-parallel rank's microbatches of the global batch at
+        first_sample."""
         layout, dp_rank = self.cfg.layout, self.session.mesh.coord("dp")
         return [
             first_sample + (j * layout.dp + dp_rank) * layout.micro_batch_size

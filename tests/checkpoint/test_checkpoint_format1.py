@@ -68,8 +68,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 def test_a_format1_checkpoint_resumes_as_the_fmeg_that_wrote_it_resumed_it(
     tmp_path, name, directory, flags
 ):
-    """tp 2 x dp 2 with bf16 and ZeRO-1 slices, and cp 2 x ep 2 experts with ZeRO-1 slices of
-    their own."""
+    """tp 2 x dp 2 with bf16 and ZeRO-1 slices, and cp 2 x ep 2 experts with ZeRO-1 slices of their
+    own."""
     shutil.copytree(DATA / directory, tmp_path / directory)
     records, stdout = run_recipe(
         tmp_path, name, 1, [*flags, "--load", str(tmp_path / directory)], common=SMALL

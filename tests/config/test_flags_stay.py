@@ -3,8 +3,8 @@ redesign (tests/fixtures/flags_before_redesign.json) is still there, under the s
 same default, choices, number of values and kind, shown in --help or hidden as before. New flags may
 join.
 
-    python tests/config/test_flags_stay.py --write     # the snapshot, taken once before the
-    redesign
+    # the snapshot, taken once before the redesign
+    python tests/config/test_flags_stay.py --write
 """
 
 import argparse

@@ -213,8 +213,8 @@ def test_samples_hold_their_conversations_as_documents(
 
 
 def test_pack_boundaries_and_fates():
-    """Packs fill up to seq_len with padded lengths; a conversation survives whole when it ends
-    by position s."""
+    """Packs fill up to seq_len with padded lengths; a conversation survives whole when it ends by
+    position s."""
     assert packs(np.array([5, 5, 5, 20, 3]), 10, 1).tolist() == [0, 2, 3, 4, 5]
     assert packs(np.array([5, 5, 5]), 10, 4).tolist() == [0, 1, 2, 3]  # 8 + 8 > 10
     assert fate(np.array([4, 6]), 10, 1) == (0, 0)
@@ -372,8 +372,8 @@ def test_sequence_packing_needs_sft(tmp_path, monkeypatch):
 
 
 def test_bad_sft_input_stops_every_rank_with_one_line(tmp_path):
-    """At 2 ranks one rank tokenizes and finds the damaged line; the other, waiting for the
-    corpus, stops too."""
+    """At 2 ranks one rank tokenizes and finds the damaged line; the other, waiting for the corpus,
+    stops too."""
     import sys
 
     from harness.runner import run_group

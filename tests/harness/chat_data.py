@@ -6,8 +6,9 @@ apply_chat_template(..., return_assistant_tokens_mask=True) gives an independent
 compare with (fmeg ignores the marks):
     chatml   Qwen2.5's shape: <|im_start|>role ... <|im_end|>
     llama3   Llama 3's: <|begin_of_text|>, headers, trimmed contents, <|eot_id|>
-    qwen3    Qwen3's thinking shape: answers after the last user turn open with an empty
-    <think></think>, earlier
+    qwen3
+        Qwen3's thinking shape: answers after the last user turn open with an empty <think></think>,
+        earlier
              answers do not (so a turn renders differently once later turns follow)
 """
 

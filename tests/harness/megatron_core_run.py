@@ -1,15 +1,13 @@
 """megatron-core itself, on CPU with gloo, for the Megatron checkpoint tests (run under
 torch.distributed.run):
 
-    save ROOT FAMILY TP PP EP ITERATION   its GPTModel (seed 1234) saved as Megatron-LM's training
-    loop saves
-                                          one: dist_checkpointing.save of {"model":
-                                          sharded_state_dict(), "args", "iteration", ...} into
-                                          ROOT/iter_NNNNNNN, then the tracker file
-    logits DIR FAMILY TOKENS OUT           one rank: its GPTModel loaded from DIR by
-    dist_checkpointing.load,
-                                          its logits for the [b, s] token tensor in TOKENS written
-                                          to OUT
+    save ROOT FAMILY TP PP EP ITERATION
+        its GPTModel (seed 1234) saved as Megatron-LM's training loop saves one:
+        dist_checkpointing.save of {"model": sharded_state_dict(), "args", "iteration", ...} into
+        ROOT/iter_NNNNNNN, then the tracker file
+    logits DIR FAMILY TOKENS OUT
+        one rank: its GPTModel loaded from DIR by dist_checkpointing.load, its logits for the
+        [b, s] token tensor in TOKENS written to OUT
 
 FAMILY is one of FAMILIES below: the same models tests/interop/megatron/test_megatron_checkpoint.py
 builds in fmeg.

@@ -113,8 +113,8 @@ def sentencepiece_model(directory, vocab_size: int = 60) -> str:
 def tiktoken_vocabulary(
     directory, merges=("th", "he", "the", " t", " the", "qu", "ick", "ck", "ic")
 ) -> str:
-    """A tiny tiktoken JSON vocabulary (Megatron's TikTokenizer format): the 256 bytes, then a
-    few merges."""
+    """A tiny tiktoken JSON vocabulary (Megatron's TikTokenizer format): the 256 bytes, then a few
+    merges."""
     import base64
 
     tokens = [bytes([i]) for i in range(256)] + [m.encode() for m in merges]
@@ -283,8 +283,8 @@ def greedy_tokens_of_both(
 
 
 class Server:
-    """recipes.serve on a free port of 127.0.0.1 (torchrun for several ranks), in a process group
-    of its own."""
+    """recipes.serve on a free port of 127.0.0.1 (torchrun for several ranks), in a process group of
+    its own."""
 
     def __init__(self, checkpoint, nproc=1, extra=(), launcher="torch.distributed.run"):
         from fmeg.parallel.spmd import free_port

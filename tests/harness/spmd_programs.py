@@ -41,8 +41,8 @@ def _rules(fn, x, cotangent, tangent, batch):
 
 
 def copy_then_reduce(mesh, x, w, cot, tan, batch):
-    """y = reduce_from(tanh(copy_to(x) * w_r)): x replicated in and out. Reference: sum_r tanh(x
-    * w_r)."""
+    """y = reduce_from(tanh(copy_to(x) * w_r)): x replicated in and out. Reference: sum_r tanh(x *
+    w_r)."""
     g, wr = mesh.group("tp"), w[mesh.coord("tp")]
     return _rules(lambda x: C.reduce_from(torch.tanh(C.copy_to(x, g) * wr), g), x, cot, tan, batch)
 
@@ -320,8 +320,8 @@ def compiled_training(
 
 
 def generation(mesh, config, seed, prompts, max_new_tokens, sampling, seeds):
-    """This rank's part of generate() on the mesh's tp x pp layout: (tokens, logprobs), the same
-    on every rank."""
+    """This rank's part of generate() on the mesh's tp x pp layout: (tokens, logprobs), the same on
+    every rank."""
     from fmeg.inference import generate
     from fmeg.models import gpt
     from fmeg.parallel.layout import Layout

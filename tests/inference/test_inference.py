@@ -257,8 +257,8 @@ LAYOUT_MODELS = {
     ids=["tp2", "tp4", "pp2", "tp2pp2"],
 )
 def test_every_layout_generates_what_one_rank_generates(name, world, sizes):
-    """Greedy and seeded sampling, on gloo ranks: the same tokens on every rank as on one,
-    logprobs to 1e-5."""
+    """Greedy and seeded sampling, on gloo ranks: the same tokens on every rank as on one, logprobs
+    to 1e-5."""
     from harness import spmd_programs as P
     from harness.parallel import gloo
 

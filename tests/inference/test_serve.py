@@ -451,8 +451,8 @@ def test_a_busy_port_or_a_bad_host_is_one_line(server, trained_checkpoint):
 
 
 def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
-    """lm-evaluation-harness's LocalCompletionsAPI.parse_logprobs for one choice (its
-    loglikelihood reading)."""
+    """lm-evaluation-harness's LocalCompletionsAPI.parse_logprobs for one choice (its loglikelihood
+    reading)."""
     lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
     tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
     return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))

@@ -41,8 +41,8 @@ LAYOUTS = layouts.rows(
 
 
 def conversations(tokenizer, rng: random.Random, multiple: int) -> list[dict]:
-    """A random conversation whose tokens (its closing end of document included) are a multiple
-    of `multiple`."""
+    """A random conversation whose tokens (its closing end of document included) are a multiple of
+    `multiple`."""
     conversation = random_conversation(rng, 1, words=2)
     while (len(tokenizer.tokenize_conversation(conversation)[0]) + 1) % multiple:
         conversation[0]["content"] += " x"
@@ -116,8 +116,8 @@ def test_sft_curves_are_layout_invariant(tmp_path, chat, reference, name, nproc,
 
 @pytest.mark.slow
 def test_sft_padding_for_context_parallelism_changes_no_loss(tmp_path, chat):
-    """Conversations of any length, padded to multiples of 4 at cp 2 and not at one rank: the
-    same curve."""
+    """Conversations of any length, padded to multiples of 4 at cp 2 and not at one rank: the same
+    curve."""
     one = curve(tmp_path, "any_single", 1, chat[1])
     assert_same(curve(tmp_path, "any_cp2", 2, [*chat[1], "--context-parallel-size", "2"]), one)
 

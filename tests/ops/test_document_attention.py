@@ -237,8 +237,8 @@ def packed_batch(seed, b=2, s=16):
 
 
 def documents_one_by_one(params, batch, config):
-    """(logits, sum of token losses) of every document run alone (positions from 0), in the
-    batch's places."""
+    """(logits, sum of token losses) of every document run alone (positions from 0), in the batch's
+    places."""
     spans = document_spans(batch["cu_seqlens"], batch["tokens"].shape[1])
     logits, total = [], 0.0
     for r, row in enumerate(spans):

@@ -16,8 +16,8 @@ from fmeg.training.parallel_step import init_state, shard_params
 
 
 def config(layers):
-    """Untied: a one-stage tree of a tied model holds the output copy, which the global norm
-    counts once."""
+    """Untied: a one-stage tree of a tied model holds the output copy, which the global norm counts
+    once."""
     return gpt.GPTConfig.gpt2(
         vocab_size=64,
         max_seq_len=16,

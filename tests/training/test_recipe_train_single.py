@@ -1,5 +1,5 @@
-"""recipes.train_single: trains from flags, and refuses bad input with one line naming the flag
-or file."""
+"""recipes.train_single: trains from flags, and refuses bad input with one line naming the flag or
+file."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
-"""The runner's FLOP count is Megatron's formula, and that formula counts exactly the matmuls
-that run."""
+"""The runner's FLOP count is Megatron's formula, and that formula counts exactly the matmuls that
+run."""
 
 import pytest
 import torch

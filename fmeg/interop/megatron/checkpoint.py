@@ -1,12 +1,13 @@
 """A Megatron-LM torch_dist checkpoint opened as fmeg opens its own: the weights read by box at any
 layout.
 
-    if is_torch_dist(path):                          # ck/iter_0000100 holding .metadata, *.distcp,
-    common.pt
+    # ck/iter_0000100 holding .metadata, *.distcp, common.pt
+    if is_torch_dist(path):
         with MegatronCheckpoint.open(path, config) as ckpt:
-            ckpt.check(config)                       # Megatron's args against the flags' model: one
-            line each ckpt.read(requests)                      #
-            fmeg.checkpoint.Request("params/<fmeg path>", box, out)
+            # Megatron's args against the flags' model: one line each
+            ckpt.check(config)
+            # fmeg.checkpoint.Request("params/<fmeg path>", box, out)
+            ckpt.read(requests)
 
 It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, meta, has, dtype,
 read, bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the

@@ -1,10 +1,11 @@
 """fmeg's GPT weights written as a Megatron-LM torch_dist checkpoint that megatron-core's
 dist_checkpointing.load reads into its GPTModel, at whatever tp / pp / ep Megatron resumes it.
 
-    write_torch_dist(root, params, config, args)   # root/iter_NNNNNNN/{.metadata, __0_0.distcp,
-    common.pt,
-                                                   #   metadata.json} and
-                                                   root/latest_checkpointed_iteration.txt
+    # root/iter_NNNNNNN/{.metadata, __0_0.distcp, common.pt,
+    write_torch_dist(root, params, config, args)
+                                                   #
+                                                       metadata.json} and
+                                                       root/latest_checkpointed_iteration.txt
 
 Each tensor is one chunk holding all of it, under megatron-core's key (gpt_keys): layers stacked in
 a leading dimension, experts behind it, a gated fc1 as one [2F, H] matrix, the vocabulary padded as

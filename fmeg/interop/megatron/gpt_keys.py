@@ -1,8 +1,9 @@
 """fmeg's GPT parameters as megatron-core's GPTModel names them in a distributed checkpoint.
 
-    src = source("layers.3.mlp.fc1.weight")   # Source(("decoder.layers.mlp.linear_fc1.weight",),
-    layer=3, split=0) boxes(src, Box((0, 0, 0), (2, 96, 64)), megatron_rows)   # where that box lies
-    in Megatron's tensor
+    # Source(("decoder.layers.mlp.linear_fc1.weight",), layer=3, split=0)
+    src = source("layers.3.mlp.fc1.weight")
+    # where that box lies in Megatron's tensor
+    boxes(src, Box((0, 0, 0), (2, 96, 64)), megatron_rows)
 
 megatron-core stacks a decoder's layers into one global tensor per name (its leading dimension
 counts the layers of the whole model, over every pipeline stage) and its experts behind that

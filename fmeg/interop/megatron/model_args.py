@@ -1,9 +1,10 @@
 """A Megatron checkpoint's `args` (the Namespace in its common.pt) as fmeg's model, and fmeg's model
 as those args.
 
-    config = config_from_args(common["args"])            # what --use-checkpoint-args does in
-    Megatron-LM args = args_for(config, tp=2, iteration=100, ...)     # what an exported
-    checkpoint's common.pt holds
+    # what --use-checkpoint-args does in Megatron-LM
+    config = config_from_args(common["args"])
+    # what an exported checkpoint's common.pt holds
+    args = args_for(config, tp=2, iteration=100, ...)
 
 Megatron's Namespace holds its flags by their dest names (num_layers, add_bias_linear, ...).
 config_from_args starts from fmeg's defaults, takes each model-defining dest the checkpoint holds,

@@ -1,8 +1,8 @@
 """The two pickles of a Megatron torch_dist checkpoint, read without running anything they name.
 
     metadata = read_dcp_metadata(Path("ck/iter_0000100/.metadata"))   # PyTorch DCP's Metadata
-    common = read_common(Path("ck/iter_0000100/common.pt"))          # {"args": Namespace,
-    "iteration": 100, ...}
+    # {"args": Namespace, "iteration": 100, ...}
+    common = read_common(Path("ck/iter_0000100/common.pt"))
 
 `.metadata` is a plain pickle of PyTorch distributed checkpoint's metadata dataclasses: it is read
 by an unpickler that resolves only those classes (and torch.Size, the dtypes, a layout lookup); any
@@ -310,8 +310,8 @@ class _TensorUnpickler(pickle.Unpickler):
 
 
 def saved_tensor(data_pkl: bytes) -> SavedTensor:
-    """The layout of the one tensor a torch.save archive's data.pkl describes; ValueError if it
-    is not that."""
+    """The layout of the one tensor a torch.save archive's data.pkl describes; ValueError if it is
+    not that."""
     try:
         found = _TensorUnpickler(io.BytesIO(data_pkl)).load()
     except (pickle.UnpicklingError, EOFError, TypeError, ValueError, IndexError) as e:

@@ -1,8 +1,9 @@
 """A PyTorch distributed checkpoint directory (Megatron's torch_dist format), read by box.
 
     ck = TorchDistDir(Path("ck/iter_0000100"))       # reads .metadata only
-    ck.shape("decoder.layers.mlp.linear_fc2.weight")  # (num_layers, hidden, ffn): layers stacked
-    first ck.read([("decoder.layers.mlp.linear_fc2.weight", Box((3, 0, 0), (1, 64, 128)), out)])
+    # (num_layers, hidden, ffn): layers stacked first
+    ck.shape("decoder.layers.mlp.linear_fc2.weight")
+    ck.read([("decoder.layers.mlp.linear_fc2.weight", Box((3, 0, 0), (1, 64, 128)), out)])
 
 The directory holds `.metadata` (every tensor's global shape, dtype and chunks: the boxes Megatron's
 ranks saved, and where each lies: file, offset, length) and `__R_K.distcp` files of chunks, each a
@@ -87,8 +88,8 @@ class TorchDistDir:
         return self.tensors[key][1]
 
     def covers(self, key: str, box: Box) -> bool:
-        """Whether the saved chunks of key hold all of box (a sparse stacked tensor: MoE and
-        dense layers)."""
+        """Whether the saved chunks of key hold all of box (a sparse stacked tensor: MoE and dense
+        layers)."""
         return (
             sum(p.numel for c in self.chunks.get(key, ()) if (p := c.box.intersect(box)))
             == box.numel

@@ -7,9 +7,9 @@ microbatch's loss (x is None on stage 0, which reads its input from batch); or a
 (pipeline.segments) that chain to the same. Forward records one autograd graph per segment, from
 fresh leaves that share storage with the params and the input, and keeps a vjp function for it (as
 torch.func.vjp would; autograd lets a torch.compile'd segment run its compiled backward); backward
-calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients
-(summed over microbatches, per local stage) are those of the mean microbatch loss. With grads_into
-(a data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's
+calls them in reverse. The last stage's loss is scaled by 1 / M, so the gradients (summed over
+microbatches, per local stage) are those of the mean microbatch loss. With grads_into (a
+data_parallel.GradSync), each segment's gradients are added into its buffer as each microbatch's
 backward produces them, with final=True in the stage's last backward (so data-parallel reduction can
 start while the rest runs), instead of being summed here and returned.
 

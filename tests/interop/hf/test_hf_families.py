@@ -237,8 +237,8 @@ def test_the_options_equal_megatron_cores_gpt_model(options):
 
 @pytest.mark.parametrize("family", FAMILIES + ["gpt2"])
 def test_use_checkpoint_args_reads_back_the_models_flags(tmp_path, family):
-    """Megatron's --use-checkpoint-args: the flags it sets from a checkpoint's model give that
-    model again."""
+    """Megatron's --use-checkpoint-args: the flags it sets from a checkpoint's model give that model
+    again."""
     from fmeg.config.arguments import parse_args
     from fmeg.config.run_config import model_config
     from harness.checkpoints import save_one

@@ -64,8 +64,8 @@ def qwen3_8b_model_args(seq_length: int) -> list[str]:
 def finetune_sh(
     model_args: list[str], tp: int, tokenizer: str, ckpt: str, save: str, data: list[str]
 ) -> list[str]:
-    """finetune.sh's command line, in its order (TP, ETP, EP, PP, CP as its variables; the
-    default arguments)."""
+    """finetune.sh's command line, in its order (TP, ETP, EP, PP, CP as its variables; the default
+    arguments)."""
     return [
         *model_args,
         "--tensor-model-parallel-size",

@@ -45,8 +45,8 @@ def test_any_box_reads_back_what_was_written(tmp_path_factory, case):
 
 
 def test_a_rank_reads_the_rows_it_needs_not_the_chunk(tmp_path):
-    """A [1024, 256] fp32 chunk (1 MiB) of which rows 256-511 are needed: about a quarter of it
-    is read."""
+    """A [1024, 256] fp32 chunk (1 MiB) of which rows 256-511 are needed: about a quarter of it is
+    read."""
     full = torch.randn(1024, 256)
     _save(tmp_path, {"w": full})
     reader = TorchDistDir(tmp_path)
