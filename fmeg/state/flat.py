@@ -116,6 +116,11 @@ class FlatState:
         self.shard_params = sharding == "optim_grads_params"
         self.flat = FlatBuffer.of(params, dp)
         self.optimizer = optimizer = optimizer or optim.adamw()
+        if optimizer.flat is None:
+            raise ValueError(
+                "FlatState steps an optimizer's flat form (as optim.adamw() carries); "
+                "this optimizer has none"
+            )
         moment_dtypes = optimizer.flat.moment_dtypes
         size = self.flat.padded // dp
         self.lo, self.hi = (
