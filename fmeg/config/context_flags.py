@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import flag, group
+
 COMM_TYPES = ["p2p", "all_gather", "a2a", "a2a+p2p"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("context parallelism")
-    g.add_argument(
+@group("context parallelism")
+class ContextFlags:
+    """How the context-parallel ranks split and exchange the sequence."""
+
+    context_parallel_size: int = flag(
         "--context-parallel-size",
         type=int,
         default=1,
         help="ranks that split each sequence between them (long contexts): rank r holds chunks r "
         "and 2cp-1-r of 2cp",
     )
-    g.add_argument(
+    cp_comm_type: list[str] = flag(
         "--cp-comm-type",
         nargs="+",
         choices=COMM_TYPES,
@@ -25,11 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a2a+p2p (Ulysses within groups of consecutive cp ranks, a ring between them); one value, "
         "or one per layer",
     )
-    g.add_argument(
+    hierarchical_context_parallel_sizes: list[int] | None = flag(
         "--hierarchical-context-parallel-sizes",
         type=int,
         nargs="+",
-        default=None,
         help="a2a+p2p's two levels: the a2a group size, then the p2p ring's (their product: "
         "--context-parallel-size)",
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import flag, group, switch
+
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 _BUFFERS = (
     "a buffer policy: each unit's gather buffer is allocated once and its storage released after "
@@ -42,20 +44,22 @@ IGNORED = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fully sharded data parallelism")
-    g.add_argument(
+@group("fully sharded data parallelism")
+class FSDPFlags:
+    """Megatron-FSDP's sharding strategy and what it keeps gathered."""
+
+    ACCEPTED = {f: dict(**kw, help=argparse.SUPPRESS) for f, (kw, _) in IGNORED.items()}
+
+    use_megatron_fsdp: bool = switch(
         "--use-megatron-fsdp",
-        action="store_true",
         help="shard over data-parallel ranks as --data-parallel-sharding-strategy says",
     )
-    g.add_argument(
+    use_torch_fsdp2: bool = switch(
         "--use-torch-fsdp2",
-        action="store_true",
         help="torch's fully_shard: weights, gradients and optimizer state sharded "
         "(optim_grads_params)",
     )
-    g.add_argument(
+    data_parallel_sharding_strategy: str = flag(
         "--data-parallel-sharding-strategy",
         default="no_shard",
         choices=STRATEGIES,
@@ -63,32 +67,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the optimizer state (ZeRO-1), also the gradients, also the weights (gathered layer by "
         "layer)",
     )
-    g.add_argument(
+    outer_dp_sharding_strategy: str = flag(
         "--outer-dp-sharding-strategy",
         default="no_shard",
         choices=["no_shard", "optim"],
         help="hybrid sharding's outer level: no_shard only",
     )
-    g.add_argument(
+    num_distributed_optimizer_instances: int = flag(
         "--num-distributed-optimizer-instances",
         type=int,
         default=1,
         help="the distributed optimizer's replicas (hybrid sharding): 1 only",
     )
-    g.add_argument(
+    torch_fsdp2_reshard_after_forward: str = flag(
         "--torch-fsdp2-reshard-after-forward",
         default="auto",
         help="with --use-torch-fsdp2: true frees each layer's gathered weights after its forward "
         "(gathered again for backward), false keeps them until backward, auto keeps the embedding "
         "and the output layer only (torch's default)",
     )
-    g.add_argument(
-        "--torch-fsdp2-no-reshard-after-forward",
-        action="store_true",
-        help="--torch-fsdp2-reshard-after-forward false",
+    torch_fsdp2_no_reshard_after_forward: bool = switch(
+        "--torch-fsdp2-no-reshard-after-forward", help="--torch-fsdp2-reshard-after-forward false"
     )
-    for flag, (keywords, _) in IGNORED.items():
-        g.add_argument(flag, **keywords, help=argparse.SUPPRESS)
 
 
 def reshard_after_forward(a: argparse.Namespace) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import flag, group, switch
 from fmeg.config.moe_flags import layer_freq
 
 GPT_OSS_YARN = dict(
@@ -53,60 +54,71 @@ def window(text: str) -> tuple[int, int]:
     return values if len(values) == 2 else (values[0], 0)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("GPT-OSS attention and MLP")
-    g.add_argument(
+def _yarn(field: str) -> str:
+    return f"with --enable-gpt-oss: YaRN's {field} (default {GPT_OSS_YARN[field]})"
+
+
+def _true(text: str) -> bool:
+    return text.lower() == "true"
+
+
+@group("GPT-OSS attention and MLP")
+class GPTOSSFlags:
+    """Attention sinks, sliding windows, the clamped GLU and GPT-OSS's YaRN."""
+
+    softmax_type: str = flag(
         "--softmax-type",
         choices=["vanilla", "off-by-one", "learnable"],
         default="vanilla",
         help="attention sinks: off-by-one adds a logit 0 to every softmax, learnable one logit per "
         "head",
     )
-    g.add_argument(
+    window_size: tuple[int, int] | None = flag(
         "--window-size",
         type=window,
-        default=None,
         help="sliding-window attention: LEFT,0, each query sees itself and LEFT keys before it",
     )
-    g.add_argument(
+    window_attn_skip_freq: int | tuple[int, ...] | None = flag(
         "--window-attn-skip-freq",
         type=layer_freq,
-        default=None,
         help="N: every N-th layer attends fully; or a 0/1 pattern per layer (1: windowed)",
     )
-    g.add_argument(
-        "--quick-geglu", action="store_true", help="gated MLP with quick GELU, x * sigmoid(1.702 x)"
+    quick_geglu: bool = switch(
+        "--quick-geglu", help="gated MLP with quick GELU, x * sigmoid(1.702 x)"
     )
-    g.add_argument(
+    glu_linear_offset: float = flag(
         "--glu-linear-offset",
         type=float,
         default=0.0,
         help="gated MLPs: act(gate) * (linear + offset)",
     )
-    g.add_argument(
+    activation_func_clamp_value: float | None = flag(
         "--activation-func-clamp-value",
         type=float,
-        default=None,
         help="gated MLPs: the gate clamped above at C, the linear half to [-C, C]",
     )
-    g.add_argument(
+    enable_gpt_oss: bool = switch(
         "--enable-gpt-oss",
-        action="store_true",
         help="YaRN rotary embeddings with GPT-OSS's values, as Megatron's model builder sets them",
     )
-    for dest, field in YARN_FLAGS.items():
-        flag = f"--{dest.replace('_', '-')}"
-        if field == "yarn_round_to_int":  # no Megatron flag: --use-checkpoint-args sets it
-            g.add_argument(
-                flag, type=lambda t: t.lower() == "true", default=None, help=argparse.SUPPRESS
-            )
-        else:
-            g.add_argument(
-                flag,
-                type=int if field == "original_max_position_embeddings" else float,
-                default=None,
-                help=f"with --enable-gpt-oss: YaRN's {field} (default {GPT_OSS_YARN[field]})",
-            )
+    yarn_rotary_scaling_factor: float | None = flag(
+        "--yarn-rotary-scaling-factor", type=float, help=_yarn("rotary_scaling_factor")
+    )
+    yarn_original_max_position_embeddings: int | None = flag(
+        "--yarn-original-max-position-embeddings",
+        type=int,
+        help=_yarn("original_max_position_embeddings"),
+    )
+    yarn_beta_fast: float | None = flag("--yarn-beta-fast", type=float, help=_yarn("beta_fast"))
+    yarn_beta_slow: float | None = flag("--yarn-beta-slow", type=float, help=_yarn("beta_slow"))
+    yarn_mscale: float | None = flag("--yarn-mscale", type=float, help=_yarn("mscale"))
+    yarn_mscale_all_dim: float | None = flag(
+        "--yarn-mscale-all-dim", type=float, help=_yarn("mscale_all_dim")
+    )
+    # no Megatron flag: --use-checkpoint-args sets it
+    yarn_correction_range_round_to_int: bool | None = flag(
+        "--yarn-correction-range-round-to-int", type=_true, help=argparse.SUPPRESS
+    )
 
 
 def model_fields(a: argparse.Namespace) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import group
+
 # Megatron flags that choose a kernel or an implementation, not the model or the numbers: accepted
 # so that Megatron scripts run unchanged, and named once at start as ignored, with the reason.
 IGNORED_SWITCHES = {
@@ -309,6 +311,35 @@ IGNORED_SETTINGS.update(
         )
     }
 )
+
+
+def _later_help(off: tuple) -> str:
+    return "leave it out" if off[-1] in (None, False) else f"{off[-1]} only"
+
+
+@group("Megatron features fmeg does not have yet (their 'off' value only)")
+class LaterWorkFlags:
+    """Megatron's flags of features fmeg does not have yet, accepted at their 'off' values."""
+
+    ACCEPTED = {
+        flag: dict(**keywords, help=f"{feature}: not in fmeg yet; {_later_help(off)}")
+        for flag, (keywords, off, feature) in LATER_WORK.items()
+    }
+
+
+@group("accepted from Megatron scripts and ignored (named at start)")
+class IgnoredFlags:
+    """Megatron's flags that choose what fmeg does not choose: accepted, named as ignored."""
+
+    ACCEPTED = {
+        **{flag: dict(action="store_true", help=argparse.SUPPRESS) for flag in IGNORED_SWITCHES},
+        **{
+            flag: dict(
+                default=None, nargs="*" if flag in MULTI_VALUED else None, help=argparse.SUPPRESS
+            )
+            for flag in IGNORED_SETTINGS
+        },
+    }
 
 
 def later_work_problems(a: argparse.Namespace) -> list[str]:

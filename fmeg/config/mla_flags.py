@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import flag, group, switch
+
 # Megatron-Bridge's --yarn-* flags that MLA's YaRN also reads (megatron-core's MLATransformerConfig
 # fields that Megatron's own flags leave at their defaults: original context 4096, beta_fast 32,
 # beta_slow 1, rounded), so that an imported DeepSeek-V3 keeps its own under --use-checkpoint-args.
@@ -27,51 +29,54 @@ IGNORED = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("multi-latent attention")
-    g.add_argument(
+@group("multi-latent attention")
+class MLAFlags:
+    """DeepSeek's multi-latent attention and its YaRN rotary frequencies."""
+
+    ACCEPTED = {f: dict(action="store_true", help=argparse.SUPPRESS) for f in IGNORED}
+
+    multi_latent_attention: bool = switch(
         "--multi-latent-attention",
-        action="store_true",
         help="DeepSeek's multi-latent attention: keys and values from one low-rank latent",
     )
-    g.add_argument(
+    q_lora_rank: int | None = flag(
         "--q-lora-rank",
         type=int,
-        default=None,
         help="the queries' low-rank latent (default: queries straight from the hidden states)",
     )
-    g.add_argument("--kv-lora-rank", type=int, default=32, help="the keys' and values' latent")
-    g.add_argument(
+    kv_lora_rank: int = flag(
+        "--kv-lora-rank", type=int, default=32, help="the keys' and values' latent"
+    )
+    qk_head_dim: int = flag(
         "--qk-head-dim", type=int, default=128, help="each head's query/key dimensions without RoPE"
     )
-    g.add_argument(
+    qk_pos_emb_head_dim: int = flag(
         "--qk-pos-emb-head-dim",
         type=int,
         default=64,
         help="each head's rotated query/key dimensions",
     )
-    g.add_argument("--v-head-dim", type=int, default=128, help="each head's value dimensions")
-    g.add_argument(
+    v_head_dim: int = flag(
+        "--v-head-dim", type=int, default=128, help="each head's value dimensions"
+    )
+    rotary_scaling_factor: float = flag(
         "--rotary-scaling-factor", type=float, default=1.0, help="YaRN's context extension factor"
     )
-    g.add_argument(
+    mscale: float = flag(
         "--mscale", type=float, default=1.0, help="YaRN's attention temperature of the rotary part"
     )
-    g.add_argument(
+    mscale_all_dim: float = flag(
         "--mscale-all-dim",
         type=float,
         default=0.0,
         help="YaRN's attention temperature of the whole softmax (multi-latent attention)",
     )
-    g.add_argument(
+    rope_type: str | None = flag(
         "--rope-type",
         choices=["rope", "yarn"],
-        default=None,
         help="rotary frequencies: rope, or YaRN's (default: yarn with --multi-latent-attention, "
         "else rope)",
     )
-    for flag in IGNORED:
-        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
 def rope_type(a: argparse.Namespace) -> str:
@@ -112,10 +117,10 @@ def problems(a: argparse.Namespace) -> list[str]:
             "--multi-latent-attention rotates its own rotary part: use --position-embedding-type "
             f"rope, not {a.position_embedding_type}"
         )
-    for flag in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
-        value = getattr(a, flag)
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
+        value = getattr(a, name)
         if value is not None and value <= 0:
-            out.append(f"--{flag.replace('_', '-')} must be positive, got {value}")
+            out.append(f"--{name.replace('_', '-')} must be positive, got {value}")
     if a.qk_pos_emb_head_dim % 2:
         out.append(
             f"--qk-pos-emb-head-dim {a.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)"

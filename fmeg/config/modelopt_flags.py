@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import group
+
 # {flag: (argparse keywords, why it cannot change a number)}
 IGNORED = {
     "--export-te-mcore-model": (
@@ -120,14 +122,14 @@ REFUSED = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group(
-        "Megatron's post-training (ModelOpt) flags: ignored or refused, named at start"
-    )
-    for flag, (keywords, _) in IGNORED.items():
-        g.add_argument(flag, **keywords, help=argparse.SUPPRESS)
-    for flag, (keywords, *_) in REFUSED.items():
-        g.add_argument(flag, **keywords, help=argparse.SUPPRESS)
+@group("Megatron's post-training (ModelOpt) flags: ignored or refused, named at start")
+class ModelOptFlags:
+    """Megatron's ModelOpt flags, accepted to be named as ignored or refused."""
+
+    ACCEPTED = {
+        **{f: dict(**kw, help=argparse.SUPPRESS) for f, (kw, _) in IGNORED.items()},
+        **{f: dict(**kw, help=argparse.SUPPRESS) for f, (kw, *_) in REFUSED.items()},
+    }
 
 
 def _value(a: argparse.Namespace, flag: str):

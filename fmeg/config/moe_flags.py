@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fmeg.config.declare import add_group, flag, group, switch
+
 # Flags that choose a kernel or an overlap, not a number: accepted with --num-experts and named as
 # ignored.
 IGNORED = {
@@ -54,151 +56,141 @@ def layer_freq(text: str) -> int | tuple[int, ...]:
     return tuple(result)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("mixture of experts")
-    g.add_argument(
-        "--num-experts", type=int, default=None, help="experts per MoE layer (None: dense MLPs)"
+@group("mixture of experts")
+class MoEFlags:
+    """Experts, their router, dispatch, balance losses and capacity."""
+
+    ACCEPTED = {
+        **{
+            f: dict(action="store_true", help=f"accepted, ignored: {why}")
+            for f, why in IGNORED.items()
+        },
+        **{
+            f: dict(default=None, help=f"accepted, ignored: {why}")
+            for f, why in IGNORED_SETTINGS.items()
+        },
+    }
+
+    num_experts: int | None = flag(
+        "--num-experts", type=int, help="experts per MoE layer (None: dense MLPs)"
     )
-    g.add_argument(
+    expert_model_parallel_size: int = flag(
         "--expert-model-parallel-size",
         type=int,
         default=1,
         help="expert parallelism: data-parallel ranks that split the experts between them",
     )
-    g.add_argument(
+    expert_tensor_parallel_size: int | None = flag(
         "--expert-tensor-parallel-size",
         type=int,
-        default=None,
         help="the experts' tensor parallelism: 1 or --tensor-model-parallel-size (the default)",
     )
-    g.add_argument(
-        "--moe-ffn-hidden-size",
-        type=int,
-        default=None,
-        help="each expert's FFN size (default --ffn-hidden-size)",
+    moe_ffn_hidden_size: int | None = flag(
+        "--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default --ffn-hidden-size)"
     )
-    g.add_argument(
+    moe_layer_freq: Any = flag(
         "--moe-layer-freq", type=layer_freq, default=1, help="N, or a 0/1 pattern per layer"
     )
-    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
-    g.add_argument(
+    moe_router_topk: int = flag(
+        "--moe-router-topk", type=int, default=2, help="experts each token is routed to"
+    )
+    moe_router_score_function: str = flag(
+        "--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax"
+    )
+    moe_router_pre_softmax: bool = switch(
         "--moe-router-pre-softmax",
-        action="store_true",
         help="softmax over all experts before taking the top k (else over the k chosen)",
     )
-    g.add_argument(
-        "--moe-router-topk-scaling-factor",
-        type=float,
-        default=None,
-        help="multiply the routing weights by this",
+    moe_router_topk_scaling_factor: float | None = flag(
+        "--moe-router-topk-scaling-factor", type=float, help="multiply the routing weights by this"
     )
-    g.add_argument(
+    moe_router_num_groups: int | None = flag(
         "--moe-router-num-groups",
         type=int,
-        default=None,
         help="group-limited routing: the experts' groups (DeepSeek-V3's n_group)",
     )
-    g.add_argument(
+    moe_router_group_topk: int | None = flag(
         "--moe-router-group-topk",
         type=int,
-        default=None,
         help="group-limited routing: the groups a token may choose from",
     )
-    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
-    # an imported DeepSeek-V3's routing rules (transformers'), which --use-checkpoint-args sets: no
-    # Megatron flag
-    g.add_argument("--moe-router-group-score-topk", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument(
+    moe_router_dtype: str | None = flag("--moe-router-dtype", choices=["fp32", "fp64"])
+    moe_router_group_score_topk: int | None = flag(
+        "--moe-router-group-score-topk", type=int, help=argparse.SUPPRESS
+    )
+    moe_router_norm_topk: Any = flag(
         "--moe-router-norm-topk",
         type=lambda t: t.lower() == "true",
         default=True,
         help=argparse.SUPPRESS,
     )
-    g.add_argument(
+    moe_router_load_balancing_type: list[str] = flag(
         "--moe-router-load-balancing-type",
         nargs="+",
         default=["aux_loss"],
         choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
     )
-    _loss_capacity_and_shared_flags(g)
-
-
-def _loss_capacity_and_shared_flags(g: Any) -> None:
-    """Megatron's flags for the balance losses, capacity, shared experts and the expert bias."""
-    g.add_argument(
+    moe_aux_loss_coeff: list[float] = flag(
         "--moe-aux-loss-coeff",
         type=float,
         nargs="+",
         default=[0.0],
         help="the load-balancing loss's coefficient (one per layer kind, as in Megatron)",
     )
-    g.add_argument(
-        "--moe-z-loss-coeff", type=float, default=None, help="the router z-loss's coefficient"
+    moe_z_loss_coeff: float | None = flag(
+        "--moe-z-loss-coeff", type=float, help="the router z-loss's coefficient"
     )
-    g.add_argument(
+    moe_expert_capacity_factor: float | None = flag(
         "--moe-expert-capacity-factor",
         type=float,
-        default=None,
         help="tokens an expert takes, as a multiple of the even share; the rest are dropped",
     )
-    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
-    g.add_argument(
-        "--moe-pad-expert-input-to-capacity",
-        action="store_true",
-        help="pad each expert's tokens to its capacity",
+    moe_token_drop_policy: str = flag(
+        "--moe-token-drop-policy", choices=["probs", "position"], default="probs"
     )
-    g.add_argument(
+    moe_pad_expert_input_to_capacity: bool = switch(
+        "--moe-pad-expert-input-to-capacity", help="pad each expert's tokens to its capacity"
+    )
+    moe_shared_expert_intermediate_size: int | None = flag(
         "--moe-shared-expert-intermediate-size",
         type=int,
-        default=None,
         help="the hidden width of the shared experts every token goes through",
     )
-    g.add_argument(
-        "--moe-shared-expert-gate",
-        action="store_true",
-        help="a sigmoid gate on the shared experts' output",
+    moe_shared_expert_gate: bool = switch(
+        "--moe-shared-expert-gate", help="a sigmoid gate on the shared experts' output"
     )
-    g.add_argument(
+    moe_router_enable_expert_bias: bool = switch(
         "--moe-router-enable-expert-bias",
-        action="store_true",
         help="aux-loss-free balancing: a per-expert bias on the scores, updated after each step",
     )
-    g.add_argument(
+    moe_router_bias_update_rate: float = flag(
         "--moe-router-bias-update-rate",
         type=float,
         default=1e-3,
         help="the expert bias's step per iteration",
     )
-    g.add_argument(
+    moe_token_dispatcher_type: str = flag(
         "--moe-token-dispatcher-type",
         choices=["allgather", "alltoall", "flex"],
         default="allgather",
         help="how tokens reach their experts' ranks: all-gather / reduce-scatter, or uneven "
         "all-to-all",
     )
-    g.add_argument(
+    moe_input_jitter_eps: float | None = flag(
         "--moe-input-jitter-eps",
         type=float,
-        default=None,
         help="multiplicative noise on the router's input in training",
     )
-    g.add_argument(
+    moe_per_layer_logging: bool = switch(
         "--moe-per-layer-logging",
-        action="store_true",
         help="also write each MoE layer's balance losses (NAME_layer_I) to metrics.jsonl, "
         "TensorBoard and W&B (the log line keeps their means)",
     )
-    g.add_argument(
+    moe_router_force_load_balancing: bool = switch(
         "--moe-router-force-load-balancing",
-        action="store_true",
         help="for benchmarking: random router logits (still trained through), so experts get even "
         "loads",
     )
-    for flag in IGNORED:
-        g.add_argument(flag, action="store_true", help=f"accepted, ignored: {IGNORED[flag]}")
-    for flag in IGNORED_SETTINGS:
-        g.add_argument(flag, default=None, help=f"accepted, ignored: {IGNORED_SETTINGS[flag]}")
 
 
 def leniencies(a: argparse.Namespace) -> list[str]:
@@ -350,6 +342,7 @@ def ignored(a: argparse.Namespace) -> list[str]:
 
 
 def _defaults() -> argparse.Namespace:
+    """Every MoE flag's default, the accepted ones' included."""
     parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    add_group(parser, MoEFlags)
     return parser.parse_args([])

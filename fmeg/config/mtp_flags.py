@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.config.declare import flag, group
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("multi-token prediction")
-    g.add_argument(
+
+@group("multi-token prediction")
+class MTPFlags:
+    """DeepSeek-V3's multi-token prediction."""
+
+    mtp_num_layers: int | None = flag(
         "--mtp-num-layers",
         type=int,
-        default=None,
         help="DeepSeek-V3's multi-token prediction: this many extra layers, each one token further",
     )
-    g.add_argument(
+    mtp_loss_scaling_factor: float = flag(
         "--mtp-loss-scaling-factor",
         type=float,
         default=0.1,

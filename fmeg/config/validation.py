@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg.data.blending import parse_blend, parse_split
-from fmeg.config.arguments import batch_geometry, build_parser, lr_steps
+from fmeg.config.arguments import GROUPS, batch_geometry, build_parser, lr_steps
 from fmeg.config.batch_schedule import check_rampup, parse_step_schedule
 from fmeg.config import (
     context_flags,
@@ -57,6 +57,20 @@ def microbatches_per_step(a: argparse.Namespace, world_size: int) -> int:
     return gbs // (a.micro_batch_size * dp) if gbs % (a.micro_batch_size * dp) == 0 else 0
 
 
+# The sizes the checks across groups divide by.
+SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "micro_batch_size",
+    "log_interval",
+    "train_iters",
+)
+
+
 def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     """Every problem with the arguments, one line each (empty when they are consistent). A feature
     fmeg does not have yet is the only problem reported: the layout checks would be about a run that
@@ -66,27 +80,9 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
     if problems:
         return problems
 
-    problems, need = Problems.start()
-    if a.train_samples is not None:
-        need(
-            a.train_iters > 0,
-            f"--train-samples {a.train_samples} is less than one global batch; raise it",
-        )
-    for flag in (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "seq_length",
-        "micro_batch_size",
-        "log_interval",
-    ) + (("train_iters",) if a.train_samples is None else ()):
-        need(
-            getattr(a, flag) > 0,
-            f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}",
-        )
-    if problems:
+    # each group's own checks first; the checks across groups need their sizes positive
+    problems = [line for cls in GROUPS for line in cls.from_namespace(a).problems()]
+    if problems and any(getattr(a, size) <= 0 for size in SIZES):
         return problems
     for part in (
         _layout_problems,
@@ -365,77 +361,18 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
 
 
 def _optimizer_problems(a: argparse.Namespace, world_size: int) -> list[str]:
-    """The learning rate, weight decay and Adam flags, and the model's scalars."""
+    """The learning-rate warmup against the run's length, and the vocabulary against tp (the
+    optimizer's and model's own flags: their groups' problems())."""
     problems, need = Problems.start()
-    tp = a.tensor_model_parallel_size
-    in_samples = lr_steps(a)[2]
-    need(a.lr > 0, f"--lr must be positive, got {a.lr}")
-    need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
-    if a.decoupled_lr is not None:
-        low = a.min_lr if a.decoupled_min_lr is None else a.decoupled_min_lr
-        need(
-            0 <= low <= a.decoupled_lr,
-            f"--decoupled-min-lr {low} must be between 0 and --decoupled-lr {a.decoupled_lr}",
-        )
-    need(
-        a.decoupled_min_lr is None or a.decoupled_lr is not None,
-        "--decoupled-min-lr needs --decoupled-lr",
-    )
     decay = a.lr_decay_iters or a.train_iters
-    if a.lr_warmup_fraction is not None:
-        need(
-            0.0 <= a.lr_warmup_fraction < 1.0,
-            f"--lr-warmup-fraction must be in [0, 1), got {a.lr_warmup_fraction}",
-        )
     need(
-        0 <= a.lr_warmup_iters < decay
+        a.lr_warmup_iters < decay
         or a.lr_decay_style == "constant"
         or a.lr_warmup_fraction is not None
-        or in_samples,
+        or lr_steps(a)[2],
         f"--lr-warmup-iters {a.lr_warmup_iters} must be below --lr-decay-iters {decay}",
     )
-    need(a.clip_grad >= 0, f"--clip-grad must be >= 0, got {a.clip_grad}")
-    for flag in ("adam_beta1", "adam_beta2"):
-        need(
-            0.0 <= getattr(a, flag) < 1.0,
-            f"--{flag.replace('_', '-')} must be in [0, 1), got {getattr(a, flag)}",
-        )
-    for flag in ("adam_eps", "norm_epsilon", "init_method_std", "rotary_base"):
-        need(
-            getattr(a, flag) > 0,
-            f"--{flag.replace('_', '-')} must be positive, got {getattr(a, flag)}",
-        )
-    need(0 <= a.seed < 2**63, f"--seed must be in [0, 2**63), got {a.seed}")
-    for flag in (
-        "ffn_hidden_size",
-        "num_query_groups",
-        "global_batch_size",
-        "max_position_embeddings",
-        "padded_vocab_size",
-        "exit_interval",
-        "lr_decay_iters",
-        "vocab_size",
-    ):
-        value = getattr(a, flag)
-        need(
-            value is None or value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}"
-        )
-    need(a.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {a.lr_warmup_iters}")
-    start_wd = a.weight_decay if a.start_weight_decay is None else a.start_weight_decay
-    end_wd = a.weight_decay if a.end_weight_decay is None else a.end_weight_decay
-    need(
-        a.weight_decay_incr_style != "constant" or start_wd == end_wd,
-        "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay",
-    )
-    need(a.weight_decay >= 0, f"--weight-decay must be >= 0, got {a.weight_decay}")
-    need(
-        0.0 <= a.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {a.hidden_dropout}"
-    )
-    need(
-        0.0 <= a.attention_dropout < 1.0,
-        f"--attention-dropout must be in [0, 1), got {a.attention_dropout}",
-    )
-    need(a.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive")
+    tp = a.tensor_model_parallel_size
     if a.padded_vocab_size is not None:
         need(
             a.padded_vocab_size % tp == 0,

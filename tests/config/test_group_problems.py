@@ -1,0 +1,39 @@
+"""Each group of flags checks itself (problems()), and the run still reports every problem at
+once: a group's own lines and the lines of checks across groups together."""
+
+from fmeg.config.arguments import GROUPS, parse_args
+from fmeg.config.model_flags import ModelFlags
+from fmeg.config.training_flags import OptimizerFlags, TrainingFlags
+from fmeg.config.validation import validate
+
+
+def test_defaults_have_no_problems():
+    assert [line for cls in GROUPS for line in cls().problems()] == []
+
+
+def test_a_group_names_each_of_its_problems_by_flag():
+    assert OptimizerFlags(lr=-1.0, adam_beta2=1.0, clip_grad=-2.0).problems() == [
+        "--lr must be positive, got -1.0",
+        "--min-lr 0.0 must be between 0 and --lr -1.0",
+        "--clip-grad must be >= 0, got -2.0",
+        "--adam-beta2 must be in [0, 1), got 1.0",
+    ]
+    assert ModelFlags(hidden_dropout=1.5, ffn_hidden_size=0).problems() == [
+        "--ffn-hidden-size must be positive, got 0",
+        "--hidden-dropout must be in [0, 1), got 1.5",
+    ]
+    assert TrainingFlags(train_samples=3, train_iters=0).problems() == [
+        "--train-samples 3 is less than one global batch; raise it"
+    ]
+
+
+def test_the_run_reports_group_and_layout_problems_together():
+    argv = ["--lr", "-1", "--tensor-model-parallel-size", "3"]
+    lines = validate(parse_args(argv, world_size=4), world_size=4)
+    assert "--lr must be positive, got -1.0" in lines
+    assert any(line.startswith("world size 4 must be divisible") for line in lines), lines
+
+
+def test_a_size_that_is_not_positive_stops_the_checks_across_groups():
+    lines = validate(parse_args(["--num-layers", "0", "--lr", "2"], world_size=1), world_size=1)
+    assert lines == ["--num-layers must be positive, got 0"]
