@@ -149,7 +149,7 @@ class PeerGPT(nn.Module):
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
         s, d = x.shape[-2], x.shape[-1]
-        inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, d, 2, device=x.device).float() / d))
+        inv = 1.0 / (self.c.rope.theta ** (torch.arange(0, d, 2, device=x.device).float() / d))
         angles = torch.outer(torch.arange(s, device=x.device).float(), inv)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]

@@ -71,9 +71,13 @@ def step_time(config: gpt.GPTConfig, batch: int, seq: int, repeats: int = 5) -> 
 
 def cache_values_per_token(c: gpt.GPTConfig) -> tuple[int, int]:
     """(values fmeg's cache keeps per token and layer, the latent's size)."""
-    if c.multi_latent_attention:
-        expanded = c.num_heads * (c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim)
-        return expanded, c.kv_lora_rank + c.qk_pos_emb_head_dim
+    if c.attention.mla is not None:
+        expanded = c.num_heads * (
+            c.attention.mla.qk_head_dim
+            + c.attention.mla.qk_pos_emb_head_dim
+            + c.attention.mla.v_head_dim
+        )
+        return expanded, c.attention.mla.kv_lora_rank + c.attention.mla.qk_pos_emb_head_dim
     return 2 * c.num_kv_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim
 
 

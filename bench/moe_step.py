@@ -93,7 +93,7 @@ def main() -> None:
     steps = {"moe": step_fn(moe, device, dtype), "dense": step_fn(dense, device, dtype)}
     rows = torch.zeros(1, moe.hidden_size, device=device, dtype=dtype)
     weight = torch.zeros(
-        moe.num_experts, moe.ffn_hidden_size, moe.hidden_size, device=device, dtype=dtype
+        moe.experts.num_experts, moe.ffn_hidden_size, moe.hidden_size, device=device, dtype=dtype
     )
     path = (
         "torch._grouped_mm"
@@ -113,7 +113,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     print(
         f"device {device}, {a.dtype}; hidden {moe.hidden_size}, {moe.num_layers} layers, "
-        f"{moe.num_experts} experts top-{moe.moe_router_topk} of FFN {moe.ffn_hidden_size} vs "
+        f"{moe.experts.num_experts} experts top-{moe.experts.router.topk} of FFN "
+        f"{moe.ffn_hidden_size} vs "
         f"dense FFN {dense.ffn_hidden_size}; batch {batch} x {seq}; experts run as {path}"
     )
     median = {name: statistics.median(t) for name, t in times.items()}

@@ -29,7 +29,6 @@ that disagrees with the weights or a NaN weight is one line). No pickle is read 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -145,9 +144,7 @@ def consolidate(args) -> None:
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        save_file(
-            tensors, str(tmp), metadata={"fmeg_config": json.dumps(dataclasses.asdict(config))}
-        )
+        save_file(tensors, str(tmp), metadata={"fmeg_config": json.dumps(config.flat())})
         tmp.replace(out)
     # a full disk, a read-only directory: nothing half-written stays
     except (OSError, SafetensorError) as e:

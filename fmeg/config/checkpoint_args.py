@@ -8,7 +8,6 @@ that a run continues an imported or earlier model without repeating its architec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from fmeg import checkpoint
@@ -180,7 +179,7 @@ def megatron_model(args: argparse.Namespace, vocab_size: int | None = None) -> g
 def _megatron_model(found) -> dict:
     """The model fields a Megatron torch_dist iteration's args (its common.pt) describe."""
     try:
-        return dataclasses.asdict(megatron_model(megatron.saved_args(found)))
+        return megatron_model(megatron.saved_args(found)).flat()
     except ValueError as e:
         raise checkpoint.CheckpointError(f"{found / 'common.pt'}: {e}") from None
 

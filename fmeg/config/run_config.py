@@ -48,10 +48,7 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         activation=activation(a),
         norm_eps=a.norm_epsilon,
         norm_zero_centered=a.apply_layernorm_1p,
-        rope_theta=a.rotary_base,
         kv_channels=a.kv_channels,
-        rotary_percent=a.rotary_percent,
-        position="rope" if a.position_embedding_type == "rope" else "learned",
         tie_embeddings=not a.untie_embeddings_and_output_weights,
         bias=not a.disable_bias_linear,
         init_std=a.init_method_std,
@@ -59,18 +56,28 @@ def model_config(a, vocab_size: int) -> gpt.GPTConfig:
         attention_dropout=a.attention_dropout,
         qk_norm=a.qk_layernorm,
         qkv_bias=a.add_qkv_bias and a.disable_bias_linear,
-        rope_scaling=(
-            a.rope_scaling_factor,
-            a.rope_scaling_low_freq_factor,
-            a.rope_scaling_high_freq_factor,
-            a.rope_scaling_original_max_position_embeddings,
-        )
-        if a.use_rope_scaling
-        else None,
         **moe_flags.model_fields(a),
     )
     extra = mla_flags.model_fields(a) | mtp_flags.model_fields(a) | gpt_oss_flags.model_fields(a)
-    return gpt.GPTConfig(**(fields | extra))
+    return gpt.GPTConfig(**(fields | _rope_fields(a) | extra))
+
+
+def _rope_fields(a) -> dict:
+    """RoPE's fields of the flags: none with learned positions (Megatron ignores them then)."""
+    if a.position_embedding_type != "rope":
+        return dict(position="learned")
+    scaling = (
+        a.rope_scaling_factor,
+        a.rope_scaling_low_freq_factor,
+        a.rope_scaling_high_freq_factor,
+        a.rope_scaling_original_max_position_embeddings,
+    )
+    return dict(
+        position="rope",
+        rope_theta=a.rotary_base,
+        rotary_percent=a.rotary_percent,
+        rope_scaling=scaling if a.use_rope_scaling else None,
+    )
 
 
 def layout_from_args(a, world: int) -> Layout:

@@ -65,7 +65,7 @@ def cached_attention(
 ) -> torch.Tensor:
     """Self-attention of the new tokens over the cached ones and themselves; writes their k and v
     into the cache at slots start .. start + new - 1. window: the layer's sliding window (keys at
-    most that many slots before the query); sinks (config.softmax_type) in the softmax's
+    most that many slots before the query); sinks (config.attention.softmax_type) in the softmax's
     denominator."""
     q, k, v = gpt.project_qkv(p, x_BSH, config, rope, tp)
     end = start + x_BSH.shape[1]

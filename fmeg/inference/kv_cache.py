@@ -44,15 +44,20 @@ def local_kv_heads(layer_params: Params, config: GPTConfig) -> int:
     """How many key/value heads these (possibly tensor-parallel) layer parameters hold."""
     attn = layer_params["attn"]
     if "kv_up" in attn:  # multi-latent attention: one key and value per query head
-        return attn["kv_up"]["weight"].shape[0] // (config.qk_head_dim + config.v_head_dim)
+        return attn["kv_up"]["weight"].shape[0] // (
+            config.attention.mla.qk_head_dim + config.attention.mla.v_head_dim
+        )
     return attn["qkv"]["weight"].shape[0] // ((config.heads_per_group + 2) * config.head_dim)
 
 
 def head_dims(config: GPTConfig) -> tuple[int, int]:
     """The cached keys' and values' head dimensions: multi-latent attention caches the expanded keys
     (its nope and rotary parts) and values, not its latent."""
-    if config.multi_latent_attention:
-        return config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    if config.attention.mla is not None:
+        return (
+            config.attention.mla.qk_head_dim + config.attention.mla.qk_pos_emb_head_dim,
+            config.attention.mla.v_head_dim,
+        )
     return config.head_dim, config.head_dim
 
 

@@ -73,7 +73,7 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
     """A transformers model (GPT2LMHeadModel or LlamaForCausalLM, chosen by the config) with params
     loaded; its vocabulary is the real one (config.vocab_size: the padding rows are dropped)."""
     flat = _export_flat(params, config)
-    if config.mtp_num_layers and not config.multi_latent_attention:
+    if config.mtp_depth and config.attention.mla is None:
         raise ValueError(
             "to_hf: of transformers' classes fmeg exports, only DeepseekV3ForCausalLM holds "
             "multi-token prediction depths (a model with --mtp-num-layers exports with MLA)"
@@ -83,7 +83,7 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
         and config.norm == "layernorm"
         and config.activation != "swiglu"
     ):
-        if config.num_experts:
+        if config.experts:
             raise ValueError(
                 "to_hf: transformers' GPT-2 has no experts; a mixture of experts exports as "
                 "Mixtral or Qwen3-MoE, trained with --position-embedding-type rope "
@@ -92,14 +92,14 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
         if (
             not config.bias
             or config.num_kv_heads != config.num_heads
-            or config.kv_channels not in (None, config.hidden_size // config.num_heads)
+            or config.attention.kv_channels not in (None, config.hidden_size // config.num_heads)
         ):
             raise ValueError(
                 "to_hf: GPT-2 needs bias=True, num_kv_heads == num_heads and head dimension "
                 "hidden_size / num_heads"
             )
         model, state = _new_model("GPT2", _gpt2_hf_config(config)), _gpt2_state(flat, config)
-    elif config.multi_latent_attention:
+    elif config.attention.mla is not None:
         model = _new_model("DeepseekV3", hf_deepseek_v3.hf_config(config))
         state = hf_deepseek_v3.state_from(flat, config)
     elif config.activation == "quick_geglu":
@@ -108,9 +108,9 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
             hf_gpt_oss.state_from(flat, config),
         )
     elif config.position == "rope" and config.norm == "rmsnorm" and config.activation == "swiglu":
-        if config.rotary_percent != 1.0:
+        if config.rope.percent != 1.0:
             raise ValueError(
-                f"to_hf: Llama rotates whole heads; got rotary_percent={config.rotary_percent}"
+                f"to_hf: Llama rotates whole heads; got rotary_percent={config.rope.percent}"
             )
         family = _family_of(config)
         model, state = (
@@ -130,7 +130,7 @@ def to_hf(params: Params, config: GPTConfig) -> Any:
 def mtp_files(params: Params, config: GPTConfig) -> dict[str, torch.Tensor]:
     """The MTP depths' tensors to write beside to_hf's model, in DeepSeek-V3's checkpoint layout
     (none without depths)."""
-    if not config.mtp_num_layers:
+    if not config.mtp_depth:
         return {}
     hf_deepseek_v3.hf_config(config)  # the same refusals as to_hf
     flat = _export_flat(params, config)
@@ -308,31 +308,33 @@ _SCALING_KEYS = (
 def _family_of(c: GPTConfig) -> str:
     """The transformers class of a Llama-style config: Qwen3 (qk norm), Qwen2 (bias on q, k, v
     only), Llama, and with experts Qwen3Moe (qk norm) or Mixtral."""
-    if c.num_experts:
+    if c.experts:
         if (
             c.bias
-            or c.qkv_bias
-            or c.moe_router_bias
-            or c.moe_shared_expert_intermediate_size
-            or c.moe_router_score_function != "softmax"
-            or c.moe_router_num_groups
-            or c.moe_router_topk_scaling_factor
+            or c.attention.qkv_bias
+            or c.experts.router.bias
+            or c.experts.shared_expert_intermediate_size
+            or c.experts.router.score_function != "softmax"
+            or c.experts.router.num_groups
+            or c.experts.router.topk_scaling_factor
         ):
             raise ValueError(
                 "to_hf: Mixtral and Qwen3-MoE have softmax routers, no biases, shared experts, "
                 "groups or scaling"
             )
-        if not c.qk_norm and (c.moe_router_pre_softmax or any(not m for m in moe_layers(c))):
+        if not c.attention.qk_norm and (
+            c.experts.router.pre_softmax or any(not m for m in moe_layers(c))
+        ):
             raise ValueError(
                 "to_hf: Mixtral renormalises its top-k (no pre-softmax) and every layer is MoE"
             )
-        return "Qwen3Moe" if c.qk_norm else "Mixtral"
-    if c.qk_norm:
-        if c.bias or c.qkv_bias:
+        return "Qwen3Moe" if c.attention.qk_norm else "Mixtral"
+    if c.attention.qk_norm:
+        if c.bias or c.attention.qkv_bias:
             raise ValueError("to_hf: a qk-norm model (Qwen3) has no biases; got bias or qkv_bias")
         return "Qwen3"
-    if c.qkv_bias and not c.bias:
-        if c.rope_scaling is not None:
+    if c.attention.qkv_bias and not c.bias:
+        if c.rope.scaling is not None:
             raise ValueError("to_hf: Qwen2 has no llama3 rope scaling")
         return "Qwen2"
     return "Llama"
@@ -426,9 +428,9 @@ def _moe_fields(hf: Any, family: str) -> dict:
 def _llama_hf_config(c: GPTConfig, family: str = "Llama") -> Any:
     import transformers
 
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        rope = {**rope, "rope_type": "llama3", **dict(zip(_SCALING_KEYS, c.rope_scaling))}
+    rope = {"rope_type": "default", "rope_theta": c.rope.theta}
+    if c.rope.scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dict(zip(_SCALING_KEYS, c.rope.scaling))}
     common = dict(
         vocab_size=c.vocab_size,
         max_position_embeddings=c.max_seq_len,
@@ -452,21 +454,21 @@ def _llama_hf_config(c: GPTConfig, family: str = "Llama") -> Any:
     if family == "Mixtral":
         return transformers.MixtralConfig(
             **common,
-            num_local_experts=c.num_experts,
+            num_local_experts=c.experts.num_experts,
             sliding_window=None,
-            num_experts_per_tok=c.moe_router_topk,
+            num_experts_per_tok=c.experts.router.topk,
             router_jitter_noise=0.0,
         )
     if family == "Qwen3Moe":
         pattern = moe_layers(c)
         return transformers.Qwen3MoeConfig(
             **{**common, "intermediate_size": c.ffn_hidden_size},
-            num_experts=c.num_experts,
-            num_experts_per_tok=c.moe_router_topk,
+            num_experts=c.experts.num_experts,
+            num_experts_per_tok=c.experts.router.topk,
             moe_intermediate_size=expert_ffn(c),
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, m in enumerate(pattern) if not m],
-            norm_topk_prob=not c.moe_router_pre_softmax,
+            norm_topk_prob=not c.experts.router.pre_softmax,
             use_sliding_window=False,
             attention_bias=False,
         )
@@ -491,16 +493,16 @@ def _llama_params(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.T
         hf, at = f"model.layers.{i}", f"layers.{i}"
         for ours, theirs in _LLAMA_NORMS.items():
             out[f"{at}.{ours}.weight"] = s[f"{hf}.{theirs}.weight"]
-        if c.qk_norm:
+        if c.attention.qk_norm:
             for x in "qk":
                 out[f"{at}.attn.{x}_norm.weight"] = s[f"{hf}.self_attn.{x}_norm.weight"]
-        if c.qkv_bias and not c.bias:
+        if c.attention.qkv_bias and not c.bias:
             out[f"{at}.attn.qkv.bias"] = fuse_qkv(
                 *[s[f"{hf}.self_attn.{x}_proj.bias"] for x in "qkv"], c.num_kv_heads
             )
         moe = moe_layers(c)[i]
         if moe:
-            e, gate_up = c.num_experts, s[f"{hf}.mlp.experts.gate_up_proj"]
+            e, gate_up = c.experts.num_experts, s[f"{hf}.mlp.experts.gate_up_proj"]
             out[f"{at}.mlp.router.weight"] = s[f"{hf}.mlp.gate.weight"]
             out[f"{at}.mlp.experts.fc1.weight"] = gate_up.reshape(
                 e, 2, gate_up.shape[1] // 2, c.hidden_size
@@ -531,10 +533,10 @@ def _llama_state(f: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Te
         hf, at = f"model.layers.{i}", f"layers.{i}"
         for ours, theirs in _LLAMA_NORMS.items():
             s[f"{hf}.{theirs}.weight"] = f[f"{at}.{ours}.weight"]
-        if c.qk_norm:
+        if c.attention.qk_norm:
             for x in "qk":
                 s[f"{hf}.self_attn.{x}_norm.weight"] = f[f"{at}.attn.{x}_norm.weight"]
-        if c.qkv_bias and not c.bias:
+        if c.attention.qkv_bias and not c.bias:
             for x, t in zip("qkv", split_qkv(f[f"{at}.attn.qkv.bias"], c)):
                 s[f"{hf}.self_attn.{x}_proj.bias"] = t.contiguous()
         moe = moe_layers(c)[i]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fmeg.interop.hf_dir import ImportNotice
+from fmeg.models.config_groups import Experts
 from fmeg.models.gpt import GPTConfig
 from fmeg.models.moe import expert_ffn, moe_layers
 
@@ -177,41 +178,39 @@ def _missing_for_hf(
     c: GPTConfig, pattern: tuple, dense: int, shared: int, groups: int
 ) -> list[str]:
     """What DeepseekV3ForCausalLM needs that the model lacks, each as a phrase."""
+    experts = c.experts or Experts(num_experts=1)
+    router = experts.router
     return [
         name
         for name, bad in (
             (
                 "RMSNorm, SwiGLU and no biases",
-                c.norm != "rmsnorm" or c.activation != "swiglu" or c.bias or c.qkv_bias,
+                c.norm != "rmsnorm" or c.activation != "swiglu" or c.bias or c.attention.qkv_bias,
             ),
-            ("latent norms (qk_norm)", not c.qk_norm),
+            ("latent norms (qk_norm)", not c.attention.qk_norm),
             (f"norm_eps {_LATENT_NORM_EPS}", c.norm_eps != _LATENT_NORM_EPS),
             (
                 "experts in every layer after the first dense ones",
-                not c.num_experts or pattern != (False,) * dense + (True,) * (c.num_layers - dense),
+                not c.experts or pattern != (False,) * dense + (True,) * (c.num_layers - dense),
             ),
             (
                 "a sigmoid router with an expert bias",
-                c.moe_router_score_function != "sigmoid"
-                or not c.moe_router_enable_expert_bias
-                or c.moe_router_bias,
+                router.score_function != "sigmoid" or not router.enable_expert_bias or router.bias,
             ),
             (
                 "shared experts a whole number of experts wide, ungated",
-                not shared or shared % expert_ffn(c) or c.moe_shared_expert_gate,
+                not shared or shared % expert_ffn(c) or experts.shared_expert_gate,
             ),
             (
                 "groups ranked by their best two scores",
-                groups > 1
-                and (c.moe_router_group_score_topk or c.moe_router_topk // c.moe_router_group_topk)
-                != 2,
+                groups > 1 and (router.group_score_topk or router.topk // router.group_topk) != 2,
             ),
             (
                 "whole rotary heads, YaRN or none, full attention",
-                c.rotary_percent != 1.0
-                or c.rope_scaling is not None
-                or c.softmax_type != "vanilla"
-                or c.window_size is not None,
+                c.rope.percent != 1.0
+                or c.rope.scaling is not None
+                or c.attention.softmax_type != "vanilla"
+                or c.attention.window_size is not None,
             ),
         )
         if bad
@@ -223,27 +222,29 @@ def hf_config(c: GPTConfig) -> Any:
     cannot hold."""
     from transformers import DeepseekV3Config
 
-    pattern = moe_layers(c) if c.num_experts else ()
+    pattern = moe_layers(c) if c.experts else ()
     dense = pattern.index(True) if True in pattern else c.num_layers
-    shared = c.moe_shared_expert_intermediate_size or 0
-    groups = c.moe_router_num_groups or 1
+    # a dense model: Megatron's defaults, so each missing part is named
+    experts = c.experts or Experts(num_experts=1)
+    shared = experts.shared_expert_intermediate_size or 0
+    groups = experts.router.num_groups or 1
     problems = _missing_for_hf(c, pattern, dense, shared, groups)
     if problems:
         raise ValueError(f"to_hf: DeepseekV3ForCausalLM needs {', '.join(problems)}")
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_type == "yarn":
+    rope = {"rope_type": "default", "rope_theta": c.rope.theta}
+    if c.rope.kind == "yarn":
         rope = {
             "rope_type": "yarn",
-            "rope_theta": c.rope_theta,
-            "factor": c.rotary_scaling_factor,
-            "original_max_position_embeddings": c.original_max_position_embeddings,
-            "beta_fast": c.beta_fast,
-            "beta_slow": c.beta_slow,
-            "truncate": c.yarn_round_to_int,
+            "rope_theta": c.rope.theta,
+            "factor": c.rope.yarn.factor,
+            "original_max_position_embeddings": c.rope.yarn.original_max_position_embeddings,
+            "beta_fast": c.rope.yarn.beta_fast,
+            "beta_slow": c.rope.yarn.beta_slow,
+            "truncate": c.rope.yarn.round_to_int,
         }
-        if c.mscale_all_dim:
-            rope |= {"mscale": c.mscale, "mscale_all_dim": c.mscale_all_dim}
-        elif c.mscale != 1.0:
+        if c.rope.yarn.mscale_all_dim:
+            rope |= {"mscale": c.rope.yarn.mscale, "mscale_all_dim": c.rope.yarn.mscale_all_dim}
+        elif c.rope.yarn.mscale != 1.0:
             raise ValueError("to_hf: transformers' YaRN takes mscale only with mscale_all_dim")
     return DeepseekV3Config(
         vocab_size=c.vocab_size,
@@ -254,18 +255,18 @@ def hf_config(c: GPTConfig) -> Any:
         num_attention_heads=c.num_heads,
         num_key_value_heads=c.num_heads,
         n_shared_experts=shared // expert_ffn(c),
-        n_routed_experts=c.num_experts,
-        routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0,
-        kv_lora_rank=c.kv_lora_rank,
-        q_lora_rank=c.q_lora_rank,
-        qk_rope_head_dim=c.qk_pos_emb_head_dim,
-        v_head_dim=c.v_head_dim,
-        qk_nope_head_dim=c.qk_head_dim,
+        n_routed_experts=c.experts.num_experts,
+        routed_scaling_factor=c.experts.router.topk_scaling_factor or 1.0,
+        kv_lora_rank=c.attention.mla.kv_lora_rank,
+        q_lora_rank=c.attention.mla.q_lora_rank,
+        qk_rope_head_dim=c.attention.mla.qk_pos_emb_head_dim,
+        v_head_dim=c.attention.mla.v_head_dim,
+        qk_nope_head_dim=c.attention.mla.qk_head_dim,
         n_group=groups,
-        topk_group=c.moe_router_group_topk or 1,
-        num_experts_per_tok=c.moe_router_topk,
+        topk_group=c.experts.router.group_topk or 1,
+        num_experts_per_tok=c.experts.router.topk,
         first_k_dense_replace=dense,
-        norm_topk_prob=c.moe_router_norm_topk,
+        norm_topk_prob=c.experts.router.norm_topk,
         max_position_embeddings=c.max_seq_len,
         initializer_range=c.init_std,
         rms_norm_eps=c.norm_eps,
@@ -273,7 +274,7 @@ def hf_config(c: GPTConfig) -> Any:
         rope_parameters=rope,
         rope_interleave=True,
         attention_bias=False,
-        num_mtp_layers=c.mtp_num_layers or 0,
+        num_mtp_layers=c.mtp_depth,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -353,7 +354,7 @@ def params_from(s: dict[str, torch.Tensor], c: GPTConfig) -> dict[str, torch.Ten
     pattern = moe_layers(c, mtp=True)
     for i in range(c.num_layers):
         out |= _layer_params(s, f"model.layers.{i}", f"layers.{i}", pattern[i])
-    for k in range(c.mtp_num_layers or 0):
+    for k in range(c.mtp_depth):
         hf, at = f"model.layers.{c.num_layers + k}", f"mtp.{k}"
         out |= {f"{at}.{ours}.weight": s[f"{hf}.{theirs}.weight"] for ours, theirs in _MTP.items()}
         out |= _layer_params(s, hf, f"{at}.layer", pattern[c.num_layers + k])
@@ -452,7 +453,7 @@ def mtp_files_from(
     dict (state_from)."""
     out: dict[str, torch.Tensor] = {}
     pattern = moe_layers(c, mtp=True)
-    for k in range(c.mtp_num_layers or 0):
+    for k in range(c.mtp_depth):
         hf, at = f"model.layers.{c.num_layers + k}", f"mtp.{k}"
         out |= {f"{hf}.{theirs}.weight": f[f"{at}.{ours}.weight"] for ours, theirs in _MTP.items()}
         # a copy of its own per depth

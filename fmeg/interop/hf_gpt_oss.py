@@ -101,22 +101,25 @@ def hf_config(c: GPTConfig) -> Any:
     problems = [
         name
         for name, bad in (
-            ("an MoE MLP in every layer", not c.num_experts or not all(moe_layers(c))),
-            ("learnable sinks", c.softmax_type != "learnable"),
-            ("biases with a router bias", not (c.bias and c.moe_router_bias)),
-            ("glu_linear_offset 1", c.glu_linear_offset != 1.0),
-            ("a clamp", c.activation_func_clamp_value is None),
-            ("YaRN rope", c.rope_type != "yarn" or c.rope_scaling is not None),
+            ("an MoE MLP in every layer", not c.experts or not all(moe_layers(c))),
+            ("learnable sinks", c.attention.softmax_type != "learnable"),
+            ("biases with a router bias", not (c.bias and c.experts.router.bias)),
+            ("glu_linear_offset 1", c.mlp.glu_linear_offset != 1.0),
+            ("a clamp", c.mlp.clamp is None),
+            ("YaRN rope", c.rope is None or c.rope.kind != "yarn" or c.rope.scaling is not None),
             (
                 "a softmax router renormalising its top-k without extras",
-                c.moe_router_score_function != "softmax"
-                or c.moe_router_pre_softmax
-                or c.moe_shared_expert_intermediate_size
-                or c.moe_router_num_groups
-                or c.moe_router_topk_scaling_factor
-                or c.moe_router_enable_expert_bias,
+                c.experts.router.score_function != "softmax"
+                or c.experts.router.pre_softmax
+                or c.experts.shared_expert_intermediate_size
+                or c.experts.router.num_groups
+                or c.experts.router.topk_scaling_factor
+                or c.experts.router.enable_expert_bias,
             ),
-            ("no qk norm or multi-latent attention", c.qk_norm or c.multi_latent_attention),
+            (
+                "no qk norm or multi-latent attention",
+                c.attention.qk_norm or c.attention.mla is not None,
+            ),
         )
         if bad
     ]
@@ -128,16 +131,16 @@ def hf_config(c: GPTConfig) -> Any:
     window = next((w for w in windows if w is not None), None)
     rope = {
         "rope_type": "yarn",
-        "rope_theta": c.rope_theta,
-        "factor": c.rotary_scaling_factor,
-        "beta_fast": c.beta_fast,
-        "beta_slow": c.beta_slow,
-        "truncate": c.yarn_round_to_int,
-        "original_max_position_embeddings": c.original_max_position_embeddings,
+        "rope_theta": c.rope.theta,
+        "factor": c.rope.yarn.factor,
+        "beta_fast": c.rope.yarn.beta_fast,
+        "beta_slow": c.rope.yarn.beta_slow,
+        "truncate": c.rope.yarn.round_to_int,
+        "original_max_position_embeddings": c.rope.yarn.original_max_position_embeddings,
     }
-    if c.mscale_all_dim:
-        rope |= {"mscale": c.mscale, "mscale_all_dim": c.mscale_all_dim}
-    elif c.mscale != 1.0:
+    if c.rope.yarn.mscale_all_dim:
+        rope |= {"mscale": c.rope.yarn.mscale, "mscale_all_dim": c.rope.yarn.mscale_all_dim}
+    elif c.rope.yarn.mscale != 1.0:
         raise ValueError("to_hf: transformers' YaRN takes mscale only with mscale_all_dim")
     return GptOssConfig(
         vocab_size=c.vocab_size,
@@ -151,10 +154,10 @@ def hf_config(c: GPTConfig) -> Any:
         rms_norm_eps=c.norm_eps,
         rope_parameters=rope,
         sliding_window=(window + 1) if window is not None else None,
-        num_local_experts=c.num_experts,
+        num_local_experts=c.experts.num_experts,
         layer_types=["sliding_attention" if w is not None else "full_attention" for w in windows],
-        num_experts_per_tok=c.moe_router_topk,
-        swiglu_limit=c.activation_func_clamp_value,
+        num_experts_per_tok=c.experts.router.topk,
+        swiglu_limit=c.mlp.clamp,
         tie_word_embeddings=c.tie_embeddings,
         initializer_range=c.init_std,
         attention_bias=True,

@@ -44,10 +44,10 @@ from fmeg.models import mla, moe
 from fmeg.models.mlp import dense_mlp
 
 # part of gpt's interface: re-exported (the "X as X" form says so)
-from fmeg.models.gpt_config import ACTIVATIONS as ACTIVATIONS
-from fmeg.models.gpt_config import GATED as GATED
-from fmeg.models.gpt_config import NORMS as NORMS
-from fmeg.models.gpt_config import POSITIONS as POSITIONS
+from fmeg.models.config_rules import ACTIVATIONS as ACTIVATIONS
+from fmeg.models.config_rules import GATED as GATED
+from fmeg.models.config_rules import NORMS as NORMS
+from fmeg.models.config_rules import POSITIONS as POSITIONS
 from fmeg.models.gpt_config import GPTConfig as GPTConfig
 from fmeg.models.vocab import VOCAB_TABLES as VOCAB_TABLES
 from fmeg.models.vocab import pad_rows as pad_rows
@@ -111,22 +111,26 @@ def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
         if c.activation in GATED
         else (c.ffn_hidden_size, c.hidden_size)
     )
-    if c.multi_latent_attention:
+    if c.attention.mla is not None:
         attn = mla.init_attention(c, seed, f"{at}.attn", _normal, _linear_params, _norm_params)
     else:
         attn = {
             "qkv": _linear_params(
-                (qkv_rows, c.hidden_size), std, c.bias or c.qkv_bias, seed, f"{at}.attn.qkv"
+                (qkv_rows, c.hidden_size),
+                std,
+                c.bias or c.attention.qkv_bias,
+                seed,
+                f"{at}.attn.qkv",
             ),
             "proj": _linear_params(
                 (c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj"
             ),
         }
     # drawn as megatron-core draws its softmax_offset: the weights' init method
-    if c.softmax_type == "learnable":
+    if c.attention.softmax_type == "learnable":
         attn["sinks"] = _normal((c.num_heads,), std, seed, f"{at}.attn.sinks")
     # over each head's dimensions, shared by every head
-    if c.qk_norm and not c.multi_latent_attention:
+    if c.attention.qk_norm and c.attention.mla is None:
         attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
     if moe.moe_layers(c, mtp=True)[index]:
         mlp_params = moe.init_moe(c, seed, f"{at}.mlp", _normal, _linear_params)
@@ -202,9 +206,9 @@ def init(
             params["layers"].append(init_layer(c, seed, i))
     with unit("final_norm"):
         params["final_norm"] = _norm_params(c)
-    if c.mtp_num_layers:
+    if c.mtp_depth:
         with unit("mtp"):
-            params["mtp"] = [init_mtp_layer(c, seed, k) for k in range(c.mtp_num_layers)]
+            params["mtp"] = [init_mtp_layer(c, seed, k) for k in range(c.mtp_depth)]
     if not c.tie_embeddings:
         with unit("output"):
             params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
@@ -260,7 +264,8 @@ def attention(
     only q, k and v of the attention core for backward, "mla_up_proj" only MLA's latents
     (fmeg.models.mla). documents: the rows' packed documents as host cu_seqlens [b, s + 1]
     (ops.document_attention), or None. window: this layer's sliding window (config.layer_window), or
-    None; with it or with sinks (config.softmax_type) the core is written out (sink_core)."""
+    None; with it or with sinks (config.attention.softmax_type) the core is written out
+    (sink_core)."""
     q, k, v = project_qkv(p, x_BSH, config, rope, tp, "mla_up_proj" in recompute)
     value_dim = v.shape[-1]
     if value_dim != q.shape[-1] and (documents is not None or tp.context.size > 1):
@@ -272,13 +277,13 @@ def attention(
         core = sink_core(config, tp.context, key, offset, window, documents)
     elif tp.context.size > 1:  # the sequence split over cp ranks
         core = context.core(
-            tp.context, config.attention_dropout, key, offset, config.num_heads, documents
+            tp.context, config.attention.dropout, key, offset, config.num_heads, documents
         )
     elif documents is not None:
         core = functools.partial(
             ops.document_attention,
             cu_seqlens=documents,
-            dropout_p=config.attention_dropout,
+            dropout_p=config.attention.dropout,
             key=key,
             head_offset=offset,
             total_heads=config.num_heads,
@@ -286,7 +291,7 @@ def attention(
     else:
         core = functools.partial(
             ops.causal_attention,
-            dropout_p=config.attention_dropout,
+            dropout_p=config.attention.dropout,
             key=key,
             head_offset=offset,
             total_heads=config.num_heads,
@@ -299,7 +304,7 @@ def attention(
 def attention_sinks(p: Params, config: GPTConfig, q: torch.Tensor) -> torch.Tensor | None:
     """The sink logits of the heads of q [b, N, s, d]: the learnable ones in p (this rank's, split
     over tp as the heads are), zeros for off-by-one, None for the vanilla softmax."""
-    if config.softmax_type == "off-by-one":
+    if config.attention.softmax_type == "off-by-one":
         return torch.zeros(q.shape[1], device=q.device)
     return p.get("sinks")
 
@@ -326,9 +331,9 @@ def sink_core(
         if cp.size > 1:
             k, v = context.whole_sequence(k, cp), context.whole_sequence(v, cp)
         drop = None
-        if key is not None and config.attention_dropout > 0:
+        if key is not None and config.attention.dropout > 0:
             keyed = context.AttentionDropout(
-                config.attention_dropout, key, head_offset, config.num_heads
+                config.attention.dropout, key, head_offset, config.num_heads
             )
             drop = functools.partial(keyed, seq=seq)
         keep = ops.visible(q_pos, k_pos, window, documents)
@@ -358,7 +363,9 @@ def project_qkv(
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
     q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
-    if config.qk_norm:  # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
+    if (
+        config.attention.qk_norm
+    ):  # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
         q, k = head_norm(p["q_norm"], q, config, tp), head_norm(p["k_norm"], k, config, tp)
     if rope is not None:
         q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
@@ -389,18 +396,18 @@ def rope_tables(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tenso
     c = config
     yarn = (
         (
-            c.rotary_scaling_factor,
-            c.original_max_position_embeddings,
-            c.beta_fast,
-            c.beta_slow,
-            c.mscale,
-            c.mscale_all_dim,
-            c.yarn_round_to_int,
+            c.rope.yarn.factor,
+            c.rope.yarn.original_max_position_embeddings,
+            c.rope.yarn.beta_fast,
+            c.rope.yarn.beta_slow,
+            c.rope.yarn.mscale,
+            c.rope.yarn.mscale_all_dim,
+            c.rope.yarn.round_to_int,
         )
-        if c.rope_type == "yarn"
+        if c.rope.kind == "yarn"
         else None
     )
-    return ops.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, c.rope_scaling, yarn)
+    return ops.rope_cos_sin(positions, c.rotary_dim, c.rope.theta, c.rope.scaling, yarn)
 
 
 def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -> torch.Tensor:
@@ -435,8 +442,8 @@ def mlp(
     activation = functools.partial(
         ops.mlp_activation,
         activation=config.activation,
-        glu_linear_offset=config.glu_linear_offset,
-        clamp=config.activation_func_clamp_value,
+        glu_linear_offset=config.mlp.glu_linear_offset,
+        clamp=config.mlp.clamp,
     )
     if "router" in p:
         return moe.moe_mlp(
@@ -481,7 +488,7 @@ def layer(
         return norm(q, x, config, tp)
 
     attn_key = (
-        None if key is None or config.attention_dropout == 0.0 else ops.fold_in(key, index, 2)
+        None if key is None or config.attention.dropout == 0.0 else ops.fold_in(key, index, 2)
     )
     attn = attention(
         p["attn"],
@@ -757,12 +764,12 @@ def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
         ("ffn_hidden_size", config.ffn_hidden_size),
         ("padded_vocab_size", config.padded_vocab_size),
     ]
-    if config.num_experts:
+    if config.experts:
         sizes += [
             ("moe_ffn_hidden_size", moe.expert_ffn(config)),
             (
                 "moe_shared_expert_intermediate_size",
-                config.moe_shared_expert_intermediate_size or tp,
+                config.experts.shared_expert_intermediate_size or tp,
             ),
         ]
     for field, value in sizes:

@@ -41,7 +41,7 @@ def embedding_copy(config: GPTConfig) -> str | None:
     output layer is untied."""
     if config.tie_embeddings:
         return "output.weight"
-    return "mtp_embedding.weight" if config.mtp_num_layers else None
+    return "mtp_embedding.weight" if config.mtp_depth else None
 
 
 def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, Params]:
@@ -56,7 +56,7 @@ def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, 
         if s == stages - 1:
             p["final_norm"] = params["final_norm"]
             p["output"] = {"weight": gpt.output_weight(params, config)}
-            if config.mtp_num_layers:
+            if config.mtp_depth:
                 p["mtp"] = params["mtp"]
                 if not config.tie_embeddings:
                     p["mtp_embedding"] = {"weight": params["embedding"]["word"]["weight"]}
@@ -74,7 +74,7 @@ def stage_units(config: GPTConfig, stage: int, num_stages: int) -> list[str]:
         + (
             ["final_norm"]
             + ([] if config.tie_embeddings else ["output"])
-            + (["mtp"] if config.mtp_num_layers else [])
+            + (["mtp"] if config.mtp_depth else [])
             if last
             else []
         )
@@ -90,7 +90,7 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
         "layers": [lp for s in range(stages) for lp in stage_trees[s]["layers"]],
         "final_norm": stage_trees[stages - 1]["final_norm"],
     }
-    if config.mtp_num_layers:  # in gpt.init's order
+    if config.mtp_depth:  # in gpt.init's order
         full["mtp"] = stage_trees[stages - 1]["mtp"]
     if not config.tie_embeddings:
         full["output"] = stage_trees[stages - 1]["output"]
@@ -187,7 +187,7 @@ def head_keys(config: GPTConfig) -> tuple[str, ...]:
     layer, and the multi-token prediction layers with their copy of the word embedding."""
     extra = (
         ("mtp",) + (("mtp_embedding",) if not config.tie_embeddings else ())
-        if config.mtp_num_layers
+        if config.mtp_depth
         else ()
     )
     return ("final_norm", "output") + extra
@@ -246,7 +246,7 @@ def _pieces(
         main = gpt.output_loss(
             x, sub["output"]["weight"], batch, config.vocab_size, tp=tp, reduction=reduction
         )
-        if not config.mtp_num_layers:
+        if not config.mtp_depth:
             return main
         losses = mtp.depth_losses(
             sub,

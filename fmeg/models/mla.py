@@ -61,38 +61,45 @@ TP_RULES = (
 
 
 def q_head_dim(config) -> int:
-    return config.qk_head_dim + config.qk_pos_emb_head_dim
+    mla = config.attention.mla
+    return mla.qk_head_dim + mla.qk_pos_emb_head_dim
 
 
 def softmax_factor(config) -> float:
     """What the queries are multiplied by so that a core's 1/sqrt(d) softmax scale becomes MLA's."""
-    return yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim) ** 2
+    yarn = config.rope.yarn
+    return yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
 
 
 def validate(c, need: Callable) -> None:
     """GPTConfig's rules for multi-latent attention; need(ok, field, why) raises naming the
     field."""
+    mla = c.attention.mla
     need(
         c.position == "rope",
         "position",
         "multi-latent attention rotates its own rotary part: use rope",
     )
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-        need(getattr(c, name) > 0, name, f"must be positive, got {getattr(c, name)}")
+        need(
+            getattr(c.attention.mla, name) > 0,
+            name,
+            f"must be positive, got {getattr(c.attention.mla, name)}",
+        )
     need(
-        c.q_lora_rank is None or c.q_lora_rank > 0,
+        mla.q_lora_rank is None or mla.q_lora_rank > 0,
         "q_lora_rank",
-        f"must be positive, got {c.q_lora_rank}",
+        f"must be positive, got {mla.q_lora_rank}",
     )
     need(
-        c.qk_pos_emb_head_dim % 2 == 0,
+        mla.qk_pos_emb_head_dim % 2 == 0,
         "qk_pos_emb_head_dim",
-        f"must be even, got {c.qk_pos_emb_head_dim}",
+        f"must be even, got {mla.qk_pos_emb_head_dim}",
     )
     need(
-        c.v_head_dim <= q_head_dim(c),
+        mla.v_head_dim <= q_head_dim(c),
         "v_head_dim",
-        f"{c.v_head_dim} must not exceed qk_head_dim + qk_pos_emb_head_dim",
+        f"{mla.v_head_dim} must not exceed qk_head_dim + qk_pos_emb_head_dim",
     )
     need(
         c.num_kv_heads == c.num_heads, "num_kv_heads", "multi-latent attention has one key per head"
@@ -105,26 +112,31 @@ def init_attention(
     """One layer's MLA parameters (megatron-core's init: std for every projection, the scaled std
     for proj)."""
     c = config
+    mla = c.attention.mla
     std, out_std = c.init_std, c.init_std / (2.0 * c.num_layers) ** 0.5
-    q_rows, kv_rows = c.num_heads * q_head_dim(c), c.num_heads * (c.qk_head_dim + c.v_head_dim)
+    q_rows, kv_rows = c.num_heads * q_head_dim(c), c.num_heads * (mla.qk_head_dim + mla.v_head_dim)
     p: Params = {}
-    if c.q_lora_rank is None:
+    if mla.q_lora_rank is None:
         p["q"] = linear_params((q_rows, c.hidden_size), std, False, seed, f"{path}.q")
     else:
         p["q_down"] = linear_params(
-            (c.q_lora_rank, c.hidden_size), std, False, seed, f"{path}.q_down"
+            (mla.q_lora_rank, c.hidden_size), std, False, seed, f"{path}.q_down"
         )
-        if c.qk_norm:
-            p["q_latent_norm"] = norm_params(c, c.q_lora_rank)
-        p["q_up"] = linear_params((q_rows, c.q_lora_rank), std, False, seed, f"{path}.q_up")
+        if c.attention.qk_norm:
+            p["q_latent_norm"] = norm_params(c, mla.q_lora_rank)
+        p["q_up"] = linear_params((q_rows, mla.q_lora_rank), std, False, seed, f"{path}.q_up")
     p["kv_down"] = linear_params(
-        (c.kv_lora_rank + c.qk_pos_emb_head_dim, c.hidden_size), std, False, seed, f"{path}.kv_down"
+        (mla.kv_lora_rank + mla.qk_pos_emb_head_dim, c.hidden_size),
+        std,
+        False,
+        seed,
+        f"{path}.kv_down",
     )
-    if c.qk_norm:
-        p["kv_latent_norm"] = norm_params(c, c.kv_lora_rank)
-    p["kv_up"] = linear_params((kv_rows, c.kv_lora_rank), std, False, seed, f"{path}.kv_up")
+    if c.attention.qk_norm:
+        p["kv_latent_norm"] = norm_params(c, mla.kv_lora_rank)
+    p["kv_up"] = linear_params((kv_rows, mla.kv_lora_rank), std, False, seed, f"{path}.kv_up")
     p["proj"] = linear_params(
-        (c.hidden_size, c.num_heads * c.v_head_dim), out_std, c.bias, seed, f"{path}.proj"
+        (c.hidden_size, c.num_heads * mla.v_head_dim), out_std, c.bias, seed, f"{path}.proj"
     )
     return p
 
@@ -143,6 +155,7 @@ def project_qkv(
     model's norm of a latent, its weight replicated over tp (gpt.norm). recompute_up (Megatron's
     --recompute-modules mla_up_proj): the up-projections and the rotation run again in backward,
     which keeps the latents instead of q, k and v."""
+    mla = config.attention.mla
     if "q" in p:
         q_in, q_weight = x_BSH, p["q"]["weight"]
     else:
@@ -151,7 +164,7 @@ def project_qkv(
             q_in = norm(p["q_latent_norm"], q_in)
         q_weight = p["q_up"]["weight"]
     latent, k_rot = ops.linear(x_BSH, replicated_param(p["kv_down"]["weight"], tp)).split(
-        [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1
+        [mla.kv_lora_rank, mla.qk_pos_emb_head_dim], dim=-1
     )
     if "kv_latent_norm" in p:
         latent = norm(p["kv_latent_norm"], latent)
@@ -177,12 +190,13 @@ def _up_and_rotate(
     normed kv latent and the shared rotary key part: the column-parallel up-projections, then
     RoPE."""
     c = config
+    mla = c.attention.mla
     q = column_parallel_linear(q_in, q_weight, None, tp)
     kv = column_parallel_linear(latent, kv_weight, None, tp)
     q = rearrange(q, "b s (n d) -> b n s d", d=q_head_dim(c))
-    kv = rearrange(kv, "b s (n d) -> b n s d", d=c.qk_head_dim + c.v_head_dim)
-    k_plain, v = kv.split([c.qk_head_dim, c.v_head_dim], dim=-1)
-    q_plain, q_rot = q.split([c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
+    kv = rearrange(kv, "b s (n d) -> b n s d", d=mla.qk_head_dim + mla.v_head_dim)
+    k_plain, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)
+    q_plain, q_rot = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], dim=-1)
     k_rot = rearrange(enter(k_rot, tp), "b s d -> b 1 s d")  # every head of this rank uses it
     if rope is not None:
         q_rot, k_rot = (

@@ -85,25 +85,25 @@ def moe_layers(config, mtp: bool = False) -> tuple[bool, ...]:
     layer 0) or a per-layer list of 0/1. mtp: followed by the multi-token prediction layers'
     (numbered num_layers + k), which are of the last decoder layer's kind, as megatron-core builds
     them."""
-    if not config.num_experts:
+    if not config.experts:
         decoder = (False,) * config.num_layers
-    elif isinstance(config.moe_layer_freq, int):
-        decoder = tuple(i % config.moe_layer_freq == 0 for i in range(config.num_layers))
+    elif isinstance(config.experts.layer_freq, int):
+        decoder = tuple(i % config.experts.layer_freq == 0 for i in range(config.num_layers))
     else:
-        decoder = tuple(bool(f) for f in config.moe_layer_freq)
-    return decoder + decoder[-1:] * (config.mtp_num_layers or 0) if mtp else decoder
+        decoder = tuple(bool(f) for f in config.experts.layer_freq)
+    return decoder + decoder[-1:] * (config.mtp_depth) if mtp else decoder
 
 
 def expert_ffn(config) -> int:
-    return config.moe_ffn_hidden_size or config.ffn_hidden_size
+    return config.experts.ffn_hidden_size or config.ffn_hidden_size
 
 
 def validate(config, need) -> None:
     """GPTConfig's MoE fields, each a ValueError naming the field (need(ok, field, why))."""
-    e, k = config.num_experts, config.moe_router_topk
+    e, k = config.experts.num_experts, config.experts.router.topk
     need(e >= 1, "num_experts", f"must be positive, got {e}")
     need(1 <= k <= e, "moe_router_topk", f"must be in [1, num_experts={e}], got {k}")
-    freq = config.moe_layer_freq
+    freq = config.experts.layer_freq
     if isinstance(freq, int):
         need(freq >= 1, "moe_layer_freq", f"must be positive, got {freq}")
     else:
@@ -113,53 +113,53 @@ def validate(config, need) -> None:
             f"a list must hold one 0 or 1 per layer ({config.num_layers}), got {list(freq)}",
         )
     need(
-        config.moe_ffn_hidden_size is None or config.moe_ffn_hidden_size > 0,
+        config.experts.ffn_hidden_size is None or config.experts.ffn_hidden_size > 0,
         "moe_ffn_hidden_size",
-        f"must be positive, got {config.moe_ffn_hidden_size}",
+        f"must be positive, got {config.experts.ffn_hidden_size}",
     )
     need(
-        config.moe_router_score_function in moe_ops.SCORE_FUNCTIONS,
+        config.experts.router.score_function in moe_ops.SCORE_FUNCTIONS,
         "moe_router_score_function",
-        f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.moe_router_score_function!r}",
+        f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.experts.router.score_function!r}",
     )
     need(
-        config.moe_token_dispatcher_type in DISPATCHERS,
+        config.experts.token_dispatcher_type in DISPATCHERS,
         "moe_token_dispatcher_type",
-        f"must be one of {DISPATCHERS}, got {config.moe_token_dispatcher_type!r}",
+        f"must be one of {DISPATCHERS}, got {config.experts.token_dispatcher_type!r}",
     )
     need(
-        config.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
+        config.experts.router.load_balancing_type in LOAD_BALANCING_TYPES,
         "moe_router_load_balancing_type",
-        f"must be one of {LOAD_BALANCING_TYPES}, got {config.moe_router_load_balancing_type!r}",
+        f"must be one of {LOAD_BALANCING_TYPES}, got {config.experts.router.load_balancing_type!r}",
     )
     need(
-        config.moe_token_drop_policy in moe_ops.DROP_POLICIES,
+        config.experts.token_drop_policy in moe_ops.DROP_POLICIES,
         "moe_token_drop_policy",
-        f"must be one of {moe_ops.DROP_POLICIES}, got {config.moe_token_drop_policy!r}",
+        f"must be one of {moe_ops.DROP_POLICIES}, got {config.experts.token_drop_policy!r}",
     )
     need(
-        config.moe_expert_capacity_factor is None or config.moe_expert_capacity_factor > 0,
+        config.experts.capacity_factor is None or config.experts.capacity_factor > 0,
         "moe_expert_capacity_factor",
-        f"must be positive, got {config.moe_expert_capacity_factor}",
+        f"must be positive, got {config.experts.capacity_factor}",
     )
     need(
-        not config.moe_pad_expert_input_to_capacity
-        or config.moe_expert_capacity_factor is not None,
+        not config.experts.pad_expert_input_to_capacity
+        or config.experts.capacity_factor is not None,
         "moe_pad_expert_input_to_capacity",
         "needs moe_expert_capacity_factor",
     )
     need(
-        config.moe_aux_loss_coeff >= 0,
+        config.experts.aux_loss_coeff >= 0,
         "moe_aux_loss_coeff",
-        f"must be >= 0, got {config.moe_aux_loss_coeff}",
+        f"must be >= 0, got {config.experts.aux_loss_coeff}",
     )
     validate_router(config, need)
 
 
 def validate_router(config, need) -> None:
     """GPTConfig's routing fields: group-limited routing and the score function's options."""
-    e, k = config.num_experts, config.moe_router_topk
-    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    e, k = config.experts.num_experts, config.experts.router.topk
+    groups, group_topk = config.experts.router.num_groups, config.experts.router.group_topk
     if groups or group_topk:
         need(
             bool(groups) and bool(group_topk),
@@ -172,7 +172,7 @@ def validate_router(config, need) -> None:
             "moe_router_group_topk",
             f"{group_topk} exceeds moe_router_num_groups={groups}",
         )
-        ranked_by = config.moe_router_group_score_topk
+        ranked_by = config.experts.router.group_score_topk
         if ranked_by is None:
             need(
                 k % group_topk == 0 and k // group_topk <= e // groups,
@@ -193,23 +193,24 @@ def validate_router(config, need) -> None:
                 f"moe_router_group_topk={group_topk} groups",
             )
     need(
-        config.moe_router_norm_topk or config.moe_router_score_function == "sigmoid",
+        config.experts.router.norm_topk or config.experts.router.score_function == "sigmoid",
         "moe_router_norm_topk",
         "False applies to the sigmoid score function only (softmax weights are normalised by "
         "their softmax)",
     )
     need(
-        not config.moe_router_pre_softmax or config.moe_router_score_function == "softmax",
+        not config.experts.router.pre_softmax or config.experts.router.score_function == "softmax",
         "moe_router_pre_softmax",
         "applies to the softmax score function only",
     )
     need(
-        config.moe_router_dtype in (None, "fp32", "fp64"),
+        config.experts.router.dtype in (None, "fp32", "fp64"),
         "moe_router_dtype",
-        f"must be fp32 or fp64, got {config.moe_router_dtype!r}",
+        f"must be fp32 or fp64, got {config.experts.router.dtype!r}",
     )
     need(
-        not config.moe_router_enable_expert_bias or config.moe_router_score_function == "sigmoid",
+        not config.experts.router.enable_expert_bias
+        or config.experts.router.score_function == "sigmoid",
         "moe_router_enable_expert_bias",
         "needs the sigmoid score function",
     )
@@ -222,7 +223,7 @@ def validate_router(config, need) -> None:
 def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
     """The MoE MLP's parameters at path `at` (layers.{i}.mlp), drawn like the dense layer's
     (normal(shape, std, seed, path) per leaf; output projections with Megatron's scaled std)."""
-    c, e, f = config, config.num_experts, expert_ffn(config)
+    c, e, f = config, config.experts.num_experts, expert_ffn(config)
     std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
     gated = c.activation in ops.activations.GATES
     fc1_shape = (e, 2, f, c.hidden_size) if gated else (e, f, c.hidden_size)
@@ -233,18 +234,20 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
             "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2"),
         },
     }
-    if c.moe_router_bias:  # drawn as megatron-core draws it: with the weights' init method
+    if c.experts.router.bias:  # drawn as megatron-core draws it: with the weights' init method
         p["router"]["bias"] = normal((e,), std, seed, f"{at}.router.bias")
-    if c.moe_router_enable_expert_bias:  # steers the choice of experts only: no gradient reaches it
+    if (
+        c.experts.router.enable_expert_bias
+    ):  # steers the choice of experts only: no gradient reaches it
         p["router"]["expert_bias"] = torch.zeros(e)
-    if c.moe_shared_expert_intermediate_size:
-        s = c.moe_shared_expert_intermediate_size
+    if c.experts.shared_expert_intermediate_size:
+        s = c.experts.shared_expert_intermediate_size
         shared_fc1 = (2, s, c.hidden_size) if gated else (s, c.hidden_size)
         p["shared"] = {
             "fc1": linear_params(shared_fc1, std, c.bias, seed, f"{at}.shared.fc1"),
             "fc2": linear_params((c.hidden_size, s), out_std, c.bias, seed, f"{at}.shared.fc2"),
         }
-        if c.moe_shared_expert_gate:
+        if c.experts.shared_expert_gate:
             p["shared_gate"] = {
                 "weight": normal((1, c.hidden_size), std, seed, f"{at}.shared_gate.weight")
             }
@@ -278,7 +281,7 @@ def router_logits(
     """[b, s, E] router logits of the tokens held here (in --moe-router-dtype when given)."""
     weight = replicated_param(p["router"]["weight"], tp)
     bias = replicated_param(p["router"].get("bias"), tp)
-    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype)
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(config.experts.router.dtype)
     if dtype is not None:
         return ops.linear(
             x_BSH.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -311,19 +314,19 @@ def route_tokens(
     b, s, e = logits_BSE.shape
     probs, experts = moe_ops.route(
         logits_BSE.transpose(0, 1).reshape(s * b, e),
-        topk=config.moe_router_topk,
-        score_function=config.moe_router_score_function,
-        pre_softmax=config.moe_router_pre_softmax,
-        num_groups=config.moe_router_num_groups,
-        group_topk=config.moe_router_group_topk,
-        scaling_factor=config.moe_router_topk_scaling_factor,
+        topk=config.experts.router.topk,
+        score_function=config.experts.router.score_function,
+        pre_softmax=config.experts.router.pre_softmax,
+        num_groups=config.experts.router.num_groups,
+        group_topk=config.experts.router.group_topk,
+        scaling_factor=config.experts.router.topk_scaling_factor,
         expert_bias=None if expert_bias is None else expert_bias.detach(),
-        group_score_topk=config.moe_router_group_score_topk,
-        normalize=config.moe_router_norm_topk,
+        group_score_topk=config.experts.router.group_score_topk,
+        normalize=config.experts.router.norm_topk,
     )
-    if config.moe_expert_capacity_factor is not None:
+    if config.experts.capacity_factor is not None:
         keep = moe_ops.capacity_keep(
-            probs, experts, e, config.moe_expert_capacity_factor, config.moe_token_drop_policy
+            probs, experts, e, config.experts.capacity_factor, config.experts.token_drop_policy
         )
         probs = probs * keep
     return probs.reshape(s, b, -1).transpose(0, 1), experts.reshape(s, b, -1).transpose(0, 1)
@@ -362,13 +365,13 @@ def balance_losses(
     would depend on the layout)."""
     out = {}
     b, s, e = logits_BSE.shape
-    k, kind = config.moe_router_topk, config.moe_router_load_balancing_type
+    k, kind = config.experts.router.topk, config.experts.router.load_balancing_type
     partition = [g for g in (tp.group if tp.sp else None, tp.context.group) if g is not None]
     parts = (tp.size if tp.sp else 1) * tp.context.size
     valid = None if valid_BS is None else valid_BS.reshape(b * s, 1)
-    if kind != "none" and config.moe_aux_loss_coeff > 0:
+    if kind != "none" and config.experts.aux_loss_coeff > 0:
         scores, chosen = moe_ops.aux_scores(
-            logits_BSE.reshape(b * s, e), k, config.moe_router_score_function
+            logits_BSE.reshape(b * s, e), k, config.experts.router.score_function
         )
         if valid is not None:
             scores, chosen = scores * valid.to(scores.dtype), chosen * valid.to(chosen.dtype)
@@ -403,7 +406,7 @@ def balance_losses(
             out["load_balancing_loss"] = (
                 moe_ops.sequence_aux_loss(scores, chosen, k, per_sequence) / parts
             )
-    if config.moe_z_loss_coeff:
+    if config.experts.z_loss_coeff:
         if valid is None:
             out["z_loss"] = moe_ops.z_loss(logits_BSE.reshape(b * s, e)) / parts
         # this rank's share of the mean over every unpadded token of the microbatch (one rank's:
@@ -520,9 +523,9 @@ def _with_balance_losses(probs, losses: dict, config, aux: AuxLosses, index: int
     aux.metrics as parts that sum over tp to the microbatch's value (parts: tp's size where every
     tp rank holds all the tokens, else 1)."""
     coeffs = {
-        "load_balancing_loss": config.moe_aux_loss_coeff,
-        "z_loss": config.moe_z_loss_coeff,
-        "global_load_balancing_loss": config.moe_aux_loss_coeff,
+        "load_balancing_loss": config.experts.aux_loss_coeff,
+        "z_loss": config.experts.z_loss_coeff,
+        "global_load_balancing_loss": config.experts.aux_loss_coeff,
     }
     total = sum(coeffs[name] * value for name, value in losses.items())
     probs = inject_gradient(probs, total, aux.seed)
@@ -553,7 +556,7 @@ def moe_mlp(
     ep = tp.experts
     replicated, dispatch, expert_tp = _dispatch_groups(tp)
     logits = router_logits(p, x_BSH, config, tp)
-    if config.moe_router_force_load_balancing:
+    if config.experts.router.force_load_balancing:
         logits = random_logits(
             logits, ops.fold_in(0 if aux.router_key is None else aux.router_key, index), tp
         )
@@ -573,7 +576,7 @@ def moe_mlp(
     # compiled graphs take the allgather dispatcher (the same numbers): the all-to-all's counts are
     # host values
     alltoall = (
-        config.moe_token_dispatcher_type == "alltoall"
+        config.experts.token_dispatcher_type == "alltoall"
         and not replicated
         and not torch.compiler.is_compiling()
     )

@@ -168,7 +168,7 @@ def depth_losses(
 def with_objective(main: torch.Tensor, losses: list[torch.Tensor], config) -> torch.Tensor:
     """main's value, with the gradient of main + mtp_loss_scaling_factor / D * sum(losses): the MTP
     losses get the main loss's backward seed, whatever it is (megatron-core's MTPLossAutoScaler)."""
-    extra = config.mtp_loss_scaling_factor / config.mtp_num_layers * torch.stack(losses).sum()
+    extra = config.mtp.loss_scaling_factor / config.mtp_depth * torch.stack(losses).sum()
     return main + (extra - extra.detach())
 
 
@@ -187,7 +187,7 @@ def loss(
         documents=batch.get("cu_seqlens"),
     )
     main = gpt.output_loss(x, gpt.output_weight(params, config), batch, config.vocab_size, tp=tp)
-    if not config.mtp_num_layers:
+    if not config.mtp_depth:
         return main
     return with_objective(main, depth_losses(params, x, batch, config, tp=tp, key=key), config)
 

@@ -8,11 +8,11 @@ change.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
 
 from fmeg.models.gpt import GPTConfig
+from fmeg.models.gpt_config import FLAT_HINTS, SAVED_DEFAULTS
 
 # Model settings that are not part of any parameter's shape and that a run may change when it loads
 # a checkpoint (Megatron loads the weights whatever they are): regularisation, the initialisation
@@ -38,7 +38,7 @@ CHANGEABLE_ON_LOAD = (
 def model_fields(config: GPTConfig) -> dict:
     """What must match to resume: the model config less its vocabulary padding (which follows tp and
     is redone on load)."""
-    fields = dataclasses.asdict(config)
+    fields = config.flat()
     fields.pop("padded_vocab_size")
     return _one_spelling(fields)
 
@@ -57,21 +57,22 @@ def _one_spelling(fields: dict) -> dict:
 def saved_model(model: dict, where: str) -> dict:
     """The checkpoint's model fields, with the defaults of fields added since it was written; a
     field this fmeg does not know (a newer fmeg wrote it) is a ValueError naming it."""
-    known = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    known = FLAT_HINTS
     unknown = sorted(set(model) - set(known))
     if unknown:
         raise ValueError(
             f"{where}: names model fields this fmeg does not know ({', '.join(unknown)}): a newer "
             "fmeg wrote it; upgrade fmeg to read it"
         )
-    defaults = {k: f.default for k, f in known.items() if f.default is not dataclasses.MISSING}
-    saved = {**defaults, **{k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}}
-    hints = typing.get_type_hints(GPTConfig)
+    saved = {
+        **SAVED_DEFAULTS,
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in model.items()},
+    }
     for name, value in saved.items():
-        if not _fits(value, hints[name]):
+        if not _fits(value, known[name]):
             raise ValueError(
                 f"{where}: model field {name} is {value!r} ({type(value).__name__}), not "
-                f"{_spelled(hints[name])}; the file is damaged: restore it"
+                f"{_spelled(known[name])}; the file is damaged: restore it"
             )
     saved.pop("padded_vocab_size", None)  # JSON gave tuples (rope_scaling) back as lists
     return _one_spelling(saved)

@@ -25,7 +25,6 @@ every rank reads exactly the boxes it holds.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -311,7 +310,7 @@ def save_single_rank(
             "world_size": 1,
             "layout": layout.checkpoint_meta(dtype),
             "consumed_samples": 0,
-            "model": dataclasses.asdict(config),
+            "model": config.flat(),
             **metadata,
         },
     )

@@ -24,21 +24,38 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     c, s = config, seq_len
     h, L = c.hidden_size, c.num_layers
     attention = (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
-    if c.multi_latent_attention:
-        n, dq, dr, dv = c.num_heads, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
-        q = h * n * (dq + dr) if c.q_lora_rank is None else c.q_lora_rank * (h + n * (dq + dr))
-        weights = q + h * (c.kv_lora_rank + dr) + c.kv_lora_rank * n * (dq + dv) + n * dv * h
+    if c.attention.mla is not None:
+        n, dq, dr, dv = (
+            c.num_heads,
+            c.attention.mla.qk_head_dim,
+            c.attention.mla.qk_pos_emb_head_dim,
+            c.attention.mla.v_head_dim,
+        )
+        q = (
+            h * n * (dq + dr)
+            if c.attention.mla.q_lora_rank is None
+            else c.attention.mla.q_lora_rank * (h + n * (dq + dr))
+        )
+        weights = (
+            q
+            + h * (c.attention.mla.kv_lora_rank + dr)
+            + c.attention.mla.kv_lora_rank * n * (dq + dv)
+            + n * dv * h
+        )
         attention = (weights + s * n * (dq + dr + dv)) / (2 * h * h)
     moe = sum(moe_layers(c))
     ffn = c.ffn_hidden_size * (L - moe) / L
     if moe:
         ffn += (
-            (expert_ffn(c) * c.moe_router_topk + (c.moe_shared_expert_intermediate_size or 0))
+            (
+                expert_ffn(c) * c.experts.router.topk
+                + (c.experts.shared_expert_intermediate_size or 0)
+            )
             * moe
             / L
         )
     mlp = ffn / h * (1.5 if c.activation == "swiglu" else 1.0)
-    depths = c.mtp_num_layers or 0
+    depths = c.mtp_depth
     logits = c.padded_vocab_size / (2 * L * h) * (depths + 1)
     # Megatron's: their norms and eh_proj, not their layers
     mtp = depths * (3 * h + 2 * h * h) / (2 * L * h * h)
@@ -60,20 +77,24 @@ def activation_units(config: GPTConfig) -> float:
 
     c, h = config, config.hidden_size
     attention = 15.0
-    if c.multi_latent_attention:
-        n, latents = c.num_heads, c.kv_lora_rank + (c.q_lora_rank or 0)
+    if c.attention.mla is not None:
+        n, latents = c.num_heads, c.attention.mla.kv_lora_rank + (c.attention.mla.q_lora_rank or 0)
         attention = (
             7
-            + (4 * latents + 4 * n * (c.qk_head_dim + c.qk_pos_emb_head_dim) + 4 * n * c.v_head_dim)
+            + (
+                4 * latents
+                + 4 * n * (c.attention.mla.qk_head_dim + c.attention.mla.qk_pos_emb_head_dim)
+                + 4 * n * c.attention.mla.v_head_dim
+            )
             / h
         )
     gated = 1.5 if c.activation == "swiglu" else 1.0
     dense = 3 + 4 * c.ffn_hidden_size / h * gated
     experts = (
         3
-        + c.moe_router_topk * (2 + 4 * expert_ffn(c) / h * gated)
-        + 4 * (c.moe_shared_expert_intermediate_size or 0) / h * gated
-        if c.num_experts
+        + c.experts.router.topk * (2 + 4 * expert_ffn(c) / h * gated)
+        + 4 * (c.experts.shared_expert_intermediate_size or 0) / h * gated
+        if c.experts
         else dense
     )
     moe = sum(moe_layers(c))
@@ -85,9 +106,9 @@ def holds_attention_scores(config: GPTConfig) -> bool:
     dropout (dropped by a counter-based mask on explicit probabilities) or with sinks or a sliding
     window (ops.sink_attention); scaled_dot_product_attention's fused kernels keep none."""
     return (
-        config.attention_dropout > 0
-        or config.softmax_type != "vanilla"
-        or config.window_size is not None
+        config.attention.dropout > 0
+        or config.attention.softmax_type != "vanilla"
+        or config.attention.window_size is not None
     )
 
 
@@ -113,7 +134,7 @@ def memory_estimate(
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
     scores = 5 * a * s / h if holds_attention_scores(config) else 0.0
     per_layer_16bit = s * b * h * (activation_units(config) + scores) / (tp * cp)
-    depths = config.mtp_num_layers or 0
+    depths = config.mtp_depth
     layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
     activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
     weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer

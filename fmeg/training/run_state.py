@@ -396,7 +396,7 @@ class Checkpointer:
             "format": FORMAT,
             "world_size": self.session.world,
             "layout": cfg.layout.checkpoint_meta(cfg.precision.compute_dtype),
-            "model": dataclasses.asdict(cfg.model),
+            "model": cfg.model.flat(),
             "consumed_samples": progress.consumed,
             "valid_consumed_samples": progress.valid_consumed,
             "scheduler_steps": progress.scheduled,

@@ -77,9 +77,9 @@ def step_hooks(
 ) -> list:
     """The hooks the model's variants need: the experts', multi-token prediction's."""
     hooks: list = []
-    if config.num_experts:
+    if config.experts:
         hooks.append(MoEHook(config, layout, mesh, loss_scale, per_token))
-    if config.mtp_num_layers:
+    if config.mtp_depth:
         hooks.append(MTPHook(config, layout, mesh))
     return hooks
 
@@ -121,14 +121,14 @@ def with_aux_losses(
     device, layers = microbatches[0]["tokens"].device, len(moe.moe_layers(config, mtp=True))
     metrics = torch.zeros(len(microbatches), layers, len(moe.METRICS), device=device)
     counts = (
-        torch.zeros(len(microbatches), layers, config.num_experts, device=device)
-        if config.moe_router_enable_expert_bias
+        torch.zeros(len(microbatches), layers, config.experts.num_experts, device=device)
+        if config.experts.router.enable_expert_bias
         else None
     )
     m = len(microbatches)
     global_counts = (
-        torch.zeros(m, layers, config.num_experts, device=device)
-        if config.moe_router_load_balancing_type == "global_aux_loss"
+        torch.zeros(m, layers, config.experts.num_experts, device=device)
+        if config.experts.router.load_balancing_type == "global_aux_loss"
         else None
     )
     out = []
@@ -175,7 +175,7 @@ def update_expert_bias(
     for name in ("tp_dp_cp", "pp"):
         group = mesh.group(name)
         total = group.all_reduce(total) if group is not None else total
-    delta = config.moe_router_bias_update_rate * torch.sign(
+    delta = config.experts.router.bias_update_rate * torch.sign(
         total.mean(dim=-1, keepdim=True) - total
     )
     kinds = moe.moe_layers(config, mtp=True)
@@ -184,7 +184,7 @@ def update_expert_bias(
             if kinds[index]:
                 state.add_(f"{stage}.layers.{j}.mlp.router.expert_bias", delta[index])
         if stage == layout.num_stages - 1:  # the multi-token prediction layers'
-            for k in range(config.mtp_num_layers or 0):
+            for k in range(config.mtp_depth):
                 if kinds[config.num_layers + k]:
                     state.add_(
                         f"{stage}.mtp.{k}.layer.mlp.router.expert_bias",
@@ -212,12 +212,13 @@ def aux_loss_values(
         group = mesh.group(name)
         if group is not None:
             per_layer = group.all_reduce(per_layer)
-    kind = config.moe_router_load_balancing_type
+    kind = config.experts.router.load_balancing_type
     used = {
-        "load_balancing_loss": config.moe_aux_loss_coeff > 0
+        "load_balancing_loss": config.experts.aux_loss_coeff > 0
         and kind in ("aux_loss", "seq_aux_loss"),
-        "z_loss": bool(config.moe_z_loss_coeff),
-        "global_load_balancing_loss": config.moe_aux_loss_coeff > 0 and kind == "global_aux_loss",
+        "z_loss": bool(config.experts.z_loss_coeff),
+        "global_load_balancing_loss": config.experts.aux_loss_coeff > 0
+        and kind == "global_aux_loss",
     }
     # the global loss's parts sum over every data rank to the batch's loss; the others are
     # data-parallel means
@@ -249,10 +250,10 @@ def with_mtp_metrics(
     """For multi-token prediction layers, the microbatches (copies) with mtp_metrics, their row of a
     [microbatches, depths] buffer (returned) the last stage writes each depth's loss into
     (fmeg.models.mtp)."""
-    if not config.mtp_num_layers:
+    if not config.mtp_depth:
         return microbatches, None
     metrics = torch.zeros(
-        len(microbatches), config.mtp_num_layers, device=microbatches[0]["tokens"].device
+        len(microbatches), config.mtp_depth, device=microbatches[0]["tokens"].device
     )
     return [{**mb, "mtp_metrics": metrics[i]} for i, mb in enumerate(microbatches)], metrics
 

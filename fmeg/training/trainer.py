@@ -105,7 +105,8 @@ class Trainer:
                     self.cfg.training.seed, iteration, j * layout.dp + dp_rank
                 )
             # the random router logits' key
-            if train and self.cfg.model.moe_router_force_load_balancing:
+            experts = self.cfg.model.experts
+            if train and experts and experts.router.force_load_balancing:
                 mb["router_key"] = fold_in(
                     self.cfg.training.seed, iteration, j * layout.dp + dp_rank, 1
                 )

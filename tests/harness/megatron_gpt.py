@@ -63,18 +63,22 @@ def _gpt_oss_fields(c) -> dict:
     """megatron-core's TransformerConfig fields of fmeg's GPT-OSS options."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    fields = {"softmax_type": c.softmax_type, "add_bias_linear": c.bias, "activation_func": F.silu}
-    if c.window_size is not None:
-        freq = c.window_attn_skip_freq
+    fields = {
+        "softmax_type": c.attention.softmax_type,
+        "add_bias_linear": c.bias,
+        "activation_func": F.silu,
+    }
+    if c.attention.window_size is not None:
+        freq = c.attention.window_attn_skip_freq
         fields |= {
-            "window_size": (c.window_size, 0),
+            "window_size": (c.attention.window_size, 0),
             "window_attn_skip_freq": list(freq) if isinstance(freq, tuple) else freq,
         }
     if c.activation == "quick_geglu":
         fields |= {
             "activation_func": quick_gelu,
-            "glu_linear_offset": c.glu_linear_offset,
-            "activation_func_clamp_value": c.activation_func_clamp_value,
+            "glu_linear_offset": c.mlp.glu_linear_offset,
+            "activation_func_clamp_value": c.mlp.clamp,
         }
     return fields
 
@@ -83,13 +87,13 @@ def _yarn(model, c) -> None:
     """fmeg's YaRN settings on megatron-core's config, as Megatron's --enable-gpt-oss puts them
     there."""
     for name, value in {
-        "yarn_rotary_scaling_factor": c.rotary_scaling_factor,
-        "yarn_mscale": c.mscale,
-        "yarn_original_max_position_embeddings": c.original_max_position_embeddings,
-        "yarn_beta_fast": c.beta_fast,
-        "yarn_beta_slow": c.beta_slow,
-        "yarn_mscale_all_dim": c.mscale_all_dim,
-        "yarn_correction_range_round_to_int": c.yarn_round_to_int,
+        "yarn_rotary_scaling_factor": c.rope.yarn.factor,
+        "yarn_mscale": c.rope.yarn.mscale,
+        "yarn_original_max_position_embeddings": c.rope.yarn.original_max_position_embeddings,
+        "yarn_beta_fast": c.rope.yarn.beta_fast,
+        "yarn_beta_slow": c.rope.yarn.beta_slow,
+        "yarn_mscale_all_dim": c.rope.yarn.mscale_all_dim,
+        "yarn_correction_range_round_to_int": c.rope.yarn.round_to_int,
     }.items():
         setattr(model, name, value)
 
@@ -143,8 +147,8 @@ def megatron_gpt(mesh, params, batch, config):
         gated_linear_unit=True,
         init_method_std=c.init_std,
         **_gpt_oss_fields(c),
-        mtp_num_layers=c.mtp_num_layers,
-        mtp_loss_scaling_factor=c.mtp_loss_scaling_factor,
+        mtp_num_layers=c.mtp_depth or None,
+        mtp_loss_scaling_factor=c.mtp.loss_scaling_factor if c.mtp else 0.1,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -157,9 +161,9 @@ def megatron_gpt(mesh, params, batch, config):
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     mtp_spec = (
-        get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False) if c.mtp_num_layers else None
+        get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False) if c.mtp_depth else None
     )
-    if c.rope_type == "yarn":
+    if c.rope.kind == "yarn":
         _yarn(tc, c)
     model = (
         GPTModel(
@@ -168,8 +172,8 @@ def megatron_gpt(mesh, params, batch, config):
             vocab_size=c.vocab_size,
             max_sequence_length=c.max_seq_len,
             share_embeddings_and_output_weights=False,
-            position_embedding_type=c.rope_type,
-            rotary_base=int(c.rope_theta),
+            position_embedding_type=c.rope.kind,
+            rotary_base=int(c.rope.theta),
             mtp_block_spec=mtp_spec,
         )
         .float()
@@ -194,4 +198,4 @@ def megatron_gpt(mesh, params, batch, config):
         path: by_name[megatron_name(path)].grad.reshape(leaf.shape)
         for path, leaf in tree.items(params)
     }
-    return lm.item(), [logged[k] for k in range(c.mtp_num_layers or 0)], grads
+    return lm.item(), [logged[k] for k in range(c.mtp_depth)], grads

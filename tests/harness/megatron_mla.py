@@ -29,6 +29,7 @@ def megatron_mla(mesh, attn_params, x_BSH, dout_BSH, config):
 
         tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     c = config
+    yarn = c.rope.yarn
     tc = MLATransformerConfig(
         num_layers=c.num_layers,
         hidden_size=c.hidden_size,
@@ -37,20 +38,20 @@ def megatron_mla(mesh, attn_params, x_BSH, dout_BSH, config):
         normalization="RMSNorm",
         layernorm_epsilon=c.norm_eps,
         add_bias_linear=c.bias,
-        qk_layernorm=c.qk_norm,
-        q_lora_rank=c.q_lora_rank,
-        kv_lora_rank=c.kv_lora_rank,
-        qk_head_dim=c.qk_head_dim,
-        qk_pos_emb_head_dim=c.qk_pos_emb_head_dim,
-        v_head_dim=c.v_head_dim,
-        rope_type=c.rope_type,
-        rotary_base=c.rope_theta,
-        rotary_scaling_factor=c.rotary_scaling_factor,
-        mscale=c.mscale,
-        mscale_all_dim=c.mscale_all_dim,
-        original_max_position_embeddings=c.original_max_position_embeddings,
-        beta_fast=c.beta_fast,
-        beta_slow=c.beta_slow,
+        qk_layernorm=c.attention.qk_norm,
+        q_lora_rank=c.attention.mla.q_lora_rank,
+        kv_lora_rank=c.attention.mla.kv_lora_rank,
+        qk_head_dim=c.attention.mla.qk_head_dim,
+        qk_pos_emb_head_dim=c.attention.mla.qk_pos_emb_head_dim,
+        v_head_dim=c.attention.mla.v_head_dim,
+        rope_type=c.rope.kind,
+        rotary_base=c.rope.theta,
+        rotary_scaling_factor=yarn.factor,
+        mscale=yarn.mscale,
+        mscale_all_dim=yarn.mscale_all_dim,
+        original_max_position_embeddings=yarn.original_max_position_embeddings,
+        beta_fast=yarn.beta_fast,
+        beta_slow=yarn.beta_slow,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -67,7 +68,7 @@ def megatron_mla(mesh, attn_params, x_BSH, dout_BSH, config):
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
     spec = get_gpt_layer_local_spec(
-        multi_latent_attention=True, qk_layernorm=c.qk_norm, normalization="RMSNorm"
+        multi_latent_attention=True, qk_layernorm=c.attention.qk_norm, normalization="RMSNorm"
     )
     attention = spec.submodules.self_attention
     # its local core takes no separate key size

@@ -46,8 +46,8 @@ def lm_and_balance(params, batch, config):
         extra.append(
             sum(
                 {
-                    "load_balancing_loss": config.moe_aux_loss_coeff,
-                    "z_loss": config.moe_z_loss_coeff or 0.0,
+                    "load_balancing_loss": config.experts.aux_loss_coeff,
+                    "z_loss": config.experts.z_loss_coeff or 0.0,
                 }[n]
                 * v
                 for n, v in losses.items()

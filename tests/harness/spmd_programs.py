@@ -381,8 +381,8 @@ def megatron_gpt_logits(mesh, params, tokens, config):
         gated_linear_unit=c.activation == "swiglu",
         activation_func=F.silu,
         add_bias_linear=c.bias,
-        add_qkv_bias=c.qkv_bias,
-        qk_layernorm=c.qk_norm,
+        add_qkv_bias=c.attention.qkv_bias,
+        qk_layernorm=c.attention.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -396,14 +396,16 @@ def megatron_gpt_logits(mesh, params, tokens, config):
     model = (
         GPTModel(
             tc,
-            get_gpt_layer_local_spec(qk_layernorm=c.qk_norm, normalization=tc.normalization),
+            get_gpt_layer_local_spec(
+                qk_layernorm=c.attention.qk_norm, normalization=tc.normalization
+            ),
             vocab_size=c.padded_vocab_size,
             max_sequence_length=c.max_seq_len,
             share_embeddings_and_output_weights=c.tie_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(c.rope_theta),
-            rope_scaling=c.rope_scaling is not None,
-            rope_scaling_factor=c.rope_scaling[0] if c.rope_scaling else 8.0,
+            rotary_base=int(c.rope.theta),
+            rope_scaling=c.rope.scaling is not None,
+            rope_scaling_factor=c.rope.scaling[0] if c.rope.scaling else 8.0,
         )
         .float()
         .eval()
@@ -427,9 +429,9 @@ def megatron_gpt_logits(mesh, params, tokens, config):
             ),
             f"{theirs}.mlp.linear_fc2.weight": flat[f"{ours}.mlp.fc2.weight"],
         }
-        if c.qkv_bias:
+        if c.attention.qkv_bias:
             state[f"{theirs}.self_attention.linear_qkv.bias"] = flat[f"{ours}.attn.qkv.bias"]
-        if c.qk_norm:
+        if c.attention.qk_norm:
             state[f"{theirs}.self_attention.q_layernorm.weight"] = flat[
                 f"{ours}.attn.q_norm.weight"
             ]
@@ -553,7 +555,7 @@ def global_balance_loss_parts(mesh, logits_per_rank, config):
     tp = TensorParallel(experts=ExpertParallel(balance_group=mesh.group("dp")))
     mine = logits_per_rank[mesh.coord("dp")]
     m = len(mine)
-    buffer = torch.zeros(m, 1, config.num_experts)
+    buffer = torch.zeros(m, 1, config.experts.num_experts)
     order = torch.arange(m)
     parts = []
     for j, logits in enumerate(mine):

@@ -94,7 +94,6 @@ def test_mla_saved_at_tp2_zero1_resumes_at_one_rank_on_its_curve(tmp_path, singl
 
 def test_an_mla_checkpoints_model_comes_back_from_its_flags():
     """--use-checkpoint-args: the flags written back from a saved MLA model give the same model."""
-    import dataclasses
 
     from fmeg.config.arguments import parse_args
     from fmeg.config.checkpoint_args import model_flags
@@ -108,7 +107,7 @@ def test_an_mla_checkpoints_model_comes_back_from_its_flags():
     b = parse_args(
         ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2"], world_size=1
     )
-    for name, value in model_flags(dataclasses.asdict(saved)).items():
+    for name, value in model_flags(saved.flat()).items():
         setattr(b, name, value)
     b.num_experts, b.moe_ffn_hidden_size, b.moe_layer_freq = (
         a.num_experts,

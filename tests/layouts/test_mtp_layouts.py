@@ -84,7 +84,6 @@ def test_mtp_saved_at_pp2_resumes_at_tp2_on_its_curve(tmp_path, single):
 
 def test_an_mtp_checkpoints_model_comes_back_from_its_flags():
     """--use-checkpoint-args: the flags written back from a saved MTP model give the same model."""
-    import dataclasses
 
     from fmeg.config.arguments import parse_args
     from fmeg.config.checkpoint_args import model_flags
@@ -104,8 +103,8 @@ def test_an_mtp_checkpoints_model_comes_back_from_its_flags():
         world_size=1,
     )
     saved = model_config(a, 257)
-    assert saved.mtp_num_layers == 2 and saved.mtp_loss_scaling_factor == 0.3
+    assert saved.mtp_depth == 2 and saved.mtp.loss_scaling_factor == 0.3
     b = parse_args(size, world_size=1)
-    for name, value in model_flags(dataclasses.asdict(saved)).items():
+    for name, value in model_flags(saved.flat()).items():
         setattr(b, name, value)
     assert model_config(b, 257) == saved

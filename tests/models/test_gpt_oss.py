@@ -202,7 +202,6 @@ GPT_OSS_FLAGS = [
 
 
 def test_megatrons_gpt_oss_flags_give_the_model_and_checkpoint_args_give_it_back():
-    import dataclasses
 
     from fmeg.config.arguments import parse_args
     from fmeg.config.checkpoint_args import model_flags
@@ -212,27 +211,27 @@ def test_megatrons_gpt_oss_flags_give_the_model_and_checkpoint_args_give_it_back
     a = parse_args(GPT_OSS_FLAGS, world_size=1)
     assert validate(a, 1) == []
     saved = model_config(a, 257)
-    assert (saved.activation, saved.glu_linear_offset, saved.activation_func_clamp_value) == (
+    assert (saved.activation, saved.mlp.glu_linear_offset, saved.mlp.clamp) == (
         "quick_geglu",
         1.0,
         7.0,
     )
-    assert (saved.softmax_type, saved.window_size, saved.window_attn_skip_freq) == (
-        "learnable",
-        127,
-        2,
-    )
+    assert (
+        saved.attention.softmax_type,
+        saved.attention.window_size,
+        saved.attention.window_attn_skip_freq,
+    ) == ("learnable", 127, 2)
     # Megatron's layers 2 and 4 full
     assert [saved.layer_window(i) for i in range(4)] == [127, None, 127, None]
     assert (
         saved.position,
-        saved.rope_type,
-        saved.rotary_scaling_factor,
-        saved.original_max_position_embeddings,
-        saved.yarn_round_to_int,
+        saved.rope.kind,
+        saved.rope.yarn.factor,
+        saved.rope.yarn.original_max_position_embeddings,
+        saved.rope.yarn.round_to_int,
     ) == ("rope", "yarn", 32.0, 131072, False)  # as Megatron's --enable-gpt-oss
     b = parse_args(GPT_OSS_FLAGS[:6], world_size=1)
-    for name, value in model_flags(dataclasses.asdict(saved)).items():
+    for name, value in model_flags(saved.flat()).items():
         setattr(b, name, value)
     assert model_config(b, 257) == saved
 
@@ -244,7 +243,7 @@ def test_rope_type_yarn_without_multi_latent_attention_is_named_as_ignored_as_me
     from fmeg.config.validation import validate
 
     a = parse_args(["--rope-type", "yarn", "--position-embedding-type", "rope"], world_size=1)
-    assert validate(a, 1) == [] and model_config(a, 257).rope_type == "rope"
+    assert validate(a, 1) == [] and model_config(a, 257).rope.kind == "rope"
     assert any(
         line.startswith(
             "--rope-type yarn: megatron-core reads it with --multi-latent-attention only"

@@ -63,8 +63,8 @@ def test_a_padding_mask_leaves_padded_tokens_out_of_the_balance_losses_as_megatr
         dense = torch.zeros(b, s, e).scatter(2, experts, probs)
         losses = moe.balance_losses(logits, config, valid_BS=moe.valid_tokens(padding))
         coeffs = {
-            "load_balancing_loss": config.moe_aux_loss_coeff,
-            "z_loss": config.moe_z_loss_coeff,
+            "load_balancing_loss": config.experts.aux_loss_coeff,
+            "z_loss": config.experts.z_loss_coeff,
         }
         total = (dense * upstream).sum() + sum(coeffs[n] * v for n, v in losses.items())
         return total, {n: v.detach() for n, v in losses.items()}

@@ -116,7 +116,7 @@ def test_the_objectives_value_is_the_lm_loss_and_its_gradient_adds_the_scaled_de
     def spelled_out(p):
         x = gpt.hidden_states(p, batch["tokens"], config)
         depths = mtp.depth_losses(p, x, batch, config)
-        return gpt.loss(p, batch, config) + config.mtp_loss_scaling_factor * sum(depths) / len(
+        return gpt.loss(p, batch, config) + config.mtp.loss_scaling_factor * sum(depths) / len(
             depths
         )
 

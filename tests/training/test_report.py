@@ -113,7 +113,9 @@ def test_megatrons_moe_terms_count_every_expert_matmul(shared):
         moe_shared_expert_intermediate_size=shared,
     )
     counted = step_flops(gpt.loss, c)
-    router = 3 * 2 * (2 * 8) * c.hidden_size * c.num_experts * 2  # forward + backward, 2 MoE layers
+    router = (
+        3 * 2 * (2 * 8) * c.hidden_size * c.experts.num_experts * 2
+    )  # forward + backward, 2 MoE layers
     assert counted == pytest.approx(model_flops(c, 2, 8) + router, rel=1e-12)
 
 

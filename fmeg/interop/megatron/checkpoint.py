@@ -226,11 +226,11 @@ def _compared(args: Any, c: Any) -> list[tuple[str, Any, Any]]:
         ("--num-query-groups", groups, c.num_kv_heads),
         ("--ffn-hidden-size", get("ffn_hidden_size"), c.ffn_hidden_size),
         ("--kv-channels", get("kv_channels"), c.head_dim),
-        ("--num-experts", get("num_experts"), c.num_experts),
+        ("--num-experts", get("num_experts"), c.experts.num_experts if c.experts else None),
         (
             "--moe-ffn-hidden-size",
             get("moe_ffn_hidden_size") if get("num_experts") else None,
-            expert_ffn(c) if c.num_experts else None,
+            expert_ffn(c) if c.experts else None,
         ),
         ("--normalization", norm, c.norm),
         ("--position-embedding-type", position, c.position),
@@ -240,5 +240,5 @@ def _compared(args: Any, c: Any) -> list[tuple[str, Any, Any]]:
             None if untie is None else bool(untie),
             not c.tie_embeddings,
         ),
-        ("--qk-layernorm", get("qk_layernorm"), c.qk_norm),
+        ("--qk-layernorm", get("qk_layernorm"), c.attention.qk_norm),
     ]

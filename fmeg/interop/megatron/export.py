@@ -137,11 +137,11 @@ def layout_problem(config: gpt.GPTConfig, tp: int, pp: int, ep: int) -> str | No
         (c.ffn_hidden_size, tp, "--ffn-hidden-size", "--tensor-model-parallel-size"),
         (c.num_layers, pp, "--num-layers", "--pipeline-model-parallel-size"),
     ]
-    if c.num_experts:
+    if c.experts:
         rules += [
-            (c.num_experts, ep, "--num-experts", "--expert-model-parallel-size"),
+            (c.experts.num_experts, ep, "--num-experts", "--expert-model-parallel-size"),
             (
-                c.moe_ffn_hidden_size or c.ffn_hidden_size,
+                c.experts.ffn_hidden_size or c.ffn_hidden_size,
                 tp,
                 "--moe-ffn-hidden-size",
                 "--tensor-model-parallel-size (Megatron's default expert tp)",

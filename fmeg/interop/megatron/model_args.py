@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg.data.tokenizers import padded_vocab_size
+from fmeg.models.config_groups import RoPE
 from fmeg.models import gpt
 
 # the dests that fix the model's function, under the names Megatron's Namespace gives them
@@ -166,48 +167,49 @@ def _moe_args(c: gpt.GPTConfig) -> dict[str, Any]:
     """Megatron's MoE dests for the model's experts (none for a dense model)."""
     bias = c.bias
     # megatron-core's router has a bias exactly with add_bias_linear
-    if c.num_experts and c.moe_router_bias != bias:
+    if c.experts and c.experts.router.bias != bias:
         raise ValueError(
-            f"the model's router {'has' if c.moe_router_bias else 'has no'} bias, while its other "
+            f"the model's router {'has' if c.experts.router.bias else 'has no'} bias, while its "
+            "other "
             f"layers {'have' if bias else 'have no'} biases; megatron-core has no such model (an "
             "MoE checkpoint of an fmeg before routers took --add-bias-linear's bias: train on "
             "without it or with --disable-bias-linear)"
         )
-    group_rule = c.moe_router_group_score_topk not in (
-        None,
-        c.moe_router_topk // (c.moe_router_group_topk or 1),
-    )
-    if c.num_experts and (group_rule or not c.moe_router_norm_topk and c.moe_router_topk > 1):
+    if c.experts is None:
+        return {}
+    router = c.experts.router
+    group_rule = router.group_score_topk not in (None, router.topk // (router.group_topk or 1))
+    if group_rule or not router.norm_topk and router.topk > 1:
         raise ValueError(
             "the model routes by transformers' DeepSeek-V3 rules (groups ranked by their best "
-            f"{c.moe_router_group_score_topk}, top-k weights normalised: "
-            f"{c.moe_router_norm_topk}), which megatron-core's router does not compute; export it "
-            "with export-hf"
+            f"{c.experts.router.group_score_topk}, top-k weights normalised: "
+            f"{c.experts.router.norm_topk}), which megatron-core's router does not compute; export "
+            "it with export-hf"
         )
     return (
         {}
-        if not c.num_experts
+        if not c.experts
         else dict(
-            num_experts=c.num_experts,
-            moe_ffn_hidden_size=c.moe_ffn_hidden_size or c.ffn_hidden_size,
-            moe_layer_freq=c.moe_layer_freq,
-            moe_router_topk=c.moe_router_topk,
-            moe_router_score_function=c.moe_router_score_function,
-            moe_router_pre_softmax=c.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=c.moe_router_topk_scaling_factor,
-            moe_router_num_groups=c.moe_router_num_groups,
-            moe_router_group_topk=c.moe_router_group_topk,
-            moe_router_dtype=c.moe_router_dtype,
-            moe_router_load_balancing_type=[c.moe_router_load_balancing_type],
-            moe_aux_loss_coeff=[c.moe_aux_loss_coeff],
-            moe_z_loss_coeff=c.moe_z_loss_coeff,
-            moe_expert_capacity_factor=c.moe_expert_capacity_factor,
-            moe_token_drop_policy=c.moe_token_drop_policy,
-            moe_pad_expert_input_to_capacity=c.moe_pad_expert_input_to_capacity,
-            moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
-            moe_shared_expert_gate=c.moe_shared_expert_gate,
-            moe_router_enable_expert_bias=c.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=c.moe_router_bias_update_rate,
+            num_experts=c.experts.num_experts,
+            moe_ffn_hidden_size=c.experts.ffn_hidden_size or c.ffn_hidden_size,
+            moe_layer_freq=c.experts.layer_freq,
+            moe_router_topk=c.experts.router.topk,
+            moe_router_score_function=c.experts.router.score_function,
+            moe_router_pre_softmax=c.experts.router.pre_softmax,
+            moe_router_topk_scaling_factor=c.experts.router.topk_scaling_factor,
+            moe_router_num_groups=c.experts.router.num_groups,
+            moe_router_group_topk=c.experts.router.group_topk,
+            moe_router_dtype=c.experts.router.dtype,
+            moe_router_load_balancing_type=[c.experts.router.load_balancing_type],
+            moe_aux_loss_coeff=[c.experts.aux_loss_coeff],
+            moe_z_loss_coeff=c.experts.z_loss_coeff,
+            moe_expert_capacity_factor=c.experts.capacity_factor,
+            moe_token_drop_policy=c.experts.token_drop_policy,
+            moe_pad_expert_input_to_capacity=c.experts.pad_expert_input_to_capacity,
+            moe_shared_expert_intermediate_size=c.experts.shared_expert_intermediate_size,
+            moe_shared_expert_gate=c.experts.shared_expert_gate,
+            moe_router_enable_expert_bias=c.experts.router.enable_expert_bias,
+            moe_router_bias_update_rate=c.experts.router.bias_update_rate,
         )
     )
 
@@ -229,7 +231,9 @@ def args_for(
     c = config
     gelu_tanh, bias = c.activation == "gelu_tanh", c.bias
     moe = _moe_args(c)
-    scaling = c.rope_scaling or (None, None, None, None)
+    # a model with learned positions: Megatron's args still hold RoPE's (defaults, unused)
+    rope = c.rope or RoPE()
+    scaling = rope.scaling or (None, None, None, None)
     return argparse.Namespace(
         num_layers=c.num_layers,
         hidden_size=c.hidden_size,
@@ -242,8 +246,8 @@ def args_for(
         seq_length=c.max_seq_len,
         position_embedding_type="rope" if c.position == "rope" else "learned_absolute",
         add_position_embedding=c.position != "rope",
-        rotary_base=c.rope_theta,
-        rotary_percent=c.rotary_percent,
+        rotary_base=rope.theta,
+        rotary_percent=rope.percent,
         normalization="RMSNorm" if c.norm == "rmsnorm" else "LayerNorm",
         norm_epsilon=c.norm_eps,
         apply_layernorm_1p=c.norm_zero_centered,
@@ -252,17 +256,17 @@ def args_for(
         openai_gelu=gelu_tanh and not bias,
         bias_gelu_fusion=gelu_tanh and bias,
         add_bias_linear=bias,
-        add_qkv_bias=bias or c.qkv_bias,
+        add_qkv_bias=bias or c.attention.qkv_bias,
         untie_embeddings_and_output_weights=not c.tie_embeddings,
-        qk_layernorm=c.qk_norm,
-        use_rope_scaling=c.rope_scaling is not None,
+        qk_layernorm=c.attention.qk_norm,
+        use_rope_scaling=rope.scaling is not None,
         rope_scaling_factor=scaling[0],
         rope_scaling_low_freq_factor=scaling[1],
         rope_scaling_high_freq_factor=scaling[2],
         rope_scaling_original_max_position_embeddings=scaling[3],
         init_method_std=c.init_std,
         hidden_dropout=c.hidden_dropout,
-        attention_dropout=c.attention_dropout,
+        attention_dropout=c.attention.dropout,
         vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         padded_vocab_size=padded_vocab_size(c.vocab_size, tp, make_vocab_size_divisible_by),

@@ -92,17 +92,17 @@ def tiny_deepseek_v3(seed: int = 0, q_lora_rank=24, mtp_depths=0, sharp=False):
 def test_imported_deepseek_v3_logits_equal_transformers_and_export_round_trips(q_lora_rank):
     hf = tiny_deepseek_v3(q_lora_rank=q_lora_rank)
     config, params = from_hf(hf)
-    assert (config.multi_latent_attention, config.q_lora_rank, config.moe_layer_freq) == (
-        True,
-        q_lora_rank,
-        (0, 1, 1),
-    )
     assert (
-        config.moe_router_num_groups,
-        config.moe_router_group_topk,
-        config.moe_router_topk_scaling_factor,
-        config.moe_shared_expert_intermediate_size,
-        config.rope_type,
+        config.attention.mla is not None,
+        config.attention.mla.q_lora_rank,
+        config.experts.layer_freq,
+    ) == (True, q_lora_rank, (0, 1, 1))
+    assert (
+        config.experts.router.num_groups,
+        config.experts.router.group_topk,
+        config.experts.router.topk_scaling_factor,
+        config.experts.shared_expert_intermediate_size,
+        config.rope.kind,
     ) == (4, 2, 2.5, 16, "yarn")
     assert tree.flatten(params).keys() == tree.flatten(gpt.init(config, 0)).keys()
     assert_same_logits_and_round_trip(hf, config, params, VOCAB, 1)
@@ -196,7 +196,7 @@ def test_mtp_depths_import_equal_transformers_mtp_layers_and_export_to_the_same_
         == 0
     )
     config, params = convert_checkpoint.load_full(str(tmp_path / "ckpt"))
-    assert config.mtp_num_layers == 2 and len(params["mtp"]) == 2
+    assert config.mtp_depth == 2 and len(params["mtp"]) == 2
     tokens = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     want = transformers_depth_losses(hf, layers, batch["tokens"], batch["labels"])
@@ -286,7 +286,7 @@ def test_transformers_routing_rules_import_as_transformers_computes_them(rule):
     ours, theirs = greedy_tokens_of_both(hf, config, params, [5, 17, 42, 8, 60, 3, 9])
     assert ours == theirs
     if rule == "one group":  # no group to rank, and top-k normalised: the rules agree
-        assert config.moe_router_group_score_topk is None and config.moe_router_norm_topk
+        assert config.experts.router.group_score_topk is None and config.experts.router.norm_topk
         return
     # 3 / 2 experts a group: megatron-core has no such rule
     if rule != "three experts from two groups":
@@ -315,7 +315,6 @@ def test_an_imported_deepseek_v3_generates_transformers_tokens_at_tp1_and_tp2(tm
 def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
     """--use-checkpoint-args on an imported DeepSeek-V3 gives its attention, experts, router
     (transformers' routing rules too) and MTP depths."""
-    import dataclasses
 
     from fmeg.config.arguments import parse_args
     from fmeg.config.checkpoint_args import model_flags
@@ -339,7 +338,7 @@ def test_an_imported_deepseek_v3_comes_back_from_its_checkpoint_args():
             ],
             world_size=1,
         )
-        for name, value in model_flags(dataclasses.asdict(config)).items():
+        for name, value in model_flags(config.flat()).items():
             setattr(a, name, value)
         assert (
             model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size)

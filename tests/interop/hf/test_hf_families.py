@@ -94,9 +94,9 @@ def test_imported_logits_equal_transformers_and_export_round_trips(
     hf = tiny(family, groups * per_group, groups, head_dim, layers, seed)
     config, params = from_hf(hf)
     assert (
-        config.qk_norm,
-        config.qkv_bias,
-        config.rope_scaling is not None,
+        config.attention.qk_norm,
+        config.attention.qkv_bias,
+        config.rope.scaling is not None,
         config.tie_embeddings,
     ) == (
         family == "qwen3",
@@ -163,11 +163,11 @@ def test_the_new_options_sharded_over_tp_equal_one_rank(options):
     )
     config = gpt.GPTConfig(**{**base, **options})
     params = gpt.init(config, 0)
-    if config.qk_norm:  # away from the init's ones, so that a wrong gradient shows
+    if config.attention.qk_norm:  # away from the init's ones, so that a wrong gradient shows
         params = tree.tree_map(lambda t: t, params)
         for layer in params["layers"]:
             layer["attn"]["q_norm"]["weight"] = 1.0 + 0.3 * torch.randn(config.head_dim)
-    if config.qkv_bias:
+    if config.attention.qkv_bias:
         for layer in params["layers"]:
             layer["attn"]["qkv"]["bias"] = 0.1 * torch.randn_like(layer["attn"]["qkv"]["bias"])
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -227,7 +227,7 @@ def test_the_options_equal_megatron_cores_gpt_model(options):
         for leaf in ("q_norm", "k_norm"):
             if leaf in layer["attn"]:
                 layer["attn"][leaf]["weight"] = 1.0 + 0.3 * torch.randn(config.head_dim)
-        if config.qkv_bias:
+        if config.attention.qkv_bias:
             layer["attn"]["qkv"]["bias"] = 0.1 * torch.randn_like(layer["attn"]["qkv"]["bias"])
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     theirs = gloo(1).run(P.megatron_gpt_logits, params, tokens, config, tp=1)[0]  # its own process

@@ -66,12 +66,12 @@ def tiny_gpt_oss(seed: int = 0, window: int = 4):
 def test_imported_gpt_oss_logits_equal_transformers_and_export_round_trips():
     hf = tiny_gpt_oss()
     config, params = from_hf(hf)
-    assert (config.softmax_type, config.window_size, config.window_attn_skip_freq) == (
-        "learnable",
-        3,
-        (1, 0, 1),
-    )
-    assert (config.activation, config.activation_func_clamp_value, config.yarn_round_to_int) == (
+    assert (
+        config.attention.softmax_type,
+        config.attention.window_size,
+        config.attention.window_attn_skip_freq,
+    ) == ("learnable", 3, (1, 0, 1))
+    assert (config.activation, config.mlp.clamp, config.rope.yarn.round_to_int) == (
         "quick_geglu",
         0.8,
         False,
@@ -134,7 +134,6 @@ def test_an_imported_gpt_oss_generates_transformers_tokens_at_tp1_and_tp2(tmp_pa
 def test_an_imported_gpt_oss_comes_back_from_its_checkpoint_args():
     """--use-checkpoint-args on an imported GPT-OSS gives its own YaRN (original context, rounding),
     not --enable-gpt-oss's defaults, and its experts."""
-    import dataclasses
 
     from fmeg.config.arguments import parse_args
     from fmeg.config.checkpoint_args import model_flags
@@ -156,6 +155,6 @@ def test_an_imported_gpt_oss_comes_back_from_its_checkpoint_args():
         ],
         world_size=1,
     )
-    for name, value in model_flags(dataclasses.asdict(config)).items():
+    for name, value in model_flags(config.flat()).items():
         setattr(a, name, value)
     assert model_config(a, config.vocab_size).replace(padded_vocab_size=config.vocab_size) == config

@@ -69,11 +69,11 @@ CASES = [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False)]
 def test_imported_moe_logits_equal_transformers_and_export_round_trips(family, norm_topk_prob):
     hf = tiny_moe(family, norm_topk_prob=norm_topk_prob)
     config, params = from_hf(hf)
-    assert config.num_experts == 4 and config.moe_router_topk == 2
+    assert config.experts.num_experts == 4 and config.experts.router.topk == 2
     assert gpt.moe.moe_layers(config) == (
         (True,) * 3 if family == "mixtral" else (False, True, True)
     )
-    assert config.moe_router_pre_softmax == (not norm_topk_prob)
+    assert config.experts.router.pre_softmax == (not norm_topk_prob)
     assert_same_logits_and_round_trip(hf, config, params, 97, 1)
 
 

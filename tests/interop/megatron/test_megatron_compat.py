@@ -378,7 +378,7 @@ def test_rotary_percent_rotates_the_leading_dimensions_as_megatron_core():
     freqs = torch.outer(torch.arange(8).float(), inv_freq)
     t_SBND = torch.randn(8, 2, 3, 16)
     want = core._apply_rotary_pos_emb_bshd(t_SBND, torch.cat([freqs, freqs], -1)[:, None, None, :])
-    rope = ops.rope_cos_sin(torch.arange(8), config.rotary_dim, config.rope_theta)
+    rope = ops.rope_cos_sin(torch.arange(8), config.rotary_dim, config.rope.theta)
     got = gpt._rotate(t_SBND.permute(1, 2, 0, 3), rope, config.rotary_dim).permute(2, 0, 1, 3)
     torch.testing.assert_close(got, want)
     assert torch.equal(got[..., 8:], t_SBND[..., 8:])
@@ -403,7 +403,7 @@ def test_kv_channels_sets_the_head_dimension_as_transformers_head_dim():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hf_config).eval()
     config, params = from_hf(model)
-    assert config.head_dim == 16 and config.kv_channels == 16
+    assert config.head_dim == 16 and config.attention.kv_channels == 16
     tokens = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(
         gpt.apply(params, tokens, config), model(tokens).logits, rtol=1e-5, atol=1e-5
