@@ -16,7 +16,8 @@ import sys
 from typing import Any
 
 
-REFUSALS = "FMEG_REFUSALS"  # a directory fmeg.launch makes, shared by its workers
+# a directory fmeg.launch makes, shared by its workers
+REFUSALS = "FMEG_REFUSALS"
 
 
 def print_refusal(lines: list[str] | tuple[str, ...]) -> None:
@@ -36,7 +37,8 @@ def print_refusal(lines: list[str] | tuple[str, ...]) -> None:
                 )
             except FileExistsError:
                 continue
-            except OSError:  # the directory is gone: say it anyway
+            # the directory is gone: say it anyway
+            except OSError:
                 pass
         elif os.environ.get("RANK", "0") != "0":
             continue

@@ -45,7 +45,8 @@ def _children(pid: int) -> list[int]:
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
+            # gone meanwhile
+            except OSError:
                 continue
             if int(fields[1]) == pid:
                 found.append(int(entry))
@@ -138,7 +139,8 @@ def _watch_restarts() -> None:
         self._fmeg_result = monitor(self, group)
         failures = getattr(self._fmeg_result, "failures", None) or {}
         if any(f.exitcode == 2 for f in failures.values()):
-            self._remaining_restarts = 0  # a refusal of the input: a restart would meet it again
+            # a refusal of the input: a restart would meet it again
+            self._remaining_restarts = 0
         return self._fmeg_result
 
     def restarting(self, group):
@@ -178,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning banner
+    # torchrun's default, without its warning banner
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the outcome is said below
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     parser = torchrun.get_args_parser()
-    parser.allow_abbrev = False  # as every fmeg command: --nproc-per-nod is not --nproc-per-node
+    # as every fmeg command: --nproc-per-nod is not --nproc-per-node
+    parser.allow_abbrev = False
     # not the usage
     parser.error = lambda message: refuse(f"{one_line(message, parser._actions)}; see --help")
     args = parser.parse_args(argv)
@@ -214,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 128 - failure.exitcode
-        return failure.exitcode  # the worker printed why
+        # the worker printed why
+        return failure.exitcode
     except SignalException as e:
         print(
             f"error: stopped by {signal.Signals(e.sigval).name}; the workers were sent it",

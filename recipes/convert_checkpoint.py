@@ -73,7 +73,8 @@ def load_checkpoint(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTCo
         opened.check(config)
     else:
         opened = checkpoint.Checkpoint.open(path)
-        saved_model(opened.meta.get("model", {}), str(path))  # refuses what a newer fmeg wrote
+        # refuses what a newer fmeg wrote
+        saved_model(opened.meta.get("model", {}), str(path))
         config = gpt.GPTConfig(**opened.meta["model"])
     with opened as ckpt:
         params = read_params(ckpt, config, Layout(), Mesh.single())[0]
@@ -167,7 +168,8 @@ def export_hf(args) -> None:
     # written beside, then renamed over the (absent or empty) output: nothing half-written stays
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        if extra:  # DeepSeek-V3's MTP depths, which transformers' model does not hold
+        # DeepSeek-V3's MTP depths, which transformers' model does not hold
+        if extra:
             add_weight_file(tmp, "model-mtp.safetensors", extra)
         tmp.replace(out)
     except OSError as e:

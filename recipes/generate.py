@@ -218,7 +218,8 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
             f"--load {a.load}: no {checkpoint.LATEST}; not a checkpoint directory"
         )
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    if megatron.is_torch_dist(path):  # Megatron-LM's: the model and the tokenizer from its args
+    # Megatron-LM's: the model and the tokenizer from its args
+    if megatron.is_torch_dist(path):
         margs = megatron.saved_args(path)
         tokenizer = _tokenizer(
             a,
@@ -309,7 +310,8 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with torch.no_grad():  # inference only, and the caller's grad mode stays as it was
+    # inference only, and the caller's grad mode stays as it was
+    with torch.no_grad():
         return _main(argv)
 
 

@@ -62,7 +62,8 @@ def prepare(argv: list[str] | None, world: int):
     )
     try:
         train, valid, cfg = _datasets(cfg, tokenizer, data_path, samples)
-    except ValueError as e:  # DataError, or a split / blend / sequence length the data cannot serve
+    # DataError, or a split / blend / sequence length the data cannot serve
+    except ValueError as e:
         raise BadInput(str(e)) from None
     return _check_splits(cfg, train, valid, data_path, samples)
 
@@ -119,7 +120,8 @@ def _check_splits(cfg: RunConfig, train, valid, data_path: list, samples: list):
                 "no effect (as in Megatron)",
             ),
         )
-    elif t.eval_interval and valid is None:  # found now, not at the first evaluation
+    # found now, not at the first evaluation
+    elif t.eval_interval and valid is None:
         raise BadInput(
             f"--split {d.split} leaves the validation split of {' '.join(data_path)} no documents; "
             "give it a larger share, or leave out --eval-interval"
@@ -270,7 +272,8 @@ if __name__ == "__main__":
         if _timed_out(e):
             _report_silent_ranks(e)
             sys.stdout.flush()
-            os._exit(1)  # the process group cannot be taken down cleanly with a rank missing
+            # the process group cannot be taken down cleanly with a rank missing
+            os._exit(1)
         if not _gone_peer(e):
             raise
         said = next(line for line in str(e).splitlines() + [""] if line.strip())[:160]
@@ -281,4 +284,5 @@ if __name__ == "__main__":
             flush=True,
         )
         sys.stdout.flush()
-        os._exit(1)  # tearing down a process group with a rank gone can abort (SIGABRT) under load
+        # tearing down a process group with a rank gone can abort (SIGABRT) under load
+        os._exit(1)

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     builders: dict[str, IndexedDatasetBuilder] = {}
     try:
         return _build(args, prefixes, builders, dtype)
-    except OSError as e:  # a full disk, a read-only directory: one line, and nothing half-written
+    # a full disk, a read-only directory: one line, and nothing half-written
+    except OSError as e:
         for builder in builders.values():
             builder.abort()
         print(
@@ -144,7 +145,8 @@ def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
     start = time.perf_counter()
 
     def tasks():
-        with open(args.input, "rb") as f:  # decoded line by line, so a bad byte names its line
+        # decoded line by line, so a bad byte names its line
+        with open(args.input, "rb") as f:
             for number, line in enumerate(f, start=1):
                 if line.strip():
                     yield number, line, args.json_keys, args.append_eod
@@ -184,7 +186,8 @@ def _build(args, prefixes: dict[str, str], builders: dict, dtype) -> int:
         if pool:
             pool.close()
             pool.join()
-    if docs == 0:  # a dataset of no documents trains nothing: refuse it rather than write it
+    # a dataset of no documents trains nothing: refuse it rather than write it
+    if docs == 0:
         for builder in builders.values():
             builder.abort()
         why = (

@@ -295,7 +295,8 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
     def failed(e: Exception):
         from werkzeug.exceptions import HTTPException
 
-        if isinstance(e, HTTPException):  # 404, 405, ...: werkzeug's own answer
+        # 404, 405, ...: werkzeug's own answer
+        if isinstance(e, HTTPException):
             return e
         message = f"generation failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -315,7 +316,8 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    with torch.no_grad():  # inference only, and the caller's grad mode stays as it was
+    # inference only, and the caller's grad mode stays as it was
+    with torch.no_grad():
         return _main(argv)
 
 
@@ -324,7 +326,8 @@ def _listen(a: argparse.Namespace, app: Any) -> Any:
     from werkzeug.serving import make_server
 
     said = io.StringIO()
-    try:  # werkzeug prints its own lines and exits 1 on a busy port: one line of ours instead
+    # werkzeug prints its own lines and exits 1 on a busy port: one line of ours instead
+    try:
         socket.getaddrinfo(a.host, a.port)
         with contextlib.redirect_stderr(said):
             return make_server(a.host, a.port, app, threaded=True)
@@ -390,7 +393,8 @@ def _main(argv: list[str] | None = None) -> int:
         f"{a.pipeline_model_parallel_size}",
         flush=True,
     )
-    for s in STOP_SIGNALS:  # a clean stop: the other ranks are told to finish
+    # a clean stop: the other ranks are told to finish
+    for s in STOP_SIGNALS:
         signal.signal(s, interrupt)
     broadcast.keep_alive(min(KEEP_ALIVE_S, a.distributed_timeout_minutes * 60 / 4))
     try:
@@ -400,7 +404,8 @@ def _main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         try:
-            with broadcast.lock:  # after the job in flight, if any
+            # after the job in flight, if any
+            with broadcast.lock:
                 broadcast.send(STOP_SERVING)
             if world > 1:
                 dist.destroy_process_group()

@@ -51,8 +51,10 @@ from fmeg.inference import SamplingParams
 
 MAX_PROMPTS = 128
 MAX_SEED = 2**63 - 1
-MAX_TOKENS = 2**31 - 1  # far above any model's positions: plan() then says how many fit
-MAX_LOGPROBS = 20  # OpenAI's legacy completions allowed 5; evaluation harnesses ask for 1
+# far above any model's positions: plan() then says how many fit
+MAX_TOKENS = 2**31 - 1
+# OpenAI's legacy completions allowed 5; evaluation harnesses ask for 1
+MAX_LOGPROBS = 20
 
 
 class BadRequest(ValueError):
@@ -66,16 +68,20 @@ class Job:
     prompts: list[str]
     max_new_tokens: int
     sampling: SamplingParams
-    seed: int | None = None  # None: a fresh seed per request
+    # None: a fresh seed per request
+    seed: int | None = None
     logprobs: bool = False
     stop: list[str] = field(default_factory=list)
-    stop_token: int | None = None  # None: the tokenizer's end of document
+    # None: the tokenizer's end of document
+    stop_token: int | None = None
     add_bos: bool = False
     echo: bool = False
     stream: bool = False
     log: bool = True
-    usage_chunk: bool = False  # OpenAI's stream_options.include_usage: a last chunk with the usage
-    top_logprobs: int = 0  # OpenAI's logprobs N: the N likeliest tokens at each position
+    # OpenAI's stream_options.include_usage: a last chunk with the usage
+    usage_chunk: bool = False
+    # OpenAI's logprobs N: the N likeliest tokens at each position
+    top_logprobs: int = 0
 
 
 def parse_json(body: bytes) -> dict:

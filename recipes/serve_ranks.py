@@ -36,7 +36,8 @@ def plan(job: Job, model: LoadedModel) -> dict:
     tokenizer, config = model.tokenizer, model.config
     ids = []
     for i, text in enumerate(job.prompts):
-        if isinstance(text, list):  # token ids, as evaluation harnesses send them
+        # token ids, as evaluation harnesses send them
+        if isinstance(text, list):
             if min(text) < 0 or max(text) >= config.vocab_size:
                 raise BadRequest(
                     f"prompt {i} has a token id outside the vocabulary [0, {config.vocab_size})"

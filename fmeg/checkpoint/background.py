@@ -33,7 +33,8 @@ class BackgroundWriter:
         def run() -> None:
             try:
                 write(*args)
-            except BaseException as e:  # handed to wait(), which the runner reports in one line
+            # handed to wait(), which the runner reports in one line
+            except BaseException as e:
                 self._error = e
 
         self._error = None

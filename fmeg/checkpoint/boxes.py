@@ -32,7 +32,8 @@ def cell_bytes_for(share: int) -> int:
 
 # a split dimension is cut for finer layouts only where the parts stay this large
 MIN_SPLIT_BYTES = 1 << 17
-SPLIT_PARTS = 8  # a block cut along its split dimension reads whole cells at up to 8x as many parts
+# a block cut along its split dimension reads whole cells at up to 8x as many parts
+SPLIT_PARTS = 8
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ def temporary_dir(root: str | os.PathLike, iteration: int, attempt: str) -> Path
 
 
 _COMPLETE = re.compile(r"iter_\d{7}")
-_TEMPORARY = re.compile(r"iter_\d{7}\.tmp(-[0-9a-f]+)?")  # older fmeg wrote ".tmp" alone
+# older fmeg wrote ".tmp" alone
+_TEMPORARY = re.compile(r"iter_\d{7}\.tmp(-[0-9a-f]+)?")
 
 
 def _ours(root: str | os.PathLike, pattern: re.Pattern) -> list[Path]:

@@ -65,7 +65,8 @@ def legacy_entries(path: Path, meta: dict):
                     continue
                 if stage_path in ("shard", "expert_shard"):
                     continue
-                if kind == "params":  # the tied copy's too: the flat slices hold it
+                # the tied copy's too: the flat slices hold it
+                if kind == "params":
                     blocks[(_owner(info["coords"], _is_expert(stage_path), apart), stage_path)] = d
                 leaf = _global_path(stage_path, model, stages)
                 if leaf is None:

@@ -36,8 +36,10 @@ FORMAT = 2
 class Request:
     name: str
     box: Box
-    out: torch.Tensor  # shape box.shape; filled in place
-    pad_with_zeros: bool = False  # rows past the saved rows of a vocabulary table are zeros
+    # shape box.shape; filled in place
+    out: torch.Tensor
+    # rows past the saved rows of a vocabulary table are zeros
+    pad_with_zeros: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Cell:
     key: str
     box: Box
     crc: int | None
-    start: int = 0  # the first element of the box in the stored tensor
+    # the first element of the box in the stored tensor
+    start: int = 0
 
 
 class Entry:

@@ -29,10 +29,13 @@ from fmeg.checkpoint.boxes import Box, Grid
 
 @dataclass(frozen=True)
 class Piece:
-    name: str  # "params/layers.0.attn.qkv.weight": the kind of state, then the global path
-    box: Box  # where values sit in the global tensor
+    # "params/layers.0.attn.qkv.weight": the kind of state, then the global path
+    name: str
+    # where values sit in the global tensor
+    box: Box
     global_shape: tuple[int, ...]
-    values: torch.Tensor  # the box's values (host memory), shape box.shape
+    # the box's values (host memory), shape box.shape
+    values: torch.Tensor
     # boxes.cell_steps of the leaf's block: the cells' cut points
     steps: tuple[tuple[int, ...], ...]
     # the range of cells (in boxes.Grid's order) written here; None: all

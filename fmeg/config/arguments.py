@@ -45,7 +45,8 @@ def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
         try:
             return dp, parse_step_schedule(a.step_batch_size_schedule, max(a.seq_length, 1))[-1][1]
         except ValueError:
-            pass  # validate() names the problem
+            # validate() names the problem
+            pass
     return dp, a.global_batch_size or a.micro_batch_size * dp
 
 
@@ -118,12 +119,14 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
                 else None
             )
         except ValueError:
-            steps = None  # validate() names the problem
+            # validate() names the problem
+            steps = None
         args.train_iters = iterations_for(args.train_samples, gbs, ramp, steps) if gbs > 0 else 0
     elif args.train_iters is None:
         args.train_iters = 100
     args.notices = megatron_leniencies(args) + moe_flags.leniencies(args)
-    args.layout_problems = pipeline_layout.apply(args)  # validate() names them
+    # validate() names them
+    args.layout_problems = pipeline_layout.apply(args)
     from fmeg.config.checkpoint_args import router_without_bias
 
     older = router_without_bias(args)
@@ -171,7 +174,8 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 def _typed(action: argparse.Action, value: Any, where: str) -> Any:
     if value is None:
         refuse(f"{where} is null; give a value or leave the setting out")
-    if action.nargs == 0:  # a switch
+    # a switch
+    if action.nargs == 0:
         if not isinstance(value, bool):
             refuse(f"{where}: {value!r} is not true or false")
         return value
@@ -212,6 +216,7 @@ def lr_steps(a: argparse.Namespace) -> tuple[float, int, bool]:
         decay = a.lr_decay_samples or a.train_samples
     else:
         decay = a.lr_decay_iters or a.train_iters
-    if a.lr_warmup_fraction is not None:  # a fraction of a step stays a fraction, as in Megatron
+    # a fraction of a step stays a fraction, as in Megatron
+    if a.lr_warmup_fraction is not None:
         return a.lr_warmup_fraction * decay, decay, in_samples
     return ((a.lr_warmup_samples or 0) if in_samples else a.lr_warmup_iters), decay, in_samples

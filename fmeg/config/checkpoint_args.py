@@ -143,7 +143,8 @@ def router_without_bias(args: argparse.Namespace) -> str | None:
         found = checkpoint.latest(args.load) if args.load else None
         model = json.loads((found / "metadata.json").read_text()).get("model", {}) if found else {}
     except (checkpoint.CheckpointError, OSError, ValueError, AttributeError):
-        return None  # loading names the problem, in one line
+        # loading names the problem, in one line
+        return None
     if (
         not isinstance(model, dict)
         or not model.get("num_experts")

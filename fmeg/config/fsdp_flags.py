@@ -94,7 +94,8 @@ class FSDPFlags:
 def reshard_after_forward(a: argparse.Namespace) -> str:
     """true | false | auto: which gathered units are freed after their forward (fmeg.state.flat)."""
     if not a.use_torch_fsdp2:
-        return "true"  # Megatron-FSDP frees every unit after its forward
+        # Megatron-FSDP frees every unit after its forward
+        return "true"
     return (
         "false"
         if a.torch_fsdp2_no_reshard_after_forward

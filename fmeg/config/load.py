@@ -36,7 +36,8 @@ def load(argv: list[str] | None, world: int) -> tuple[RunConfig, Any]:
         raise BadInput(*problems, *([missing] if missing else []))
     try:
         tokenizer = tokenizer_from_flags(a.tokenizer_type, lambda name: getattr(a, name, None))
-    except ValueError as e:  # a missing or unreadable tokenizer file
+    # a missing or unreadable tokenizer file
+    except ValueError as e:
         raise BadInput(str(e)) from None
     if a.padded_vocab_size is not None and a.padded_vocab_size < tokenizer.vocab_size:
         raise BadInput(

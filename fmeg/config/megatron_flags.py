@@ -391,8 +391,10 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
     for each adjustment a user should hear about."""
     notices = []
     if a.recompute_activations:
-        a.recompute_granularity = "selective"  # as Megatron reads --recompute-activations
-    if a.moe_layer_recompute:  # Megatron's deprecated spelling, read as it reads it
+        # as Megatron reads --recompute-activations
+        a.recompute_granularity = "selective"
+    # Megatron's deprecated spelling, read as it reads it
+    if a.moe_layer_recompute:
         a.recompute_granularity = "selective"
         a.recompute_modules = [*(a.recompute_modules or ["core_attn"]), "moe"]
         notices.append(
@@ -400,7 +402,8 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
             f"--recompute-granularity selective --recompute-modules {' '.join(a.recompute_modules)}"
         )
     if a.group_query_attention and a.num_query_groups is None:
-        a.num_query_groups = 1  # Megatron's default with the switch on
+        # Megatron's default with the switch on
+        a.num_query_groups = 1
     elif not a.group_query_attention and a.num_query_groups is not None:
         notices.append(
             f"--num-query-groups {a.num_query_groups} has no effect without "
@@ -466,7 +469,8 @@ def _precision_data_and_schedule_leniencies(a: argparse.Namespace) -> list[str]:
             "(as in Megatron): its last batch size is the final one"
         )
     if a.lr_warmup_samples == 0 and a.train_samples is None and a.lr_decay_samples is None:
-        a.lr_warmup_samples = None  # Megatron's default value: iteration-based training takes it
+        # Megatron's default value: iteration-based training takes it
+        a.lr_warmup_samples = None
     if a.loss_scale is not None and not (a.fp16 or a.bf16):
         notices.append(
             f"--loss-scale {a.loss_scale:g} has no effect without --fp16 or --bf16 (as in Megatron)"

@@ -206,7 +206,8 @@ def leniencies(a: argparse.Namespace) -> list[str]:
             "in fmeg"
         )
     if a.moe_router_pre_softmax and a.moe_router_score_function == "sigmoid":
-        a.moe_router_pre_softmax = False  # megatron-core's sigmoid routing never reads it
+        # megatron-core's sigmoid routing never reads it
+        a.moe_router_pre_softmax = False
         out.append(
             "--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid (as "
             "in megatron-core)"

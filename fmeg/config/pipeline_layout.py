@@ -112,7 +112,8 @@ def _virtual_stages(a: argparse.Namespace) -> list[str]:
             "--pipeline-model-parallel-layout are alternatives; give one"
         ]
     if a.num_layers <= 0 or pp <= 0 or a.num_layers % pp:
-        return []  # validate() names the layers that do not split over pp
+        # validate() names the layers that do not split over pp
+        return []
     per_rank = a.num_layers // pp
     if n < 1 or per_rank % n:
         return [

@@ -149,7 +149,8 @@ class TrainingConfig:
     exit_interval: int | None
     exit_duration_in_mins: float | None
     exit_signal_handler: bool
-    exit_signal: str  # the signal's name: SIGTERM (Megatron's default), SIGINT, SIGUSR1, SIGUSR2
+    # the signal's name: SIGTERM (Megatron's default), SIGINT, SIGUSR1, SIGUSR2
+    exit_signal: str
     dropout: bool
 
 
@@ -180,9 +181,12 @@ class DataConfig:
     reset_position_ids: bool = False
     # each packed document attends to itself only (cu_seqlens in the batch)
     reset_attention_mask: bool = False
-    sft: bool = False  # JSONL conversations trained on their answers (fmeg.data.sft_dataset)
-    sft_sequence_packing: bool = False  # several lines' conversations in one sample
-    fim: FIMSettings | None = None  # fill-in-the-middle samples (--fim-data)
+    # JSONL conversations trained on their answers (fmeg.data.sft_dataset)
+    sft: bool = False
+    # several lines' conversations in one sample
+    sft_sequence_packing: bool = False
+    # fill-in-the-middle samples (--fim-data)
+    fim: FIMSettings | None = None
     # threads building the next iteration's samples (fmeg.training.sample_loader)
     num_workers: int = 2
 
@@ -196,11 +200,14 @@ class CheckpointConfig:
     no_load_optim: bool
     keep_last: int | None
     exit_on_missing_checkpoint: bool
-    async_save: bool = False  # write in the background (--async-save)
-    fully_parallel_save: bool = True  # replicas share the writing of what they hold alike
+    # write in the background (--async-save)
+    async_save: bool = False
+    # replicas share the writing of what they hold alike
+    fully_parallel_save: bool = True
     # replicas share the reading of what they hold alike, then exchange it
     fully_parallel_load: bool = False
-    no_save_optim: bool = False  # write the weights only (--no-save-optim)
+    # write the weights only (--no-save-optim)
+    no_save_optim: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,8 +227,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    device: str  # auto | cpu | cuda
-    compile: bool | None  # None: compile on CUDA only
+    # auto | cpu | cuda
+    device: str
+    # None: compile on CUDA only
+    compile: bool | None
     distributed_timeout_minutes: float
     overlap_grad_reduce: bool
     ddp_bucket_size: int | None
@@ -240,9 +249,12 @@ class RunConfig:
     logging: LoggingConfig
     runtime: RuntimeConfig
     world: int
-    arguments: tuple[tuple[str, Any], ...]  # the flags as given, for the checkpoint's metadata
-    ignored: tuple[str, ...]  # "--flag: why" for accepted-but-ignored Megatron flags
-    notices: tuple[str, ...]  # where a flag was adjusted, as Megatron adjusts it
+    # the flags as given, for the checkpoint's metadata
+    arguments: tuple[tuple[str, Any], ...]
+    # "--flag: why" for accepted-but-ignored Megatron flags
+    ignored: tuple[str, ...]
+    # where a flag was adjusted, as Megatron adjusts it
+    notices: tuple[str, ...]
 
     @classmethod
     def from_args(cls, a, world: int, vocab_size: int) -> RunConfig:

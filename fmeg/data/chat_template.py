@@ -109,7 +109,8 @@ def assistant_spans(render: Renderer, messages: list[dict]) -> tuple[str, list[t
     return text, spans
 
 
-_STAND_IN = "\ue000fmeg-answer\ue001"  # private-use characters: no template strips or rewrites them
+# private-use characters: no template strips or rewrites them
+_STAND_IN = "\ue000fmeg-answer\ue001"
 
 
 def _moved_turn_end(render: Renderer, messages: list[dict], k: int, text: str) -> int | None:

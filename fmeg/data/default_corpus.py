@@ -48,6 +48,7 @@ def default_corpus(directory: str | os.PathLike | None = None) -> IndexedDataset
             data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
             builder.add_document(np.append(data, eod))
         builder.finalize()
-        for suffix in (".bin", ".idx"):  # .idx last: a reader never sees an index without its data
+        # .idx last: a reader never sees an index without its data
+        for suffix in (".bin", ".idx"):
             os.replace(f"{prefix}.{os.getpid()}{suffix}", f"{prefix}{suffix}")
     return IndexedDataset(prefix)

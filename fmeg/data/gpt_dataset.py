@@ -55,7 +55,8 @@ def build_sample_index(
 ) -> np.ndarray:
     """(position in document_index, offset) of token k * seq_len of the stream, for k =
     0..num_samples."""
-    prefix = np.empty(len(document_index) + 1, dtype=np.int64)  # tokens before each stream position
+    # tokens before each stream position
+    prefix = np.empty(len(document_index) + 1, dtype=np.int64)
     prefix[0] = 0
     prefix[1:] = lengths[document_index]
     # in place on int64: about twice as fast as a converting cumsum
@@ -299,6 +300,7 @@ def _save_cached(cache_dir, key, arrays, description):
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
             np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)  # the last writer wins; every writer writes the same bytes
+        # the last writer wins; every writer writes the same bytes
+        os.replace(tmp, path)
     meta = Path(cache_dir) / f"{key}-description.json"
     meta.write_text(json.dumps(description, indent=1, sort_keys=True))

@@ -217,7 +217,8 @@ class IndexedDatasetBuilder:
         write)."""
         try:
             self._bin.close()
-        except OSError:  # a full disk fails the last flush too
+        # a full disk fails the last flush too
+        except OSError:
             pass
         for path in (self._tmp_bin, self.prefix + ".idx.tmp"):
             try:

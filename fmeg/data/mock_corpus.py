@@ -37,6 +37,7 @@ def mock_corpus(
             counter = np.arange(1, length) % len(ids)
             builder.add_document(np.append(ids[counter], eod).astype(dtype))
         builder.finalize()
-        for suffix in (".bin", ".idx"):  # .idx last: a reader never sees an index without its data
+        # .idx last: a reader never sees an index without its data
+        for suffix in (".bin", ".idx"):
             os.replace(f"{prefix}.{os.getpid()}{suffix}", f"{prefix}{suffix}")
     return IndexedDataset(prefix)

@@ -169,7 +169,8 @@ def _build(path: str, tokenizer, directory: Path) -> None:
         bar(None)
         try:
             os.replace(tmp, directory)
-        except OSError:  # another machine's builder finished first: its files are the same
+        # another machine's builder finished first: its files are the same
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         tokens.abort()

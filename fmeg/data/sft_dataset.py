@@ -110,7 +110,8 @@ class SFTDataset(torch.utils.data.Dataset):
             positions.append(np.arange(len(ids) + extra))
             total += len(ids) + extra
             ends.append(total)
-            if total >= s + 1:  # cut: the row's last token, a label only, becomes padding
+            # cut: the row's last token, a label only, becomes padding
+            if total >= s + 1:
                 break
         tokens, trained = (
             np.concatenate(tokens).astype(np.int64),
@@ -133,7 +134,8 @@ class SFTDataset(torch.utils.data.Dataset):
             positions = np.concatenate([positions, positions[-1] + 1 + np.arange(more)])
         cu_seqlens = np.full(s + 1, s, dtype=np.int64)
         cu_seqlens[0] = 0
-        cu_seqlens[1 : len(ends)] = ends[:-1]  # the last document runs to the row's end
+        # the last document runs to the row's end
+        cu_seqlens[1 : len(ends)] = ends[:-1]
         return {
             "tokens": torch.from_numpy(tokens[:-1].copy()),
             "labels": torch.from_numpy(tokens[1:].copy()),

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from fmeg.data.indexed import DataError, IndexedDataset
 
-CHUNK = 1 << 26  # tokens per pass step: 128 MiB of uint16
+# tokens per pass step: 128 MiB of uint16
+CHUNK = 1 << 26
 
 
 def token_range(
@@ -41,7 +42,8 @@ def token_range(
             lo, hi = json.loads(cached.read_text())["range"]
             return int(lo), int(hi)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # an unreadable cache entry: count again
+            # an unreadable cache entry: count again
+            pass
     tokens = dataset.tokens
     if len(tokens) == 0:
         return None
@@ -54,7 +56,8 @@ def token_range(
             tmp.write_text(json.dumps({"bin": str(bin_path), "range": [lo, hi]}))
             os.replace(tmp, cached)
         except OSError:
-            pass  # a read-only cache directory only costs the pass next time
+            # a read-only cache directory only costs the pass next time
+            pass
     return lo, hi
 
 

@@ -86,7 +86,8 @@ class Llama2Tokenizer:
             raise ValueError(f"--tokenizer-model {model_file}: no such file")
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        except (RuntimeError, OSError) as e:  # sentencepiece's own parse errors
+        # sentencepiece's own parse errors
+        except (RuntimeError, OSError) as e:
             raise ValueError(
                 f"--tokenizer-model {model_file}: not a sentencepiece model ({_first_line(e)})"
             ) from None
@@ -281,7 +282,8 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
                 raise ValueError(f"{flag} {path}: no such file")
         try:
             self._tok = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
-        except Exception as e:  # plain Exception from the tokenizers library
+        # plain Exception from the tokenizers library
+        except Exception as e:
             raise ValueError(
                 f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2 BPE files "
                 f"({_first_line(e)})"

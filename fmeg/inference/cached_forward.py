@@ -117,7 +117,8 @@ def stage_forward(
     rope = None
     if config.position == "rope":
         cos, sin = gpt.rope_tables(positions, config)
-        rope = (cos[:, None], sin[:, None])  # [b, 1, new, d]: broadcast over heads
+        # [b, 1, new, d]: broadcast over heads
+        rope = (cos[:, None], sin[:, None])
     if x is None:
         x = gpt.embed(params, tokens, config, positions, tp)
     for i, p in enumerate(params["layers"]):

@@ -32,9 +32,11 @@ from fmeg.parallel.tensor import NO_TP, TensorParallel
 
 @dataclass(frozen=True)
 class Step:
-    ids: list[int | None]  # the new id of each row; None for a row that had already finished
+    # the new id of each row; None for a row that had already finished
+    ids: list[int | None]
     logprobs: list[float | None]
-    finished: list[str | None]  # per row: None while running, else "eod", "stop" or "length"
+    # per row: None while running, else "eod", "stop" or "length"
+    finished: list[str | None]
     # per row, with top_logprobs: the N likeliest ids
     top: list[list[tuple[int, float]] | None] | None = None
 
@@ -45,7 +47,8 @@ class Generation:
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
-    prompt_logprobs: list[list[float]] | None = None  # per row, for prompt tokens 1 .. n-1
+    # per row, for prompt tokens 1 .. n-1
+    prompt_logprobs: list[list[float]] | None = None
 
 
 def check_prompts(prompts: list[list[int]], config: GPTConfig, max_new_tokens: int) -> None:
@@ -148,7 +151,8 @@ def stream(
         if prompt_logprobs is not None:
             n = top_logprobs if prompt_top_logprobs is not None else 0
             _score_prompts(stage, logits, tokens, pad, n, prompt_logprobs, prompt_top_logprobs)
-        if max_new_tokens == 0:  # scoring: the prompts' logprobs only
+        # scoring: the prompts' logprobs only
+        if max_new_tokens == 0:
             return
         finished: list[str | None] = [None] * b
         generated: list[list[int]] = [[] for _ in range(b)]

@@ -27,10 +27,13 @@ from fmeg.models.gpt import GPTConfig, Params
 
 @dataclass(frozen=True)
 class KVCache:
-    k: tuple[torch.Tensor, ...]  # per layer [batch, kv_heads_here, capacity, head_dim]
+    # per layer [batch, kv_heads_here, capacity, head_dim]
+    k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]
-    pad: torch.Tensor  # [batch] int64: left-padding slots of each row
-    length: int = 0  # slots filled so far (padding included)
+    # [batch] int64: left-padding slots of each row
+    pad: torch.Tensor
+    # slots filled so far (padding included)
+    length: int = 0
 
     @property
     def capacity(self) -> int:
@@ -43,7 +46,8 @@ class KVCache:
 def local_kv_heads(layer_params: Params, config: GPTConfig) -> int:
     """How many key/value heads these (possibly tensor-parallel) layer parameters hold."""
     attn = layer_params["attn"]
-    if "kv_up" in attn:  # multi-latent attention: one key and value per query head
+    # multi-latent attention: one key and value per query head
+    if "kv_up" in attn:
         return attn["kv_up"]["weight"].shape[0] // (
             config.attention.mla.qk_head_dim + config.attention.mla.v_head_dim
         )

@@ -49,7 +49,8 @@ def filtered_logits(logits_BV: torch.Tensor, params: SamplingParams) -> torch.Te
         sorted_x, order = x.sort(dim=-1, descending=True)
         # probability mass ahead of each token
         before = sorted_x.softmax(-1).cumsum(-1) - sorted_x.softmax(-1)
-        drop = before >= params.top_p  # the first token is always kept
+        # the first token is always kept
+        drop = before >= params.top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return x
 

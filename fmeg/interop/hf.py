@@ -132,7 +132,8 @@ def mtp_files(params: Params, config: GPTConfig) -> dict[str, torch.Tensor]:
     (none without depths)."""
     if not config.mtp_depth:
         return {}
-    hf_deepseek_v3.hf_config(config)  # the same refusals as to_hf
+    # the same refusals as to_hf
+    hf_deepseek_v3.hf_config(config)
     flat = _export_flat(params, config)
     return hf_deepseek_v3.mtp_files_from(flat, config, hf_deepseek_v3.state_from(flat, config))
 

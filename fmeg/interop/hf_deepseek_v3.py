@@ -128,7 +128,8 @@ def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
         raise ValueError(f"from_hf: DeepSeek-V3 {problems[0]} is not supported")
     yarn = rope.get("rope_type") == "yarn"
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):  # transformers then scales the tables by factor alone
+    # transformers then scales the tables by factor alone
+    if not (mscale and mscale_all_dim):
         mscale, mscale_all_dim = 1.0, 0.0
     dense = min(hf.first_k_dense_replace, hf.num_hidden_layers)
     return GPTConfig(

@@ -137,7 +137,8 @@ def refuse_non_finite(root: Path, model: Any) -> None:
 
 # model types whose checkpoints ship their own modelling code (never run here) for a class
 # transformers has
-SAME_AS = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: DeepseekV3ForCausalLM with its own model_type
+# Kimi-K2: DeepseekV3ForCausalLM with its own model_type
+SAME_AS = {"kimi_k2": "deepseek_v3"}
 
 
 def _config_transformers_holds(fields: dict, root: Path) -> Any:

@@ -51,7 +51,8 @@ def config_from(hf: Any) -> GPTConfig:
         raise ValueError(f"from_hf: GPT-OSS layer_types {sorted(kinds)} are not supported")
     windowed = tuple(int(t == "sliding_attention") for t in hf.layer_types)
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):  # transformers then scales by factor alone
+    # transformers then scales by factor alone
+    if not (mscale and mscale_all_dim):
         mscale, mscale_all_dim = 1.0, 0.0
     head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
     return GPTConfig(

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 class MLA:
     """DeepSeek's multi-latent attention (fmeg.models.mla), named as Megatron's flags."""
 
-    q_lora_rank: int | None = None  # None: queries straight from the hidden states
+    # None: queries straight from the hidden states
+    q_lora_rank: int | None = None
     kv_lora_rank: int = 32
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
@@ -50,7 +51,8 @@ class YaRN:
     """YaRN's rotary frequencies (megatron-core's names in comments where they differ); MLA's
     softmax scale reads factor and mscale_all_dim too."""
 
-    factor: float = 1.0  # rotary_scaling_factor
+    # rotary_scaling_factor
+    factor: float = 1.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -71,7 +73,8 @@ class RoPE:
     percent: float = 1.0
     # Llama 3.1's (factor, low, high, original)
     scaling: tuple[float, float, float, int] | None = None
-    kind: str = "rope"  # Megatron's --rope-type: rope or yarn
+    # Megatron's --rope-type: rope or yarn
+    kind: str = "rope"
     yarn: YaRN = field(default_factory=YaRN)
 
 
@@ -81,7 +84,8 @@ class MLP:
     at clamp and the linear half to [-clamp, clamp]."""
 
     glu_linear_offset: float = 0.0
-    clamp: float | None = None  # Megatron's --activation-func-clamp-value
+    # Megatron's --activation-func-clamp-value
+    clamp: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ class Router:
     # their own rules, and --use-checkpoint-args carries them
     group_score_topk: int | None = None
     norm_topk: bool = True
-    dtype: str | None = None  # "fp32" or "fp64": the router's matmul in that dtype
+    # "fp32" or "fp64": the router's matmul in that dtype
+    dtype: str | None = None
     load_balancing_type: str = "aux_loss"
     # DeepSeek-V3's aux-loss-free balancing (sigmoid routers)
     enable_expert_bias: bool = False
@@ -117,12 +122,15 @@ class Experts:
     --moe-* flags."""
 
     num_experts: int
-    ffn_hidden_size: int | None = None  # None: the dense ffn_hidden_size
-    layer_freq: int | tuple[int, ...] = 1  # every N-th layer is MoE, or one 0/1 per layer
+    # None: the dense ffn_hidden_size
+    ffn_hidden_size: int | None = None
+    # every N-th layer is MoE, or one 0/1 per layer
+    layer_freq: int | tuple[int, ...] = 1
     router: Router = field(default_factory=Router)
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float | None = None
-    capacity_factor: float | None = None  # None: dropless
+    # None: dropless
+    capacity_factor: float | None = None
     token_drop_policy: str = "probs"
     pad_expert_input_to_capacity: bool = False
     shared_expert_intermediate_size: int | None = None

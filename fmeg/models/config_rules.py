@@ -11,7 +11,8 @@ from fmeg.ops.activations import GATES
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu")
-GATED = tuple(GATES)  # fc1 gives [2, F]: gate and linear halves
+# fc1 gives [2, F]: gate and linear halves
+GATED = tuple(GATES)
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 POSITIONS = ("learned", "rope")
 

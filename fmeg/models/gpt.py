@@ -80,7 +80,8 @@ def leaf_seed(seed: int, path: str) -> int:
 
 
 def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.Tensor:
-    if torch.get_default_device().type == "meta":  # init's shapes only: nothing drawn
+    # init's shapes only: nothing drawn
+    if torch.get_default_device().type == "meta":
         return torch.empty(shape)
     gen = torch.Generator().manual_seed(leaf_seed(seed, path))
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
@@ -275,7 +276,8 @@ def attention(
     sinks = attention_sinks(p, config, q)
     if window is not None or sinks is not None:
         core = sink_core(config, tp.context, key, offset, window, documents)
-    elif tp.context.size > 1:  # the sequence split over cp ranks
+    # the sequence split over cp ranks
+    elif tp.context.size > 1:
         core = context.core(
             tp.context, config.attention.dropout, key, offset, config.num_heads, documents
         )
@@ -365,7 +367,8 @@ def project_qkv(
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
     if (
         config.attention.qk_norm
-    ):  # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
+        # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
+    ):
         q, k = head_norm(p["q_norm"], q, config, tp), head_norm(p["k_norm"], k, config, tp)
     if rope is not None:
         q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
@@ -577,7 +580,8 @@ def decoder_span(
             f"sequence length {seq} exceeds GPTConfig.max_seq_len={config.max_seq_len}"
         )
     if tp.size > 1:
-        check_tensor_parallel(config, tp.size)  # a split query group would otherwise go unnoticed
+        # a split query group would otherwise go unnoticed
+        check_tensor_parallel(config, tp.size)
     if tp.sp and seq % tp.size:
         raise ValueError(
             f"sequence length {seq} must be divisible by tp={tp.size} with sequence parallelism"
@@ -617,7 +621,8 @@ def layer_rope(
         seq = tokens.shape[-1] * tp.context.size
         positions = context.positions(seq, tp.context.size, tp.context.rank, tokens.device)
     rope = rope_tables(positions, config)
-    if positions.dim() == 2:  # [b, 1, s, d]: each row's own, broadcast over heads
+    # [b, 1, s, d]: each row's own, broadcast over heads
+    if positions.dim() == 2:
         rope = (rope[0][:, None], rope[1][:, None])
     return rope
 

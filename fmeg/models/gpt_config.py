@@ -103,12 +103,14 @@ class GPTConfig:
     """A GPT's shape, with its variants as groups (fmeg.models.config_groups). Made from the groups
     or from today's flat keywords (FLAT: Megatron's flag names), which checkpoints store."""
 
-    vocab_size: int  # the tokenizer's vocabulary: logits and losses cover these ids
+    # the tokenizer's vocabulary: logits and losses cover these ids
+    vocab_size: int
     max_seq_len: int
     num_layers: int
     hidden_size: int
     num_heads: int
-    num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
+    # None: num_heads (multi-head attention)
+    num_kv_heads: int | None = None
     # None: 4 * hidden; swiglu: Megatron's int(8 * hidden / 3 / 64) * 64
     ffn_hidden_size: int | None = None
     norm: str = "layernorm"
@@ -123,9 +125,11 @@ class GPTConfig:
     # Megatron's --apply-layernorm-1p: norm weights w start at 0, scale by 1 + w
     norm_zero_centered: bool = False
     attention: Attention = Attention()
-    rope: RoPE | None = None  # None: learned positions
+    # None: learned positions
+    rope: RoPE | None = None
     mlp: MLP = MLP()
-    experts: Experts | None = None  # None: every MLP is dense
+    # None: every MLP is dense
+    experts: Experts | None = None
     mtp: MTP | None = None
 
     def __init__(

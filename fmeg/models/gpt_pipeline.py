@@ -90,7 +90,8 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
         "layers": [lp for s in range(stages) for lp in stage_trees[s]["layers"]],
         "final_norm": stage_trees[stages - 1]["final_norm"],
     }
-    if config.mtp_depth:  # in gpt.init's order
+    # in gpt.init's order
+    if config.mtp_depth:
         full["mtp"] = stage_trees[stages - 1]["mtp"]
     if not config.tie_embeddings:
         full["output"] = stage_trees[stages - 1]["output"]
@@ -322,7 +323,8 @@ def sync_tied_embedding_grads(
         return grads
     first, last = 0, num_stages - 1
     owner, leaf = copy.split(".")
-    if first in grads and last in grads:  # both copies on this rank: no communication
+    # both copies on this rank: no communication
+    if first in grads and last in grads:
         total = grads[first]["embedding"]["word"]["weight"] + grads[last][owner][leaf]
         grads[first]["embedding"]["word"]["weight"] = grads[last][owner][leaf] = total
     elif first in grads:

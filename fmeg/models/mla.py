@@ -197,7 +197,8 @@ def _up_and_rotate(
     kv = rearrange(kv, "b s (n d) -> b n s d", d=mla.qk_head_dim + mla.v_head_dim)
     k_plain, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)
     q_plain, q_rot = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], dim=-1)
-    k_rot = rearrange(enter(k_rot, tp), "b s d -> b 1 s d")  # every head of this rank uses it
+    # every head of this rank uses it
+    k_rot = rearrange(enter(k_rot, tp), "b s d -> b 1 s d")
     if rope is not None:
         q_rot, k_rot = (
             ops.apply_rope(_deinterleave(q_rot), *rope),

@@ -234,11 +234,13 @@ def init_moe(config, seed: int, at: str, normal, linear_params) -> Params:
             "fc2": linear_params((e, c.hidden_size, f), out_std, c.bias, seed, f"{at}.experts.fc2"),
         },
     }
-    if c.experts.router.bias:  # drawn as megatron-core draws it: with the weights' init method
+    # drawn as megatron-core draws it: with the weights' init method
+    if c.experts.router.bias:
         p["router"]["bias"] = normal((e,), std, seed, f"{at}.router.bias")
     if (
         c.experts.router.enable_expert_bias
-    ):  # steers the choice of experts only: no gradient reaches it
+        # steers the choice of experts only: no gradient reaches it
+    ):
         p["router"]["expert_bias"] = torch.zeros(e)
     if c.experts.shared_expert_intermediate_size:
         s = c.experts.shared_expert_intermediate_size
@@ -487,7 +489,8 @@ def _dispatch_groups(tp: TensorParallel) -> tuple[bool, Any, tuple]:
     """(every tp rank holds all the tokens?, the group tokens are dispatched over or None, the
     experts' (tp group, rank, size)); a ValueError for layouts Megatron-core does not run."""
     ep = tp.experts
-    replicated = tp.size > 1 and not tp.sp  # every tp rank holds (and routes) all the tokens
+    # every tp rank holds (and routes) all the tokens
+    replicated = tp.size > 1 and not tp.sp
     if replicated and ep.size > 1:
         raise ValueError(
             "expert parallelism with tensor parallelism needs sequence parallelism "
@@ -628,7 +631,8 @@ def allgather_experts(
         x_all = C.gather_from_sp(x_BSH, dispatch, SEQ_DIM)
         probs = C.gather_from_sp(probs, dispatch, SEQ_DIM)
         experts = C.all_gather_constant(experts, dispatch, SEQ_DIM)
-    elif replicated:  # each rank's F-slice gives partial sums: their gradients are summed over tp
+    # each rank's F-slice gives partial sums: their gradients are summed over tp
+    elif replicated:
         x_all, probs = C.copy_to(x_BSH, tp_group), C.copy_to(probs, tp_group)
     else:
         x_all = x_BSH
@@ -679,7 +683,8 @@ def alltoall_experts(
             fc2.get("bias"),
         ).reshape(b, s, h)
     me, size = ep.rank, ep.size
-    order = torch.argsort(chosen, stable=True)  # by expert, so by the rank that holds it
+    # by expert, so by the rank that holds it
+    order = torch.argsort(chosen, stable=True)
     token = order // k
     counts = torch.bincount(chosen, minlength=held * size)
     # [rank][expert]: assignments made there

@@ -156,7 +156,8 @@ def depth_losses(
         )
         if metrics is not None:
             mean = loss.detach()
-            if reduction == "sum":  # this rank's share of the microbatch's mean
+            # this rank's share of the microbatch's mean
+            if reduction == "sum":
                 mean = mean / C.all_reduce_constant(
                     gpt.loss_tokens(shifted).to(mean.device), cp.group
                 ).clamp_min(1.0)

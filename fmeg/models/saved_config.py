@@ -74,7 +74,8 @@ def saved_model(model: dict, where: str) -> dict:
                 f"{where}: model field {name} is {value!r} ({type(value).__name__}), not "
                 f"{_spelled(known[name])}; the file is damaged: restore it"
             )
-    saved.pop("padded_vocab_size", None)  # JSON gave tuples (rope_scaling) back as lists
+    # JSON gave tuples (rope_scaling) back as lists
+    saved.pop("padded_vocab_size", None)
     return _one_spelling(saved)
 
 

@@ -12,7 +12,8 @@ VOCAB_TABLES = ("embedding.word.weight", "output.weight")
 
 def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
     """table [V', ...] cut or zero-padded to [rows, ...]."""
-    if table.is_meta:  # shapes only (gpt.init on the meta device)
+    # shapes only (gpt.init on the meta device)
+    if table.is_meta:
         return table.new_empty((rows, *table.shape[1:]))
     if table.shape[0] >= rows:
         return table[:rows]

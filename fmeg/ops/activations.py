@@ -44,6 +44,7 @@ def mlp_activation(
         return GATES[activation](gate) * (up + glu_linear_offset)
     if activation == "gelu_tanh":
         return gelu_tanh(h)
-    if activation == "squared_relu":  # Megatron's --squared-relu
+    # Megatron's --squared-relu
+    if activation == "squared_relu":
         return torch.relu(h).square()
     return gelu(h)

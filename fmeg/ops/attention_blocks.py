@@ -45,7 +45,8 @@ def kernel(q: torch.Tensor, drop: Drop | None) -> str | None:
         return None
     if q.device.type == "cpu":
         return "cpu"
-    aligned = q.shape[-1] % 8 == 0  # the kernel's alignment for every dtype it takes
+    # the kernel's alignment for every dtype it takes
+    aligned = q.shape[-1] % 8 == 0
     return "cuda" if q.device.type == "cuda" and q.dtype in _CUDA_DTYPES and aligned else None
 
 

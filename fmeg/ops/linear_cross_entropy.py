@@ -39,7 +39,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # all rows of weight: the padded vocabulary keeps the GEMM aligned
         logits = upcast(F.linear(x, weight))
         padded = logits.shape[-1] > vocab_size
-        if padded:  # padding ids take no part: probability 0, so no gradient either
+        # padding ids take no part: probability 0, so no gradient either
+        if padded:
             real = torch.arange(logits.shape[-1], device=logits.device) < vocab_size
             logits = logits.masked_fill(~real, float("-inf"))
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -63,7 +64,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g.scatter_add_(-1, safe, target)
             if smoothing:
                 g[..., :vocab_size].sub_(uniform)
-        return loss, g.to(x.dtype)  # kept in the compute dtype: the backward GEMMs run in it
+        # kept in the compute dtype: the backward GEMMs run in it
+        return loss, g.to(x.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

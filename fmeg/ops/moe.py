@@ -187,7 +187,8 @@ def capacity_keep(
     cap = capacity(t, num_experts, k, factor)
     if cap >= t:
         return torch.ones_like(experts_TK, dtype=torch.bool)
-    onehot = routing_map(experts_TK, num_experts).bool()  # [T, E]
+    # [T, E]
+    onehot = routing_map(experts_TK, num_experts).bool()
     if policy == "probs":
         dense = torch.zeros(t, num_experts, device=probs_TK.device).scatter(
             1, experts_TK, probs_TK.detach().float()
@@ -256,7 +257,8 @@ def expert_rows(
     rows after the counts' blocks belong to none of the E' experts held and give zeros, their
     expert_of_row E')."""
     held = fc1.shape[0]
-    w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1  # gated: [E', 2F, H], gate rows then up rows
+    # gated: [E', 2F, H], gate rows then up rows
+    w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1
     h = grouped_linear(rows_NH, w1, counts_E)
     if fc1_bias is not None:
         h = h + _per_row(fc1_bias.flatten(1), expert_of_row, held)
@@ -279,7 +281,8 @@ def grouped_linear(
     """rows sorted by expert (the first counts[0] rows are expert 0's, ...; any rows after them
     belong to no expert and give zeros) times each expert's weight transposed -> [N, F]."""
     n, e = rows_NH.shape[0], weight_EFH.shape[0]
-    if e == 0:  # an expert-parallel shard can hold none of a small model's experts
+    # an expert-parallel shard can hold none of a small model's experts
+    if e == 0:
         return rows_NH.new_zeros(n, weight_EFH.shape[-2]) + 0 * weight_EFH.sum()
     ends = counts_E.cumsum(0)
     if _grouped_mm_supported(rows_NH, weight_EFH):
@@ -311,7 +314,8 @@ def grouped_linear(
 def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or rows.dtype != weight.dtype:
         return False
-    aligned = 16 // rows.element_size()  # the kernel wants 16-byte strides
+    # the kernel wants 16-byte strides
+    aligned = 16 // rows.element_size()
     if rows.shape[-1] % aligned or weight.shape[-2] % aligned:
         return False
     if rows.device.type == "cuda":

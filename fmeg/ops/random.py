@@ -28,7 +28,8 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def fold_in(key: int | torch.Tensor, *data: int) -> torch.Tensor:
     """A new key from a key and integers (layer, site, microbatch...), as jax.random.fold_in."""
     key = torch.as_tensor(key, dtype=torch.int64)
-    for d in data:  # key * 0 + d, not as_tensor(d): under torch.compile a symbolic d stays symbolic
+    # key * 0 + d, not as_tensor(d): under torch.compile a symbolic d stays symbolic
+    for d in data:
         key = _hash32(key ^ _hash32(key * 0 + d + 0x9E3779B9))
     return key
 
@@ -46,7 +47,8 @@ def uniform(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def normal(key: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """fp32 standard normal values, one per element of `index` (Box-Muller on two keyed
     uniforms)."""
-    u1 = 1.0 - uniform(fold_in(key, 1), index)  # in (0, 1]: its log is finite
+    # in (0, 1]: its log is finite
+    u1 = 1.0 - uniform(fold_in(key, 1), index)
     u2 = uniform(fold_in(key, 2), index)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * torch.pi * u2)
 

@@ -44,7 +44,8 @@ def yarn_scaled(
     Hugging Face's truncate=False)."""
     dim = 2 * inv_freq.numel()
 
-    def dimension_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+    # the dimension whose frequency turns `turns` times
+    def dimension_of(turns: float) -> float:
         return (
             dim * math.log(original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(theta))
         )

@@ -43,7 +43,8 @@ def visible(
     if window is not None:
         keep = keep & (k_pos[None, :] >= q_pos[:, None] - window)
     keep = keep[None, None]
-    if documents is not None:  # the document of a position: how many boundaries lie at or before it
+    # the document of a position: how many boundaries lie at or before it
+    if documents is not None:
         bounds = documents.to(q_pos.device)
         doc_q = torch.searchsorted(bounds, q_pos.expand(len(bounds), -1).contiguous(), right=True)
         doc_k = torch.searchsorted(bounds, k_pos.expand(len(bounds), -1).contiguous(), right=True)

@@ -22,10 +22,12 @@ class LRSchedule:
     max_lr: float
     min_lr: float = 0.0
     warmup_steps: int = 0
-    decay_steps: int | None = None  # None: constant after warmup
+    # None: constant after warmup
+    decay_steps: int | None = None
     style: str = "linear"
     init_lr: float = 0.0
-    wsd_decay_steps: int | None = None  # WSD: length of the final anneal inside decay_steps
+    # WSD: length of the final anneal inside decay_steps
+    wsd_decay_steps: int | None = None
     wsd_style: str = "exponential"
 
     def __post_init__(self) -> None:
@@ -93,7 +95,8 @@ class WeightDecaySchedule:
     --weight-decay-incr-style)."""
 
     start: float
-    end: float | None = None  # None: start (constant)
+    # None: start (constant)
+    end: float | None = None
     incr_steps: int | None = None
     style: str = "constant"
 

@@ -22,13 +22,17 @@ Mask = Callable[[str, torch.Tensor], Any]
 
 
 class ClipState(NamedTuple):
-    norm: torch.Tensor  # the global norm of the last gradients clipped, 0-d
+    # the global norm of the last gradients clipped, 0-d
+    norm: torch.Tensor
 
 
 class AdamState(NamedTuple):
-    count: torch.Tensor  # steps taken, 0-d int64
-    mu: Tree  # first moment, the structure of params
-    nu: Tree  # second moment
+    # steps taken, 0-d int64
+    count: torch.Tensor
+    # first moment, the structure of params
+    mu: Tree
+    # second moment
+    nu: Tree
 
 
 def default_decay_mask(path: str, leaf: torch.Tensor) -> bool:

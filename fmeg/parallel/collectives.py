@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-Group = Any  # fmeg.parallel.comm.Group or None
+# fmeg.parallel.comm.Group or None
+Group = Any
 
 
 def _chunk(x: torch.Tensor, g: Group, dim: int) -> torch.Tensor:
@@ -229,7 +230,8 @@ class _Constant(torch.autograd.Function):
 def _constant(x: torch.Tensor, group: Group, op: str, dim: int = 0) -> torch.Tensor:
     if group is None:
         return x.detach()
-    if torch.compiler.is_compiling():  # no gradient flows, so no Function is needed (nor traced)
+    # no gradient flows, so no Function is needed (nor traced)
+    if torch.compiler.is_compiling():
         x = x.detach()
         return group.all_gather(x, dim) if op == "gather" else group.all_reduce(x, op)
     return _Constant.apply(x.detach(), group, op, dim)

@@ -42,7 +42,8 @@ import torch.distributed._functional_collectives as funcol
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
-_HEADER = 9  # dtype code, ndim, up to 7 sizes
+# dtype code, ndim, up to 7 sizes
+_HEADER = 9
 
 
 class TorchGroup:
@@ -81,7 +82,8 @@ class TorchGroup:
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.gloo:  # gloo has no reduce_scatter: reduce, keep our chunk
+        # gloo has no reduce_scatter: reduce, keep our chunk
+        if self.gloo:
             return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
         if torch.compiler.is_compiling():
             return funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, self.pg)
@@ -184,7 +186,8 @@ class ThreadGroup:
         self._rv.slots[self.rank] = _shareable(x)
         self._rv.barrier.wait()
         everyone = list(self._rv.slots)
-        self._rv.barrier.wait()  # nobody overwrites a slot before all have read
+        # nobody overwrites a slot before all have read
+        self._rv.barrier.wait()
         everyone[self.rank] = x
         return everyone
 
@@ -196,7 +199,8 @@ class ThreadGroup:
         return out
 
     def all_reduce_async(self, x: torch.Tensor) -> "_Done":
-        x.copy_(self.all_reduce(x.clone()))  # a clone: other ranks may still be reading the slot
+        # a clone: other ranks may still be reading the slot
+        x.copy_(self.all_reduce(x.clone()))
         return _Done()
 
     def reduce_async(self, x: torch.Tensor, dst: int) -> "_Done":
@@ -255,7 +259,8 @@ def _shareable(x: torch.Tensor) -> torch.Tensor:
     join the owner's graph. What a peer needs is the value, as torch.distributed would send it."""
     while torch._C._functorch.is_gradtrackingtensor(x):
         x = torch._C._functorch.get_unwrapped(x)
-    with torch._C._DisableFuncTorch():  # inside a transform, detach() would wrap the result again
+    # inside a transform, detach() would wrap the result again
+    with torch._C._DisableFuncTorch():
         return x.detach()
 
 

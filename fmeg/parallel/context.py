@@ -72,7 +72,8 @@ COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 @dataclass(frozen=True)
 class ContextParallel:
-    group: Any = None  # a fmeg.parallel.comm Group over the cp ranks, or None for one rank
+    # a fmeg.parallel.comm Group over the cp ranks, or None for one rank
+    group: Any = None
     # one for every layer, or one per layer (Megatron's list form)
     comm_type: str | tuple[str, ...] = "p2p"
     # a2a+p2p: its a2a level, consecutive cp ranks (mesh group cp_a2a); None: one rank
@@ -186,7 +187,8 @@ def ulysses(
             f"the a2a context parallelism splits heads: {n} query and {g} key/value heads must be "
             f"divisible by cp={size}"
         )
-    if size > 1:  # [b, heads / cp, s (chunks in rank order), d], then the sequence's order
+    # [b, heads / cp, s (chunks in rank order), d], then the sequence's order
+    if size > 1:
         q, k, v = (reorder(C.all_to_all(t, cp.group, 1, SEQ), SEQ, size) for t in (q, k, v))
     one_device = (
         ops.causal_attention
@@ -235,14 +237,16 @@ def hierarchical(
         )
     if inner is not None:
         q, k, v = (_big_chunks(C.all_to_all(t, inner, 1, SEQ), a) for t in (q, k, v))
-        if dropout is not None:  # these heads are the a2a rank's share of the rank's
+        # these heads are the a2a rank's share of the rank's
+        if dropout is not None:
             dropout = AttentionDropout(
                 dropout.p,
                 dropout.key,
                 dropout.head_offset + inner.rank * q.shape[1],
                 dropout.total_heads,
             )
-    if outer is None:  # p = 1: the whole sequence, in order (Ulysses)
+    # p = 1: the whole sequence, in order (Ulysses)
+    if outer is None:
         out = ulysses(q, k, v, NO_CP, dropout, documents)
     # the big chunks are the ring's own layout of the whole sequence: the documents' positions hold
     else:

@@ -16,7 +16,8 @@ import torch
 
 from fmeg import ops
 
-SEQ = 2  # the sequence dimension of [b, heads, s, d]
+# the sequence dimension of [b, heads, s, d]
+SEQ = 2
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ class GradSync:
         self.group, self.dp = group, 1 if group is None else group.size
         self.divisor = self.dp if divisor is None else divisor
         self.rank = 0 if group is None else group.rank
-        self.layout = FlatBuffer.of(params, self.dp)  # the flat layout ZeRO-1 slices
+        # the flat layout ZeRO-1 slices
+        self.layout = FlatBuffer.of(params, self.dp)
         self.owner_slices, self.spec, self.shapes = (
             owner_slices,
             self.layout.spec,
@@ -116,11 +117,14 @@ class GradSync:
         by each leaf's first contribution)."""
         self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
         self._arrived = [False] * len(self.paths)
-        self._touched = [False] * len(self.paths)  # received a contribution this iteration
+        # received a contribution this iteration
+        self._touched = [False] * len(self.paths)
         self._handles: list[Any] = []
-        self.started_with_pending: list[int] = []  # leaves still to come when each bucket started
+        # leaves still to come when each bucket started
+        self.started_with_pending: list[int] = []
         for b, waiting in enumerate(self._waiting):
-            if waiting == 0:  # padding only
+            # padding only
+            if waiting == 0:
                 self._start(b)
         return self
 
@@ -176,7 +180,8 @@ class GradSync:
             raise RuntimeError(
                 f"GradSync: no gradient for {missing[:3]}{' ...' if len(missing) > 3 else ''}"
             )
-        for i, arrived in enumerate(self._arrived):  # without overlap: every bucket starts now
+        # without overlap: every bucket starts now
+        for i, arrived in enumerate(self._arrived):
             if not arrived:
                 self._arrive(i)
         for handle in self._handles:

@@ -17,22 +17,28 @@ from fmeg.parallel.mesh import Mesh
 class Layout:
     tp: int = 1
     pp: int = 1
-    chunks: int = 1  # virtual pipeline stages per rank
+    # virtual pipeline stages per rank
+    chunks: int = 1
     dp: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     # Megatron's (granularity, method, layers)
     recompute: tuple[str, str | None, int | None] | None = None
-    recompute_modules: tuple[str, ...] = ("core_attn",)  # what selective recomputation recomputes
+    # what selective recomputation recomputes
+    recompute_modules: tuple[str, ...] = ("core_attn",)
     # what data-parallel ranks keep a slice of (fmeg.state.SHARDINGS); "optim": ZeRO-1
     sharding: str = "no_shard"
     micro_batch_size: int = 1
-    ep: int = 1  # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
-    etp: int | None = None  # the experts' tensor parallelism (None: tp)
+    # expert parallelism: each of ep data-parallel ranks holds num_experts / ep experts
+    ep: int = 1
+    # the experts' tensor parallelism (None: tp)
+    etp: int | None = None
     # context parallelism: cp ranks split each sequence (fmeg.parallel.context); replicas otherwise
     cp: int = 1
-    cp_comm_type: str | tuple[str, ...] = "p2p"  # one for every layer, or one per layer
-    cp_a2a: int = 1  # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
+    # one for every layer, or one per layer
+    cp_comm_type: str | tuple[str, ...] = "p2p"
+    # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
+    cp_a2a: int = 1
 
     @property
     def zero(self) -> bool:

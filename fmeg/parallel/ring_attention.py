@@ -64,7 +64,8 @@ def blockwise(
     """p2p or all_gather over group (this rank holding its chunks r and 2 size - 1 - r of the
     sequence); documents: host cu_seqlens [b, s + 1] of the whole sequence (each packed document
     attends to itself only), or None."""
-    if torch.compiler.is_compiling():  # one opaque op in the graph, running the code below
+    # one opaque op in the graph, running the code below
+    if torch.compiler.is_compiling():
         d = dropout or AttentionDropout(0.0, None)
         return _attention_op(
             q, k, v, comm_type, handle, d.p, d.key, d.head_offset, d.total_heads, documents

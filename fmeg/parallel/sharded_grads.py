@@ -177,7 +177,8 @@ class ShardedGradSync:
             self._complete()
         lo = self.rank * self.size
         for k, (a, b, leaves_of, owner) in enumerate(self.buckets):
-            if owner == self.rank and not self._rounds[k]:  # padding
+            # padding
+            if owner == self.rank and not self._rounds[k]:
                 self.accumulator[a - lo : b - lo].zero_()
         for i, whole in self.whole.items():
             if self.group is not None:

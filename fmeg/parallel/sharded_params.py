@@ -94,7 +94,8 @@ class ShardedParams:
         self._gathering: dict[str, list] = {}
         # this iteration's uses (unit, backward?), in order
         self._order: list[tuple[str, bool]] = []
-        self._next: dict[tuple[str, bool], str] = {}  # the unit used after each use, last iteration
+        # the unit used after each use, last iteration
+        self._next: dict[tuple[str, bool], str] = {}
 
     @functools.cache  # noqa: B019 - one entry per segment, for the object's life
     def units_of(self, stage: int, keys: tuple[str, ...] | None) -> list[str]:
@@ -127,7 +128,8 @@ class ShardedParams:
                 and following not in self._gathering
             ):
                 self._start(following)
-        keep = not backward and torch.is_grad_enabled()  # a forward that a backward will follow
+        # a forward that a backward will follow
+        keep = not backward and torch.is_grad_enabled()
         try:
             yield
         finally:

@@ -23,7 +23,8 @@ from fmeg import tree
 
 @dataclass(frozen=True)
 class Partition:
-    dim: int  # counted from the end when negative, so stacked leaves ([2, F, H]) share a rule
+    # counted from the end when negative, so stacked leaves ([2, F, H]) share a rule
+    dim: int
     axis: str = "tp"
 
 

@@ -61,9 +61,11 @@ NO_EP = ExpertParallel()
 
 @dataclass(frozen=True)
 class TensorParallel:
-    group: Any = None  # a fmeg.parallel.comm Group, or None for one rank
+    # a fmeg.parallel.comm Group, or None for one rank
+    group: Any = None
     sequence_parallel: bool = False
-    experts: ExpertParallel = NO_EP  # where mixture-of-experts layers find their experts' ranks
+    # where mixture-of-experts layers find their experts' ranks
+    experts: ExpertParallel = NO_EP
     # the sequence split over context-parallel ranks (fmeg.parallel.context)
     context: ContextParallel = NO_CP
 

@@ -176,7 +176,8 @@ class ExpertSplitState(Parts):
         return state
 
     def _merged(self, dense: dict, experts: dict) -> dict:
-        if self.zero:  # flat slices: the experts' under a name of their own
+        # flat slices: the experts' under a name of their own
+        if self.zero:
             return {"shard": dense["shard"], "expert_shard": experts["shard"]}
         return {s: merge(dense[s], experts[s]) for s in dense}
 
@@ -228,7 +229,8 @@ class ExpertSplitState(Parts):
             if self.experts
             else torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
         )
-        group = mesh.group("tp_ep_pp")  # every rank of it takes part, with or without experts
+        # every rank of it takes part, with or without experts
+        group = mesh.group("tp_ep_pp")
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (
             self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts

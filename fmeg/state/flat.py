@@ -136,7 +136,8 @@ class FlatState:
         self._allocate(device, compute_dtype, grad_dtype, moment_dtypes)
         self.assign(params)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
-        self._step = torch.zeros((), device=device)  # the fused kernel's step count, on the device
+        # the fused kernel's step count, on the device
+        self._step = torch.zeros((), device=device)
         self.gathered = (
             ShardedParams(
                 params,

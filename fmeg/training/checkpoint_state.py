@@ -59,31 +59,42 @@ class Replicas:
 
 @dataclass(frozen=True)
 class Placement:
-    name: str  # the global path: "layers.3.attn.qkv.weight"
-    block: Box  # this rank's block of the global tensor
+    # the global path: "layers.3.attn.qkv.weight"
+    name: str
+    # this rank's block of the global tensor
+    block: Box
     global_shape: tuple[int, ...]
     # the dimensions expert and tensor parallelism split (cells are cut along them)
     split_dims: tuple[int, ...]
-    whole: "Replicas"  # the ranks holding the block alike in a whole buffer
-    sliced: "Replicas"  # the same in a distributed-optimizer slice
-    copy: bool = False  # the last stage's copy of the word embedding: written from stage 0's
+    # the ranks holding the block alike in a whole buffer
+    whole: "Replicas"
+    # the same in a distributed-optimizer slice
+    sliced: "Replicas"
+    # the last stage's copy of the word embedding: written from stage 0's
+    copy: bool = False
     # a vocabulary table: rows past a checkpoint's saved rows are padding (zeros)
     vocab: bool = False
 
 
 @dataclass(frozen=True)
 class Region:
-    part: int  # which part of the state: 0 the dense leaves, 1 the experts' laid out apart
-    kind: str  # "params", "main", "mu" or "nu"
+    # which part of the state: 0 the dense leaves, 1 the experts' laid out apart
+    part: int
+    # "params", "main", "mu" or "nu"
+    kind: str
     placement: Placement
-    box: Box  # in the global tensor
-    view: torch.Tensor  # the buffer's values of the box
-    sliced: bool  # part of a distributed-optimizer slice
+    # in the global tensor
+    box: Box
+    # the buffer's values of the box
+    view: torch.Tensor
+    # part of a distributed-optimizer slice
+    sliced: bool
 
 
 def _replicas(mesh: Any, axes: list[str]) -> Replicas:
     index, count = 0, 1
-    for axis in reversed(axes):  # the first axis varies fastest
+    # the first axis varies fastest
+    for axis in reversed(axes):
         index, count = index * mesh.size(axis) + mesh.coord(axis), count * mesh.size(axis)
     return Replicas(index, count, tuple(axes))
 

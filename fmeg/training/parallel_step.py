@@ -136,7 +136,8 @@ def evaluate(
         return None
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
     pair = torch.stack([loss.double(), tokens.double()])
-    group = mesh.group("dp_cp")  # every rank's tokens: data and context parallel
+    # every rank's tokens: data and context parallel
+    group = mesh.group("dp_cp")
     return group.all_reduce(pair) if group is not None else pair
 
 

@@ -28,8 +28,10 @@ class Progress:
     valid_consumed: int = 0
     scheduled: int = 0
     scaler: loss_scale.LossScale | None = None
-    skipped: int = 0  # steps the loss scaler skipped
-    nans: int = 0  # iterations with a non-finite loss or gradient and no scaler
+    # steps the loss scaler skipped
+    skipped: int = 0
+    # iterations with a non-finite loss or gradient and no scaler
+    nans: int = 0
 
     def after_step(
         self, *, global_batch: int, skipped: bool, in_samples: bool, non_finite: bool = False
@@ -52,8 +54,10 @@ class Progress:
 @dataclass(frozen=True)
 class Resume:
     progress: Progress
-    fresh_optimizer: bool  # rebuild the optimizer state from the loaded weights
-    description: str  # "resumed from ... (iteration 40, 320 samples; layout unchanged)"
+    # rebuild the optimizer state from the loaded weights
+    fresh_optimizer: bool
+    # "resumed from ... (iteration 40, 320 samples; layout unchanged)"
+    description: str
 
 
 def resume(

@@ -137,7 +137,8 @@ def memory_estimate(
     depths = config.mtp_depth
     layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
     activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
-    weights = local_params * (activation_bytes + 4)  # compute copy + fp32 gradient buffer
+    # compute copy + fp32 gradient buffer
+    weights = local_params * (activation_bytes + 4)
     return {
         "weights_and_grads": weights,
         "optimizer": float(state_bytes),

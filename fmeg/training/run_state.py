@@ -170,7 +170,8 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
             ckpt.meta.get("layout") == layout_meta
             and ckpt.meta["model"].get("padded_vocab_size") == cfg.model.padded_vocab_size
         )
-        weights_only = ckpt.meta.get("optimizer_saved") is False  # written with --no-save-optim
+        # written with --no-save-optim
+        weights_only = ckpt.meta.get("optimizer_saved") is False
         if weights_only and not own and not (ck.finetune or ck.no_load_optim):
             raise checkpoint.CheckpointError(
                 f"--load {load}: {found.name} holds no optimizer state (saved with "
@@ -194,7 +195,8 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
             optimizer=not plan.fresh_optimizer,
             agree=session.first_problem,
         )
-    if plan.fresh_optimizer:  # the weights only: fp32 main weights from the loaded ones
+    # the weights only: fp32 main weights from the loaded ones
+    if plan.fresh_optimizer:
         state.fresh_optimizer()
     changed = [
         f"warning: --load {load}: {change} (a setting outside the parameters' shapes, which may "

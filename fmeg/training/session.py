@@ -57,7 +57,8 @@ def silent_ranks(wait: float = 5.0) -> list[int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = "fmeg/roll_call/"  # the default store is this restart's own (_restart_safe_store)
+        # the default store is this restart's own (_restart_safe_store)
+        prefix = "fmeg/roll_call/"
         store.set(f"{prefix}{rank}", "here")
         deadline = time.monotonic() + wait
         while True:
@@ -97,8 +98,10 @@ class Session:
     rank: int
     device: torch.device
     mesh: Mesh
-    compile: str | None  # the torch.compile backend of the step's stages, None for eager
-    restarts: int = 0  # how many times torchrun restarted this job's workers (--max-restarts)
+    # the torch.compile backend of the step's stages, None for eager
+    compile: str | None
+    # how many times torchrun restarted this job's workers (--max-restarts)
+    restarts: int = 0
 
     @classmethod
     def start(cls, cfg) -> Session:

@@ -146,7 +146,8 @@ def with_aux_losses(
                 cp_group.all_reduce(unpadded) if cp_group is not None else unpadded
             )
         step = {}
-        if global_counts is not None:  # microbatch i writes row i and averages rows 0..i
+        # microbatch i writes row i and averages rows 0..i
+        if global_counts is not None:
             order = torch.arange(m, device=device)
             step = {
                 "moe_global_counts": global_counts,
@@ -183,7 +184,8 @@ def update_expert_bias(
         for j, index in enumerate(gp.stage_layers(config, stage, layout.num_stages)):
             if kinds[index]:
                 state.add_(f"{stage}.layers.{j}.mlp.router.expert_bias", delta[index])
-        if stage == layout.num_stages - 1:  # the multi-token prediction layers'
+        # the multi-token prediction layers'
+        if stage == layout.num_stages - 1:
             for k in range(config.mtp_depth):
                 if kinds[config.num_layers + k]:
                     state.add_(
@@ -208,7 +210,8 @@ def aux_loss_values(
     if metrics is None:
         return {}
     per_layer = metrics.mean(dim=0)
-    for name in ("mp", "dp", "cp"):  # parts over tp (sp) and cp sum to a microbatch's value
+    # parts over tp (sp) and cp sum to a microbatch's value
+    for name in ("mp", "dp", "cp"):
         group = mesh.group(name)
         if group is not None:
             per_layer = group.all_reduce(per_layer)
@@ -227,7 +230,8 @@ def aux_loss_values(
         if used["global_load_balancing_loss"]
         else per_layer / layout.dp
     )
-    if kind == "seq_aux_loss":  # megatron-core's name for the sequence-level loss
+    # megatron-core's name for the sequence-level loss
+    if kind == "seq_aux_loss":
         used = {
             ("seq_load_balancing_loss" if k == "load_balancing_loss" else k): v
             for k, v in used.items()

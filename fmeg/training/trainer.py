@@ -167,7 +167,8 @@ class Trainer:
         tick = time.perf_counter()
         global_batch = t.batch(p.consumed)
         batch = self.batches(self.train_data, p.consumed, global_batch, iteration, train=True)
-        if iteration < t.train_iters:  # the next iteration's samples, built while this step runs
+        # the next iteration's samples, built while this step runs
+        if iteration < t.train_iters:
             following = p.consumed + global_batch
             self.loader.ahead(
                 self.train_data, self.microbatch_starts(following, t.batch(following))

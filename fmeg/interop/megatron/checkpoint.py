@@ -144,7 +144,8 @@ class MegatronCheckpoint:
         saved = self.dist.shape(key)
         want = gpt_keys.megatron_shape(src, shape)
         if src.layer is not None:
-            want = (self.config.num_layers, *want)  # Megatron stacks every layer of the model
+            # Megatron stacks every layer of the model
+            want = (self.config.num_layers, *want)
         rows_differ = r.pad_with_zeros and len(saved) == len(want) and saved[1:] == want[1:]
         if saved != want and not rows_differ:
             raise CheckpointError(

@@ -116,7 +116,8 @@ def _writer_class():
     from torch.distributed.checkpoint import FileSystemWriter
 
     class Writer(FileSystemWriter):
-        def storage_meta(self):  # no checkpoint_id: it would name the temporary directory
+        # no checkpoint_id: it would name the temporary directory
+        def storage_meta(self):
             return None
 
     return Writer
@@ -207,7 +208,8 @@ def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: A
         # stays
         if isinstance(e, CheckpointException) and e.failures:
             e = next(iter(e.failures.values()))
-            e = e[0] if isinstance(e, tuple) else e  # (the rank's exception, its frames)
+            # (the rank's exception, its frames)
+            e = e[0] if isinstance(e, tuple) else e
         shutil.rmtree(tmp, ignore_errors=True)
         tracker.unlink(missing_ok=True)
         if made:

@@ -25,8 +25,10 @@ from fmeg.checkpoint.boxes import Box
 
 @dataclass(frozen=True)
 class Source:
-    keys: tuple[str, ...]  # Megatron's names for the tensor, the usual one first
-    layer: int | None = None  # the index in Megatron's stacked layers dimension
+    # Megatron's names for the tensor, the usual one first
+    keys: tuple[str, ...]
+    # the index in Megatron's stacked layers dimension
+    layer: int | None = None
     # fmeg's dims (split, split + 1) are Megatron's dim split (fc1's [2, F] as [2F])
     split: int | None = None
 
@@ -39,7 +41,8 @@ _TOP = {
     "output.weight": "output_layer.weight",
 }
 _D = "decoder.layers."
-_LAYER = {  # fmeg's path inside layers.{i} -> Megatron's names, and the split dim of a gated fc1
+# fmeg's path inside layers.{i} -> Megatron's names, and the split dim of a gated fc1
+_LAYER = {
     "attn_norm.weight": (
         (f"{_D}self_attention.linear_qkv.layer_norm_weight", f"{_D}input_layernorm.weight"),
         None,
@@ -108,7 +111,8 @@ def boxes(src: Source, box: Box, shape: tuple[int, ...]) -> list[tuple[Box, tupl
         return [(Box((*lead, *box.offset), (*(1,) * len(lead), *box.shape)), ())]
     d, rows = src.split, shape[src.split + 1]
     out = []
-    for a in range(box.offset[d], box.end[d]):  # gate, then up: each a run of Megatron's 2F rows
+    # gate, then up: each a run of Megatron's 2F rows
+    for a in range(box.offset[d], box.end[d]):
         offset = (*box.offset[:d], a * rows + box.offset[d + 1], *box.offset[d + 2 :])
         size = (*box.shape[:d], box.shape[d + 1], *box.shape[d + 2 :])
         out.append(

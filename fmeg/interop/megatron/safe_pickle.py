@@ -52,7 +52,8 @@ _DCP_CLASSES = {
         "TensorWriteData",
         "BytesIOWriteData",
     },
-    "torch.serialization": {"_get_layout"},  # torch.strided from its name
+    # torch.strided from its name
+    "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "collections": {"OrderedDict"},
     # StorageMeta's checkpoint_id, as DCP's FileSystemWriter writes it

@@ -55,7 +55,8 @@ class TorchDistDir:
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.chunks: dict[str, list[Chunk]] = {}
         for key, md in metadata.state_dict_metadata.items():
-            if not hasattr(md, "chunks"):  # bytes: Megatron's extra state, RNG states, ...
+            # bytes: Megatron's extra state, RNG states, ...
+            if not hasattr(md, "chunks"):
                 continue
             self.tensors[key] = (tuple(md.size), md.properties.dtype)
             for chunk in md.chunks:
@@ -76,7 +77,8 @@ class TorchDistDir:
                     Chunk(key, box, info.relative_path, info.offset, info.length)
                 )
         self.bytes_read = (self.path / ".metadata").stat().st_size
-        self.files_read: set[str] = set()  # the .distcp files a read has touched
+        # the .distcp files a read has touched
+        self.files_read: set[str] = set()
 
     def has(self, key: str) -> bool:
         return key in self.tensors
@@ -144,7 +146,8 @@ class TorchDistDir:
         first = (region.offset[k] - chunk.box.offset[k]) * inner
         raw = self._pread(chunk, region.numel * size, start + first * size)
         if len(raw) != region.numel * size:
-            return None  # a truncated file: the whole read names it
+            # a truncated file: the whole read names it
+            return None
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(region.shape)
 
     def _elements_start(self, chunk: Chunk) -> tuple[int, torch.dtype]:
@@ -189,7 +192,8 @@ class TorchDistDir:
                 f"chunk (byte {chunk.offset + chunk.length}); the file is truncated"
             )
         try:
-            if raw[:2] == b"PK":  # torch.save's archive (Megatron writes every chunk so)
+            # torch.save's archive (Megatron writes every chunk so)
+            if raw[:2] == b"PK":
                 archive = io.BytesIO(raw)
                 values = torch.load(archive, map_location="cpu", weights_only=True)
             else:

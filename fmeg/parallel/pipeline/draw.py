@@ -44,5 +44,6 @@ def draw_timeline(timeline: Timeline, path: str | Path, title: str = "") -> Path
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(path)  # never leave a half-written picture
+    # never leave a half-written picture
+    tmp.replace(path)
     return path

@@ -166,7 +166,8 @@ class _Execution:
         self.vjps: dict[tuple[int, int], list] = {}
         self.deferred: dict[tuple[int, int], list] = {}
         self.sums: dict[int, dict[str, torch.Tensor]] = {s: {} for s in stage_params}
-        self.finished = {s: 0 for s in stage_params}  # weight-gradient steps done per stage
+        # weight-gradient steps done per stage
+        self.finished = {s: 0 for s in stage_params}
         self.loss: torch.Tensor | None = None
 
     def run(self, a: Action) -> None:

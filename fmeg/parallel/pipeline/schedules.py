@@ -94,7 +94,8 @@ def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
     rank microbatches (1F1B's peak activation memory; a microbatch is held until its W), else a
     pending W. The W that would otherwise wait for the cooldown fills the bubble."""
     _check(pp, microbatches)
-    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, microbatch) -> finish time
+    # (kind, rank, microbatch) -> finish time
+    done: dict[tuple[str, int, int], int] = {}
     next_f, next_b, pending_w = [0] * pp, [0] * pp, [[] for _ in range(pp)]
     schedule: Schedule = [[] for _ in range(pp)]
     t = 0
@@ -106,7 +107,8 @@ def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
                 if r < pp - 1
                 else done.get(("F", r, b), t + 1) <= t
             )
-            held = f - (len(schedule[r]) - f - b)  # forwards done minus weight gradients done
+            # forwards done minus weight gradients done
+            held = f - (len(schedule[r]) - f - b)
             f_ready = (
                 f < microbatches
                 and held < pp - r

@@ -92,7 +92,8 @@ def compose(
     return run
 
 
-_covered: set[tuple] = set()  # (segment keys, params structure) pairs found covered
+# (segment keys, params structure) pairs found covered
+_covered: set[tuple] = set()
 
 
 def check_cover(segments: list[Segment], params: Any, stage: int) -> None:

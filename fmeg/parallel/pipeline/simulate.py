@@ -53,7 +53,8 @@ def _local_dependency(
         return ("F", s - 1, m) if s > 0 else None
     if action.kind == "B":
         return ("B", s + 1, m) if s < stages - 1 else ("F", s, m)
-    return ("B", s, m)  # W after its B
+    # W after its B
+    return ("B", s, m)
 
 
 def simulate(
