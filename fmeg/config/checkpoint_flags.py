@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 from fmeg.config.declare import not_positive, flag, group, switch
 
@@ -58,6 +60,14 @@ class CheckpointFlags:
         "--exit-on-missing-checkpoint",
         help="with --load: stop (exit 2) instead of starting afresh when it holds no checkpoint",
     )
+
+    def problems(self) -> list[str]:
+        out = not_positive(self, "save_interval")
+        if self.keep_last is not None and self.keep_last <= 0:
+            out.append("--keep-last must be positive")
+        if self.load is not None and os.path.isfile(self.load):
+            out.append(f"--load {self.load} is a file; name the checkpoint directory")
+        return out
 
 
 @group("exit and failure checks")

@@ -47,4 +47,14 @@ class LoggingFlags:
     )
 
     def problems(self) -> list[str]:
-        return not_positive(self, "log_interval")
+        out = not_positive(self, "log_interval", "eval_interval")
+        if self.eval_iters < 0:
+            out.append(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.tensorboard_dir:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                out.append(
+                    "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
+                )
+        return out

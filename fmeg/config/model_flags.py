@@ -151,7 +151,14 @@ class PositionFlags:
     )
 
     def problems(self) -> list[str]:
-        return not_positive(self, "rotary_base")
+        out = not_positive(self, "rotary_base")
+        if self.no_position_embedding and self.position_embedding_type != "rope":
+            out.append(
+                "--no-position-embedding without --position-embedding-type rope would leave the "
+                "model no positions; fmeg does not support that yet: add "
+                "--position-embedding-type rope"
+            )
+        return out
 
 
 @group("activations and norms")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 
 from fmeg.config.declare import not_positive, flag, group, switch
 from fmeg.models.gpt_pipeline import SELECTIVE_MODULES
@@ -70,7 +72,14 @@ class ParallelFlags:
 
     def problems(self) -> list[str]:
         """The sizes that must be positive before any layout is checked."""
-        return not_positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        out = not_positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        out += not_positive(self, "distributed_timeout_minutes")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            out.append(
+                "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); "
+                "use --device cpu"
+            )
+        return out
 
 
 @group("overlap, recomputation and compilation")
@@ -127,3 +136,6 @@ class OverlapFlags:
         "the loss head apart under --overlap-grad-reduce with dp > 1 or full recomputation; "
         "default: on with CUDA, off on CPU, where compiling takes longer than short runs train)",
     )
+
+    def problems(self) -> list[str]:
+        return not_positive(self, "ddp_bucket_size")

@@ -231,3 +231,17 @@ class PrecisionFlags:
     hysteresis: int = flag(
         "--hysteresis", type=int, default=2, help="overflowed steps before the scale halves"
     )
+
+    def problems(self) -> list[str]:
+        """The dtypes chosen and the loss scaler's settings."""
+        out = not_positive(self, "loss_scale")
+        if self.fp16 and self.bf16:
+            out.append("--fp16 and --bf16 are mutually exclusive; choose one")
+        if not self.initial_loss_scale >= self.min_loss_scale > 0:
+            out.append(
+                f"--initial-loss-scale {self.initial_loss_scale} must be >= --min-loss-scale "
+                f"{self.min_loss_scale} > 0"
+            )
+        if self.loss_scale_window <= 0 or self.hysteresis <= 0:
+            out.append("--loss-scale-window and --hysteresis must be positive")
+        return out

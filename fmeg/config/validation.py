@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from fmeg.data.blending import parse_blend, parse_split
 from fmeg.config.arguments import GROUPS, batch_geometry, build_parser, lr_steps
@@ -157,7 +156,8 @@ def _layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         f"--tensor-model-parallel-size {tp}",
     )
     groups = a.num_query_groups
-    if groups:  # else one group per head, checked just above (0 and below: refused further down)
+    # else one group per head, checked just above (0 and below: refused further down)
+    if groups:
         need(
             a.num_attention_heads % groups == 0,
             f"--num-query-groups {groups} must divide --num-attention-heads "
@@ -210,7 +210,8 @@ def _batch_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     dp, gbs = batch_geometry(a, world_size)
     need(
         gbs % (a.micro_batch_size * dp) == 0
-        or a.step_batch_size_schedule,  # its own check names each batch
+        # its own check names each batch
+        or a.step_batch_size_schedule,
         f"--global-batch-size {gbs} must be divisible by --micro-batch-size * data-parallel size = "
         f"{a.micro_batch_size} * {dp}",
     )
@@ -232,10 +233,6 @@ def _batch_problems(a: argparse.Namespace, world_size: int) -> list[str]:
             f"--step-batch-size-schedule: batch sizes {odd} must be multiples of "
             f"--micro-batch-size * data-parallel size = {a.micro_batch_size} * {dp}",
         )
-    need(
-        a.loss_scale is None or a.loss_scale > 0,
-        f"--loss-scale must be positive, got {a.loss_scale}",
-    )
     need(
         a.lr_warmup_samples is None or a.lr_warmup_fraction is None,
         "--lr-warmup-samples and --lr-warmup-fraction are alternatives; choose one",
@@ -283,45 +280,6 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     problems, need = Problems.start()
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     dp, gbs = batch_geometry(a, world_size)
-    need(
-        a.save_interval is None or a.save_interval > 0,
-        f"--save-interval must be positive, got {a.save_interval}",
-    )
-    need(a.keep_last is None or a.keep_last > 0, "--keep-last must be positive")
-    need(
-        not a.no_position_embedding or a.position_embedding_type == "rope",
-        "--no-position-embedding without --position-embedding-type rope would leave the model no "
-        "positions; fmeg does not support that yet: add --position-embedding-type rope",
-    )
-    need(
-        a.device != "cuda" or torch.cuda.is_available(),
-        "--device cuda: torch.cuda.is_available() is False (no GPU, or a CPU-only torch); use "
-        "--device cpu",
-    )
-    need(
-        a.ddp_bucket_size is None or a.ddp_bucket_size > 0,
-        f"--ddp-bucket-size must be positive, got {a.ddp_bucket_size}",
-    )
-    need(
-        a.load is None or not os.path.isfile(a.load),
-        f"--load {a.load} is a file; name the checkpoint directory",
-    )
-    if a.tensorboard_dir:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            problems.append(
-                "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
-            )
-    need(
-        a.eval_interval is None or a.eval_interval > 0,
-        f"--eval-interval must be positive, got {a.eval_interval}",
-    )
-    need(a.eval_iters >= 0, f"--eval-iters must be >= 0, got {a.eval_iters}")
-    need(
-        a.distributed_timeout_minutes > 0,
-        f"--distributed-timeout-minutes must be positive, got {a.distributed_timeout_minutes}",
-    )
     vp_chunks, microbatches = virtual_chunks(a), microbatches_per_step(a, world_size)
     if vp_chunks > 1 and microbatches:
         need(
@@ -332,7 +290,8 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     problems.extend(recompute_problems(a))
     problems.extend(unused_flag_problems(a))
     need(
-        a.eval_global_batch_size in (None, gbs),  # Megatron's default: the final global batch
+        # Megatron's default: the final global batch
+        a.eval_global_batch_size in (None, gbs),
         f"--eval-global-batch-size {a.eval_global_batch_size}: a validation batch other than the "
         f"final global batch ({gbs}) is not supported by fmeg yet; drop the flag",
     )
@@ -341,16 +300,6 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         not a.sequence_parallel or a.seq_length % tp == 0,
         f"--seq-length {a.seq_length} must be divisible by --tensor-model-parallel-size {tp} with "
         "--sequence-parallel",
-    )
-    need(not (a.fp16 and a.bf16), "--fp16 and --bf16 are mutually exclusive; choose one")
-    need(
-        a.initial_loss_scale >= a.min_loss_scale > 0,
-        f"--initial-loss-scale {a.initial_loss_scale} must be >= --min-loss-scale "
-        f"{a.min_loss_scale} > 0",
-    )
-    need(
-        a.loss_scale_window > 0 and a.hysteresis > 0,
-        "--loss-scale-window and --hysteresis must be positive",
     )
     max_pos = a.max_position_embeddings or a.seq_length
     need(
