@@ -27,6 +27,7 @@ from fmeg.parallel.sharding import partition_of, shard
 from fmeg.parallel.context import ContextParallel
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 from fmeg.state.flat import FlatState
+from fmeg.training.step_settings import StepSettings
 from fmeg.training import step_hooks
 
 
@@ -340,34 +341,23 @@ def train_iteration(
     config: gpt.GPTConfig,
     layout: Layout,
     mesh: Mesh,
-    lr: float,
-    weight_decay: float,
-    clip_grad: float,
-    loss_scale: float = 1.0,
-    check_overflow: bool = False,
-    overlap_grad_reduce: bool = False,
-    bucket_numel: int | None = None,
-    compile: str | None = None,
-    decoupled_lr: float | None = None,
-    per_token: bool = False,
+    settings: StepSettings,
 ) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views)
-    hold the next step's values afterwards. With check_overflow (fp16), a step whose gradients hold
-    inf/nan on any rank changes nothing and reports skipped=True, and loss_non_finite: whether the
-    loss itself was inf/nan (no loss scale can cure that). overlap_grad_reduce and bucket_numel:
-    forward_backward's; compile: stage_functions'. decoupled_lr: the word embedding's and output
-    layer's learning rate (Megatron's --decoupled-lr; default lr). per_token: the loss is the sum of
-    the global batch's token losses over its number of tokens (Megatron's
-    --calculate-per-token-loss), not the mean of the microbatch means; the two agree when every
-    microbatch counts as many tokens. The metrics' loss and grad_norm are device tensors: reading
-    them is the caller's sync."""
+    hold the next step's values afterwards; settings: this step's hyperparameters and policies
+    (fmeg.training.step_settings). A step skipped for an overflow reports skipped=True and
+    loss_non_finite: whether the loss itself was inf/nan (no loss scale can cure that). The
+    metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
+    s = settings
+    loss_scale, per_token, compile = s.loss_scale, s.per_token, s.compile
+    overlap_grad_reduce = s.overlap_grad_reduce
     t0 = time.perf_counter()
     hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=loss_scale, per_token=per_token)
     microbatches = step_hooks.prepare(hooks, microbatches)
     fns = stage_functions(
         state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token
     )
-    reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=bucket_numel)
+    reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, loss_scale, per_token=per_token, **reduce
     )
@@ -382,7 +372,9 @@ def train_iteration(
 
     # every element of the owned slices is some data-parallel rank's: the overflow check sees them
     # all
-    overflow, loss_non_finite = _non_finite(grads, loss, mesh) if check_overflow else (False, False)
+    overflow, loss_non_finite = (
+        _non_finite(grads, loss, mesh) if s.check_overflow else (False, False)
+    )
     if overflow:
         nan = torch.tensor(float("nan"))
         return {
@@ -393,7 +385,11 @@ def train_iteration(
             "timers_ms": timers(time.perf_counter()),
         }
     norm = state.step(
-        mesh, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, decoupled_lr=decoupled_lr
+        mesh,
+        lr=s.lr,
+        weight_decay=s.weight_decay,
+        clip_grad=s.clip_grad,
+        decoupled_lr=s.decoupled_lr,
     )
     for hook in hooks:
         hook.after_step(state)

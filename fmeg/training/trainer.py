@@ -24,6 +24,7 @@ from fmeg.training import policies
 from fmeg.training.metrics import ProgressDisplay, open_sinks
 from fmeg.parallel.context import WHOLE_SEQUENCE_KEYS, shard_batch
 from fmeg.training.parallel_step import evaluate, global_norm, model_parallel, train_iteration
+from fmeg.training.step_settings import StepSettings
 from fmeg.training.report import draw_loss_curve, model_flops
 from fmeg.training.sample_loader import SampleLoader
 
@@ -183,16 +184,18 @@ class Trainer:
             config=cfg.model,
             layout=cfg.layout,
             mesh=self.session.mesh,
-            lr=lr,
-            weight_decay=weight_decay,
-            clip_grad=t.clip_grad,
-            loss_scale=scale,
-            check_overflow=t.check_for_nan or p.scaler is not None,
-            overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
-            bucket_numel=cfg.runtime.ddp_bucket_size,
-            compile=self.session.compile,
-            decoupled_lr=decoupled_lr,
-            per_token=t.per_token_loss,
+            settings=StepSettings(
+                lr=lr,
+                weight_decay=weight_decay,
+                clip_grad=t.clip_grad,
+                loss_scale=scale,
+                check_overflow=t.check_for_nan or p.scaler is not None,
+                overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
+                bucket_numel=cfg.runtime.ddp_bucket_size,
+                compile=self.session.compile,
+                decoupled_lr=decoupled_lr,
+                per_token=t.per_token_loss,
+            ),
         )
         # the step's one read, on the rank that logs
         loss = float(m["loss"]) if self.session.last_rank else None

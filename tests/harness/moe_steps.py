@@ -81,6 +81,7 @@ def assert_per_token_step_has_the_gradient_of(params, microbatches, config, bala
     from fmeg.parallel.mesh import Mesh
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     tokens = sum(gpt.loss_tokens(mb) for mb in microbatches)
 
@@ -100,10 +101,7 @@ def assert_per_token_step_has_the_gradient_of(params, microbatches, config, bala
         config=config,
         layout=layout,
         mesh=mesh,
-        lr=0.0,
-        weight_decay=0.0,
-        clip_grad=0.0,
-        per_token=True,
+        settings=StepSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, per_token=True),
     )
     got = state.flat.views(state.main_grad())[0]
     for path, grad in tree.items(got):

@@ -284,6 +284,7 @@ def compiled_training(
     from fmeg.models import gpt
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     torch._dynamo.reset()
     counters.clear()
@@ -306,12 +307,14 @@ def compiled_training(
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            compile=compile,
-            overlap_grad_reduce=overlap,
-            bucket_numel=2000 if overlap else None,
+            settings=StepSettings(
+                lr=1e-2,
+                weight_decay=0.01,
+                clip_grad=1.0,
+                compile=compile,
+                overlap_grad_reduce=overlap,
+                bucket_numel=2000 if overlap else None,
+            ),
         )
         losses.append(None if m["loss"] is None else float(m["loss"]))
         norms.append(float(m["grad_norm"]))
@@ -583,6 +586,7 @@ def sharded_training(
     from fmeg.models import gpt
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import evaluate, init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     layout = Layout(
         tp=mesh.size("tp"),
@@ -602,11 +606,13 @@ def sharded_training(
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            overlap_grad_reduce=overlap,
-            bucket_numel=500 if overlap else None,
+            settings=StepSettings(
+                lr=1e-2,
+                weight_decay=0.01,
+                clip_grad=1.0,
+                overlap_grad_reduce=overlap,
+                bucket_numel=500 if overlap else None,
+            ),
         )
         losses.append(None if m["loss"] is None else float(m["loss"]))
         norms.append(float(m["grad_norm"]))

@@ -13,6 +13,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.optim import adam as fused
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+from fmeg.training.step_settings import StepSettings
 from harness.runner import run_layout
 
 CONFIG = gpt.GPTConfig.llama(
@@ -59,9 +60,7 @@ def trained(moment_dtype, steps=5):
             config=CONFIG,
             layout=layout,
             mesh=mesh,
-            lr=1e-2,
-            weight_decay=0.1,
-            clip_grad=0.0,
+            settings=StepSettings(lr=1e-2, weight_decay=0.1, clip_grad=0.0),
         )
     return state
 

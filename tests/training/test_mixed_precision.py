@@ -14,6 +14,7 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.optim import loss_scale
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+from fmeg.training.step_settings import StepSettings
 from harness.runner import run_layout, run_recipe
 from harness.steps import megatron_scaler
 
@@ -71,11 +72,9 @@ def step(dtype, scale):
         config=CONFIG,
         layout=layout,
         mesh=mesh,
-        lr=1e-2,
-        weight_decay=0.0,
-        clip_grad=1.0,
-        loss_scale=scale,
-        check_overflow=True,
+        settings=StepSettings(
+            lr=1e-2, weight_decay=0.0, clip_grad=1.0, loss_scale=scale, check_overflow=True
+        ),
     )
     assert state.opt_state["main"][0]["layers"][0]["attn"]["qkv"]["weight"].dtype == torch.float32
     return before, tree.tree_leaves((state.params, state.opt_state)), m

@@ -13,6 +13,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+from fmeg.training.step_settings import StepSettings
 
 
 class MatmulFlopsByDtype(TorchDispatchMode):
@@ -62,9 +63,7 @@ def test_a_bf16_iteration_does_its_matmuls_in_bf16(style):
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-3,
-            weight_decay=0.0,
-            clip_grad=1.0,
+            settings=StepSettings(lr=1e-3, weight_decay=0.0, clip_grad=1.0),
         )
     total = sum(counted.flops.values())
     assert total > 6 * 4 * 64 * 4096 * 64  # the output layer's forward and backward at least

@@ -12,6 +12,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+from fmeg.training.step_settings import StepSettings
 
 MESH, LAYOUT = Mesh.single(), Layout()
 
@@ -32,10 +33,9 @@ def step(state, config, batch, lr=1e-3, weight_decay=0.0, clip_grad=1.0, compile
         config=config,
         layout=LAYOUT,
         mesh=MESH,
-        lr=lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        compile=compile,
+        settings=StepSettings(
+            lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, compile=compile
+        ),
     )
 
 

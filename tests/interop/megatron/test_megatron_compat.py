@@ -419,6 +419,7 @@ def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
     from fmeg.parallel.mesh import Mesh
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     config = gpt.GPTConfig.gpt2(
         vocab_size=64,
@@ -442,10 +443,9 @@ def test_decoupled_lr_moves_only_the_embedding_and_output_at_their_rate():
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-2,
-            weight_decay=0.1,
-            clip_grad=1.0,
-            decoupled_lr=decoupled_lr,
+            settings=StepSettings(
+                lr=1e-2, weight_decay=0.1, clip_grad=1.0, decoupled_lr=decoupled_lr
+            ),
         )
         after[decoupled_lr] = {p: v.clone() for p, v in tree.items(state.params)}
     start = dict(tree.items({0: gpt.init(config, 0)}))
@@ -504,6 +504,7 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
     from fmeg.parallel.mesh import Mesh
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import evaluate, init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     config = gpt.GPTConfig.gpt2(
         vocab_size=64, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4
@@ -540,10 +541,7 @@ def test_per_token_loss_weighs_every_token_of_the_global_batch_alike():
         config=config,
         layout=layout,
         mesh=mesh,
-        lr=0.0,
-        weight_decay=0.0,
-        clip_grad=0.0,
-        per_token=True,
+        settings=StepSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, per_token=True),
     )
     torch.testing.assert_close(m["loss"], want_loss)
     torch.testing.assert_close(m["grad_norm"].float(), tree.global_norm(want_grads))
