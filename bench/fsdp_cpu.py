@@ -66,6 +66,7 @@ def rank_program(
     from fmeg.models import gpt
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import initialized_state, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     torch.set_num_threads(1)
     config = gpt.GPTConfig.gpt2(
@@ -103,9 +104,7 @@ def rank_program(
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-4,
-            weight_decay=0.01,
-            clip_grad=1.0,
+            settings=StepSettings(lr=1e-4, weight_decay=0.01, clip_grad=1.0),
         )
 
     step()

@@ -51,6 +51,7 @@ from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import initialized_state, train_iteration
+from fmeg.training.step_settings import StepSettings
 from fmeg.training.report import model_flops
 
 MODELS = {  # (config, batch)
@@ -217,12 +218,15 @@ def fmeg_step(
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-4,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            compile="inductor" if compile_ else None,
-            check_overflow=True,
-        )["loss"]  # as the runner: a non-finite step is skipped
+            settings=StepSettings(
+                lr=1e-4,
+                weight_decay=0.01,
+                clip_grad=1.0,
+                compile="inductor" if compile_ else None,
+                # as the runner: a non-finite step is skipped
+                check_overflow=True,
+            ),
+        )["loss"]
 
     return step
 

@@ -27,6 +27,7 @@ from fmeg.ops import moe as moe_ops
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
 from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+from fmeg.training.step_settings import StepSettings
 
 SHAPES = {  # (hidden, layers, heads, expert ffn, experts, topk, batch, seq)
     "cpu": (256, 4, 8, 512, 8, 2, 4, 256),
@@ -68,9 +69,7 @@ def step_fn(config: gpt.GPTConfig, device: torch.device, dtype: torch.dtype):
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-4,
-            weight_decay=0.01,
-            clip_grad=1.0,
+            settings=StepSettings(lr=1e-4, weight_decay=0.01, clip_grad=1.0),
         )["loss"]
 
     return step

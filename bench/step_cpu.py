@@ -60,6 +60,7 @@ def fmeg_step_fn(params, config, batch, compiled: bool):
     from fmeg.parallel.mesh import Mesh
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
 
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
@@ -71,10 +72,9 @@ def fmeg_step_fn(params, config, batch, compiled: bool):
             config=config,
             layout=layout,
             mesh=mesh,
-            lr=1e-4,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            compile="inductor" if compiled else None,
+            settings=StepSettings(
+                lr=1e-4, weight_decay=0.01, clip_grad=1.0, compile="inductor" if compiled else None
+            ),
         )["loss"]
 
     return run

@@ -341,14 +341,18 @@ def train_iteration(
     config: gpt.GPTConfig,
     layout: Layout,
     mesh: Mesh,
-    settings: StepSettings,
+    settings: StepSettings | None = None,
+    **fields: Any,
 ) -> dict:
     """One step, in place: state's buffers (and so state.params and state.opt_state, their views)
     hold the next step's values afterwards; settings: this step's hyperparameters and policies
-    (fmeg.training.step_settings). A step skipped for an overflow reports skipped=True and
-    loss_non_finite: whether the loss itself was inf/nan (no loss scale can cure that). The
-    metrics' loss and grad_norm are device tensors: reading them is the caller's sync."""
-    s = settings
+    (fmeg.training.step_settings), or its fields as keywords (lr=..., weight_decay=...). A step
+    skipped for an overflow reports skipped=True and loss_non_finite: whether the loss itself was
+    inf/nan (no loss scale can cure that). The metrics' loss and grad_norm are device tensors:
+    reading them is the caller's sync."""
+    if settings is not None and fields:
+        raise TypeError("train_iteration: give settings or its fields as keywords, not both")
+    s = settings or StepSettings(**fields)
     loss_scale, per_token, compile = s.loss_scale, s.per_token, s.compile
     overlap_grad_reduce = s.overlap_grad_reduce
     t0 = time.perf_counter()

@@ -98,3 +98,18 @@ def test_compiled_layers_give_the_eager_step(backend):
     # whichever way the rounding fell, so parameters are compared to a small fraction of one step.
     for (path, a), b in zip(tree.items(compiled.params), tree.tree_leaves(eager.params)):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-5, msg=path)
+
+
+def test_step_settings_given_whole_or_as_keywords_make_the_same_step():
+    batch = {"tokens": torch.arange(16).view(1, 16) % 32, "labels": torch.arange(1, 17).view(1, 16)}
+    where = dict(layout=LAYOUT, mesh=MESH)
+    config, whole = setup()
+    _, keywords = setup()
+    settings = StepSettings(lr=1e-2, weight_decay=0.1, clip_grad=0.5)
+    for _ in range(2):
+        a = train_iteration(whole, [batch], config=config, settings=settings, **where)
+        b = train_iteration(keywords, [batch], config=config, lr=1e-2, weight_decay=0.1,
+                            clip_grad=0.5, **where)  # fmt: skip
+        assert float(a["loss"]) == float(b["loss"])
+    with pytest.raises(TypeError, match="not both"):
+        train_iteration(whole, [batch], config=config, settings=settings, lr=1.0, **where)
