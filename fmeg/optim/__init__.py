@@ -3,6 +3,7 @@ form, and the learning-rate and weight-decay schedules."""
 
 from fmeg.optim.adam import FusedAdamW, adamw, clip_scale
 from fmeg.optim.base import EmptyState, GradientTransformation, apply_updates, chain, stateless
+from fmeg.optim.loss_scale import LossScaledState, with_loss_scale
 from fmeg.optim.schedules import LRSchedule, WeightDecaySchedule
 from fmeg.optim.transforms import (
     AdamState,
@@ -21,6 +22,7 @@ __all__ = [
     "FusedAdamW",
     "GradientTransformation",
     "LRSchedule",
+    "LossScaledState",
     "WeightDecaySchedule",
     "adamw",
     "add_decayed_weights",
@@ -32,4 +34,5 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "stateless",
+    "with_loss_scale",
 ]

@@ -1,8 +1,14 @@
-"""Megatron's dynamic loss scaler for fp16, as a pure function of its state.
+"""Megatron's dynamic loss scaler for fp16, as a pure function of its state, and as a gradient
+transformation wrapping an optimizer.
 
     state = LossScale(scale=2.0**32)
     # after every step; an overflowed step is skipped by the caller
     state = update(state, overflow)
+
+    tx = with_loss_scale(adamw(), initial())       # optax's shape
+    opt_state = tx.init(params)
+    grads = grad(lambda p: loss(p) * opt_state.scaler.scale)(params)
+    updates, opt_state = tx.update(grads, opt_state, params, lr=lr, weight_decay=wd)
 
 The scale halves (never below min_scale) once `hysteresis` overflowed steps have been seen since the
 last growth, and doubles after `window` consecutive clean steps. A static scale (Megatron's
@@ -12,6 +18,12 @@ last growth, and doubles after `window` consecutive clean steps. A static scale 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+
+from fmeg import tree
+from fmeg.optim.base import GradientTransformation
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ def static(scale: float) -> LossScale:
 
 
 def update(state: LossScale, overflow: bool) -> LossScale:
+    """The scaler after a step that overflowed or not."""
     if state.static:
         return state
     if overflow:
@@ -48,3 +61,33 @@ def update(state: LossScale, overflow: bool) -> LossScale:
             state, scale=state.scale * 2.0, clean_steps=0, hysteresis_left=state.hysteresis
         )
     return replace(state, clean_steps=clean)
+
+
+class LossScaledState(NamedTuple):
+    # the scaler the next step's loss is multiplied by (scaler.scale)
+    scaler: LossScale
+    # the wrapped optimizer's state, unchanged by a skipped step
+    inner: Any
+
+
+def with_loss_scale(inner: GradientTransformation, scaler: LossScale) -> GradientTransformation:
+    """inner, given the gradients of the loss times state.scaler.scale: they are unscaled, and a
+    step whose gradients hold inf or nan is skipped (zero updates, inner's state kept) and lowers
+    the scale as update() says; the runner does the same on its flat buffers (train_iteration's
+    check_overflow, then update()). Reading whether the gradients are finite is a host sync."""
+
+    def init(params: Any) -> LossScaledState:
+        return LossScaledState(scaler, inner.init(params))
+
+    def unscaled_update(grads: Any, state: LossScaledState, params: Any = None, **hyper: Any):
+        scale = state.scaler.scale
+        unscaled = tree.tree_map(lambda g: g.float() / scale, grads)
+        leaves = tree.tree_leaves(unscaled)
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in leaves]).all())
+        if not finite:
+            zeros = tree.tree_map(torch.zeros_like, unscaled)
+            return zeros, LossScaledState(update(state.scaler, True), state.inner)
+        updates, inner_state = inner.update(unscaled, state.inner, params, **hyper)
+        return updates, LossScaledState(update(state.scaler, False), inner_state)
+
+    return GradientTransformation(init, unscaled_update)
