@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fmeg.interop.hf_dir import ImportNotice
+from fmeg.interop.hf_yarn import yarn_from_hf, yarn_to_hf
 from fmeg.models.config_groups import Experts
 from fmeg.models.gpt import GPTConfig
 from fmeg.models.moe import expert_ffn, moe_layers
@@ -105,20 +106,6 @@ def _unsupported(hf: Any, rope: dict) -> list[str]:
     ]
 
 
-def _yarn_fields(rope: dict, mscale: float, mscale_all_dim: float) -> dict:
-    """GPTConfig's YaRN fields of transformers' rope_parameters."""
-    return dict(
-        rope_type="yarn",
-        rotary_scaling_factor=float(rope["factor"]),
-        original_max_position_embeddings=rope["original_max_position_embeddings"],
-        beta_fast=float(rope.get("beta_fast") or 32),
-        beta_slow=float(rope.get("beta_slow") or 1),
-        mscale=float(mscale),
-        mscale_all_dim=float(mscale_all_dim),
-        yarn_round_to_int=rope.get("truncate", True),
-    )
-
-
 def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
     """The GPTConfig of a transformers DeepseekV3Config (mtp_depths: how many MTP depths the files
     hold); ValueError naming what fmeg cannot hold."""
@@ -127,10 +114,6 @@ def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
     if problems:
         raise ValueError(f"from_hf: DeepSeek-V3 {problems[0]} is not supported")
     yarn = rope.get("rope_type") == "yarn"
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    # transformers then scales the tables by factor alone
-    if not (mscale and mscale_all_dim):
-        mscale, mscale_all_dim = 1.0, 0.0
     dense = min(hf.first_k_dense_replace, hf.num_hidden_layers)
     return GPTConfig(
         vocab_size=hf.vocab_size,
@@ -154,7 +137,7 @@ def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
         qk_head_dim=hf.qk_nope_head_dim,
         qk_pos_emb_head_dim=hf.qk_rope_head_dim,
         v_head_dim=hf.v_head_dim,
-        **(_yarn_fields(rope, mscale, mscale_all_dim) if yarn else {}),
+        **(yarn_from_hf(rope) if yarn else {}),
         num_experts=hf.n_routed_experts,
         moe_router_topk=hf.num_experts_per_tok,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
@@ -234,19 +217,7 @@ def hf_config(c: GPTConfig) -> Any:
         raise ValueError(f"to_hf: DeepseekV3ForCausalLM needs {', '.join(problems)}")
     rope = {"rope_type": "default", "rope_theta": c.rope.theta}
     if c.rope.kind == "yarn":
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": c.rope.theta,
-            "factor": c.rope.yarn.factor,
-            "original_max_position_embeddings": c.rope.yarn.original_max_position_embeddings,
-            "beta_fast": c.rope.yarn.beta_fast,
-            "beta_slow": c.rope.yarn.beta_slow,
-            "truncate": c.rope.yarn.round_to_int,
-        }
-        if c.rope.yarn.mscale_all_dim:
-            rope |= {"mscale": c.rope.yarn.mscale, "mscale_all_dim": c.rope.yarn.mscale_all_dim}
-        elif c.rope.yarn.mscale != 1.0:
-            raise ValueError("to_hf: transformers' YaRN takes mscale only with mscale_all_dim")
+        rope = yarn_to_hf(c.rope)
     return DeepseekV3Config(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,

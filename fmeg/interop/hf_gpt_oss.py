@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fmeg.interop.hf_yarn import yarn_from_hf, yarn_to_hf
 from fmeg.models.gpt import GPTConfig, fuse_qkv, split_qkv
 
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -50,10 +51,6 @@ def config_from(hf: Any) -> GPTConfig:
     if not kinds <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"from_hf: GPT-OSS layer_types {sorted(kinds)} are not supported")
     windowed = tuple(int(t == "sliding_attention") for t in hf.layer_types)
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    # transformers then scales by factor alone
-    if not (mscale and mscale_all_dim):
-        mscale, mscale_all_dim = 1.0, 0.0
     head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
     return GPTConfig(
         vocab_size=hf.vocab_size,
@@ -77,14 +74,7 @@ def config_from(hf: Any) -> GPTConfig:
         window_size=hf.sliding_window - 1 if any(windowed) else None,
         window_attn_skip_freq=windowed if any(windowed) else None,
         rope_theta=float(rope["rope_theta"]),
-        rope_type="yarn",
-        rotary_scaling_factor=float(rope["factor"]),
-        original_max_position_embeddings=rope["original_max_position_embeddings"],
-        beta_fast=float(rope.get("beta_fast") or 32),
-        beta_slow=float(rope.get("beta_slow") or 1),
-        mscale=float(mscale),
-        mscale_all_dim=float(mscale_all_dim),
-        yarn_round_to_int=rope.get("truncate", True),
+        **yarn_from_hf(rope),
         num_experts=hf.num_local_experts,
         moe_router_topk=hf.num_experts_per_tok,
         moe_ffn_hidden_size=hf.intermediate_size,
@@ -130,19 +120,7 @@ def hf_config(c: GPTConfig) -> Any:
     if len({w for w in windows if w is not None}) > 1:
         raise ValueError("to_hf: GPT-OSS has one sliding window for every windowed layer")
     window = next((w for w in windows if w is not None), None)
-    rope = {
-        "rope_type": "yarn",
-        "rope_theta": c.rope.theta,
-        "factor": c.rope.yarn.factor,
-        "beta_fast": c.rope.yarn.beta_fast,
-        "beta_slow": c.rope.yarn.beta_slow,
-        "truncate": c.rope.yarn.round_to_int,
-        "original_max_position_embeddings": c.rope.yarn.original_max_position_embeddings,
-    }
-    if c.rope.yarn.mscale_all_dim:
-        rope |= {"mscale": c.rope.yarn.mscale, "mscale_all_dim": c.rope.yarn.mscale_all_dim}
-    elif c.rope.yarn.mscale != 1.0:
-        raise ValueError("to_hf: transformers' YaRN takes mscale only with mscale_all_dim")
+    rope = yarn_to_hf(c.rope)
     return GptOssConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
