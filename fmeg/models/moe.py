@@ -314,17 +314,18 @@ def route_tokens(
     --moe-token-drop-policy position keeps, for each expert, the tokens of the earliest positions of
     all the sequences first). expert_bias [E] steers the choice (sigmoid routers)."""
     b, s, e = logits_BSE.shape
+    router = config.experts.router
     probs, experts = moe_ops.route(
         logits_BSE.transpose(0, 1).reshape(s * b, e),
-        topk=config.experts.router.topk,
-        score_function=config.experts.router.score_function,
-        pre_softmax=config.experts.router.pre_softmax,
-        num_groups=config.experts.router.num_groups,
-        group_topk=config.experts.router.group_topk,
-        scaling_factor=config.experts.router.topk_scaling_factor,
+        topk=router.topk,
+        score_function=router.score_function,
+        pre_softmax=router.pre_softmax,
+        num_groups=router.num_groups,
+        group_topk=router.group_topk,
+        scaling_factor=router.topk_scaling_factor,
         expert_bias=None if expert_bias is None else expert_bias.detach(),
-        group_score_topk=config.experts.router.group_score_topk,
-        normalize=config.experts.router.norm_topk,
+        group_score_topk=router.group_score_topk,
+        normalize=router.norm_topk,
     )
     if config.experts.capacity_factor is not None:
         keep = moe_ops.capacity_keep(

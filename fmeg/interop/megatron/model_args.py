@@ -182,35 +182,31 @@ def _moe_args(c: gpt.GPTConfig) -> dict[str, Any]:
     if group_rule or not router.norm_topk and router.topk > 1:
         raise ValueError(
             "the model routes by transformers' DeepSeek-V3 rules (groups ranked by their best "
-            f"{c.experts.router.group_score_topk}, top-k weights normalised: "
-            f"{c.experts.router.norm_topk}), which megatron-core's router does not compute; export "
+            f"{router.group_score_topk}, top-k weights normalised: "
+            f"{router.norm_topk}), which megatron-core's router does not compute; export "
             "it with export-hf"
         )
-    return (
-        {}
-        if not c.experts
-        else dict(
-            num_experts=c.experts.num_experts,
-            moe_ffn_hidden_size=c.experts.ffn_hidden_size or c.ffn_hidden_size,
-            moe_layer_freq=c.experts.layer_freq,
-            moe_router_topk=c.experts.router.topk,
-            moe_router_score_function=c.experts.router.score_function,
-            moe_router_pre_softmax=c.experts.router.pre_softmax,
-            moe_router_topk_scaling_factor=c.experts.router.topk_scaling_factor,
-            moe_router_num_groups=c.experts.router.num_groups,
-            moe_router_group_topk=c.experts.router.group_topk,
-            moe_router_dtype=c.experts.router.dtype,
-            moe_router_load_balancing_type=[c.experts.router.load_balancing_type],
-            moe_aux_loss_coeff=[c.experts.aux_loss_coeff],
-            moe_z_loss_coeff=c.experts.z_loss_coeff,
-            moe_expert_capacity_factor=c.experts.capacity_factor,
-            moe_token_drop_policy=c.experts.token_drop_policy,
-            moe_pad_expert_input_to_capacity=c.experts.pad_expert_input_to_capacity,
-            moe_shared_expert_intermediate_size=c.experts.shared_expert_intermediate_size,
-            moe_shared_expert_gate=c.experts.shared_expert_gate,
-            moe_router_enable_expert_bias=c.experts.router.enable_expert_bias,
-            moe_router_bias_update_rate=c.experts.router.bias_update_rate,
-        )
+    return dict(
+        num_experts=c.experts.num_experts,
+        moe_ffn_hidden_size=c.experts.ffn_hidden_size or c.ffn_hidden_size,
+        moe_layer_freq=c.experts.layer_freq,
+        moe_router_topk=router.topk,
+        moe_router_score_function=router.score_function,
+        moe_router_pre_softmax=router.pre_softmax,
+        moe_router_topk_scaling_factor=router.topk_scaling_factor,
+        moe_router_num_groups=router.num_groups,
+        moe_router_group_topk=router.group_topk,
+        moe_router_dtype=router.dtype,
+        moe_router_load_balancing_type=[router.load_balancing_type],
+        moe_aux_loss_coeff=[c.experts.aux_loss_coeff],
+        moe_z_loss_coeff=c.experts.z_loss_coeff,
+        moe_expert_capacity_factor=c.experts.capacity_factor,
+        moe_token_drop_policy=c.experts.token_drop_policy,
+        moe_pad_expert_input_to_capacity=c.experts.pad_expert_input_to_capacity,
+        moe_shared_expert_intermediate_size=c.experts.shared_expert_intermediate_size,
+        moe_shared_expert_gate=c.experts.shared_expert_gate,
+        moe_router_enable_expert_bias=router.enable_expert_bias,
+        moe_router_bias_update_rate=router.bias_update_rate,
     )
 
 
