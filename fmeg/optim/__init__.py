@@ -3,7 +3,7 @@ form, and the learning-rate and weight-decay schedules."""
 
 from fmeg.optim.adam import FusedAdamW, adamw, clip_scale
 from fmeg.optim.base import EmptyState, GradientTransformation, apply_updates, chain, stateless
-from fmeg.optim.loss_scale import LossScaledState, with_loss_scale
+from fmeg.optim.loss_scale import LossScaledFlat, LossScaledState, with_loss_scale
 from fmeg.optim.schedules import LRSchedule, WeightDecaySchedule
 from fmeg.optim.transforms import (
     AdamState,
@@ -22,6 +22,7 @@ __all__ = [
     "FusedAdamW",
     "GradientTransformation",
     "LRSchedule",
+    "LossScaledFlat",
     "LossScaledState",
     "WeightDecaySchedule",
     "adamw",

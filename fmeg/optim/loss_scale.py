@@ -9,6 +9,7 @@ transformation wrapping an optimizer.
     opt_state = tx.init(params)
     grads = grad(lambda p: loss(p) * opt_state.scaler.scale)(params)
     updates, opt_state = tx.update(grads, opt_state, params, lr=lr, weight_decay=wd)
+    tx.flat.scaler                                 # the runner's state starts from it (flat form)
 
 The scale halves (never below min_scale) once `hysteresis` overflowed steps have been seen since the
 last growth, and doubles after `window` consecutive clean steps. A static scale (Megatron's
@@ -70,11 +71,31 @@ class LossScaledState(NamedTuple):
     inner: Any
 
 
+class LossScaledFlat(NamedTuple):
+    """with_loss_scale's flat form: the inner flat form stepped on the unscaled owned gradient,
+    and the scaler a training state starts with. The state holds the scaler (state.scaler, saved
+    with the optimizer); train_iteration scales the loss by it, unscales the gradient, skips a
+    step whose gradient overflowed on any rank and updates the scaler, as the pytree form does."""
+
+    inner: Any
+    scaler: LossScale
+
+    @property
+    def moment_dtypes(self) -> Any:
+        return self.inner.moment_dtypes
+
+    def group(self, path: str, leaf: torch.Tensor) -> Any:
+        return self.inner.group(path, leaf)
+
+    def step_(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.step_(*args, **kwargs)
+
+
 def with_loss_scale(inner: GradientTransformation, scaler: LossScale) -> GradientTransformation:
     """inner, given the gradients of the loss times state.scaler.scale: they are unscaled, and a
     step whose gradients hold inf or nan is skipped (zero updates, inner's state kept) and lowers
-    the scale as update() says; the runner does the same on its flat buffers (train_iteration's
-    check_overflow, then update()). Reading whether the gradients are finite is a host sync."""
+    the scale as update() says. Its flat form (LossScaledFlat) is the same on the runner's
+    buffers. Reading whether the gradients are finite is a host sync."""
 
     def init(params: Any) -> LossScaledState:
         return LossScaledState(scaler, inner.init(params))
@@ -90,4 +111,10 @@ def with_loss_scale(inner: GradientTransformation, scaler: LossScale) -> Gradien
         updates, inner_state = inner.update(unscaled, state.inner, params, **hyper)
         return updates, LossScaledState(update(state.scaler, False), inner_state)
 
-    return GradientTransformation(init, unscaled_update)
+    flat = LossScaledFlat(inner.flat, scaler) if inner.flat is not None else None
+    return GradientTransformation(init, unscaled_update, flat)
+
+
+def scaler_of(optimizer: GradientTransformation) -> LossScale | None:
+    """The loss scaler a state stepping optimizer's flat form starts with (None: no scaling)."""
+    return optimizer.flat.scaler if isinstance(optimizer.flat, LossScaledFlat) else None

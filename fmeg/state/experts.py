@@ -150,6 +150,15 @@ class ExpertSplitState(Parts):
         )
 
     @property
+    def scaler(self) -> Any:
+        """The loss scaler of both parts' one step (held by the dense part)."""
+        return self.dense.scaler
+
+    @scaler.setter
+    def scaler(self, value: Any) -> None:
+        self.dense.scaler = value
+
+    @property
     def parts(self) -> tuple[FlatState, ...]:
         return (self.dense, self.experts) if self.experts else (self.dense,)
 

@@ -51,6 +51,7 @@ import torch
 
 from fmeg import tree
 from fmeg import optim
+from fmeg.optim.loss_scale import scaler_of
 from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
@@ -122,6 +123,8 @@ class FlatState:
                 "this optimizer has none"
             )
         moment_dtypes = optimizer.flat.moment_dtypes
+        # the loss scaler's state (None: no scaling), part of the optimizer's like the moments
+        self.scaler = scaler_of(optimizer)
         size = self.flat.padded // dp
         self.lo, self.hi = (
             (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)

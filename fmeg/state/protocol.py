@@ -5,6 +5,7 @@
     sync = state.grad_sync(group, ...)
         backward accumulates into it: the data-parallel mean gradient
     norm = state.step(mesh, lr=..., weight_decay=..., clip_grad=...)   the optimizer, in place
+    state.scaler                          the loss scaler (fp16), the step's to update
     state.parts
         the flat states that hold the buffers checkpoints read and write
 
@@ -30,6 +31,9 @@ class TrainingState(Protocol):
     place."""
 
     params: dict[int, Any]
+    # the loss scaler's state (fmeg.optim.loss_scale; None: no scaling), which the step reads
+    # and replaces
+    scaler: Any
 
     @property
     def parts(self) -> tuple[Any, ...]: ...

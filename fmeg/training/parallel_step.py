@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fmeg import optim, tree
+from fmeg.optim import loss_scale
 from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.layout import Layout
@@ -201,6 +202,7 @@ def init_state(
     device: Any = None,
     reshard_after_forward: str = "true",
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+    scaler: loss_scale.LossScale | None = None,
 ) -> FlatState:
     """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta
     tensors with the device to hold the state on: state.assign() or a checkpoint then fills it): the
@@ -208,17 +210,19 @@ def init_state(
     AdamW's moments, for all local parameters or, with the distributed optimizer, this data-parallel
     slice (fmeg.state.flat). Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's
     --grad-reduce-in-bf16), Adam's moments stored in moment_dtypes (Megatron's precision-aware
-    optimizer: bf16, stepped in fp32). Under expert parallelism the experts' leaves have a state of
+    optimizer: bf16, stepped in fp32), the loss scaled by scaler's scale (fp16: the optimizer
+    wrapped by optim.with_loss_scale). Under expert parallelism the experts' leaves have a state of
     their own (fmeg.state.experts)."""
     b1, b2, eps = adam
+    optimizer = optim.adamw(
+        b1, b2, eps, moment_dtypes=moment_dtypes, decoupled=embedding_or_output(layout)
+    )
     options = dict(
         compute_dtype=compute_dtype,
         grad_dtype=grad_dtype,
         device=device,
         reshard_after_forward=reshard_after_forward,
-        optimizer=optim.adamw(
-            b1, b2, eps, moment_dtypes=moment_dtypes, decoupled=embedding_or_output(layout)
-        ),
+        optimizer=optim.with_loss_scale(optimizer, scaler) if scaler else optimizer,
     )
     if layout.experts_apart:
         from fmeg.state.experts import ExpertSplitState
@@ -353,21 +357,23 @@ def train_iteration(
     if settings is not None and fields:
         raise TypeError("train_iteration: give settings or its fields as keywords, not both")
     s = settings or StepSettings(**fields)
-    loss_scale, per_token, compile = s.loss_scale, s.per_token, s.compile
+    scaler = state.scaler
+    scale = scaler.scale if scaler is not None else 1.0
+    per_token, compile = s.per_token, s.compile
     overlap_grad_reduce = s.overlap_grad_reduce
     t0 = time.perf_counter()
-    hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=loss_scale, per_token=per_token)
+    hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=scale, per_token=per_token)
     microbatches = step_hooks.prepare(hooks, microbatches)
     fns = stage_functions(
         state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token
     )
     reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
     loss, sync = forward_backward(
-        state, microbatches, fns, config, layout, mesh, loss_scale, per_token=per_token, **reduce
+        state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
-    loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, loss_scale, per_token)
+    loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -377,8 +383,11 @@ def train_iteration(
     # every element of the owned slices is some data-parallel rank's: the overflow check sees them
     # all
     overflow, loss_non_finite = (
-        _non_finite(grads, loss, mesh) if s.check_overflow else (False, False)
+        _non_finite(grads, loss, mesh) if s.check_overflow or scaler is not None else (False, False)
     )
+    # the scaler's update, with_loss_scale's: after every step, skipped or not
+    if scaler is not None:
+        state.scaler = loss_scale.update(scaler, overflow)
     if overflow:
         nan = torch.tensor(float("nan"))
         return {
@@ -386,6 +395,7 @@ def train_iteration(
             "grad_norm": nan,
             "skipped": True,
             "loss_non_finite": loss_non_finite,
+            "loss_scale": scale,
             "timers_ms": timers(time.perf_counter()),
         }
     norm = state.step(
@@ -402,6 +412,7 @@ def train_iteration(
         "loss": loss,
         "grad_norm": norm,
         "skipped": False,
+        "loss_scale": scale,
         "timers_ms": timers(time.perf_counter()),
         "aux_losses": step_hooks.metrics(hooks, per_layer),
         "aux_losses_per_layer": per_layer,

@@ -3,9 +3,8 @@ when to evaluate, save or exit, and what a non-finite step does. The runner call
 them without processes.
 
     progress = Progress()                                       # a fresh run
-    progress = resume(meta, finetune=False, no_load_optim=False, in_samples=False,
-        scaler=None).progress
-    progress = progress.after_step(global_batch=8, skipped=False, in_samples=False)
+    plan = resume(meta, finetune=False, no_load_optim=False, in_samples=False, scaler=None)
+    progress = plan.progress.after_step(global_batch=8, skipped=False, in_samples=False)
 """
 
 from __future__ import annotations
@@ -20,40 +19,45 @@ from fmeg.optim import loss_scale
 class Progress:
     """Where the run stands after `iteration` iterations: samples consumed by training and
     validation, the LR and weight-decay schedules' position (samples or iterations of successful
-    updates, as Megatron's scheduler advances only after an update), the loss scaler, and the counts
-    of the log line."""
+    updates, as Megatron's scheduler advances only after an update), and the counts of the log line
+    (the loss scaler is the training state's, part of the optimizer's)."""
 
     iteration: int = 0
     consumed: int = 0
     valid_consumed: int = 0
     scheduled: int = 0
-    scaler: loss_scale.LossScale | None = None
     # steps the loss scaler skipped
     skipped: int = 0
     # iterations with a non-finite loss or gradient and no scaler
     nans: int = 0
 
     def after_step(
-        self, *, global_batch: int, skipped: bool, in_samples: bool, non_finite: bool = False
+        self,
+        *,
+        global_batch: int,
+        skipped: bool,
+        in_samples: bool,
+        non_finite: bool = False,
+        scaled: bool = False,
     ) -> Progress:
         """The progress after an iteration of global_batch samples; skipped: its update was not
         applied (an overflow the scaler skips, or a non-finite step without one); non_finite: its
-        loss or gradient was."""
-        scaler = loss_scale.update(self.scaler, skipped) if self.scaler else None
+        loss or gradient was; scaled: the step had a loss scaler."""
         return replace(
             self,
             iteration=self.iteration + 1,
             consumed=self.consumed + global_batch,
             scheduled=self.scheduled + (0 if skipped else global_batch if in_samples else 1),
-            scaler=scaler,
-            skipped=self.skipped + int(skipped and self.scaler is not None),
-            nans=self.nans + int((skipped or non_finite) and self.scaler is None),
+            skipped=self.skipped + int(skipped and scaled),
+            nans=self.nans + int((skipped or non_finite) and not scaled),
         )
 
 
 @dataclass(frozen=True)
 class Resume:
     progress: Progress
+    # the loss scaler to go on with (None: no scaling)
+    scaler: loss_scale.LossScale | None
     # rebuild the optimizer state from the loaded weights
     fresh_optimizer: bool
     # "resumed from ... (iteration 40, 320 samples; layout unchanged)"
@@ -82,7 +86,8 @@ def resume(
         )
     if finetune:
         return Resume(
-            Progress(scaler=scaler),
+            Progress(),
+            scaler,
             True,
             f"fine-tuning from {path} (iteration {meta['iteration']}, {meta['consumed_samples']} "
             "samples; weights only)",
@@ -108,9 +113,8 @@ def resume(
         scaler = scaler if scaler.static or saved.static else saved
     taken = "fresh optimizer state and schedules" if no_load_optim else layout_note
     return Resume(
-        Progress(
-            meta["iteration"], consumed, meta.get("valid_consumed_samples", 0), scheduled, scaler
-        ),
+        Progress(meta["iteration"], consumed, meta.get("valid_consumed_samples", 0), scheduled),
+        scaler,
         no_load_optim,
         f"resumed from {path} (iteration {meta['iteration']}, {consumed} samples; {taken})",
     )

@@ -27,6 +27,7 @@ from fmeg import __version__, checkpoint
 from fmeg.checkpoint.load import FORMAT
 from fmeg.interop import megatron
 from fmeg.models import gpt, saved_config
+from fmeg.optim import loss_scale
 from fmeg.training import policies
 from fmeg.training.checkpoint_state import (
     KINDS,
@@ -55,6 +56,7 @@ def _options(cfg, session) -> dict:
         "device": session.device,
         "reshard_after_forward": cfg.runtime.reshard_after_forward,
         "moment_dtypes": cfg.precision.moment_dtypes,
+        "scaler": cfg.precision.scaler,
     }
 
 
@@ -141,7 +143,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
     # restarted: this job's own newest
     own = bool(session.restarts and ck.save and checkpoint.latest(ck.save))
     load = ck.save if own else ck.load
-    progress = policies.Progress(scaler=cfg.precision.scaler)
+    progress = policies.Progress()
     found = checkpoint.latest(load) if load else None
     if found is None:
         state = initialized_state(
@@ -198,6 +200,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
     # the weights only: fp32 main weights from the loaded ones
     if plan.fresh_optimizer:
         state.fresh_optimizer()
+    state.scaler = plan.scaler
     changed = [
         f"warning: --load {load}: {change} (a setting outside the parameters' shapes, which may "
         "change on load as in Megatron)"
@@ -227,6 +230,7 @@ def _restore_megatron(
         state = new_state(cfg, session)
         read_state(ckpt, state, cfg, session.mesh, optimizer=False, agree=session.first_problem)
     state.fresh_optimizer()
+    state.scaler = plan.scaler
     said = [plan.description]
     if not (ck.finetune or ck.no_load_optim):
         said.append(
@@ -328,14 +332,14 @@ class Checkpointer:
         job = (tmp, session.rank, cfg.layout.coords(session.mesh), pieces)
         if self.writer:
             self.writer.start(_write, *job)
-            self.pending = (iteration, self.metadata(progress), size)
+            self.pending = (iteration, self.metadata(progress, state.scaler), size)
             return True
         try:
             _write(*job)
             problem = ""
         except OSError as e:
             problem = _one_line(e)
-        return self._complete(iteration, self.metadata(progress), problem, size)
+        return self._complete(iteration, self.metadata(progress, state.scaler), problem, size)
 
     def poll(self) -> bool:
         """Between iterations: complete a background save once every rank has written its part (one
@@ -392,7 +396,7 @@ class Checkpointer:
             )
         return True
 
-    def metadata(self, progress: policies.Progress) -> dict:
+    def metadata(self, progress: policies.Progress, scaler: loss_scale.LossScale | None) -> dict:
         cfg = self.cfg
         return {
             "format": FORMAT,
@@ -403,7 +407,7 @@ class Checkpointer:
             "valid_consumed_samples": progress.valid_consumed,
             "scheduler_steps": progress.scheduled,
             "optimizer_saved": not cfg.checkpoint.no_save_optim,
-            "loss_scale": dataclasses.asdict(progress.scaler) if progress.scaler else None,
+            "loss_scale": dataclasses.asdict(scaler) if scaler else None,
             "arguments": dict(cfg.arguments),
             "fmeg_version": __version__,
         }

@@ -1,6 +1,6 @@
 """How one training step runs, apart from what it runs on (the model's config, the layout, the mesh,
-the state and the microbatches): this step's optimizer hyperparameters, the loss scale, the
-objective and the performance policies.
+the state and the microbatches): this step's optimizer hyperparameters, the overflow check, the
+objective and the performance policies. The loss scale is the state's (state.scaler).
 
     settings = StepSettings(lr=3e-4, weight_decay=0.1, clip_grad=1.0)
     train_iteration(state, microbatches, config=c, layout=layout, mesh=mesh, settings=settings)
@@ -19,9 +19,8 @@ class StepSettings:
     clip_grad: float
     # the word embedding's and output layer's learning rate (Megatron's --decoupled-lr; None: lr)
     decoupled_lr: float | None = None
-    # mixed precision: the loss is scaled by loss_scale; with check_overflow (fp16) a step whose
-    # gradients hold inf/nan on any rank changes nothing and reports skipped=True
-    loss_scale: float = 1.0
+    # with check_overflow (always, when the state has a loss scaler) a step whose gradients hold
+    # inf/nan on any rank changes nothing and reports skipped=True
     check_overflow: bool = False
     # the loss is the global batch's token losses over its token count (Megatron's
     # --calculate-per-token-loss), not the mean of the microbatch means

@@ -177,7 +177,8 @@ class Trainer:
         data_ms = (time.perf_counter() - tick) * 1e3
         lr, weight_decay = t.lr(p.scheduled), t.weight_decay(p.scheduled)
         decoupled_lr = t.decoupled_lr(p.scheduled) if t.decoupled_lr else None
-        scale = p.scaler.scale if p.scaler else 1.0
+        # the scaler this step runs with (the step replaces state.scaler)
+        scaler = self.state.scaler
         m = train_iteration(
             self.state,
             batch,
@@ -188,8 +189,7 @@ class Trainer:
                 lr=lr,
                 weight_decay=weight_decay,
                 clip_grad=t.clip_grad,
-                loss_scale=scale,
-                check_overflow=t.check_for_nan or p.scaler is not None,
+                check_overflow=t.check_for_nan,
                 overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
                 bucket_numel=cfg.runtime.ddp_bucket_size,
                 compile=self.session.compile,
@@ -203,7 +203,7 @@ class Trainer:
         stop = policies.non_finite_stop(
             skipped=m["skipped"],
             loss_non_finite=m.get("loss_non_finite", False),
-            scaler=p.scaler,
+            scaler=scaler,
             check_for_nan=t.check_for_nan,
         )
         self.progress = p.after_step(
@@ -211,6 +211,7 @@ class Trainer:
             skipped=m["skipped"],
             in_samples=t.schedules_in_samples,
             non_finite=non_finite,
+            scaled=scaler is not None,
         )
         params_norm = None
         if cfg.logging.log_params_norm:
@@ -229,7 +230,7 @@ class Trainer:
                 global_batch,
                 lr,
                 weight_decay,
-                scale,
+                m["loss_scale"],
                 params_norm,
                 decoupled_lr,
             )

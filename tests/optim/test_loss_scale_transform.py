@@ -32,22 +32,25 @@ def test_the_pytree_loss_scaler_skips_and_steps_as_the_runner_does():
     )
     opt_state = tx.init(params)
     mesh, layout = Mesh.single(), Layout()
-    state = init_state(shard_params(params, CONFIG, layout, mesh), CONFIG, layout, mesh)
-    runner_scaler, skips = scaler, []
+    # the runner's state steps the same transform's flat form, its scaler the state's
+    state = init_state(
+        shard_params(params, CONFIG, layout, mesh), CONFIG, layout, mesh, scaler=scaler
+    )
+    skips = []
     for batch in batches:
         scale = opt_state.scaler.scale
-        assert scale == runner_scaler.scale
+        assert state.scaler == opt_state.scaler
         grads, loss = torch.func.grad_and_value(lambda p: gpt.loss(p, batch, CONFIG) * scale)(
             params
         )
         updates, opt_state = tx.update(grads, opt_state, params, **HYPER)
         params = optim.apply_updates(params, updates)
-        settings = StepSettings(**HYPER, clip_grad=1.0, loss_scale=scale, check_overflow=True)
+        settings = StepSettings(**HYPER, clip_grad=1.0)
         m = train_iteration(state, [batch], config=CONFIG, layout=layout, mesh=mesh,
                             settings=settings)  # fmt: skip
-        runner_scaler = loss_scale.update(runner_scaler, m["skipped"])
+        assert m["loss_scale"] == scale
         skips.append(bool(m["skipped"]))
-        assert opt_state.scaler == runner_scaler
+        assert opt_state.scaler == state.scaler
     # skipped while too large, then stepping, with the growth after each clean window overflowing
     first_step = skips.index(False)
     assert skips[0] and any(skips[first_step:]), skips
