@@ -185,11 +185,14 @@ class ThreadGroup:
         _shareable)."""
         self._rv.slots[self.rank] = _shareable(x)
         self._rv.barrier.wait()
-        everyone = list(self._rv.slots)
+        # copies, taken while every peer waits: once past the barrier a peer may change its
+        # tensor in place (zero a gradient buffer, copy a result in), as after a real collective
+        with torch._C._DisableFuncTorch():
+            peers = [peer.clone() for peer in self._rv.slots]
         # nobody overwrites a slot before all have read
         self._rv.barrier.wait()
-        everyone[self.rank] = x
-        return everyone
+        peers[self.rank] = x
+        return peers
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         parts = self._exchange(x)

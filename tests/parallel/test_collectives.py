@@ -284,3 +284,24 @@ def test_thread_ranks_survive_many_backward_passes_under_torch_func_grad():
         for sp in (False, True):
             grads = run_threads(4, program, sp, tp=4, timeout=30)
             close(torch.cat(grads, dim=1) if sp else grads[0], want)
+
+
+def test_a_peer_changing_its_tensor_right_after_a_thread_collective_changes_no_result():
+    """Each thread rank reads its peers' values while they wait: once past a collective a rank may
+    zero or overwrite the tensor it gave (a gradient buffer at the next step), as it may after a
+    real collective. Reading the peers' tensors later gave sums with zeros in them (MTP at pp 2 on
+    thread ranks drifted from one rank's curve)."""
+    from fmeg.parallel.spmd import run_threads
+
+    def program(mesh):
+        g, sums = mesh.group("tp"), []
+        x = torch.empty(50_000)
+        for _ in range(300):
+            x.fill_(mesh.coord("tp") + 1.0)
+            sums.append(float(g.all_reduce(x).min()))
+            # the buffer is reused at once: the next step's values
+            x.zero_()
+        return sums
+
+    for sums in run_threads(3, program, tp=3, timeout=60):
+        assert sums == [6.0] * 300
