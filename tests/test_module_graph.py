@@ -26,6 +26,7 @@ LAYERS = (
     "config",
     "training",
     "launch",
+    "testing",
 )
 
 

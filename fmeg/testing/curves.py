@@ -1,0 +1,117 @@
+"""A model's training curve at a layout, on ranks in one process (threads) or on gloo processes:
+the property behind fmeg's headline guarantee, for a test or a notebook.
+
+    want = layout_curve_on(Layout(), config, microbatches, iterations=3)
+    got = layout_curve_on(Layout(tp=2, pp=2), config, microbatches, iterations=3)
+    assert_same_curve(got, want)
+
+Each step is the runner's (fmeg.training.parallel_step.train_iteration) on the state the runner
+builds, from gpt.init(config, seed) cut for each rank; each data-parallel rank takes its
+microbatches of the global batch as the runner deals them, and each context-parallel rank its
+tokens of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fmeg.models import gpt
+from fmeg.parallel.context import shard_batch
+from fmeg.parallel.layout import Layout
+from fmeg.parallel.spmd import GlooRanks, run_threads
+from fmeg.training.parallel_step import initialized_state, model_parallel, train_iteration
+from fmeg.training.step_settings import StepSettings
+
+
+def mesh_sizes(layout: Layout) -> dict[str, int]:
+    """The mesh's group sizes of a layout (its world: tp x pp x cp x dp)."""
+    return dict(
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.expert_tp,
+        cp_a2a=layout.cp_a2a,
+    )
+
+
+def world_of(layout: Layout) -> int:
+    return layout.tp * layout.pp * layout.cp * layout.dp
+
+
+def layout_curve(
+    mesh: Any,
+    config: gpt.GPTConfig,
+    layout: Layout,
+    microbatches: list[dict],
+    iterations: int,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """This rank's program: {"losses", "grad_norms"} of `iterations` steps (the losses None on
+    ranks without the last pipeline stage) and its state's "bytes_per_parameter". Module level,
+    so gloo ranks can import it."""
+    state = initialized_state(config, layout, mesh, seed=seed, device="cpu")
+    context = model_parallel(layout, mesh).context
+    dp, rank = layout.dp, mesh.coord("dp")
+    mine = [shard_batch(mb, context) for mb in microbatches[rank::dp]]
+    settings = StepSettings(lr=lr, weight_decay=0.01, clip_grad=1.0)
+    losses, norms = [], []
+    for _ in range(iterations):
+        m = train_iteration(state, mine, config=config, layout=layout, mesh=mesh, settings=settings)
+        losses.append(None if m["loss"] is None else float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "bytes_per_parameter": state.bytes_per_parameter(),
+    }
+
+
+def layout_curve_on(
+    layout: Layout,
+    config: gpt.GPTConfig,
+    microbatches: list[dict],
+    iterations: int,
+    *,
+    backend: str = "threads",
+    timeout: float = 300.0,
+    **options: Any,
+) -> dict[str, Any]:
+    """The curve of config at layout over every rank: the losses of a last-stage rank, the grad
+    norms (every rank's the same), and each rank's bytes per parameter. microbatches: the global
+    batch's, layout.micro_batch_size rows each, dealt to the data-parallel ranks."""
+    world = world_of(layout)
+    args = (config, layout, microbatches, iterations)
+    seq = layout.sequence_parallel
+    if backend == "threads":
+        per_rank = run_threads(
+            world, layout_curve, *args, timeout=timeout, sequence_parallel=seq, **mesh_sizes(layout)
+        )
+    else:
+        with GlooRanks(world, timeout=timeout) as ranks:
+            per_rank = ranks.run(layout_curve, *args, sequence_parallel=seq, **mesh_sizes(layout))
+    losses = next(r["losses"] for r in per_rank if r["losses"][0] is not None)
+    return {
+        "losses": losses,
+        "grad_norms": per_rank[0]["grad_norms"],
+        "bytes_per_parameter": [r["bytes_per_parameter"] for r in per_rank],
+    }
+
+
+def largest_difference(got: dict, want: dict) -> float:
+    """The largest relative difference of the losses and grad norms of two curves."""
+    pairs = [
+        (g, w) for key in ("losses", "grad_norms") for g, w in zip(got[key], want[key], strict=True)
+    ]
+    return max(abs(g - w) / (abs(w) or 1.0) if math.isfinite(g) else math.inf for g, w in pairs)
+
+
+def assert_same_curve(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    """AssertionError naming the difference unless got's curve is want's within rtol."""
+    worst = largest_difference(got, want)
+    assert worst <= rtol, (
+        f"the curves differ by {worst:.3g} (relative), beyond {rtol:g}: losses {got['losses']} "
+        f"against {want['losses']}, grad norms {got['grad_norms']} against {want['grad_norms']}"
+    )
