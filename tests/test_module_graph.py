@@ -27,6 +27,7 @@ LAYERS = (
     "training",
     "launch",
     "testing",
+    "check",
 )
 
 

@@ -95,13 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Flags over an optional --config YAML file, with Megatron's defaults (tp = pp = 1: every rank
     is data parallel unless told otherwise)."""
-    parser = build_parser()
-    first, _ = parser.parse_known_args(argv)
-    from_yaml = load_config(first.config, parser) if first.config else {}
-    parser.set_defaults(**from_yaml)
-    args = parser.parse_args(argv)
-    # even at their default values
-    args.given = tuple(sorted({*from_yaml, *_given_on_command_line(argv)}))
+    args = as_given(argv)
     if args.use_checkpoint_args and args.load:
         from fmeg.config.checkpoint_args import apply_checkpoint_args
 
@@ -142,6 +136,18 @@ def _given_on_command_line(argv: list[str] | None) -> set[str]:
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     return set(vars(probe.parse_known_args(argv)[0]))
+
+
+def as_given(argv: list[str] | None) -> argparse.Namespace:
+    """The flags over the --config file, as given: before Megatron's adjustments and the values
+    derived from others (parse_args). args.given: the dests given, even at their default values."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    from_yaml = load_config(first.config, parser) if first.config else {}
+    parser.set_defaults(**from_yaml)
+    args = parser.parse_args(argv)
+    args.given = tuple(sorted({*from_yaml, *_given_on_command_line(argv)}))
+    return args
 
 
 def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

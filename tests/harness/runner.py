@@ -41,12 +41,19 @@ COMMON = [
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def run_group(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run_group(
+    argv: list[str], timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """subprocess.run in a session of its own: on a timeout or any failure the whole process group
     (torchrun and its workers) is killed, so no worker outlives its test. The timeout is sized for a
-    loaded 2-core machine."""
+    loaded 2-core machine; env: variables set beside this process's."""
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=None if env is None else {**os.environ, **env},
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

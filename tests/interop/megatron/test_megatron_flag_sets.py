@@ -7,18 +7,15 @@ tests/interop/megatron/test_megatron_scripts.py."""
 
 import contextlib
 import io
-import json
-import re
 
 import pytest
 
 from fmeg.config.arguments import build_parser, parse_args
 from fmeg.config.megatron_flags import IGNORED_SETTINGS, IGNORED_SWITCHES, LATER_WORK, ignored_flags
 from fmeg.config.validation import validate
-from harness.paths import FIXTURES
 
-FLAG_SETS = json.loads((FIXTURES / "megatron_flags" / "flag_sets.json").read_text())
-CONFIGS, SCRIPTS = FLAG_SETS["functional_tests"], FLAG_SETS["examples"]
+from harness.megatron_flag_sets import CONFIGS, SCRIPTS, argv_of
+
 # the flags these configurations and scripts use that ask for a feature fmeg does not have yet
 STILL_TO_COME = {
     "--fp8-format": "FP8 training (issue 53)",
@@ -35,24 +32,6 @@ STILL_TO_COME = {
     "--rotary-interleaved": "Llama 4's interleaved rotary embeddings",
     "--per-split-data-args-path": "a data path per split",
 }
-
-
-def argv_of(flags: dict[str, str]) -> list[str]:
-    """A configuration's MODEL_ARGS as Megatron's CI passes them: true as the bare switch, [a b] as
-    values; its ${VARIABLES} stand for paths (a seed for ${REPEAT})."""
-    out = []
-    for flag, value in flags.items():
-        if value == "True":
-            out.append(flag)
-            continue
-        value = re.sub(r"\$\{?[A-Z_]+\}?", "/data", re.sub(r"\$\{?REPEAT\}?", "1", value))
-        many = (
-            value.startswith("[")
-            and value.endswith("]")
-            or flag == "--hierarchical-context-parallel-sizes"
-        )
-        out += [flag, *value.strip("[]").split()] if many else [flag, value]
-    return out
 
 
 def test_there_are_the_flag_sets_of_megatron_lm_main():

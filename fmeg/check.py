@@ -1,0 +1,108 @@
+"""Check that your own run trains the same at every layout as on one rank, on this machine's CPU.
+
+    python -m fmeg.check <your Megatron flags, or --config run.yaml> [--layouts tp2,pp2-vp2,...]
+        [--iterations 5] [--tolerance 1e-5] [--no-shrink] [--keep-precision] [--max-ranks 4]
+
+The model is shrunk unless --no-shrink (each flag shrunk is named), the run's own layout,
+checkpoints and loggers are left out, and each layout the flags allow (or each one named) runs
+the real runner, recipes.gpt_pretrain under fmeg.launch with gloo ranks, for a few iterations.
+One row per layout: the largest relative difference from one rank, over the iterations, of the
+loss, of the other losses (MoE balance, MTP) and of the gradient norm; the optimizer state bytes
+of its last rank; and a verdict. The exit code is 1 when a row differs by more than the tolerance
+or fails to run, 2 when the flags or the layouts asked for are not valid (one line each).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fmeg.cli import OneLineParser, print_refusal
+from fmeg.config import layout_check
+from fmeg.testing.run_check import COMPARED, check_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, megatron = _parser().parse_known_args(argv)
+    layouts = [n for n in own.layouts.split(",") if n] if own.layouts else None
+    try:
+        plan = layout_check.plan(
+            megatron,
+            layouts=layouts,
+            iterations=own.iterations,
+            shrink=own.shrink,
+            keep_precision=own.keep_precision,
+            max_ranks=own.max_ranks,
+        )
+    except layout_check.PlanError as e:
+        print_refusal(e.lines)
+        return 2
+    for line in layout_check.describe(plan):
+        print(line, flush=True)
+    failed = []
+    for row, result in check_run(plan, own.timeout):
+        if row is plan.reference and result.failure:
+            print(f"error: the one-rank run failed: {result.failure}", file=sys.stderr, flush=True)
+            return 1
+        if row is plan.reference:
+            print(_header(), flush=True)
+            verdict = "reference"
+        elif result.failure:
+            verdict = f"FAILED to run: {result.failure}"
+        else:
+            verdict = "DIFFERS" if result.differs(own.tolerance) else "same"
+        if row is not plan.reference and result.differs(own.tolerance):
+            failed.append(row.name)
+        print(
+            _line(row.name, row.world, result.differences, result.state_bytes, verdict), flush=True
+        )
+    if failed:
+        print(
+            f"differ from one rank beyond {own.tolerance:g}: {', '.join(failed)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    print(f"every layout equals one rank within {own.tolerance:g}", flush=True)
+    return 0
+
+
+def _parser() -> OneLineParser:
+    p = OneLineParser(
+        prog="python -m fmeg.check",
+        description="Run your flags at each layout on CPU and compare the curves with one rank's; "
+        "every other flag is the runner's (recipes.gpt_pretrain).",
+    )
+    p.add_argument("--layouts", help="comma-separated layouts, e.g. tp2,pp2-vp2,dp2-zero")
+    p.add_argument("--iterations", type=int, default=5, help="iterations per layout")
+    p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference")
+    p.add_argument("--no-shrink", dest="shrink", action="store_false", help="the model as given")
+    p.add_argument("--keep-precision", action="store_true", help="keep --bf16 / --fp16")
+    p.add_argument("--max-ranks", type=int, default=4, help="the largest world tried by default")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per layout")
+    return p
+
+
+def _header() -> str:
+    return (
+        f"{'layout':<16} {'ranks':>5}  {'lm loss':>9}  {'other losses':>12}  {'grad norm':>9}  "
+        f"{'state MB':>8}  verdict"
+    )
+
+
+def _line(name: str, world: int, diffs: dict, state_bytes: int | None, verdict: str) -> str:
+    """A row: each difference as the largest relative one (blank for the reference)."""
+
+    def shown(value: float | None) -> str:
+        return "" if value is None else f"{value:.1e}"
+
+    others = [v for k, v in diffs.items() if k not in COMPARED and k != "iterations"]
+    state = "" if state_bytes is None else f"{state_bytes / 2**20:.2f}"
+    return (
+        f"{name:<16} {world:>5}  {shown(diffs.get('lm_loss')):>9}  "
+        f"{shown(max(others) if others else None):>12}  {shown(diffs.get('grad_norm')):>9}  "
+        f"{state:>8}  {verdict}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
