@@ -1,14 +1,14 @@
 """Does a packed SFT or FIM step wait on data? The time to build one iteration's samples on the
 training thread (--num-workers 0) against the time the training thread waits for them when they were
-built ahead on workers while a step ran (--num-workers 2), in the same run, at the README's sizes
-(global batch 8, micro batch 4, seq 256).
+built ahead on workers while a step ran (--num-workers 2), in the same run, at the sizes of
+docs/fine-tuning.md (global batch 8, micro batch 4, seq 256).
 
     python bench/sample_loader.py
     python bench/sample_loader.py --step-ms 100      # a shorter simulated step
 
-Datasets: the README's fine-tuning conversations (recipes.tiny_chat_model, --sft-sequence-packing)
+Datasets: docs/fine-tuning.md's conversations (recipes.tiny_chat_model, --sft-sequence-packing)
 and 20,000 small Python functions with --fim-data --fim-rate 0.9 (a byte-level tokenizer with the
-FIM tokens). The step is simulated by a sleep of --step-ms (the README's tp 2 fine-tuning step is
+FIM tokens). The step is simulated by a sleep of --step-ms (docs/fine-tuning.md's tp 2 step is
 about 350 ms on a 2-core CPU).
 """
 

@@ -1,5 +1,5 @@
 """A tiny, random Qwen3 chat model directory and a JSONL file of conversations to fine-tune it on
-(the README's fine-tuning example; no download).
+(docs/fine-tuning.md's example; no download).
 
     python -m recipes.tiny_chat_model --output qwen3_chat --conversations chat.jsonl
 

@@ -93,8 +93,8 @@ def test_sigterm_saves_and_exits_zero_within_one_iteration(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_the_workers_under_torchrun_saves_and_every_process_exits_zero(tmp_path):
-    """The README's way under torchrun: signal torchrun's workers (its children), not torchrun; each
-    rank saves its part of one checkpoint and exits 0, and torchrun exits 0."""
+    """docs/checkpoints.md's way under torchrun: signal torchrun's workers (its children), not
+    torchrun; each rank saves its part of one checkpoint and exits 0, and torchrun exits 0."""
     proc = subprocess.Popen(
         [
             sys.executable,

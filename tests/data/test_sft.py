@@ -430,8 +430,9 @@ def test_naming_the_default_format_says_that_the_answers_alone_are_trained_on():
 
 
 def test_a_conversation_longer_than_the_sequence_is_cut_with_one_warning(tmp_path):
-    """The README's promise, as a run shows it: a conversation longer than --seq-length is cut, and
-    the run says so in one warning line at start (with and without --sft-sequence-packing)."""
+    """docs/fine-tuning.md's promise, as a run shows it: a conversation longer than --seq-length is
+    cut, and the run says so in one warning line at start (with and without
+    --sft-sequence-packing)."""
     from harness.runner import run_recipe
 
     tokenizer = chat_tokenizer_dir(tmp_path, "chatml")

@@ -22,7 +22,7 @@ QUESTIONS = ["What is the capital of Peru?", "What is the capital of Chile?"]
 @pytest.fixture(scope="module")
 def fine_tuned(tmp_path_factory):
     """(the chat model's directory, fmeg's fine-tuned checkpoint, its transformers export): the
-    README's fine-tuning commands at one rank, shortened."""
+    fine-tuning commands of docs/fine-tuning.md at one rank, shortened."""
     root = tmp_path_factory.mktemp("chat")
     steps = [
         [

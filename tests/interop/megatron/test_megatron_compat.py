@@ -55,7 +55,7 @@ MEGATRON_DEFAULTS = {
     "step_batch_size_schedule": None,
 }
 # Where fmeg's default differs (Megatron: log interval 100, eval iters 100) or Megatron has none
-# (the flag is required there): the README's table of differences.
+# (the flag is required there): the table of differences in docs/megatron.md.
 FMEG_ONLY = {
     "lr": 3e-3,
     "train_iters": 100,

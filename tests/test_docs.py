@@ -1,18 +1,22 @@
-"""The README's examples run as written: the Python example, and every command of its bash blocks
-except the set-up (`pip install`, which CI runs) and the test command itself. Each block runs in a
-fresh directory, in order, through bash, exactly as a user would paste it."""
+"""The README's and docs/'s examples run as written: the Python examples, and every command of
+their bash blocks except the set-up (`pip install`, which CI runs) and the test command itself.
+Each block runs in a fresh directory, in order, through bash, exactly as a user would paste it. The
+docs site builds with mkdocs --strict."""
 
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 
 
-def test_readme_python_example_runs():
+def test_the_readme_python_example_runs():
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
@@ -41,6 +45,15 @@ def section(heading: str) -> list[str]:
     return bash_commands(body)
 
 
+def page(name: str) -> list[str]:
+    """The commands of docs/name."""
+    return bash_commands(PAGES[name])
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
 def run_block(commands: list[str], cwd: Path) -> list[str]:
     """Each command's stdout; every command must exit 0."""
     outputs = []
@@ -58,37 +71,77 @@ def loss_fall(stdout: str) -> tuple[float, float]:
     return float(first), float(last)
 
 
-def test_every_readme_command_is_run_by_a_test():
+def test_every_command_of_the_readme_and_docs_is_run_by_a_test():
     tested = (
-        section("Quick start")
-        + section("Checkpoints")
-        + section("Open models")
-        + section("Data")
-        + section("Mixtures of experts")
-        + section("Long sequences: context parallelism")
-        + section("Fine-tuning")
+        section("Train")
+        + page("checkpoints.md")
+        + page("models.md")
+        + page("data.md")
+        + page("experts.md")
+        + page("long-sequences.md")
+        + page("fine-tuning.md")
+        + page("testing.md")
     )
-    assert sorted(tested) == sorted(bash_commands(README)) and len(tested) == 21
+    everything = bash_commands(README) + [c for text in PAGES.values() for c in bash_commands(text)]
+    assert sorted(tested) == sorted(everything) and len(tested) == 23
+    # several processes start under fmeg.launch, whose refusals are one line
+    assert not [c for c in everything if c.startswith("torchrun")]
+    # nothing recommends signalling runs by a name pattern, which reaches other users' runs
+    assert not re.search(r"pkill|killall", README + "".join(PAGES.values()))
+
+
+def test_the_readme_is_short_and_links_to_pages_that_exist():
+    assert len(README.splitlines()) <= 200
+    links = re.findall(r"\]\((docs/[^)]+)\)", README)
+    assert len(links) >= 12 and all((ROOT / link).is_file() for link in links)
+    assert {f"docs/{name}" for name in PAGES} - set(links) <= {"docs/index.md", "docs/api.md"}
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "check_sharded" in api and "column_parallel_linear" in api
+
+
+def test_the_docs_python_example_runs():
+    (code,) = python_blocks(PAGES["testing.md"])
+    namespace: dict = {}
+    exec(compile(code, "docs/testing.md", "exec"), namespace)
+    assert {check for check, _ in namespace["checked"].compared} == {
+        "forward", "grad", "vjp", "vmap"
+    }  # fmt: skip
+
+
+def test_the_layout_check_of_the_docs(tmp_path):
+    (stdout,) = run_block(page("testing.md"), tmp_path)
+    rows = [line for line in stdout.splitlines() if line.endswith("same")]
+    assert [row.split()[0] for row in rows] == ["tp2", "pp2-vp2", "dp2-zero"]
+    assert "every layout equals one rank within 1e-05" in stdout
 
 
 @pytest.mark.slow  # the runner's context-parallel layouts run in tests/layouts/test_cp_layouts.py
-def test_readme_context_parallelism(tmp_path):
-    (stdout,) = run_block(section("Long sequences: context parallelism"), tmp_path)
+def test_docs_context_parallelism(tmp_path):
+    (stdout,) = run_block(page("long-sequences.md"), tmp_path)
     assert "world 4 = tp 1 x pp 1 (x1 virtual) x dp 1 x cp 4 (p2p)" in stdout
     first, last = loss_fall(stdout)
     assert last < first
 
 
 @pytest.mark.slow  # the runner's MoE layouts run in tests/layouts/test_moe_layouts.py
-def test_readme_mixture_of_experts(tmp_path):
-    (stdout,) = run_block(section("Mixtures of experts"), tmp_path)
+def test_docs_mixture_of_experts(tmp_path):
+    (stdout,) = run_block(page("experts.md"), tmp_path)
     assert "| load_balancing_loss: " in stdout and "world 2 = tp 2" in stdout
     first, last = loss_fall(stdout)
     assert last < first - 1.5
 
 
-def test_readme_main_job(tmp_path):
-    (stdout,) = run_block(section("Quick start"), tmp_path)
+def test_docs_main_job(tmp_path):
+    (stdout,) = run_block(section("Train"), tmp_path)
     assert "world 4 = tp 2 x pp 2 (x1 virtual) x dp 1" in stdout
     first, last = loss_fall(stdout)
     assert first > 5.2 and last < 3.3  # from about ln 257 (the README says 5.4 to 3.0)
@@ -96,8 +149,8 @@ def test_readme_main_job(tmp_path):
 
 # 90 s; the main job runs in the default suite, resharding in tests/checkpoint/test_checkpoint.py
 @pytest.mark.slow
-def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
-    save, resume, export, load, generated, sharded = run_block(section("Checkpoints"), tmp_path)
+def test_docs_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
+    save, resume, export, load, generated, sharded = run_block(page("checkpoints.md"), tmp_path)
     assert "exiting at iteration 40: --exit-interval 40" in save
     assert "resumed from ckpt/iter_0000040" in resume and "resharded from" in resume
     assert " iteration       60/      60 |" in resume
@@ -115,27 +168,21 @@ def test_readme_checkpoints_save_resume_at_another_layout_and_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_preprocess_and_train_single(tmp_path):
-    from harness.data_files import bpe_files
-
-    bpe_files(tmp_path)  # vocab.json and merges.txt of a small byte-level BPE
-    lines = [
-        json.dumps({"text": f"hello there, document {i}: " + "the quick brown fox " * (i % 7 + 1)})
-        for i in range(400)
-    ]
-    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
-    preprocess, train = run_block(section("Data"), tmp_path)
+def test_the_data_page_makes_its_corpus_preprocesses_it_and_trains(tmp_path):
+    """Nothing comes from elsewhere: the page's first command writes the corpus."""
+    _, preprocess, train = run_block(page("data.md"), tmp_path)
     assert (tmp_path / "data" / "corpus_text_document.idx").is_file()
+    assert "0 bad lines skipped" in preprocess
     first, last = loss_fall(train)
     assert last < first - 2.0
 
 
 @pytest.mark.slow
-def test_readme_open_models(tmp_path):
+def test_docs_open_models(tmp_path):
     """A transformers Qwen3 imported, continued on the embedded data at tp 2, served and
     exported."""
     pytest.importorskip("transformers")
-    _, _, train, generated, _ = run_block(section("Open models"), tmp_path)
+    _, _, train, generated, _ = run_block(page("models.md"), tmp_path)
     first, last = loss_fall(train)
     assert last < first - 1.0 and "fine-tuning from" in train
     assert generated.startswith("import os")
@@ -146,11 +193,11 @@ def test_readme_open_models(tmp_path):
 
 
 @pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/layouts/test_sft_layouts.py
-def test_readme_fine_tuning(tmp_path):
+def test_docs_fine_tuning(tmp_path):
     """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a
     trained question."""
     pytest.importorskip("transformers")
-    _, _, train, export, answer = run_block(section("Fine-tuning"), tmp_path)
+    _, _, train, export, answer = run_block(page("fine-tuning.md"), tmp_path)
     first, last = loss_fall(train)
     assert first > 5.0 and last < 0.2 and "fine-tuning from" in train
     assert "wrote qwen3_chat_sft_hf (Qwen3ForCausalLM)" in export
