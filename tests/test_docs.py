@@ -97,6 +97,20 @@ def test_the_readme_is_short_and_links_to_pages_that_exist():
     assert {f"docs/{name}" for name in PAGES} - set(links) <= {"docs/index.md", "docs/api.md"}
 
 
+def test_the_notebooks_cover_every_transform_and_are_stored_with_their_outputs():
+    """The tests run each notebook (nbmake); here: there are the ones the docs name, each stored
+    with the outputs a reader sees without running it, none of them an error."""
+    import nbformat
+
+    names = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(names) >= 6
+    for name in names:
+        assert f"notebooks/{name}.ipynb" in PAGES["index.md"] + README, name
+        nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        assert outputs and not [o for o in outputs if o.output_type == "error"], name
+
+
 def test_the_docs_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
     out = subprocess.run(
