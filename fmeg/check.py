@@ -85,7 +85,7 @@ def _parser() -> OneLineParser:
 def _header() -> str:
     return (
         f"{'layout':<16} {'ranks':>5}  {'lm loss':>9}  {'other losses':>12}  {'grad norm':>9}  "
-        f"{'state MB':>8}  verdict"
+        f"{'optim MB':>8}  verdict"
     )
 
 
