@@ -61,7 +61,6 @@ OUTSIDE_DESTS = (
     "train_samples",
     "rampup_batch_size",
     "step_batch_size_schedule",
-    "config",
 )
 # the model's sizes, shrunk to at most these
 SMALL = {
@@ -268,7 +267,8 @@ def _made_safe(
             f"left out {given(OUTSIDE_DESTS)}: a check reads and writes no checkpoint, logs only "
             "to its own directory and runs a fixed number of iterations"
         )
-    out = {k: v for k, v in settings.items() if k not in LAYOUT_DESTS + OUTSIDE_DESTS}
+    # a --config file's settings are in settings already: each row gives them as flags
+    out = {k: v for k, v in settings.items() if k not in LAYOUT_DESTS + OUTSIDE_DESTS + ("config",)}
     shrank = []
     if shrink:
         out, shrank = _shrunk(out)

@@ -64,6 +64,16 @@ def test_the_plan_keeps_the_model_unshrunk_when_told_and_tries_experts_only_with
     assert "dp2-ep2" in [row.name for row in moe.rows]
 
 
+def test_a_config_files_settings_are_given_as_flags_to_every_row(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("num-layers: 8\nhidden-size: 256\ntensor-model-parallel-size: 2\nsave: ck\n")
+    plan = layout_check.plan(["--config", str(yaml)], layouts=["dp2"])
+    assert "--config" not in plan.rows[0].argv
+    row = parse_args(list(plan.rows[0].argv), world_size=2)
+    assert (row.num_layers, row.hidden_size, row.tensor_model_parallel_size) == (4, 64, 1)
+    assert row.save is None and "left out --save:" in "\n".join(layout_check.describe(plan))
+
+
 def test_layouts_the_flags_do_not_allow_are_listed_or_refused_when_asked_for():
     plan = layout_check.plan([*DENSE, "--num-layers", "3"], max_ranks=2)
     assert any(line.startswith("pp2: ") for line in plan.not_run)
