@@ -1,11 +1,13 @@
 """The small gradient transforms AdamW is chained from (fmeg.optim.base's shape), each a pure
 function.
 
-    clip_by_global_norm(max_norm)      scale by min(1, max_norm / (norm + 1e-6)); its state keeps
-    the norm scale_by_adam(b1, b2, eps)         Adam's bias-corrected m / (sqrt(v) + eps); moments
-    in their dtypes add_decayed_weights(mask)          + weight_decay * p where mask says (decoupled
-    decay) scale_by_learning_rate(decoupled)  * -lr (-decoupled_lr where decoupled says: Megatron's
-    --decoupled-lr)
+    clip_by_global_norm(max_norm)       scale by min(1, max_norm / (norm + 1e-6)); its state keeps
+                                        the norm
+    scale_by_adam(b1, b2, eps)          Adam's bias-corrected m / (sqrt(v) + eps), the moments
+                                        stored in their dtypes
+    add_decayed_weights(mask)           + weight_decay * p where mask says (decoupled decay)
+    scale_by_learning_rate(decoupled)   * -lr (-decoupled_lr where decoupled says: Megatron's
+                                        --decoupled-lr)
 """
 
 from __future__ import annotations
