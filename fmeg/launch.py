@@ -8,10 +8,8 @@ said, and when it is sent SIGTERM it stops the workers and exits 1 even after th
 differs only at the end:
 
 - a worker's exit code is the launcher's (2 for bad input, whose one line the worker printed), with
-no
-  traceback and no report of torchrun's; each refusal is printed once, by the first rank to reach
-      it, so a
-  line is never lost to the race of ranks exiting (fmeg.cli.print_refusal);
+  no traceback and no report of torchrun's; each refusal is printed once, by the first rank to reach
+  it, so a line is never lost to the race of ranks exiting (fmeg.cli.print_refusal);
 - a worker killed by a signal is named in one line, and the exit code is 128 + the signal's number;
 - SIGTERM is forwarded to the workers, and the launcher exits as they do: 0 once they have saved a
   checkpoint and exited under --exit-signal-handler (on Linux; elsewhere torchrun handles SIGTERM).

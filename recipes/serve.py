@@ -2,8 +2,8 @@
 /v1/chat/completions` (recipes/serve_openai.py; the checkpoint's SFTTokenizer renders the messages).
 
     python -m recipes.serve --load checkpoints/gpt --port 5000
-    torchrun --nproc-per-node 2 -m recipes.serve --load checkpoints/gpt --tensor-model-parallel-size
-        2
+    python -m fmeg.launch --nproc-per-node 2 -m recipes.serve --load checkpoints/gpt \\
+        --tensor-model-parallel-size 2
     curl -X PUT localhost:5000/api -H 'Content-Type: application/json' \\
         -d '{"prompts": ["import os"], "tokens_to_generate": 32}'
     curl localhost:5000/v1/completions -H 'Content-Type: application/json' \\

@@ -1,14 +1,15 @@
 """Differentiable collectives: Megatron's tensor-parallel regions as autograd Functions.
 
-| function                     | forward                | backward               |
-|------------------------------|------------------------|------------------------| | copy_to(x, g)
-| identity               | all-reduce             | | reduce_from(x, g)            | all-reduce
-| identity               | | scatter_to(x, g, dim)        | keep this rank's chunk | all-gather
-| | gather_from(x, g, dim)       | all-gather             | keep this rank's chunk | |
-gather_from_sp(x, g, dim)    | all-gather             | reduce-scatter         | |
-reduce_scatter_to(x, g, dim) | reduce-scatter         | all-gather             | | all_to_all(x, g,
-s, c)       | all-to-all (s -> c)    | all-to-all (c -> s)    | | all_to_all_rows(x, g, s, r)  |
-uneven all-to-all      | the same, s and r swapped |
+| function                     | forward                | backward                  |
+|------------------------------|------------------------|---------------------------|
+| copy_to(x, g)                | identity               | all-reduce                |
+| reduce_from(x, g)            | all-reduce             | identity                  |
+| scatter_to(x, g, dim)        | keep this rank's chunk | all-gather                |
+| gather_from(x, g, dim)       | all-gather             | keep this rank's chunk    |
+| gather_from_sp(x, g, dim)    | all-gather             | reduce-scatter            |
+| reduce_scatter_to(x, g, dim) | reduce-scatter         | all-gather                |
+| all_to_all(x, g, s, c)       | all-to-all (s -> c)    | all-to-all (c -> s)       |
+| all_to_all_rows(x, g, s, r)  | uneven all-to-all      | the same, s and r swapped |
 
 Each forward is linear, so its jvp applies the same forward to the tangent; each has a vmap rule
 that moves the batch dimension to the front and shifts `dim`. They compose with torch.func.grad,

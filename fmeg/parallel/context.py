@@ -7,19 +7,15 @@ r (Megatron's get_batch_on_this_cp_rank), so every rank does the same share of t
 tokens unchanged (RoPE and dropout take the tokens' global positions, `positions`). Attention needs
 the other ranks' keys and values, by one of Megatron's --cp-comm-type values:
 
-    p2p
-        ring attention (fmeg.parallel.ring_attention): key/value blocks pass around the ring while
-        each
-                rank attends to the block it holds; results merge by their log-sum-exp
+    p2p         ring attention (fmeg.parallel.ring_attention): key/value blocks pass around the
+                ring while each rank attends to the block it holds; results merge by their
+                log-sum-exp
     all_gather  keys and values all-gathered once, queries local (fmeg.parallel.ring_attention)
-    a2a
-        (Ulysses) an all-to-all swaps the sequence split for a head split (heads and key/value heads
-                divisible by cp), one device's attention on the whole sequence, and an all-to-all
-                    back
-    a2a+p2p
-        (--hierarchical-context-parallel-sizes a p) a2a within groups of a consecutive cp ranks,
-        then a
-                ring of p over the groups
+    a2a         (Ulysses) an all-to-all swaps the sequence split for a head split (heads and
+                key/value heads divisible by cp), one device's attention on the whole sequence,
+                and an all-to-all back
+    a2a+p2p     (--hierarchical-context-parallel-sizes a p) a2a within groups of a consecutive cp
+                ranks, then a ring of p over the groups
 
 Contract: q [b, N, 2c, d], k, v [b, G, 2c, d] hold this rank's chunks (in the order above); the
 result is this rank's rows of the one-device causal attention of the whole sequence, and the
