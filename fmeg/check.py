@@ -7,9 +7,10 @@ The model is shrunk unless --no-shrink (each flag shrunk is named), the run's ow
 checkpoints and loggers are left out, and each layout the flags allow (or each one named) runs
 the real runner, recipes.gpt_pretrain under fmeg.launch with gloo ranks, for a few iterations.
 One row per layout: the largest relative difference from one rank, over the iterations, of the
-loss, of the other losses (MoE balance, MTP) and of the gradient norm; the optimizer state bytes
-of its last rank; and a verdict. The exit code is 1 when a row differs by more than the tolerance
-or fails to run, 2 when the flags or the layouts asked for are not valid (one line each).
+loss, of the other losses (MoE balance, MTP) and of the gradient norm; each rank's persistent state
+(weights, gradients, optimizer); and a verdict. The exit code is 1 when a row differs by more than
+the tolerance or fails to run, 2 when the flags or the layouts asked for are not valid (one line
+each).
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "DIFFERS" if result.differs(own.tolerance) else "same"
         if row is not plan.reference and result.differs(own.tolerance):
             failed.append(row.name)
-        print(
-            _line(row.name, row.world, result.differences, result.state_bytes, verdict), flush=True
-        )
+        print(_line(row.name, row.world, result.differences, result.state_mb, verdict), flush=True)
     if failed:
         print(
             f"differ from one rank beyond {own.tolerance:g}: {', '.join(failed)}",
@@ -85,22 +84,22 @@ def _parser() -> OneLineParser:
 def _header() -> str:
     return (
         f"{'layout':<16} {'ranks':>5}  {'lm loss':>9}  {'other losses':>12}  {'grad norm':>9}  "
-        f"{'optim MB':>8}  verdict"
+        f"{'state MB per rank':<24}  verdict"
     )
 
 
-def _line(name: str, world: int, diffs: dict, state_bytes: int | None, verdict: str) -> str:
+def _line(name: str, world: int, diffs: dict, state_mb: tuple, verdict: str) -> str:
     """A row: each difference as the largest relative one (blank for the reference)."""
 
     def shown(value: float | None) -> str:
         return "" if value is None else f"{value:.1e}"
 
     others = [v for k, v in diffs.items() if k not in COMPARED and k != "iterations"]
-    state = "" if state_bytes is None else f"{state_bytes / 2**20:.2f}"
+    state = " ".join(f"{mb:.2f}" for mb in state_mb)
     return (
         f"{name:<16} {world:>5}  {shown(diffs.get('lm_loss')):>9}  "
         f"{shown(max(others) if others else None):>12}  {shown(diffs.get('grad_norm')):>9}  "
-        f"{state:>8}  {verdict}"
+        f"{state:<24}  {verdict}"
     )
 
 

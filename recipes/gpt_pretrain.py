@@ -129,9 +129,9 @@ def _check_splits(cfg: RunConfig, train, valid, data_path: list, samples: list):
     return cfg, train, valid
 
 
-def announce(cfg: RunConfig, session: Session, state) -> None:
-    """The start line, the ignored flags, the warnings and the theoretical memory (on the last
-    rank)."""
+def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> None:
+    """The start line, the ignored flags, the warnings, the theoretical memory and every rank's
+    persistent state (on the last rank)."""
     layout, precision, model = cfg.layout, cfg.precision, cfg.model
     local = tree.num_params(state.params)
     opt = state.opt_state
@@ -180,6 +180,11 @@ def announce(cfg: RunConfig, session: Session, state) -> None:
         f"{scores} attention scores, Korthikanti's count)",
         flush=True,
     )
+    print(
+        "persistent state per rank (MB): "
+        + ", ".join(f"r{r} {b / 2**20:.2f}" for r, b in enumerate(per_rank)),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in said if session.last_rank else ():
         print(line, flush=True)
     checkpointer = Checkpointer(cfg, session) if cfg.checkpoint.save else None
+    # every rank's persistent state, for the start line (one all-gather, before training)
+    per_rank = session.every_rank(state.persistent_bytes())
     if session.last_rank:
-        announce(cfg, session, state)
+        announce(cfg, session, state, per_rank)
     code = Trainer(
         cfg, session, state, progress, train_data, valid_data, checkpointer, PROCESS_START
     ).run()

@@ -310,11 +310,16 @@ class FlatState:
             state["main"] = as_tree(self.main)
         return state
 
-    def bytes_per_parameter(self) -> float:
+    def persistent_bytes(self) -> int:
+        """The bytes of every buffer allocated once: weights, gradients, master weights,
+        moments."""
         buffers = [self.weights, self.grad, self.mu, self.nu] + [
             b for b in (self.main, self.grad32) if b is not None
         ]
-        return sum(b.numel() * b.element_size() for b in buffers) / self.flat.numel
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def bytes_per_parameter(self) -> float:
+        return self.persistent_bytes() / self.flat.numel
 
     @property
     def parts(self) -> tuple["FlatState", ...]:

@@ -66,6 +66,7 @@ class TrainingState(Protocol):
     def set_count(self, count: int) -> None: ...
     def fresh_optimizer(self) -> None: ...
     def bytes_per_parameter(self) -> float: ...
+    def persistent_bytes(self) -> int: ...
 
 
 def step_parts(
@@ -123,6 +124,9 @@ class Parts:
     def fresh_optimizer(self) -> None:
         for part in self.parts:
             part.fresh_optimizer()
+
+    def persistent_bytes(self) -> int:
+        return sum(part.persistent_bytes() for part in self.parts)
 
     def bytes_per_parameter(self) -> float:
         n = [tree.num_params(p.params) for p in self.parts]

@@ -4,7 +4,7 @@ each row's metrics compared with one rank's. python -m fmeg.check prints it as a
 
     plan = layout_check.plan(argv, layouts=["tp2", "pp2-vp2"])
     for row, result in check_run(plan):
-        result.differences, result.state_bytes, result.failure
+        result.differences, result.state_mb, result.failure
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ COMPARED = ("lm_loss", "grad_norm")
 class RowResult:
     # {metric: the largest relative difference from one rank over the iterations}
     differences: dict[str, float]
-    # the optimizer state of the row's last rank, in bytes (None: not printed)
-    state_bytes: int | None
+    # each rank's persistent state (weights, gradients, optimizer), MB, in rank order
+    state_mb: tuple[float, ...]
     # why the row did not run to its end ("" when it did)
     failure: str = ""
 
@@ -48,16 +48,16 @@ def check_run(
     with tempfile.TemporaryDirectory(prefix="fmeg-check-") as tmp:
         reference = _run(plan.reference, Path(tmp), timeout)
         if isinstance(reference, str):
-            yield plan.reference, RowResult({}, None, reference)
+            yield plan.reference, RowResult({}, (), reference)
             return
-        yield plan.reference, RowResult({}, reference["state_bytes"])
+        yield plan.reference, RowResult({}, reference["state_mb"])
         for row in plan.rows:
             got = _run(row, Path(tmp), timeout)
             if isinstance(got, str):
-                yield row, RowResult({}, None, got)
+                yield row, RowResult({}, (), got)
             else:
                 diffs = differences(got["records"], reference["records"])
-                yield row, RowResult(diffs, got["state_bytes"])
+                yield row, RowResult(diffs, got["state_mb"])
 
 
 def differences(got: list[dict], want: list[dict]) -> dict[str, float]:
@@ -85,7 +85,7 @@ def relative_difference(got: float, want: float) -> float:
 
 
 def _run(row: layout_check.Row, tmp: Path, timeout: float) -> dict | str:
-    """{"records": each iteration's metrics, "state_bytes": the last rank's optimizer state} of
+    """{"records": each iteration's metrics, "state_mb": each rank's persistent state} of
     one row's run, or the line saying why it failed."""
     log_dir = tmp / re.sub(r"\W", "_", row.name)
     launcher = (
@@ -115,8 +115,10 @@ def _run(row: layout_check.Row, tmp: Path, timeout: float) -> dict | str:
         return f"exit {proc.returncode}: {last[-1][:200] if last else 'no output'}"
     metrics = log_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    state = re.search(r"optimizer state ([\d,]+) bytes on this rank", stdout)
+    state = re.search(r"persistent state per rank \(MB\): (.*)", stdout)
     return {
         "records": [r for r in records if "lm_loss" in r],
-        "state_bytes": int(state[1].replace(",", "")) if state else None,
+        "state_mb": tuple(float(x) for x in re.findall(r"r\d+ ([\d.]+)", state[1]))
+        if state
+        else (),
     }

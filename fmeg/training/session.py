@@ -168,6 +168,15 @@ class Session:
     def first_problem(self, problem: str) -> str:
         return first_problem(problem, self.device)
 
+    def every_rank(self, value: int) -> list[int]:
+        """Each rank's value, in rank order, on every rank (one all-gather)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.world == 1:
+            return [value]
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [int(t.item()) for t in out]
+
     def shared_token(self, value: int) -> int:
         """Rank 0's value on every rank."""
         token = torch.tensor(

@@ -115,6 +115,10 @@ def test_a_dense_check_prints_its_table_and_passes():
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
     assert rows["tp2"].endswith("same") and rows["dp2-zero"].endswith("same")
+    # each rank's persistent state, in MB: ZeRO-1 slices the optimizer's part over the 2 ranks
+    one = float(rows["1"].split()[3])
+    zero = [float(x) for x in rows["dp2-zero"].split()[-3:-1]]
+    assert len(zero) == 2 and all(0.5 * one < mb < one for mb in zero)
     assert "every layout equals one rank within 1e-05" in out.stdout
 
 
