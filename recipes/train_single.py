@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         f"fmeg train_single: {len(tokens):,} tokens, vocab {vocab_size}, model {own.model}",
         flush=True,
     )
-    announce(cfg, session, state)
+    announce(cfg, session, state, [state.persistent_bytes()])
     saver = Checkpointer(cfg, session) if cfg.checkpoint.save else None
     return Trainer(cfg, session, state, progress, train, valid, saver, PROCESS_START).run()
 
