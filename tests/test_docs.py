@@ -131,6 +131,8 @@ def test_the_docs_python_example_runs():
     }  # fmt: skip
 
 
+# 25 s; tests/check/test_layout_check.py runs the same check in the default suite
+@pytest.mark.slow
 def test_the_layout_check_of_the_docs(tmp_path):
     (stdout,) = run_block(page("testing.md"), tmp_path)
     rows = [line for line in stdout.splitlines() if line.endswith("same")]
