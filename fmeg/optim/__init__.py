@@ -1,10 +1,21 @@
-"""Optimizers in optax's shape (init and update over pytrees; nothing is mutated), their flat-buffer
-form, and the learning-rate and weight-decay schedules."""
+"""Optimizers in optax's shape (init and update over pytrees; nothing is mutated): AdamW, SGD,
+Lion, Muon and adaptive Muon; their flat-buffer forms; the learning-rate and weight-decay
+schedules."""
 
 from fmeg.optim.adam import FusedAdamW, adamw, clip_scale
-from fmeg.optim.base import EmptyState, GradientTransformation, apply_updates, chain, stateless
+from fmeg.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    partition,
+    stateless,
+)
 from fmeg.optim.loss_scale import LossScaledFlat, LossScaledState, with_loss_scale
+from fmeg.optim.muon import LeafMatrices, MuonSettings, MuonState, TwoDimensional, muon
+from fmeg.optim.newton_schulz import newton_schulz, scale_factor
 from fmeg.optim.schedules import LRSchedule, WeightDecaySchedule
+from fmeg.optim.sgd import MomentumState, lion, sgd
 from fmeg.optim.transforms import (
     AdamState,
     ClipState,
@@ -22,8 +33,13 @@ __all__ = [
     "FusedAdamW",
     "GradientTransformation",
     "LRSchedule",
+    "LeafMatrices",
     "LossScaledFlat",
     "LossScaledState",
+    "MomentumState",
+    "MuonSettings",
+    "MuonState",
+    "TwoDimensional",
     "WeightDecaySchedule",
     "adamw",
     "add_decayed_weights",
@@ -32,8 +48,14 @@ __all__ = [
     "clip_by_global_norm",
     "clip_scale",
     "default_decay_mask",
+    "lion",
+    "muon",
+    "newton_schulz",
+    "partition",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_factor",
+    "sgd",
     "stateless",
     "with_loss_scale",
 ]

@@ -71,3 +71,35 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
         leaves, [u.to(p.dtype) for u, p in zip(tree.tree_leaves(updates), leaves)]
     )
     return tree.tree_unflatten(new, spec)
+
+
+def partition(
+    transforms: dict[str, GradientTransformation], label: Callable[[str, torch.Tensor], str]
+) -> GradientTransformation:
+    """Each leaf stepped by the transform its label(path, leaf) names (optax's partition): Muon's
+    matrices and its scalar optimizer's leaves. Each transform sees a flat {path: leaf} dict of its
+    leaves; the state is {label: that transform's state}."""
+
+    def split(values: Tree, params: Tree) -> dict[str, dict[str, Any]]:
+        parts: dict[str, dict[str, Any]] = {name: {} for name in transforms}
+        for (path, p), v in zip(tree.items(params), tree.tree_leaves(values)):
+            parts[label(path, p)][path] = v
+        return parts
+
+    def init(params: Tree) -> dict:
+        return {name: transforms[name].init(part) for name, part in split(params, params).items()}
+
+    def update(updates: Tree, state: dict, params: Tree = None, **hyper: Any):
+        leaves, spec = tree.tree_flatten(updates)
+        ups, ps = split(updates, params), split(params, params)
+        out, new = {}, {}
+        for name, tx in transforms.items():
+            # a transform with no leaves keeps its state (foreach kernels refuse empty lists)
+            if not ups[name]:
+                new[name] = state[name]
+                continue
+            out_part, new[name] = tx.update(ups[name], state[name], ps[name], **hyper)
+            out.update(out_part)
+        return tree.tree_unflatten([out[path] for path, _ in tree.items(params)], spec), new
+
+    return GradientTransformation(init, update)
