@@ -135,9 +135,9 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
     layout, precision, model = cfg.layout, cfg.precision, cfg.model
     local = tree.num_params(state.params)
     opt = state.opt_state
+    moments = [(m.mu, m.nu) for name, m in opt.items() if name != "main"]
     state_bytes = sum(
-        x.numel() * x.element_size()
-        for x in tree.tree_leaves((opt["adam"].mu, opt["adam"].nu, opt.get("main", ())))
+        x.numel() * x.element_size() for x in tree.tree_leaves((moments, opt.get("main", ())))
     )
     reduced_in = (
         ""
@@ -163,7 +163,8 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         f"to {model.padded_vocab_size}), {precision.name}{reduced_in}, layers "
         f"{'compiled' if session.compile else 'eager'}; {local / 1e6:.2f}M parameters on this "
         "rank; global batch "
-        f"{cfg.global_batch}{' (ramped up)' if cfg.training.batch.varies else ''}; optimizer state "
+        f"{cfg.global_batch}{' (ramped up)' if cfg.training.batch.varies else ''}; "
+        f"optimizer {cfg.training.optimizer.label}, its state "
         f"{state_bytes:,} bytes on this rank{' (distributed optimizer)' if state.zero else ''}; "
         f"persistent state {state.bytes_per_parameter():.2f} bytes per parameter",
         flush=True,

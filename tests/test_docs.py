@@ -81,9 +81,10 @@ def test_every_command_of_the_readme_and_docs_is_run_by_a_test():
         + page("long-sequences.md")
         + page("fine-tuning.md")
         + page("testing.md")
+        + page("optimizers.md")
     )
     everything = bash_commands(README) + [c for text in PAGES.values() for c in bash_commands(text)]
-    assert sorted(tested) == sorted(everything) and len(tested) == 23
+    assert sorted(tested) == sorted(everything) and len(tested) == 24
     # several processes start under fmeg.launch, whose refusals are one line
     assert not [c for c in everything if c.startswith("torchrun")]
     # nothing recommends signalling runs by a name pattern, which reaches other users' runs
@@ -154,6 +155,14 @@ def test_docs_mixture_of_experts(tmp_path):
     assert "| load_balancing_loss: " in stdout and "world 2 = tp 2" in stdout
     first, last = loss_fall(stdout)
     assert last < first - 1.5
+
+
+@pytest.mark.slow  # the optimizers' layouts run in tests/layouts/test_optimizer_layouts.py
+def test_docs_muon_run(tmp_path):
+    (stdout,) = run_block(page("optimizers.md"), tmp_path)
+    assert "optimizer muon (quintic x5, bf16, spectral; adam on the rest)" in stdout
+    first, last = loss_fall(stdout)
+    assert last < first - 1.0
 
 
 def test_docs_main_job(tmp_path):

@@ -32,6 +32,7 @@ from fmeg.config.modelopt_flags import ModelOptFlags
 from fmeg.config.moe_flags import MoEFlags
 from fmeg.config.mtp_flags import MTPFlags
 from fmeg.config.parallel_flags import OverlapFlags, ParallelFlags
+from fmeg.config.optimizer_flags import OptimizerChoiceFlags
 from fmeg.config.training_flags import OptimizerFlags, PrecisionFlags, TrainingFlags
 
 
@@ -59,6 +60,7 @@ GROUPS = (
     ActivationFlags,
     TrainingFlags,
     OptimizerFlags,
+    OptimizerChoiceFlags,
     PrecisionFlags,
     DataFlags,
     SFTFlags,

@@ -109,7 +109,8 @@ def sharding(a: argparse.Namespace) -> str:
         return "optim_grads_params"
     if a.use_megatron_fsdp and a.data_parallel_sharding_strategy != "no_shard":
         return a.data_parallel_sharding_strategy
-    return "optim" if a.use_distributed_optimizer else "no_shard"
+    # dist_muon: Megatron's deprecated name for muon with the distributed optimizer
+    return "optim" if a.use_distributed_optimizer or a.optimizer == "dist_muon" else "no_shard"
 
 
 def ignored(a: argparse.Namespace) -> list[str]:

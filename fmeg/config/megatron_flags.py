@@ -208,11 +208,9 @@ IGNORED_SETTINGS.update(
 MULTI_VALUED = {"--profile-ranks", "--cuda-graph-modules", "--offload-modules"}
 IGNORED_SWITCHES["--first-last-layers-bf16"] = _FP8
 # settings of features still to come, which the feature's own flag (LATER_WORK) refuses
-_MUON = "has no effect without --optimizer muon (fmeg has only Adam yet)"
-IGNORED_SETTINGS.update(
-    {flag: _MUON for flag in ("--muon-momentum", "--muon-scale-mode", "--muon-extra-scale-factor")}
+IGNORED_SWITCHES["--no-use-layer-wise-param-layout"] = (
+    "how Megatron's layer-wise optimizer lays out its buffers: fmeg's flat state has one layout"
 )
-IGNORED_SWITCHES["--no-use-layer-wise-param-layout"] = _MUON
 IGNORED_SETTINGS["--mup-base-hidden-size"] = "has no effect without --use-mup (fmeg has no muP yet)"
 _VARIANT = (
     "has no effect without --experimental-attention-variant (fmeg has no gated delta net or "
@@ -248,14 +246,6 @@ LATER_WORK = {
     ),
     "--is-hybrid-model": ({"action": "store_true"}, (False,), "hybrid Mamba models (Nemotron-H)"),
     "--hybrid-override-pattern": ({"default": None}, (None,), "hybrid Mamba models (Nemotron-H)"),
-    "--optimizer": (
-        {
-            "choices": ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
-            "default": "adam",
-        },
-        ("adam",),
-        "an optimizer other than Adam",
-    ),
     "--use-mup": ({"action": "store_true"}, (False,), "muP (maximal update parametrisation)"),
     "--experimental-attention-variant": (
         {"default": None},

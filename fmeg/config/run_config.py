@@ -26,6 +26,7 @@ from fmeg.config.arguments import batch_geometry, lr_steps
 from fmeg.config.batch_schedule import global_batch_size, parse_step_schedule
 from fmeg.config import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
 from fmeg.config.megatron_flags import activation, ignored_flags
+from fmeg.config.optimizer_flags import OptimizerConfig, optimizer_config
 from fmeg.parallel.layout import Layout
 
 
@@ -139,7 +140,7 @@ class TrainingConfig:
     # the schedules count samples (else iterations) of successful updates
     schedules_in_samples: bool
     clip_grad: float
-    adam: tuple[float, float, float]
+    optimizer: OptimizerConfig
     seed: int
     per_token_loss: bool
     # Megatron's --check-for-nan-in-loss-and-grad: stop at a non-finite loss or gradient
@@ -402,7 +403,7 @@ def _training(a, world: int) -> TrainingConfig:
         weight_decay=weight_decay,
         schedules_in_samples=in_samples,
         clip_grad=a.clip_grad,
-        adam=(a.adam_beta1, a.adam_beta2, a.adam_eps),
+        optimizer=optimizer_config(a, (a.adam_beta1, a.adam_beta2, a.adam_eps)),
         seed=a.seed,
         per_token_loss=a.calculate_per_token_loss,
         check_for_nan=a.check_for_nan_in_loss_and_grad or a.fail_on_nan,

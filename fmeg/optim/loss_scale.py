@@ -80,15 +80,9 @@ class LossScaledFlat(NamedTuple):
     inner: Any
     scaler: LossScale
 
-    @property
-    def moment_dtypes(self) -> Any:
-        return self.inner.moment_dtypes
-
-    def group(self, path: str, leaf: torch.Tensor) -> Any:
-        return self.inner.group(path, leaf)
-
-    def step_(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.step_(*args, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        # everything else (moment_dtypes, group, step_, the matrix step's methods) is inner's
+        return getattr(self.inner, name)
 
 
 def with_loss_scale(inner: GradientTransformation, scaler: LossScale) -> GradientTransformation:

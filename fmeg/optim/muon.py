@@ -167,6 +167,10 @@ class MuonFlat(NamedTuple):
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
 
     @property
+    def name(self) -> str:
+        return "adaptive_muon" if self.settings.adaptive else "muon"
+
+    @property
     def kinds(self) -> tuple[str, ...]:
         inner = getattr(self.scalar, "kinds", ("mu", "nu"))
         return ("mu", "nu") if self.settings.adaptive or "nu" in inner else ("mu",)

@@ -88,6 +88,10 @@ class ElementwiseFlat(NamedTuple):
     # the flat buffers this form reads: mu only
     kinds: tuple[str, ...] = ("mu",)
 
+    @property
+    def name(self) -> str:
+        return self.rule
+
     def group(self, path: str, leaf: torch.Tensor) -> tuple[bool, bool]:
         return bool(self.decoupled and self.decoupled(path, leaf)), bool(
             self.decay_mask(path, leaf)

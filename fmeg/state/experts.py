@@ -174,12 +174,9 @@ class ExpertSplitState(Parts):
         if not self.experts:
             return self.dense.opt_state
         d, e = self.dense.opt_state, self.experts.opt_state
-        adam = type(d["adam"])(
-            d["adam"].count,
-            self._merged(d["adam"].mu, e["adam"].mu),
-            self._merged(d["adam"].nu, e["adam"].nu),
-        )
-        state = {"adam": adam}
+        name = next(k for k in d if k != "main")
+        nu = None if d[name].nu is None else self._merged(d[name].nu, e[name].nu)
+        state = {name: type(d[name])(d[name].count, self._merged(d[name].mu, e[name].mu), nu)}
         if "main" in d:
             state["main"] = self._merged(d["main"], e["main"])
         return state

@@ -56,6 +56,7 @@ from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
+from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixPiece, MatrixStep
 from fmeg.state.protocol import step_parts
 
 # What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy):
@@ -97,6 +98,7 @@ class FlatState:
         dp_group: Any = None,
         device: Any = None,
         reshard_after_forward: str = "true",
+        gather: LeafGather | None = None,
     ):
         """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then
         zeros until assign() fills them, a unit at a time, or a checkpoint is read); counted(path,
@@ -108,7 +110,8 @@ class FlatState:
         device: the buffers' (default: the params'); reshard_after_forward (optim_grads_params):
         "true" frees every gathered unit after its forward, "false" keeps every one until its
         backward, "auto" keeps the embedding and the head (torch's fully_shard default: its root
-        module's)."""
+        module's); gather: each matrix leaf's local block to the whole leaf and back (the matrix
+        optimizers', fmeg.state.matrix_step; default: leaves are whole here)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -123,6 +126,8 @@ class FlatState:
                 "this optimizer has none"
             )
         moment_dtypes = optimizer.flat.moment_dtypes
+        self.kinds = getattr(optimizer.flat, "kinds", ("mu", "nu"))
+        self.dp_group, self._gather = dp_group, gather or LocalOnly()
         # the loss scaler's state (None: no scaling), part of the optimizer's like the moments
         self.scaler = scaler_of(optimizer)
         size = self.flat.padded // dp
@@ -174,7 +179,10 @@ class FlatState:
         self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device, dtype=moment_dtypes[0])
-        self.nu = torch.zeros(owned, device=device, dtype=moment_dtypes[1])
+        # SGD, Lion and Muon over Lion keep one buffer per parameter
+        self.nu = None
+        if "nu" in self.kinds:
+            self.nu = torch.zeros(owned, device=device, dtype=moment_dtypes[1])
 
     def _index_the_step(self, params: dict[int, Any], counted: Callable, device: Any) -> None:
         """The views the step reads, made once so that it slices nothing: the owned gradient's
@@ -191,9 +199,26 @@ class FlatState:
         )
         master = self.master
         self._groups = self._adam_groups(pieces)
+        self._matrices = MatrixStep(
+            [
+                MatrixPiece(path, leaf.shape, *self._where[path], a, b, decays)
+                for path, leaf, a, b in pieces
+                if self._groups.get("muon") and self.optimizer.flat.group(path, leaf) == "muon"
+                for decays in [bool(self.optimizer.flat.decay_mask(path, leaf))]
+            ],
+            self._gather,
+            self.dp_group,
+            self.lo,
+            self.zero,
+        )
+        self._has_matrices = any(
+            self.optimizer.flat.group(path, leaf) == "muon" for path, leaf in tree.items(params)
+        )
+        self._groups.pop("muon", None)
+        moments = (self.mu, self.nu if self.nu is not None else self.mu)
         # made once: the step slices nothing
         self._adam_views = {
-            group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, self.mu, self.nu)]
+            group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, *moments)]
             for group, runs in self._groups.items()
         }
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
@@ -305,7 +330,9 @@ class FlatState:
         """{"adam": AdamState(count, mu, nu), "main"?: ...}: trees of views, or {"shard": slice}
         with ZeRO-1."""
         as_tree = (lambda t: {"shard": t}) if self.zero else self.flat.views
-        state = {"adam": optim.AdamState(self.count, as_tree(self.mu), as_tree(self.nu))}
+        nu = None if self.nu is None else as_tree(self.nu)
+        name = getattr(self.optimizer.flat, "name", "adam")
+        state = {name: optim.AdamState(self.count, as_tree(self.mu), nu)}
         if self.main is not None:
             state["main"] = as_tree(self.main)
         return state
@@ -313,8 +340,8 @@ class FlatState:
     def persistent_bytes(self) -> int:
         """The bytes of every buffer allocated once: weights, gradients, master weights,
         moments."""
-        buffers = [self.weights, self.grad, self.mu, self.nu] + [
-            b for b in (self.main, self.grad32) if b is not None
+        buffers = [self.weights, self.grad, self.mu] + [
+            b for b in (self.nu, self.main, self.grad32) if b is not None
         ]
         return sum(b.numel() * b.element_size() for b in buffers)
 
@@ -330,7 +357,7 @@ class FlatState:
         """The buffers() kinds held as this rank's slice [lo, hi) rather than whole."""
         if not self.zero:
             return frozenset()
-        return frozenset({"main", "mu", "nu"} | ({"params"} if self.shard_params else set()))
+        return frozenset({"main", *self.kinds} | ({"params"} if self.shard_params else set()))
 
     def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False):
         """A context in which a segment's weights (keys inside stage; None: all of it) can be read:
@@ -362,8 +389,9 @@ class FlatState:
         out = {
             "params": (self.weights, self.lo if self.shard_params else 0),
             "mu": (self.mu, self.lo),
-            "nu": (self.nu, self.lo),
         }
+        if self.nu is not None:
+            out["nu"] = (self.nu, self.lo)
         if self.main is not None:
             out["main"] = (self.main, self.lo)
         return out
@@ -380,7 +408,8 @@ class FlatState:
         if self.main is not None:
             self.main.copy_(self._owned(self.weights))
         self.mu.zero_()
-        self.nu.zero_()
+        if self.nu is not None:
+            self.nu.zero_()
         self.set_count(0)
 
     @torch.no_grad()
@@ -442,6 +471,17 @@ class FlatState:
                 weight_decay=weight_decay,
                 decoupled_lr=decoupled_lr,
                 grad_scale=grad_scale,
+            )
+        if self._has_matrices:
+            self._matrices.run(
+                self.optimizer.flat,
+                self.master,
+                self.mu,
+                self.nu,
+                self._owned_grad,
+                grad_scale,
+                lr=lr,
+                weight_decay=weight_decay,
             )
 
     def refresh(self, dp_group: Any) -> None:

@@ -27,9 +27,10 @@ from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
 from fmeg.parallel.context import ContextParallel
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
+from fmeg.config.optimizer_flags import OptimizerConfig
 from fmeg.state.flat import FlatState
 from fmeg.training.step_settings import StepSettings
-from fmeg.training import step_hooks
+from fmeg.training import optimizers, step_hooks
 
 
 def local_stages(layout: Layout, pp_rank: int) -> list[int]:
@@ -197,7 +198,7 @@ def init_state(
     mesh: Mesh,
     *,
     compute_dtype: torch.dtype = torch.float32,
-    adam: tuple[float, float, float] = (0.9, 0.999, 1e-8),
+    optimizer: OptimizerConfig = OptimizerConfig(),
     grad_dtype: torch.dtype = torch.float32,
     device: Any = None,
     reshard_after_forward: str = "true",
@@ -206,23 +207,21 @@ def init_state(
 ) -> FlatState:
     """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta
     tensors with the device to hold the state on: state.assign() or a checkpoint then fills it): the
-    model's weights in the compute dtype, fp32 master weights when computing in bf16 / fp16, and
-    AdamW's moments, for all local parameters or, with the distributed optimizer, this data-parallel
-    slice (fmeg.state.flat). Gradients are accumulated and reduced in grad_dtype (bf16: Megatron's
-    --grad-reduce-in-bf16), Adam's moments stored in moment_dtypes (Megatron's precision-aware
-    optimizer: bf16, stepped in fp32), the loss scaled by scaler's scale (fp16: the optimizer
-    wrapped by optim.with_loss_scale). Under expert parallelism the experts' leaves have a state of
-    their own (fmeg.state.experts)."""
-    b1, b2, eps = adam
-    optimizer = optim.adamw(
-        b1, b2, eps, moment_dtypes=moment_dtypes, decoupled=embedding_or_output(layout)
-    )
+    model's weights in the compute dtype, fp32 master weights when computing in bf16 / fp16, and the
+    optimizer's moments (fmeg.training.optimizers), for all local parameters or, with the
+    distributed optimizer, this data-parallel slice (fmeg.state.flat). Gradients are accumulated and
+    reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16), Adam's moments stored in
+    moment_dtypes (Megatron's precision-aware optimizer: bf16, stepped in fp32), the loss scaled by
+    scaler's scale (fp16: the optimizer wrapped by optim.with_loss_scale). Under expert parallelism
+    the experts' leaves have a state of their own (fmeg.state.experts)."""
+    tx = optimizers.build(optimizer, config, embedding_or_output(layout), moment_dtypes)
     options = dict(
         compute_dtype=compute_dtype,
         grad_dtype=grad_dtype,
         device=device,
         reshard_after_forward=reshard_after_forward,
-        optimizer=optim.with_loss_scale(optimizer, scaler) if scaler else optimizer,
+        optimizer=optim.with_loss_scale(tx, scaler) if scaler else tx,
+        gather=optimizers.TensorParallelLeaves(layout, mesh, optimizer.blockwise),
     )
     if layout.experts_apart:
         from fmeg.state.experts import ExpertSplitState

@@ -51,7 +51,7 @@ class MissingCheckpoint(ValueError):
 def _options(cfg, session) -> dict:
     return {
         "compute_dtype": cfg.precision.compute_dtype,
-        "adam": cfg.training.adam,
+        "optimizer": cfg.training.optimizer,
         "grad_dtype": cfg.precision.grad_dtype,
         "device": session.device,
         "reshard_after_forward": cfg.runtime.reshard_after_forward,
@@ -178,6 +178,13 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
             raise checkpoint.CheckpointError(
                 f"--load {load}: {found.name} holds no optimizer state (saved with "
                 "--no-save-optim); resume it with --no-load-optim or --finetune"
+            )
+        kind, mine = ckpt.meta.get("optimizer", "adam"), cfg.training.optimizer.state_kind
+        if kind != mine and not weights_only and not (ck.finetune or ck.no_load_optim):
+            raise checkpoint.CheckpointError(
+                f"--load {load}: {found.name} holds {kind}'s optimizer state and this run steps "
+                f"{mine}: resume with --optimizer {kind.split('+')[0]}, or start {mine}'s state "
+                "fresh with --no-load-optim"
             )
         plan = policies.resume(
             ckpt.meta,
@@ -407,6 +414,7 @@ class Checkpointer:
             "valid_consumed_samples": progress.valid_consumed,
             "scheduler_steps": progress.scheduled,
             "optimizer_saved": not cfg.checkpoint.no_save_optim,
+            "optimizer": cfg.training.optimizer.state_kind,
             "loss_scale": dataclasses.asdict(scaler) if scaler else None,
             "arguments": dict(cfg.arguments),
             "fmeg_version": __version__,

@@ -186,6 +186,11 @@ TABLE: dict[str, tuple[int, list[str]]] = {
     "tied_pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "packed_tp2": (2, ["--sft-sequence-packing", "--tensor-model-parallel-size", "2"]),
     "packed_dp2_zero1": (2, ["--sft-sequence-packing", *ZERO1]),
+    "dp2_fsdp": (
+        2,
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+    ),
+    "tp2_sp_zero1": (2, [*TP2_SP, *ZERO1]),
 }
 
 

@@ -64,7 +64,7 @@ def reference(tmp_path_factory):
 
 def optimizer_bytes(stdout):
     return int(
-        re.search(r"optimizer state ([\d,]+) bytes on this rank", stdout).group(1).replace(",", "")
+        re.search(r"its state ([\d,]+) bytes on this rank", stdout).group(1).replace(",", "")
     )
 
 

@@ -1,0 +1,163 @@
+"""Megatron's --optimizer and the flags of SGD, Muon, adaptive Muon and Lion, with Megatron-LM's
+defaults (megatron/training/arguments.py) and meanings (megatron/core/optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fmeg.config.declare import flag, group, not_positive, outside, switch
+from fmeg.optim import MuonSettings
+from fmeg.optim.newton_schulz import COEFFICIENTS, SCALE_MODES
+
+# Megatron's --optimizer choices; dist_muon is Megatron's deprecated name for muon with the
+# distributed optimizer
+OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")
+# adaptive Muon's second moment as Megatron's OptimizerConfig sets it (no flag changes them)
+ADAPTIVE_MUON = (0.95, 1e-8)
+
+
+@group("optimizer choice")
+class OptimizerChoiceFlags:
+    """Which optimizer, and the settings of those other than Adam."""
+
+    optimizer: str = flag("--optimizer", default="adam", choices=list(OPTIMIZERS))
+    sgd_momentum: float = flag("--sgd-momentum", type=float, default=0.9, help="SGD's momentum")
+    muon_momentum: float = flag(
+        "--muon-momentum", type=float, default=0.9, help="Muon's momentum (an EMA of gradients)"
+    )
+    muon_split_qkv: bool = flag(
+        "--muon-no-split-qkv",
+        action="store_false",
+        default=True,
+        help="orthogonalize the fused qkv weight as one matrix (default: q, k and v apart)",
+    )
+    muon_nesterov: bool = switch("--muon-nesterov", help="Nesterov momentum inside Muon")
+    muon_scale_mode: str = flag(
+        "--muon-scale-mode",
+        default="spectral",
+        choices=list(SCALE_MODES),
+        help="spectral: sqrt(max(rows, cols)); shape_scaling: sqrt(max(1, rows / cols)); "
+        "unit_rms_norm: sqrt(rows / cols)",
+    )
+    muon_fp32_matmul_prec: str = flag(
+        "--muon-fp32-matmul-prec",
+        default="medium",
+        choices=["low", "medium", "high"],
+        help="medium and low: Newton-Schulz in bf16 (Megatron's default); high: in fp32",
+    )
+    muon_coefficient_type: str = flag(
+        "--muon-coefficient-type",
+        default="quintic",
+        help=f"Newton-Schulz coefficients: {', '.join(sorted(COEFFICIENTS))}",
+    )
+    muon_num_ns_steps: int = flag(
+        "--muon-num-ns-steps", type=int, default=5, help="Newton-Schulz iterations"
+    )
+    muon_tp_mode: str = flag(
+        "--muon-tp-mode",
+        default="duplicated",
+        choices=["blockwise", "duplicated", "distributed"],
+        help="duplicated and distributed: each matrix orthogonalized whole (the same numbers at "
+        "every layout); blockwise: each tensor-parallel shard alone (depends on the layout)",
+    )
+    muon_extra_scale_factor: float = flag(
+        "--muon-extra-scale-factor", type=float, default=1.0, help="Muon's update times this"
+    )
+    muon_scalar_optimizer: str = flag(
+        "--muon-scalar-optimizer",
+        default="adam",
+        choices=["adam", "lion"],
+        help="the optimizer of the embeddings, the output layer, biases and norms under Muon",
+    )
+    lion_beta1: float = flag(
+        "--lion-beta1", type=float, default=0.95, help="Lion's sign-update interpolation"
+    )
+    lion_beta2: float = flag("--lion-beta2", type=float, default=0.98, help="Lion's momentum EMA")
+    ACCEPTED = {
+        "--muon-use-syrk": dict(
+            action="store_true",
+            help="a Triton kernel for the Gram matrix: accepted, the numbers are the same",
+        )
+    }
+
+    def problems(self) -> list[str]:
+        out = not_positive(self, "muon_num_ns_steps")
+        out += outside(self, "sgd_momentum", 0, 1) + outside(self, "muon_momentum", 0, 1)
+        out += outside(self, "lion_beta1", 0, 1) + outside(self, "lion_beta2", 0, 1)
+        if self.muon_coefficient_type not in COEFFICIENTS:
+            out.append(
+                f"--muon-coefficient-type {self.muon_coefficient_type}: expected one of "
+                f"{', '.join(sorted(COEFFICIENTS))}"
+            )
+        elif self.muon_coefficient_type == "cubic5" and self.muon_num_ns_steps != 5:
+            out.append(
+                "--muon-coefficient-type cubic5 is a fixed 5-step schedule: give "
+                "--muon-num-ns-steps 5"
+            )
+        if self.optimizer == "soap":
+            out.append(
+                "--optimizer soap: SOAP is not in fmeg's runner yet (adam, sgd, lion, muon and "
+                "adaptive_muon are); choose one of those"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer the runner steps, from the flags."""
+
+    # adam, sgd, lion, muon or adaptive_muon (dist_muon is muon)
+    name: str = "adam"
+    # Adam's (b1, b2, eps): Adam's, and Muon's scalar optimizer's
+    adam: tuple[float, float, float] = (0.9, 0.999, 1e-8)
+    sgd_momentum: float = 0.9
+    lion: tuple[float, float] = (0.95, 0.98)
+    muon: MuonSettings = MuonSettings()
+    # Muon's scalar optimizer: adam or lion
+    muon_scalar: str = "adam"
+    muon_split_qkv: bool = True
+    # each tensor-parallel shard orthogonalized alone (layout-dependent)
+    blockwise: bool = False
+
+    @property
+    def state_kind(self) -> str:
+        """What its state holds, as checkpoints record it: a run resumes only a state of its own
+        kind (Muon's first moments are momentum buffers; with Lion on the rest there is no nu)."""
+        muon = self.name in ("muon", "adaptive_muon")
+        return f"{self.name}+lion" if muon and self.muon_scalar == "lion" else self.name
+
+    @property
+    def label(self) -> str:
+        """The start line's words for it."""
+        if self.name in ("muon", "adaptive_muon"):
+            m = self.muon
+            return (
+                f"{self.name} ({m.coefficient_type} x{m.num_ns_steps}, "
+                f"{'bf16' if m.bf16 else 'fp32'}, {m.scale_mode}"
+                f"{', blockwise' if self.blockwise else ''}; {self.muon_scalar} on the rest)"
+            )
+        return self.name
+
+
+def optimizer_config(a, adam: tuple[float, float, float]) -> OptimizerConfig:
+    """The optimizer's configuration from the flags (a: their namespace)."""
+    name = "muon" if a.optimizer == "dist_muon" else a.optimizer
+    return OptimizerConfig(
+        name=name,
+        adam=adam,
+        sgd_momentum=a.sgd_momentum,
+        lion=(a.lion_beta1, a.lion_beta2),
+        muon=MuonSettings(
+            momentum=a.muon_momentum,
+            nesterov=a.muon_nesterov,
+            num_ns_steps=a.muon_num_ns_steps,
+            coefficient_type=a.muon_coefficient_type,
+            scale_mode=a.muon_scale_mode,
+            extra_scale_factor=a.muon_extra_scale_factor,
+            bf16=a.muon_fp32_matmul_prec != "high",
+            adaptive=ADAPTIVE_MUON if name == "adaptive_muon" else None,
+        ),
+        muon_scalar=a.muon_scalar_optimizer,
+        muon_split_qkv=a.muon_split_qkv,
+        blockwise=a.muon_tp_mode == "blockwise",
+    )

@@ -1,0 +1,83 @@
+"""The optimizer the runner steps, built from its configuration, and how a matrix optimizer sees
+a leaf whole under tensor parallelism.
+
+    # a GradientTransformation with a flat form
+    tx = build(choice, config, decoupled, moment_dtypes)
+    # a leaf's tp block <-> the whole leaf
+    gather = TensorParallelLeaves(layout, mesh)
+
+Every optimizer takes Megatron's decay mask (no decay on biases and norms) and --decoupled-lr's
+leaves (the word embedding and the output layer). Muon's matrices are GPTMatrices' (Megatron's 2-D
+parameters; q, k and v apart unless --muon-no-split-qkv); the rest is stepped by Adam or Lion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fmeg import optim
+from fmeg.config.optimizer_flags import OptimizerConfig
+from fmeg.models import gpt
+from fmeg.models.matrices import GPTMatrices
+from fmeg.parallel.layout import Layout
+from fmeg.parallel.mesh import Mesh
+from fmeg.parallel.sharding import partition_of
+from fmeg.state.experts import is_expert
+
+
+def build(
+    choice: OptimizerConfig,
+    config: gpt.GPTConfig,
+    decoupled: Any,
+    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+) -> optim.GradientTransformation:
+    """The transform `choice` names; decoupled(path, leaf): the leaves --decoupled-lr applies to."""
+    b1, b2, eps = choice.adam
+    adam = optim.adamw(b1, b2, eps, moment_dtypes=moment_dtypes, decoupled=decoupled)
+    lion = optim.lion(*choice.lion, decoupled=decoupled)
+    if choice.name == "adam":
+        return adam
+    if choice.name == "sgd":
+        return optim.sgd(choice.sgd_momentum, decoupled=decoupled)
+    if choice.name == "lion":
+        return lion
+    if choice.name in ("muon", "adaptive_muon"):
+        return optim.muon(
+            choice.muon,
+            scalar=lion if choice.muon_scalar == "lion" else adam,
+            matrices=GPTMatrices(config, choice.muon_split_qkv),
+        )
+    raise ValueError(f"optimizer {choice.name!r}: fmeg's runner has adam, sgd, lion, muon")
+
+
+class TensorParallelLeaves:
+    """fmeg.state.matrix_step.LeafGather for a GPT's leaves ("stage.path") on this rank: a leaf
+    tensor parallelism splits is gathered over tp (over expert_tp for the experts laid out apart)
+    along its partition's dimension, in rank order; blockwise, nothing is gathered (Megatron's
+    --muon-tp-mode blockwise: each shard its own matrix)."""
+
+    def __init__(self, layout: Layout, mesh: Mesh, blockwise: bool = False):
+        self.layout, self.mesh, self.blockwise = layout, mesh, blockwise
+
+    def _split(self, path: str) -> tuple[Any, int, int, int] | None:
+        """(group, dim, index, size) of the split of the leaf at path, or None."""
+        rest = path.partition(".")[2]
+        part = partition_of(rest, gpt.TP_RULES)
+        axis = "expert_tp" if self.layout.experts_apart and is_expert(rest) else "tp"
+        size = self.mesh.size(axis)
+        if part is None or size == 1 or self.blockwise:
+            return None
+        return self.mesh.group(axis), part.dim, self.mesh.coord(axis), size
+
+    def whole(self, path: str, local: torch.Tensor) -> torch.Tensor:
+        split = self._split(path)
+        return local if split is None else split[0].all_gather(local, split[1])
+
+    def part(self, path: str, whole: torch.Tensor) -> torch.Tensor:
+        split = self._split(path)
+        if split is None:
+            return whole
+        _, dim, index, size = split
+        return whole.chunk(size, dim)[index]
