@@ -135,7 +135,7 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
     layout, precision, model = cfg.layout, cfg.precision, cfg.model
     local = tree.num_params(state.params)
     opt = state.opt_state
-    moments = [(m.mu, m.nu) for name, m in opt.items() if name != "main"]
+    moments = [(m.mu, m.nu or ()) for name, m in opt.items() if name != "main"]
     state_bytes = sum(
         x.numel() * x.element_size() for x in tree.tree_leaves((moments, opt.get("main", ())))
     )

@@ -179,13 +179,8 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
                 f"--load {load}: {found.name} holds no optimizer state (saved with "
                 "--no-save-optim); resume it with --no-load-optim or --finetune"
             )
-        kind, mine = ckpt.meta.get("optimizer", "adam"), cfg.training.optimizer.state_kind
-        if kind != mine and not weights_only and not (ck.finetune or ck.no_load_optim):
-            raise checkpoint.CheckpointError(
-                f"--load {load}: {found.name} holds {kind}'s optimizer state and this run steps "
-                f"{mine}: resume with --optimizer {kind.split('+')[0]}, or start {mine}'s state "
-                "fresh with --no-load-optim"
-            )
+        if not (weights_only or ck.finetune or ck.no_load_optim):
+            _same_optimizer(ckpt.meta, cfg, f"--load {load}: {found.name}")
         plan = policies.resume(
             ckpt.meta,
             finetune=ck.finetune and not own,
@@ -215,6 +210,18 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
     ]
     restarted = [f"restart {session.restarts}: resuming from --save {ck.save}"] if own else []
     return state, plan.progress, [*restarted, plan.description, *changed]
+
+
+def _same_optimizer(meta: dict, cfg, where: str) -> None:
+    """A CheckpointError unless the checkpoint's optimizer state is the kind this run steps
+    (checkpoints from before it was recorded are Adam's)."""
+    kind, mine = meta.get("optimizer", "adam"), cfg.training.optimizer.state_kind
+    if kind != mine:
+        raise checkpoint.CheckpointError(
+            f"{where} holds {kind}'s optimizer state and this run steps {mine}: resume with "
+            f"--optimizer {kind.split('+')[0]}, or start {mine}'s state fresh with "
+            "--no-load-optim"
+        )
 
 
 def _restore_megatron(
