@@ -35,7 +35,9 @@ MODEL = [
 FP32 = ["--muon-fp32-matmul-prec", "high"]
 OPTIMIZERS = {
     "muon": ["--optimizer", "muon", "--lr", "2e-2", *FP32],
-    "adaptive_muon": ["--optimizer", "adaptive_muon", "--lr", "2e-2", *FP32],
+    # at --lr 2e-2 its sign-like first steps amplify last-bit differences: tp 2 and dp 2 end
+    # 1.4e-2 and 1.2e-2 from one rank after 20 iterations (3e-7 at the default 3e-3)
+    "adaptive_muon": ["--optimizer", "adaptive_muon", *FP32],
     "muon_lion": ["--optimizer", "muon", "--muon-scalar-optimizer", "lion", "--lr", "2e-2", *FP32],
     "sgd": ["--optimizer", "sgd", "--lr", "1e-1"],
     "lion": ["--optimizer", "lion", "--lr", "1e-3"],
@@ -105,7 +107,7 @@ def test_saved_at_zero1_resumes_under_fsdp_and_tp2_on_its_curve(tmp_path, optimi
 
 def test_another_optimizers_state_is_refused_in_one_line(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_recipe(tmp_path, "adam", 1, ["--train-iters", "2", "--save", ckpt, "--save-interval", "2"])
+    run_recipe(tmp_path, "adam", 1, ["--train-iters", "4", "--save", ckpt, "--save-interval", "4"])
     from harness.runner import COMMON, run_group
     import sys
 
