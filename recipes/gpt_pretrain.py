@@ -136,6 +136,8 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
     local = tree.num_params(state.params)
     opt = state.opt_state
     moments = [(m.mu, m.nu or ()) for name, m in opt.items() if name != "main"]
+    # the matrix optimizers' per-matrix state (SOAP's) at the matrices' home ranks
+    moments += [[s for s, _ in part.matrix_states().values()] for part in state.parts]
     state_bytes = sum(
         x.numel() * x.element_size() for x in tree.tree_leaves((moments, opt.get("main", ())))
     )

@@ -94,11 +94,6 @@ class OptimizerChoiceFlags:
                 "--muon-coefficient-type cubic5 is a fixed 5-step schedule: give "
                 "--muon-num-ns-steps 5"
             )
-        if self.optimizer == "soap":
-            out.append(
-                "--optimizer soap: SOAP is not in fmeg's runner yet (adam, sgd, lion, muon and "
-                "adaptive_muon are); choose one of those"
-            )
         return out
 
 
@@ -106,7 +101,7 @@ class OptimizerChoiceFlags:
 class OptimizerConfig:
     """The optimizer the runner steps, from the flags."""
 
-    # adam, sgd, lion, muon or adaptive_muon (dist_muon is muon)
+    # adam, sgd, lion, muon, adaptive_muon or soap (dist_muon is muon)
     name: str = "adam"
     # Adam's (b1, b2, eps): Adam's, and Muon's scalar optimizer's
     adam: tuple[float, float, float] = (0.9, 0.999, 1e-8)
@@ -136,6 +131,8 @@ class OptimizerConfig:
                 f"{'bf16' if m.bf16 else 'fp32'}, {m.scale_mode}"
                 f"{', blockwise' if self.blockwise else ''}; {self.muon_scalar} on the rest)"
             )
+        if self.name == "soap":
+            return "soap (KL-Shampoo factors, Adam in their eigenbasis; adam on the rest)"
         return self.name
 
 

@@ -1,5 +1,5 @@
 """Optimizers in optax's shape (init and update over pytrees; nothing is mutated): AdamW, SGD,
-Lion, Muon and adaptive Muon; their flat-buffer forms; the learning-rate and weight-decay
+Lion, Muon and adaptive Muon, SOAP; their flat-buffer forms; the learning-rate and weight-decay
 schedules."""
 
 from fmeg.optim.adam import FusedAdamW, adamw, clip_scale
@@ -15,6 +15,7 @@ from fmeg.optim.loss_scale import LossScaledFlat, LossScaledState, with_loss_sca
 from fmeg.optim.muon import LeafMatrices, MuonSettings, MuonState, TwoDimensional, muon
 from fmeg.optim.newton_schulz import newton_schulz, scale_factor
 from fmeg.optim.schedules import LRSchedule, WeightDecaySchedule
+from fmeg.optim.soap import SoapSettings, soap
 from fmeg.optim.sgd import MomentumState, lion, sgd
 from fmeg.optim.transforms import (
     AdamState,
@@ -34,6 +35,7 @@ __all__ = [
     "GradientTransformation",
     "LRSchedule",
     "LeafMatrices",
+    "SoapSettings",
     "LossScaledFlat",
     "LossScaledState",
     "MomentumState",
@@ -55,6 +57,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_factor",
+    "soap",
     "sgd",
     "stateless",
     "with_loss_scale",

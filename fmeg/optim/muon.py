@@ -18,7 +18,7 @@ whole. Adaptive Muon (adamuon) then divides elementwise by the root of an EMA v 
 squares and scales once more, as Megatron's TensorParallelAdaptiveMuon does:
 u = s o, v <- b2 v + (1 - b2) u^2, update = s u / (sqrt(v) + eps).
 
-The flat form (MuonFlat) is the same update over the runner's buffers: whole_update() is what one
+The flat form (MuonFlat) is the same update over the runner's buffers: whole_step() is what one
 rank computes for a whole leaf; the training state gathers each leaf whole however tp, ep, ZeRO
 or FSDP split it (fmeg.state.matrix_step), so every layout takes one rank's step.
 """
@@ -155,8 +155,8 @@ def scale_by_muon(s: MuonSettings, matrices: LeafMatrices) -> GradientTransforma
 
 class MuonFlat(NamedTuple):
     """muon's update over the runner's flat buffers: the scalar leaves by the scalar optimizer's
-    flat form (its groups); the matrix leaves (group "muon") by momentum_() on the owned slice,
-    whole_update() on each leaf gathered whole, and apply_() on the owned slice again."""
+    flat form (its groups); the matrix leaves (group "muon") by prepare_() on the owned slice,
+    whole_step() on each leaf gathered whole, and apply_() on the owned slice again."""
 
     settings: MuonSettings
     matrices: LeafMatrices
@@ -165,6 +165,7 @@ class MuonFlat(NamedTuple):
     # Muon's momentum shares mu with the scalar optimizer's first moment; nu is the scalar Adam's
     # second moment and adaptive Muon's
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    keeps_matrix_state: bool = False
 
     @property
     def name(self) -> str:
@@ -183,7 +184,7 @@ class MuonFlat(NamedTuple):
     def step_(self, views, steps, group, **hyper: Any) -> None:
         self.scalar.step_(views, steps, group, **hyper)
 
-    def momentum_(
+    def prepare_(
         self, mu: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
         """The momentum buffer (a piece of mu) stepped in place by the gradient divided by
@@ -192,9 +193,13 @@ class MuonFlat(NamedTuple):
         mu.lerp_(g, 1 - self.settings.momentum)
         return g.lerp(mu, self.settings.momentum) if self.settings.nesterov else mu.clone()
 
-    def whole_update(self, path: str, x: torch.Tensor) -> torch.Tensor:
-        """The whole leaf's direction (before adaptive Muon's moment), from its whole x."""
-        return orthogonalized(x, _local(path), self.matrices, self.settings)
+    def whole_step(self, path: str, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """The whole leaf's direction (before adaptive Muon's moment), from its whole x; Muon
+        keeps no state per matrix."""
+        return orthogonalized(x, _local(path), self.matrices, self.settings), None
+
+    def fresh_state(self, path: str, whole_shape: tuple[int, ...], device: Any) -> None:
+        return None
 
     def scale(self, path: str, whole: torch.Tensor) -> torch.Tensor:
         return adaptive_scale(_local(path), self.matrices, self.settings, whole)

@@ -56,7 +56,7 @@ from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
-from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixPiece, MatrixStep
+from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixLeaf, MatrixPiece, MatrixStep
 from fmeg.state.protocol import step_parts
 
 # What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy):
@@ -134,7 +134,7 @@ class FlatState:
         self.lo, self.hi = (
             (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
         )
-        self.dp_rank = dp_rank
+        self.dp, self.dp_rank = dp, dp_rank
         sizes = [leaf.numel() for _, leaf in tree.items(params)]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._where = {
@@ -199,21 +199,26 @@ class FlatState:
         )
         master = self.master
         self._groups = self._adam_groups(pieces)
+        flat = self.optimizer.flat
+        leaves = [
+            MatrixLeaf(path, leaf.shape, *self._where[path], bool(flat.decay_mask(path, leaf)))
+            for path, leaf in tree.items(params)
+            if flat.group(path, leaf) == "muon"
+        ]
+        by_path = {leaf.path: leaf for leaf in leaves}
+        self._has_matrices = bool(leaves)
         self._matrices = MatrixStep(
-            [
-                MatrixPiece(path, leaf.shape, *self._where[path], a, b, decays)
-                for path, leaf, a, b in pieces
-                if self._groups.get("muon") and self.optimizer.flat.group(path, leaf) == "muon"
-                for decays in [bool(self.optimizer.flat.decay_mask(path, leaf))]
-            ],
+            leaves,
+            [MatrixPiece(by_path[path], a, b) for path, _, a, b in pieces if path in by_path],
             self._gather,
             self.dp_group,
+            self.dp,
+            self.dp_rank,
             self.lo,
             self.zero,
         )
-        self._has_matrices = any(
-            self.optimizer.flat.group(path, leaf) == "muon" for path, leaf in tree.items(params)
-        )
+        if getattr(flat, "keeps_matrix_state", False):
+            self._matrices.fresh_states(flat, device)
         self._groups.pop("muon", None)
         moments = (self.mu, self.nu if self.nu is not None else self.mu)
         # made once: the step slices nothing
@@ -343,7 +348,8 @@ class FlatState:
         buffers = [self.weights, self.grad, self.mu] + [
             b for b in (self.nu, self.main, self.grad32) if b is not None
         ]
-        return sum(b.numel() * b.element_size() for b in buffers)
+        held = tree.tree_leaves([state for state, _ in self.matrix_states().values()])
+        return sum(b.numel() * b.element_size() for b in [*buffers, *held])
 
     def bytes_per_parameter(self) -> float:
         return self.persistent_bytes() / self.flat.numel
@@ -511,6 +517,11 @@ class FlatState:
             )
         if self.main is not None and a < b:
             self.main[a - self.lo : b - self.lo] += delta[a - start : b - start]
+
+    def matrix_states(self) -> dict[str, Any]:
+        """The matrix optimizer's states of the leaves computed here ({stage.path: (state, mesh
+        axes of the ranks holding it alike)}; SOAP's), which checkpoints save."""
+        return self._matrices.held_states()
 
     def main_grads(self) -> list[torch.Tensor]:
         """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""

@@ -1,27 +1,27 @@
-"""The matrix optimizers' step on a flat state: each matrix leaf's update computed on the leaf
-whole, as one rank would, however the layout splits it.
+"""The matrix optimizers' step on a flat state (Muon, SOAP): each matrix leaf's update computed on
+the leaf whole, as one rank would, however the layout splits it, at a home rank.
 
-    step = MatrixStep(pieces, gather, dp_group)
+    step = MatrixStep(leaves, pieces, gather, dp_group, dp_rank, lo, sliced)
     step.run(flat, master, mu, nu, grad, grad_scale, lr=lr, weight_decay=wd)
 
 A leaf is split three ways: the distributed optimizer (ZeRO-1, FSDP) gives this rank a slice
 [lo, hi) of the flat buffers, which may cut a leaf anywhere; tensor (or expert-tensor) parallelism
 gives it a block of the leaf's rows or columns; expert parallelism gives it whole experts, which
-are whole matrices already. The step (a flat form with momentum_, whole_update, scale and apply_:
-fmeg.optim.muon.MuonFlat):
+are whole matrices already. With a flat form that has prepare_, whole_step, apply_ (and scale for
+adaptive Muon: fmeg.optim.muon.MuonFlat, fmeg.optim.soap.SoapFlat) the step:
 
-1. steps the momentum on the owned slice, elementwise (what is orthogonalized is elementwise in the
-   gradient and the momentum);
-2. all-gathers that over the data-parallel group into every leaf's local block (one all-gather of
-   the owned slice);
-3. all-gathers each local block over its tensor-parallel group into the whole leaf (gather.whole);
-4. computes the whole leaf's update on every rank that holds a part of it (tensor-parallel peers
-   compute the same matrices: Megatron's "duplicated" mode), takes this rank's part back
-   (gather.part) and applies it to the owned slice of the master weights.
+1. prepares the owned slice elementwise (Muon: steps the momentum; SOAP: the unclipped gradient);
+2. all-gathers it over the data-parallel group (one all-gather), so every rank has its blocks of
+   every leaf;
+3. at each leaf's home (one data-parallel rank per leaf, spread by size so the work balances; with
+   the buffers whole, every rank), gathers the block over its tensor-parallel group into the whole
+   leaf (gather.whole; tensor-parallel peers share a home and compute alike: Megatron's
+   "duplicated" mode), computes the whole leaf's direction, keeping the leaf's state there (SOAP's
+   factors, bases and moments), and writes its block of the direction into a buffer of zeros;
+4. reduce-scatters that buffer over the data-parallel group (one reduce-scatter: each element has
+   one non-zero contribution, so the sum is exact), and applies the owned slice of it.
 
-Every collective is entered by all ranks of its group in the same order: the data-parallel
-all-gather whenever the state has a matrix leaf, the tensor-parallel ones for the leaves
-overlapping [lo, hi), which tensor-parallel peers share (their flat layouts are the same).
+Every collective is entered by all ranks of its group in the same order.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ import torch
 
 
 class LeafGather(Protocol):
-    """A leaf's local block to the whole leaf and back (fmeg.training.parallel_step's)."""
+    """A leaf's local block to the whole leaf and back (fmeg.training.optimizers')."""
 
     def whole(self, path: str, local: torch.Tensor) -> torch.Tensor: ...
     def part(self, path: str, whole: torch.Tensor) -> torch.Tensor: ...
+    def whole_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+    def replica_axes(self, path: str, sliced: bool) -> list[str]: ...
 
 
 class LocalOnly:
@@ -47,30 +49,77 @@ class LocalOnly:
     def part(self, path: str, whole: torch.Tensor) -> torch.Tensor:
         return whole
 
+    def whole_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
 
-class MatrixPiece(NamedTuple):
+    def replica_axes(self, path: str, sliced: bool) -> list[str]:
+        return []
+
+
+class MatrixLeaf(NamedTuple):
     # "stage.path"
     path: str
     shape: torch.Size
     # where the leaf starts in the flat buffers, its numel
     start: int
     numel: int
-    # the owned part [a, b) in owned coordinates
-    a: int
-    b: int
     decays: bool
 
 
+class MatrixPiece(NamedTuple):
+    leaf: MatrixLeaf
+    # the owned part [a, b) in owned coordinates
+    a: int
+    b: int
+
+
+def homes(leaves: list[MatrixLeaf], ranks: int) -> list[int]:
+    """The data-parallel rank computing each leaf: the largest first, each to the least loaded
+    rank (the same answer on every rank)."""
+    load, out = [0] * ranks, [0] * len(leaves)
+    for i in sorted(range(len(leaves)), key=lambda i: (-leaves[i].numel, i)):
+        out[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[out[i]] += leaves[i].numel
+    return out
+
+
 class MatrixStep:
-    """The matrix leaves of a flat state that overlap its owned slice, and their step."""
+    """The matrix leaves of a flat state, their step, and the states their homes keep."""
 
     def __init__(
-        self, pieces: list[MatrixPiece], gather: LeafGather, dp_group: Any, lo: int, sliced: bool
+        self,
+        leaves: list[MatrixLeaf],
+        pieces: list[MatrixPiece],
+        gather: LeafGather,
+        dp_group: Any,
+        dp: int,
+        dp_rank: int,
+        lo: int,
+        sliced: bool,
     ):
-        """pieces: the matrix leaves overlapping [lo, hi); sliced: the owned slice is not the whole
-        buffer (the distributed optimizer), so it is all-gathered over dp_group first."""
+        """leaves: every matrix leaf of the state; pieces: their parts in [lo, hi); sliced: the
+        owned slice is not the whole buffer (the distributed optimizer): the work is spread over
+        the dp ranks, else every rank computes every leaf."""
         self.pieces, self.gather, self.dp_group = pieces, gather, dp_group
-        self.lo, self.sliced = lo, sliced
+        self.lo, self.sliced = lo, sliced and dp > 1
+        home = homes(leaves, dp) if self.sliced else [dp_rank] * len(leaves)
+        self.mine = [leaf for leaf, h in zip(leaves, home) if h == dp_rank]
+        # each home leaf's state ({path: the flat form's state}), None until its first step
+        self.states: dict[str, Any] = {leaf.path: None for leaf in self.mine}
+
+    def fresh_states(self, flat: Any, device: Any) -> None:
+        """The states of the leaves computed here before any step (what a checkpoint fills)."""
+        for leaf in self.mine:
+            whole = self.gather.whole_shape(leaf.path, tuple(leaf.shape))
+            self.states[leaf.path] = flat.fresh_state(leaf.path, whole, device)
+
+    def held_states(self) -> dict[str, tuple[Any, list[str]]]:
+        """{path: (its state, the mesh axes of the ranks holding it alike)}."""
+        return {
+            path: (state, self.gather.replica_axes(path, self.sliced))
+            for path, state in self.states.items()
+            if state is not None
+        }
 
     @torch.no_grad()
     def run(
@@ -87,25 +136,31 @@ class MatrixStep:
     ) -> None:
         owned = torch.zeros_like(master)
         for p in self.pieces:
-            owned[p.a : p.b] = flat.momentum_(mu[p.a : p.b], grad[p.a : p.b], grad_scale)
-        full = owned
-        if self.sliced and self.dp_group is not None:
-            full = self.dp_group.all_gather(owned, 0)
+            owned[p.a : p.b] = flat.prepare_(mu[p.a : p.b], grad[p.a : p.b], grad_scale)
+        full = self.dp_group.all_gather(owned, 0) if self.sliced else owned
+        out = torch.zeros_like(full)
+        for leaf in self.mine:
+            local = full[leaf.start : leaf.start + leaf.numel].view(leaf.shape)
+            whole = self.gather.whole(leaf.path, local)
+            update, self.states[leaf.path] = flat.whole_step(
+                leaf.path, whole, self.states[leaf.path]
+            )
+            block = self.gather.part(leaf.path, update)
+            out[leaf.start : leaf.start + leaf.numel] = block.flatten()
+        mine = self.dp_group.reduce_scatter(out, 0) if self.sliced else out
         for p in self.pieces:
-            local = full[p.start : p.start + p.numel].view(p.shape)
-            whole = self.gather.whole(p.path, local)
-            update = flat.whole_update(p.path, whole)
-            scale = flat.scale(p.path, update) if flat.settings.adaptive else None
-            # the owned part of the leaf, in the leaf's flat coordinates
-            first, last = p.a + self.lo - p.start, p.b + self.lo - p.start
-            mine = self.gather.part(p.path, update).reshape(-1)[first:last]
-            scale = None if scale is None else self.gather.part(p.path, scale).reshape(-1)
+            leaf, scale = p.leaf, None
+            if getattr(flat.settings, "adaptive", None):
+                shape = self.gather.whole_shape(leaf.path, tuple(leaf.shape))
+                whole = flat.scale(leaf.path, torch.empty(shape, device=master.device))
+                first = p.a + self.lo - leaf.start
+                scale = self.gather.part(leaf.path, whole).flatten()[first : first + p.b - p.a]
             flat.apply_(
                 master[p.a : p.b],
                 None if nu is None else nu[p.a : p.b],
-                mine,
-                None if scale is None else scale[first:last],
+                mine[p.a : p.b],
+                scale,
                 lr=lr,
                 weight_decay=weight_decay,
-                decays=p.decays,
+                decays=leaf.decays,
             )

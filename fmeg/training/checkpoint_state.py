@@ -198,6 +198,31 @@ def regions(
     return out
 
 
+def matrix_regions(state: Any, places: list, mesh: Any) -> list[Region]:
+    """The per-matrix state of the matrix optimizers (SOAP's factors, bases and moments) this rank
+    keeps: each a whole tensor named "matrix/<leaf's global name>.<parameter>.<name>" (an expert's
+    parameter counted over all experts), held alike by the ranks that compute the matrix
+    (fmeg.state.matrix_step), which write it once between them; any layout reads it whole."""
+    out = []
+    for p, (part, leaves) in enumerate(zip(state.parts, places)):
+        held = part.matrix_states()
+        if not held:
+            continue
+        by_path = {path: place for (path, _, _), (_, _, place) in zip(part.leaves(), leaves)}
+        for path, (states, axes) in held.items():
+            place = by_path[path]
+            first = place.block.offset[0] if ".mlp.experts." in path else 0
+            who = _replicas(mesh, axes)
+            for i, st in enumerate(states):
+                for key, tensor in st.items():
+                    shape = tuple(tensor.shape)
+                    box = Box((0,) * len(shape), shape)
+                    name = f"{place.name}.{first + i}.{key}"
+                    at = Placement(name, box, shape, (), who, who)
+                    out.append(Region(p, "matrix", at, box, tensor, False))
+    return out
+
+
 def replicas(r: Region) -> Replicas | None:
     """The ranks that hold a region alike and write it between them; None for the tied copy, written
     from the first stage's."""

@@ -43,13 +43,17 @@ def build(
         return optim.sgd(choice.sgd_momentum, decoupled=decoupled)
     if choice.name == "lion":
         return lion
+    if choice.name == "soap":
+        # Megatron's SOAP: Adam's betas and eps, no q/k/v split; Adam on the rest
+        settings = optim.SoapSettings(b1, b2, eps)
+        return optim.soap(settings, scalar=adam, matrices=GPTMatrices(config, split_qkv=False))
     if choice.name in ("muon", "adaptive_muon"):
         return optim.muon(
             choice.muon,
             scalar=lion if choice.muon_scalar == "lion" else adam,
             matrices=GPTMatrices(config, choice.muon_split_qkv),
         )
-    raise ValueError(f"optimizer {choice.name!r}: fmeg's runner has adam, sgd, lion, muon")
+    raise ValueError(f"optimizer {choice.name!r}: expected adam, sgd, lion, muon, soap")
 
 
 class TensorParallelLeaves:
@@ -63,13 +67,32 @@ class TensorParallelLeaves:
 
     def _split(self, path: str) -> tuple[Any, int, int, int] | None:
         """(group, dim, index, size) of the split of the leaf at path, or None."""
-        rest = path.partition(".")[2]
-        part = partition_of(rest, gpt.TP_RULES)
-        axis = "expert_tp" if self.layout.experts_apart and is_expert(rest) else "tp"
+        part = partition_of(path.partition(".")[2], gpt.TP_RULES)
+        axis = self._axis(path)
         size = self.mesh.size(axis)
         if part is None or size == 1 or self.blockwise:
             return None
         return self.mesh.group(axis), part.dim, self.mesh.coord(axis), size
+
+    def _axis(self, path: str) -> str:
+        expert = self.layout.experts_apart and is_expert(path.partition(".")[2])
+        return "expert_tp" if expert else "tp"
+
+    def whole_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        split = self._split(path)
+        if split is None:
+            return tuple(shape)
+        out = list(shape)
+        out[split[1]] *= split[3]
+        return tuple(out)
+
+    def replica_axes(self, path: str, sliced: bool) -> list[str]:
+        """The mesh axes of the ranks that compute a leaf's matrices alike: its tensor-parallel
+        peers at its home, and with the buffers whole every data-parallel rank too."""
+        axis = self._axis(path)
+        if sliced:
+            return [axis]
+        return [axis, "expert_dp"] if axis == "expert_tp" else [axis, "cp", "dp"]
 
     def whole(self, path: str, local: torch.Tensor) -> torch.Tensor:
         split = self._split(path)

@@ -34,6 +34,7 @@ from fmeg.training.checkpoint_state import (
     REPLICA_GROUPS,
     count_piece,
     load_requests,
+    matrix_regions,
     placements,
     regions,
     replicas,
@@ -107,7 +108,10 @@ def read_state(
                 gathers.append((buffer, r, size, mesh.group(group)))
     problem = ""
     try:
-        boxes = regions(state, placements(state, cfg.model, cfg.layout, mesh), kinds, ranges=ranges)
+        places = placements(state, cfg.model, cfg.layout, mesh)
+        boxes = regions(state, places, kinds, ranges=ranges)
+        if optimizer:
+            boxes += matrix_regions(state, places, mesh)
         ckpt.read(load_requests(ckpt, boxes))
         count = saved_count(ckpt) if optimizer else 0
     except checkpoint.CheckpointError as e:
@@ -228,28 +232,35 @@ def _restore_megatron(
     cfg, session, found: Path, load: str
 ) -> tuple[FlatState, policies.Progress, list[str]]:
     """The weights of a Megatron-LM torch_dist checkpoint at this layout, with its iteration and
-    consumed samples; its optimizer state is not read (the optimizer and schedules start fresh, as
-    --no-load-optim)."""
+    consumed samples, and, when it holds its distributed optimizer's state fully reshardable and
+    this run steps Adam, Adam's moments, fp32 master weights and step count (the schedules go on
+    from its iteration); otherwise the optimizer and schedules start fresh, as --no-load-optim."""
     ck = cfg.checkpoint
     with megatron.MegatronCheckpoint.open(found, cfg.model) as ckpt:
         ckpt.check(cfg.model)
+        wanted = not (ck.finetune or ck.no_load_optim)
+        optimizer = wanted and ckpt.holds_optimizer_state()
+        if optimizer and cfg.training.optimizer.state_kind != "adam":
+            _same_optimizer({"optimizer": "adam"}, cfg, f"--load {load}: {found.name}")
         plan = policies.resume(
             ckpt.meta,
             finetune=ck.finetune,
-            no_load_optim=True,
+            no_load_optim=not optimizer,
             in_samples=cfg.training.schedules_in_samples,
             scaler=cfg.precision.scaler,
             path=f"{found}, {ckpt.describe()}",
         )
         state = new_state(cfg, session)
-        read_state(ckpt, state, cfg, session.mesh, optimizer=False, agree=session.first_problem)
-    state.fresh_optimizer()
+        read_state(ckpt, state, cfg, session.mesh, optimizer=optimizer, agree=session.first_problem)
+    if not optimizer:
+        state.fresh_optimizer()
     state.scaler = plan.scaler
     said = [plan.description]
-    if not (ck.finetune or ck.no_load_optim):
+    if wanted and not optimizer:
         said.append(
-            f"warning: --load {load}: fmeg does not read a Megatron checkpoint's optimizer state; "
-            "the optimizer and the LR schedule start fresh, as with --no-load-optim"
+            f"warning: --load {load}: the checkpoint holds no optimizer state fmeg reads (Megatron "
+            "writes it per parameter with --dist-ckpt-optim-fully-reshardable); the optimizer "
+            "and the LR schedule start fresh, as with --no-load-optim"
         )
     return state, plan.progress, said
 
@@ -330,6 +341,12 @@ class Checkpointer:
                 torch.cuda.current_stream().synchronize()
             boxes = regions(state, self.places, kinds, buffers=self.host)
         count = [count_piece(state.parts[0].count)] if session.rank == 0 and kinds == KINDS else []
+        if kinds == KINDS:
+            # each step replaces these tensors (never writes them): the pieces hold this step's
+            boxes += [
+                dataclasses.replace(r, view=r.view.cpu())
+                for r in matrix_regions(state, self.places, session.mesh)
+            ]
         return save_pieces(boxes, fully, self.max_cell) + count
 
     def save(self, state, progress: policies.Progress) -> bool:

@@ -8,6 +8,14 @@ torch.distributed.run):
     logits DIR FAMILY TOKENS OUT
         one rank: its GPTModel loaded from DIR by dist_checkpointing.load, its logits for the
         [b, s] token tensor in TOKENS written to OUT
+    train ROOT FAMILY TP PP EP ITERATIONS
+        its GPTModel trained ITERATIONS steps by megatron-core's DistributedDataParallel and
+        distributed optimizer (Adam, fp32, lr 1e-3, clip 1.0, on batches(i)), saved as
+        Megatron-LM saves with --dist-ckpt-optim-fully-reshardable; the losses to ROOT/losses.json
+    continue DIR FAMILY ITERATIONS OUT
+        one rank: model and optimizer loaded from DIR by megatron-core, each parameter's Adam state
+        ({key: tensor} of optimizer.state.*) and the step written to OUT, then ITERATIONS more
+        steps on the batches after DIR's iteration, their losses into OUT too
 
 FAMILY is one of FAMILIES below: the same models tests/interop/megatron/test_megatron_checkpoint.py
 builds in fmeg.
@@ -262,12 +270,136 @@ def logits(directory: str, family: str, tokens_file: str, out_file: str) -> None
     torch.save(out, out_file)
 
 
+LR = 1e-3
+
+
+def batches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Iteration i's batch (tokens, labels), [2, SEQ] each: the same for megatron-core and fmeg."""
+    gen = torch.Generator().manual_seed(1000 + i)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def trainer(family: str, tp: int, pp: int, ep: int):
+    """(model, DDP-wrapped model, distributed optimizer) as Megatron-LM's training builds them."""
+    import megatron_cpu  # noqa: F401  (run as a script: its folder is on the path)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    m = model(family, tp, pp, ep).train()
+    ddp = DistributedDataParallel(
+        m.config, DistributedDataParallelConfig(use_distributed_optimizer=True), m
+    )
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=LR, use_distributed_optimizer=True, clip_grad=1.0
+    )
+    return m, ddp, get_megatron_optimizer(config, [ddp])
+
+
+def step(ddp, optimizer, i: int) -> float:
+    """One training step on batches(i): the mean token loss, as Megatron-LM's loss function."""
+    tokens, labels = batches(i)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    s = tokens.shape[1]
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    losses = ddp(tokens, torch.arange(s)[None].expand_as(tokens), mask, labels=labels)
+    loss = losses.float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    return loss.item()
+
+
+def sharded(m, optimizer, is_loading: bool = False) -> dict:
+    """The checkpoint's state dict as Megatron-LM's save (and load) builds it (unwrapped model)."""
+    model_sd = m.sharded_state_dict()
+    state = {"model": model_sd}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state,
+        is_loading=is_loading,
+        metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+    )
+    return state
+
+
+def train(root: str, family: str, tp: int, pp: int, ep: int, iterations: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    m, ddp, optimizer = trainer(family, tp, pp, ep)
+    losses = [step(ddp, optimizer, i) for i in range(iterations)]
+    directory = os.path.join(root, f"iter_{iterations:07d}")
+    os.makedirs(directory, exist_ok=True)
+    state = sharded(m, optimizer)
+    state.update(
+        args=megatron_args(family, tp, pp, ep, iterations),
+        checkpoint_version=3.0,
+        iteration=iterations,
+        num_floating_point_operations_so_far=0,
+    )
+    dist_checkpointing.save(state, directory)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iterations))
+        with open(os.path.join(root, "losses.json"), "w") as f:
+            json.dump(losses, f)
+
+
+def continue_(directory: str, family: str, iterations: str, out: str) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    megatron_args(family, 1, 1, 1, 0)
+    m, ddp, optimizer = trainer(family, 1, 1, 1)
+    # torch's Adam keeps no state before its first step, which the distributed optimizer's
+    # state_dict needs without Apex or TE: the state a step would start from
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                inner.optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+    loaded = dist_checkpointing.load(sharded(m, optimizer, is_loading=True), directory)
+    m.load_state_dict(loaded["model"], strict=False)
+    optimizer.load_state_dict(loaded["optimizer"])
+    # without Apex or TE its load gives every parameter the same step tensor, which torch's Adam
+    # then advances once per parameter: each its own, as a run that never stopped has
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in inner.optimizer.state.values():
+            st["step"] = st["step"].clone()
+    state = sharded(m, optimizer)["optimizer"]["param_state"]
+    # {key: the whole tensor}: the layers' pieces stacked as the checkpoint holds them
+    moments: dict[str, torch.Tensor] = {}
+    for group in state.values():
+        for t in group.values() if isinstance(group, dict) else [group]:
+            if not isinstance(t, ShardedTensor):
+                continue
+            whole = moments.setdefault(t.key, torch.zeros(t.global_shape))
+            # the stacked layers' axes come first, one index each
+            stacked = len(t.global_offset) - len(t.local_shape)
+            box = tuple(t.global_offset[:stacked]) + tuple(
+                slice(o, o + n) for o, n in zip(t.global_offset[stacked:], t.local_shape)
+            )
+            whole[box] = t.data.detach()
+    start = int(loaded.get("iteration", 0))
+    losses = [step(ddp, optimizer, start + i) for i in range(int(iterations))]
+    torch.save({"moments": moments, "losses": losses}, out)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     mode, *rest = sys.argv[1:]
     if mode == "save":
         root, family, tp, pp, ep, iteration = rest
         save(root, family, int(tp), int(pp), int(ep), int(iteration))
+    elif mode == "train":
+        root, family, tp, pp, ep, iterations = rest
+        train(root, family, int(tp), int(pp), int(ep), int(iterations))
+    elif mode == "continue":
+        continue_(*rest)
     else:
         logits(*rest)
     dist.barrier()

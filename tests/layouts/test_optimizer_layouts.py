@@ -41,6 +41,7 @@ OPTIMIZERS = {
     "muon_lion": ["--optimizer", "muon", "--muon-scalar-optimizer", "lion", "--lr", "2e-2", *FP32],
     "sgd": ["--optimizer", "sgd", "--lr", "1e-1"],
     "lion": ["--optimizer", "lion", "--lr", "1e-3"],
+    "soap": ["--optimizer", "soap"],
 }
 ROWS = ["tp2_sp", "pp2_virtual", "ep2", "dp2_zero1", "dp2_fsdp", "ep2_tp2_sp_zero1"]
 
@@ -92,6 +93,8 @@ def test_other_optimizers_on_the_dense_model_equal_one_rank(
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_saved_at_zero1_resumes_under_fsdp_and_tp2_on_its_curve(tmp_path, optimizer):
+    if optimizer == "soap":
+        pytest.skip("SOAP's resume is held bitwise below; its curves only within its band")
     """10 iterations at dp 2 with ZeRO-1, the rest at tp 2 + sp (Muon) or under FSDP."""
     ckpt = str(tmp_path / "ckpt")
     first = ["--use-distributed-optimizer", "--save", ckpt, "--save-interval", "10"]
@@ -118,3 +121,61 @@ def test_another_optimizers_state_is_refused_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "holds adam's optimizer state and this run steps muon" in out.stderr
     assert "--no-load-optim" in out.stderr
+
+
+DP2_TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.mark.parametrize(
+    "optimizer, nproc, flags",
+    [
+        pytest.param("soap", 2, [], id="soap-dp2"),
+        pytest.param("muon", 4, DP2_TP2, id="muon-dp2_tp2_sp", marks=pytest.mark.slow),
+        pytest.param("soap", 4, DP2_TP2, id="soap-dp2_tp2_sp", marks=pytest.mark.slow),
+    ],
+)
+def test_each_matrix_at_one_home_is_bitwise_every_ranks_step(tmp_path, optimizer, nproc, flags):
+    """With the buffers whole every data-parallel rank computes every matrix; with ZeRO-1 each
+    matrix is computed at one home rank (its tensor-parallel peers alike) and reduce-scattered.
+    The gradients are the same bits, so the curves must be."""
+    every = dense_curve(tmp_path, "every", nproc, [*OPTIMIZERS[optimizer], *flags])[0]
+    homes, stdout = dense_curve(
+        tmp_path, "homes", nproc, [*OPTIMIZERS[optimizer], *flags, "--use-distributed-optimizer"]
+    )
+    assert every == homes
+    if optimizer == "soap":
+        assert "optimizer soap (KL-Shampoo factors, Adam in their eigenbasis" in stdout
+
+
+# SOAP's Adam runs in the eigenbasis of factors that are nearly singular: a gradient that differs
+# in its last bit moves the components along their near-null directions, which Adam's division
+# makes whole steps (tests/optim/test_soap_sensitivity.py shows it on one rank). Its curves at
+# layouts whose gradients round differently agree within this band (measured up to 7e-3).
+SOAP_BAND = 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, nproc, flags", layouts.rows(["tp2_sp", "pp2_virtual", "dp2_zero1", "dp2_fsdp"])
+)
+def test_soap_curves_stay_within_its_band_of_one_ranks(tmp_path, name, nproc, flags, capsys):
+    one = dense_curve(tmp_path, "one", 1, OPTIMIZERS["soap"])[0]["lm_loss"]
+    got = dense_curve(tmp_path, name, nproc, [*OPTIMIZERS["soap"], *flags])[0]["lm_loss"]
+    difference = max(abs(a - b) / b for a, b in zip(got, one))
+    with capsys.disabled():
+        print(f"\nsoap at {name}: largest relative difference {difference:.2e}")
+    assert len(got) == 20 and difference <= SOAP_BAND
+
+
+@pytest.mark.slow
+def test_soap_saved_with_homes_resumes_with_every_rank_computing_bitwise(tmp_path):
+    """The per-matrix states (factors, bases, moments), saved by their homes under ZeRO-1 at
+    iteration 10, resumed with the buffers whole (every rank reads every matrix's state): the
+    rest of the curve is the uninterrupted run's, bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    first = ["--use-distributed-optimizer", "--save", ckpt, "--save-interval", "10"]
+    dense_curve(tmp_path, "first", 2, [*OPTIMIZERS["soap"], *first, "--exit-interval", "10"])
+    got, stdout = dense_curve(tmp_path, "second", 2, [*OPTIMIZERS["soap"], "--load", ckpt])
+    assert "resumed from" in stdout
+    whole = dense_curve(tmp_path, "whole", 2, OPTIMIZERS["soap"])[0]
+    assert got["lm_loss"] == whole["lm_loss"][10:]

@@ -1,10 +1,10 @@
-"""Where Megatron's Muon differs from torch's (quintic coefficients, the bf16 iteration with an fp32
-normalization, the spectral scale, q, k and v orthogonalized apart), and for Lion and adaptive
-Muon: fmeg's transforms equal plain references written from emerging-optimizers' source
-(orthogonalized_optimizer.py, muon_utils.py, muon.py, adaptive_muon.py, scalar_optimizers/lion.py)
-and Megatron-LM's TensorParallelMuon (megatron/core/optimizer/emerging_optimizers.py), the package
-Megatron-LM calls, which cannot be installed here. 20 steps on the same gradients, each step from
-the same weights, within 1e-6."""
+"""Where Megatron's Muon differs from torch's (quintic coefficients, the bf16 iteration with an
+fp32 normalization, the spectral scale, q, k and v orthogonalized apart), and for Lion, adaptive
+Muon and SOAP: fmeg's transforms equal plain references written from emerging-optimizers' source
+(orthogonalized_optimizer.py, muon_utils.py, muon.py, adaptive_muon.py,
+scalar_optimizers/lion.py, legacy_soap/soap.py) and Megatron-LM's TensorParallelMuon
+(megatron/core/optimizer/emerging_optimizers.py), the package Megatron-LM calls, which cannot be
+installed here. 20 steps on the same gradients, each step from the same weights, within 1e-6."""
 
 import pytest
 import torch
@@ -196,3 +196,86 @@ def test_gpt_matrices_follow_megatrons_split_of_parameters():
     assert [t.shape for t in parts] == [(12, 16)] * 4
     assert [len(r) for r in m.row_blocks("layers.0.attn.qkv.weight", 32)] == [16, 8, 8]
     assert torch.equal(m.join("layers.0.mlp.experts.fc1.weight", parts, experts), experts)
+
+
+class SoapReference:
+    """legacy_soap.SOAP.step as Megatron builds it (betas from --adam-beta1/2, shampoo_beta 0.95,
+    use_kl_shampoo True, correct_bias True, use_eigh False, power_iter_steps 1, decoupled decay),
+    in its in-place style: update_kronecker_factors_kl_shampoo, update_eigenbasis_and_exp_avgs,
+    calculate_adam_update."""
+
+    def __init__(self, p, lr, wd, betas=(0.9, 0.999), shampoo_beta=0.95, eps=1e-8):
+        self.p, self.lr, self.wd, self.betas, self.sb, self.eps = (
+            p,
+            lr,
+            wd,
+            betas,
+            shampoo_beta,
+            eps,
+        )
+        m, n = p.shape
+        self.s = dict(step=0, exp_avg=torch.zeros(m, n), exp_avg_sq=torch.zeros(m, n))
+        self.s.update(L=torch.zeros(m, m), R=torch.zeros(n, n), Q_L=torch.eye(m), Q_R=torch.eye(n))
+        self.s.update(eigvals_L=torch.zeros(m), eigvals_R=torch.zeros(n))
+
+    def step(self, grad):
+        s, t = self.s, self.s["step"] + 1
+        shampoo_beta = 1 - (1 - self.sb) / (1 - self.sb**t)
+        updates = []
+        for idx, (q, ev) in enumerate([(s["Q_L"], s["eigvals_L"]), (s["Q_R"], s["eigvals_R"])]):
+            scale = 1 / grad.shape[idx] * ev.clamp_min(self.eps) ** -1.0
+            correction = (q * scale[None, :]) @ q.T
+            g = grad.T if idx == 1 else grad
+            updates.append(g.mT @ correction @ g)
+        for k, u in zip([s["L"], s["R"]], updates[::-1]):
+            k.lerp_(u, 1 - shampoo_beta)
+        exp_avg = s["exp_avg"]
+        for q in [s["Q_L"], s["Q_R"]]:
+            exp_avg = torch.tensordot(exp_avg, q, dims=[[0], [1]])
+        bases, values = [], []
+        for k, q in [(s["L"], s["Q_L"]), (s["R"], s["Q_R"])]:
+            if s["step"] == 0:
+                ev, vec = torch.linalg.eigh(k)
+                ev, vec = torch.flip(ev, [-1]), torch.flip(vec, [-1])
+            else:
+                vec = torch.linalg.qr(k @ q).Q
+                ev = ((vec.mT @ k) * vec.mT).sum(dim=-1)
+                order = torch.argsort(ev, descending=True)
+                ev, vec = ev[order], vec[:, order]
+            bases.append(vec)
+            values.append(ev)
+        s["Q_L"], s["Q_R"] = bases
+        s["eigvals_L"], s["eigvals_R"] = values
+        for q in bases:
+            exp_avg = torch.tensordot(exp_avg, q, dims=[[0], [0]])
+        s["exp_avg"] = exp_avg
+        self.p.add_(self.p, alpha=-self.wd * self.lr)
+        projected = grad
+        for q in bases:
+            projected = torch.tensordot(projected, q, dims=[[0], [0]])
+        b1, b2 = self.betas
+        s["exp_avg"].lerp_(projected, 1 - b1)
+        s["exp_avg_sq"].lerp_(projected.square(), 1 - b2)
+        update = (s["exp_avg"] / (1 - b1**t)) / ((s["exp_avg_sq"] / (1 - b2**t)).sqrt() + self.eps)
+        for q in bases:
+            update = torch.tensordot(update, q, dims=[[0], [1]])
+        self.p.add_(update, alpha=-self.lr)
+        s["step"] += 1
+
+
+def test_soap_equals_emerging_optimizers_soap_as_megatron_builds_it():
+    gen = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(6, 4, generator=gen), "wide": torch.randn(3, 8, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(20)]
+    lr, wd = 0.01, 0.1
+    refs = {k: SoapReference(v.clone(), lr, wd) for k, v in params.items()}
+    opt = optim.soap()
+    state = opt.init(params)
+    for g in grads:
+        for k, ref in refs.items():
+            ref.step(g[k])
+        updates, state = opt.update(g, state, params, lr=lr, weight_decay=wd)
+        params = optim.apply_updates(params, updates)
+        for k, v in params.items():
+            torch.testing.assert_close(v, refs[k].p, rtol=0, atol=1e-6, msg=k)
+        params = {k: ref.p.clone() for k, ref in refs.items()}

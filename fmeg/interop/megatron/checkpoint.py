@@ -11,14 +11,18 @@ layout.
 
 It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, meta, has, dtype,
 read, bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the
-iteration and the consumed samples come from common.pt. Megatron's optimizer state is not read
-(has() says so): the optimizer starts fresh, as with --no-load-optim. A vocabulary table's rows past
+iteration and the consumed samples come from common.pt. The distributed optimizer's state saved
+fully reshardable (--dist-ckpt-optim-fully-reshardable: each parameter's Adam moments and fp32
+master as tensors of the parameter's global shape) is "mu/", "nu/" and "main/<fmeg path>", its
+step "adam/count" (common.pt's param groups); has() says whether the checkpoint holds it. A
+vocabulary table's rows past
 the vocabulary are padding, zeros as fmeg keeps them, whatever rows Megatron padded it to (it pads
 for its tp) and whatever they held.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,15 @@ from fmeg.checkpoint.boxes import Box
 from fmeg.interop.megatron import gpt_keys, model_args
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
 from fmeg.interop.megatron.torch_dist import TorchDistDir
+
+
+# fmeg's kinds of state -> the prefix of their keys in Megatron's distributed optimizer state
+OPTIMIZER_KEYS = {
+    "params": "",
+    "mu": "optimizer.state.exp_avg.",
+    "nu": "optimizer.state.exp_avg_sq.",
+    "main": "optimizer.state.param.",
+}
 
 
 def is_torch_dist(path: Path) -> bool:
@@ -107,14 +120,35 @@ class MegatronCheckpoint:
                 f"flags: {'; '.join(diff)}"
             )
 
-    def has(self, name: str) -> bool:
+    def _source(self, name: str) -> gpt_keys.Source | None:
+        """The Megatron keys of an fmeg "kind/path" (the optimizer's under their prefix)."""
         kind, _, path = name.partition("/")
         src = gpt_keys.source(path, self.config.activation == "swiglu")
-        return kind == "params" and src is not None and any(self.dist.has(k) for k in src.keys)
+        if src is None or kind not in OPTIMIZER_KEYS:
+            return None
+        prefix = OPTIMIZER_KEYS[kind]
+        return dataclasses.replace(src, keys=tuple(prefix + k for k in src.keys))
+
+    def has(self, name: str) -> bool:
+        if name == "adam/count":
+            return self.optimizer_step() is not None
+        src = self._source(name)
+        return src is not None and any(self.dist.has(k) for k in src.keys)
 
     def dtype(self, name: str) -> torch.dtype:
-        src = gpt_keys.source(name.partition("/")[2], self.config.activation == "swiglu")
+        src = self._source(name)
         return next(self.dist.dtype(k) for k in src.keys if self.dist.has(k))
+
+    def optimizer_step(self) -> int | None:
+        """The distributed optimizer's step (its param groups' in common.pt), or None."""
+        groups = (self.common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+        steps = [g.get("step") for g in groups or () if isinstance(g, dict)]
+        steps = [int(s) for s in steps if s is not None]
+        return max(steps) if steps else None
+
+    def holds_optimizer_state(self) -> bool:
+        """Whether the checkpoint holds the moments fmeg reads (saved fully reshardable)."""
+        return self.optimizer_step() is not None and self.has("mu/final_norm.weight")
 
     @property
     def bytes_read(self) -> int:
@@ -123,12 +157,15 @@ class MegatronCheckpoint:
     def read(self, requests: list[Request]) -> None:
         wanted = []
         for r in requests:
-            kind, _, path = r.name.partition("/")
-            src = gpt_keys.source(path, self.config.activation == "swiglu")
-            if kind != "params" or src is None or path not in self.shapes:
+            if r.name == "adam/count" and self.optimizer_step() is not None:
+                r.out.fill_(self.optimizer_step())
+                continue
+            path = r.name.partition("/")[2]
+            src = self._source(r.name)
+            if src is None or path not in self.shapes:
                 raise CheckpointError(
-                    f"{self.path}: a Megatron checkpoint holds no {r.name} (only the model's "
-                    "weights are read from it)"
+                    f"{self.path}: a Megatron checkpoint holds no {r.name} (fmeg reads its "
+                    "weights, and Adam's state saved fully reshardable)"
                 )
             for key, box, out in self._parts(path, src, r):
                 wanted.append((key, box, out))

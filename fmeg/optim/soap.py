@@ -1,0 +1,228 @@
+"""SOAP (Shampoo with Adam in the preconditioner's eigenbasis), Megatron's --optimizer soap, as
+emerging-optimizers' SOAP defines it with the settings Megatron gives it: Adam's betas from
+--adam-beta1/2, shampoo_beta 0.95, KL-Shampoo factors, bias correction, the eigenbasis from eigh
+at the first step and one step of orthogonal (QR) iteration after; the matrices by SOAP, every
+other leaf by Adam.
+
+For a matrix G (m x n) with factors L (m x m), R (n x n), eigenbases Q_L, Q_R and their
+eigenvalues, at step t:
+
+    beta = 1 - (1 - shampoo_beta) / (1 - shampoo_beta^t)
+    L <- beta L + (1 - beta) / n * G Q_R diag(1 / max(ev_R, eps)) Q_R^T G^T      (KL-Shampoo)
+    R <- beta R + (1 - beta) / m * G^T Q_L diag(1 / max(ev_L, eps)) Q_L^T G
+    Q_L, Q_R from L, R (eigh at t = 1, else Q <- qr(L Q)), exp_avg moved to the new basis
+    update = Q_L adam(Q_L^T G Q_R) Q_R^T         (Adam's moments kept in the rotated basis)
+    W <- W (1 - lr wd) - lr update
+
+matrix_direction() is the one definition; the runner computes it on each matrix gathered whole at
+its home rank (fmeg.state.matrix_step), where the matrix's state lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fmeg.optim.adam import adamw
+from fmeg.optim.base import GradientTransformation, chain, partition
+from fmeg.optim.muon import LeafMatrices, TwoDimensional, _local
+from fmeg.optim.transforms import (
+    Mask,
+    add_decayed_weights,
+    default_decay_mask,
+    scale_by_learning_rate,
+)
+
+Tree = Any
+# a matrix's state, by name: exp_avg, exp_avg_sq (in the eigenbasis), L, R, Q_L, Q_R, ev_L, ev_R,
+# step (0-d)
+MatrixState = dict[str, torch.Tensor]
+
+
+class SoapSettings(NamedTuple):
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    shampoo_beta: float = 0.95
+    kl_shampoo: bool = True
+    power_iter_steps: int = 1
+
+
+def matrix_state(m: int, n: int, device: Any = None) -> MatrixState:
+    """A fresh state of an m x n matrix."""
+    z = dict(device=device, dtype=torch.float32)
+    return {
+        "exp_avg": torch.zeros(m, n, **z),
+        "exp_avg_sq": torch.zeros(m, n, **z),
+        "L": torch.zeros(m, m, **z),
+        "R": torch.zeros(n, n, **z),
+        "Q_L": torch.eye(m, **z),
+        "Q_R": torch.eye(n, **z),
+        "ev_L": torch.zeros(m, **z),
+        "ev_R": torch.zeros(n, **z),
+        "step": torch.zeros((), dtype=torch.int64, device=device),
+    }
+
+
+def _project_in(x: torch.Tensor, bases: list[torch.Tensor]) -> torch.Tensor:
+    # tensordot, as emerging-optimizers projects (matmul rounds differently)
+    for q in bases:
+        x = torch.tensordot(x, q, dims=[[0], [0]])
+    return x
+
+
+def _project_out(x: torch.Tensor, bases: list[torch.Tensor]) -> torch.Tensor:
+    for q in bases:
+        x = torch.tensordot(x, q, dims=[[0], [1]])
+    return x
+
+
+def _eigh(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues and eigenvectors, largest first (in fp64 if fp32 fails, as emerging's
+    eigh_with_fallback)."""
+    try:
+        values, vectors = torch.linalg.eigh(k)
+    except (torch.linalg.LinAlgError, RuntimeError):
+        values, vectors = torch.linalg.eigh(k.double())
+    return values.float().flip(-1), vectors.float().flip(-1)
+
+
+def _orthogonal_iteration(
+    k: torch.Tensor, q: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    for _ in range(steps):
+        q = torch.linalg.qr(k @ q).Q
+    values = ((q.mT @ k) * q.mT).sum(dim=-1)
+    order = torch.argsort(values, descending=True)
+    return values[order], q[:, order]
+
+
+def _factors(g: torch.Tensor, st: MatrixState, beta: float, s: SoapSettings) -> tuple:
+    """L and R after this gradient (KL-Shampoo's, or Shampoo's outer products)."""
+    if not s.kl_shampoo:
+        return st["L"].lerp(g @ g.T, 1 - beta), st["R"].lerp(g.T @ g, 1 - beta)
+    updates = []
+    for dim, (q, ev) in enumerate(((st["Q_L"], st["ev_L"]), (st["Q_R"], st["ev_R"]))):
+        scale = 1 / g.shape[dim] * ev.clamp_min(s.eps) ** -1.0
+        correction = (q * scale[None, :]) @ q.T
+        p = g.T if dim == 1 else g
+        updates.append(p.mT @ correction @ p)
+    # the left factor takes the right basis' correction and the other way round
+    return st["L"].lerp(updates[1], 1 - beta), st["R"].lerp(updates[0], 1 - beta)
+
+
+def matrix_direction(
+    g: torch.Tensor, st: MatrixState, s: SoapSettings
+) -> tuple[torch.Tensor, MatrixState]:
+    """SOAP's update direction of one whole matrix from its fp32 gradient, and its new state."""
+    g = g.float()
+    t = int(st["step"]) + 1
+    beta = 1 - (1 - s.shampoo_beta) / (1 - s.shampoo_beta**t)
+    big_l, big_r = _factors(g, st, beta, s)
+    exp_avg = _project_out(st["exp_avg"], [st["Q_L"], st["Q_R"]])
+    if t == 1:
+        (ev_l, q_l), (ev_r, q_r) = _eigh(big_l), _eigh(big_r)
+    else:
+        ev_l, q_l = _orthogonal_iteration(big_l, st["Q_L"], s.power_iter_steps)
+        ev_r, q_r = _orthogonal_iteration(big_r, st["Q_R"], s.power_iter_steps)
+    exp_avg = _project_in(exp_avg, [q_l, q_r])
+    projected = _project_in(g, [q_l, q_r])
+    exp_avg = exp_avg.lerp(projected, 1 - s.b1)
+    exp_avg_sq = st["exp_avg_sq"].lerp(projected.square(), 1 - s.b2)
+    adam = (exp_avg / (1 - s.b1**t)) / ((exp_avg_sq / (1 - s.b2**t)).sqrt() + s.eps)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "L": big_l, "R": big_r}
+    new.update(Q_L=q_l, Q_R=q_r, ev_L=ev_l, ev_R=ev_r, step=st["step"] + 1)
+    return _project_out(adam, [q_l, q_r]), new
+
+
+def leaf_direction(
+    path: str, whole: torch.Tensor, states: list[MatrixState] | None, matrices, s: SoapSettings
+) -> tuple[torch.Tensor, list[MatrixState]]:
+    """A whole leaf's direction, each of its parameters (matrices.split) stepped by SOAP; states:
+    theirs (None: fresh)."""
+    parts, new = [], []
+    for i, m in enumerate(matrices.split(path, whole)):
+        st = matrix_state(*m.shape, device=m.device) if states is None else states[i]
+        u, st = matrix_direction(m, st, s)
+        parts.append(u)
+        new.append(st)
+    return matrices.join(path, parts, whole), new
+
+
+def scale_by_soap(s: SoapSettings, matrices: LeafMatrices) -> GradientTransformation:
+    """SOAP's direction of each leaf of a tree of matrix leaves ({path: leaf}); the state is
+    {path: [each parameter's MatrixState]}."""
+
+    def init(params: Tree) -> dict:
+        return {path: None for path in params}
+
+    def update(updates: Tree, state: dict, params: Tree = None, **hyper: Any):
+        out, new = {}, {}
+        for path, g in updates.items():
+            out[path], new[path] = leaf_direction(path, g, state[path], matrices, s)
+        return out, new
+
+    return GradientTransformation(init, update)
+
+
+class SoapFlat(NamedTuple):
+    """soap's update over the runner's flat buffers: the scalar leaves by Adam's flat form; the
+    matrix leaves (group "muon": the matrix step's) by whole_step() at their home rank, which
+    keeps their states."""
+
+    settings: SoapSettings
+    matrices: LeafMatrices
+    scalar: Any
+    decay_mask: Mask
+    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    kinds: tuple[str, ...] = ("mu", "nu")
+    name: str = "soap"
+    # the matrix step keeps a state per matrix at its home rank
+    keeps_matrix_state: bool = True
+
+    def group(self, path: str, leaf: torch.Tensor) -> Any:
+        if self.matrices.is_matrix(_local(path), leaf):
+            return "muon"
+        return self.scalar.group(path, leaf)
+
+    def step_(self, views, steps, group, **hyper: Any) -> None:
+        self.scalar.step_(views, steps, group, **hyper)
+
+    def prepare_(self, mu, grad, grad_scale) -> torch.Tensor:
+        return grad / grad_scale if grad_scale is not None else grad.clone()
+
+    def whole_step(self, path: str, whole: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        return leaf_direction(_local(path), whole, state, self.matrices, self.settings)
+
+    def fresh_state(self, path: str, whole_shape: tuple[int, ...], device: Any) -> list:
+        """The states of a leaf of this whole shape before its first step."""
+        probe = torch.empty(whole_shape, device="meta")
+        return [
+            matrix_state(*m.shape, device=device) for m in self.matrices.split(_local(path), probe)
+        ]
+
+    def apply_(self, master, nu, update, scale, *, lr, weight_decay, decays) -> None:
+        if decays and weight_decay:
+            master.mul_(1 - lr * weight_decay)
+        master.add_(update, alpha=-lr)
+
+
+def soap(
+    settings: SoapSettings = SoapSettings(),
+    scalar: GradientTransformation | None = None,
+    matrices: LeafMatrices = TwoDimensional(),
+    decay_mask: Mask = default_decay_mask,
+) -> GradientTransformation:
+    """SOAP on matrices.is_matrix's leaves (decoupled weight decay where decay_mask says), scalar
+    (default: adamw with SOAP's betas and eps) on the others."""
+    if scalar is None:
+        scalar = adamw(settings.b1, settings.b2, settings.eps, decay_mask=decay_mask)
+    matrix = chain(
+        scale_by_soap(settings, matrices), add_decayed_weights(decay_mask), scale_by_learning_rate()
+    )
+    pytree = partition(
+        {"soap": matrix, "scalar": scalar},
+        lambda path, leaf: "soap" if matrices.is_matrix(path, leaf) else "scalar",
+    )
+    return pytree._replace(flat=SoapFlat(settings, matrices, scalar.flat, decay_mask))

@@ -1,0 +1,128 @@
+"""Megatron-LM's distributed-optimizer state in: a run of megatron-core itself (its GPTModel,
+DistributedDataParallel and DistributedOptimizer on CPU with gloo, at dp 2: tests/harness/
+megatron_core_run.py train), saved as Megatron-LM saves with --dist-ckpt-optim-fully-reshardable,
+loads into fmeg with Adam's moments, fp32 master weights and step, bitwise as megatron-core's own
+load restores them, and fmeg's continuation at tp 1 and at tp 2 gives megatron-core's own
+continuation's losses within 1e-5. Without that state (Megatron's default dp_reshardable layout)
+the optimizer starts fresh, as with --no-load-optim, and says so."""
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing")
+
+from fmeg import tree  # noqa: E402
+from fmeg.interop.megatron import MegatronCheckpoint, gpt_keys  # noqa: E402
+from fmeg.models import gpt  # noqa: E402
+from fmeg.parallel.layout import Layout  # noqa: E402
+from fmeg.parallel.mesh import Mesh  # noqa: E402
+from fmeg.parallel.spmd import run_threads  # noqa: E402
+from fmeg.training.checkpoint_state import placements, regions  # noqa: E402
+from fmeg.training.parallel_step import init_state, local_shapes, train_iteration  # noqa: E402
+from fmeg.training.run_state import read_state  # noqa: E402
+from fmeg.training.step_settings import StepSettings  # noqa: E402
+from harness.paths import TESTS  # noqa: E402
+from harness.runner import run_group  # noqa: E402
+
+sys.path.insert(0, str(TESTS / "harness"))
+from megatron_core_run import LR, batches  # noqa: E402
+
+PROGRAM = str(TESTS / "harness" / "megatron_core_run.py")
+SAVED_AT, MORE = 4, 3
+# the harness's gpt2: Megatron's whole vocabulary of 128 (no padding rows, so that both softmaxes
+# see the same logits)
+CONFIG = gpt.GPTConfig(
+    vocab_size=128,
+    padded_vocab_size=128,
+    max_seq_len=32,
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    ffn_hidden_size=256,
+    norm="layernorm",
+    activation="gelu",
+    position="learned",
+    bias=True,
+    tie_embeddings=True,
+    norm_eps=1e-5,
+)
+
+
+class RunConfig:
+    """What read_state reads of a RunConfig."""
+
+    def __init__(self, layout):
+        self.model, self.layout = CONFIG, layout
+        self.checkpoint = type("C", (), {"fully_parallel_load": False})()
+
+
+def torchrun(nproc: int, *args: str) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    out = run_group([*launcher, f"--nproc-per-node={nproc}", PROGRAM, *args], timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """(the checkpoint's directory, megatron-core's own state after loading it, its losses of
+    the MORE iterations after it)."""
+    root = tmp_path_factory.mktemp("megatron")
+    torchrun(2, "train", str(root / "ck"), "gpt2", "1", "1", "1", str(SAVED_AT))
+    directory = root / "ck" / f"iter_{SAVED_AT:07d}"
+    out = root / "continued.pt"
+    torchrun(1, "continue", str(directory), "gpt2", str(MORE), str(out))
+    return directory, torch.load(out, weights_only=True)
+
+
+def loaded(mesh, layout, directory):
+    state = init_state(local_shapes(CONFIG, layout, mesh), CONFIG, layout, mesh, device="cpu")
+    with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
+        read_state(ckpt, state, RunConfig(layout), mesh, optimizer=True)
+    return state
+
+
+def continued(mesh, layout, directory, iterations):
+    """This rank's losses of `iterations` steps after the checkpoint (None off the last stage)."""
+    state = loaded(mesh, layout, directory)
+    settings = StepSettings(lr=LR, weight_decay=0.01, clip_grad=1.0)
+    losses = []
+    for i in range(iterations):
+        tokens, labels = batches(SAVED_AT + i)
+        mb = [{"tokens": tokens, "labels": labels}]
+        m = train_iteration(state, mb, config=CONFIG, layout=layout, mesh=mesh, settings=settings)
+        losses.append(None if m["loss"] is None else float(m["loss"]))
+    return losses
+
+
+def test_megatrons_moments_and_master_weights_load_bitwise(megatron):
+    """Every box of fmeg's mu, nu and master weights at tp 1 equals megatron-core's own loaded
+    exp_avg, exp_avg_sq and param (fp32: fmeg's weights are its master)."""
+    directory, theirs = megatron
+    layout, mesh = Layout(), Mesh.single()
+    state = loaded(mesh, layout, directory)
+    assert int(state.count) == SAVED_AT
+    keys = {"mu": "exp_avg", "nu": "exp_avg_sq", "params": "param"}
+    checked = 0
+    for region in regions(state, placements(state, CONFIG, layout, mesh), tuple(keys)):
+        src = gpt_keys.source(region.placement.name, False)
+        key = f"optimizer.state.{keys[region.kind]}.{src.keys[0]}"
+        whole = theirs["moments"][key]
+        whole = whole[src.layer] if src.layer is not None else whole
+        box = tuple(slice(o, o + n) for o, n in zip(region.box.offset, region.box.shape))
+        assert torch.equal(region.view, whole[box]), (region.kind, region.placement.name)
+        checked += 1
+    assert checked == 3 * len(list(tree.items(state.params)))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fmeg_continues_as_megatron_core_continues(megatron, tp):
+    directory, theirs = megatron
+    layout = Layout(tp=tp)
+    per_rank = run_threads(tp, continued, layout, directory, MORE, tp=tp)
+    got = per_rank[0]
+    want = theirs["losses"]
+    assert len(got) == len(want) == MORE
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
