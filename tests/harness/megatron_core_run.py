@@ -316,9 +316,7 @@ def sharded(m, optimizer, is_loading: bool = False) -> dict:
     model_sd = m.sharded_state_dict()
     state = {"model": model_sd}
     state["optimizer"] = optimizer.sharded_state_dict(
-        state,
-        is_loading=is_loading,
-        metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
     )
     return state
 
