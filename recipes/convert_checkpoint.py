@@ -48,7 +48,7 @@ from fmeg.config.checkpoint_args import megatron_model
 from fmeg.models import gpt
 from fmeg.models.saved_config import saved_model
 from fmeg.parallel.mesh import Mesh
-from fmeg.training.checkpoint_state import read_params, save_single_rank
+from fmeg.training.checkpoint_state import read_params, save_single_rank, saved_count
 from fmeg.parallel.layout import Layout
 
 
@@ -217,12 +217,43 @@ def export_megatron(args) -> None:
         consumed_valid_samples=int(meta.get("valid_consumed_samples", 0)),
     )
     tensors = megatron_tensors(params, config, megatron_args.padded_vocab_size)
-    where = write_torch_dist(args.save, tensors, megatron_args)
-    print(
-        f"wrote {where}: {len(tensors)} tensors, {tree.num_params(params):,} parameters; resume it "
-        f"in Megatron-LM with --load {args.save} --no-load-optim --no-load-rng and the model's "
-        "flags"
+    moments, common = adam_state(args.load, config, meta, megatron_args.padded_vocab_size)
+    where = write_torch_dist(args.save, {**tensors, **moments}, megatron_args, common)
+    resume = (
+        "--use-distributed-optimizer --no-load-rng"
+        if moments
+        else "--no-load-optim --no-load-rng (it holds no Adam state)"
     )
+    print(
+        f"wrote {where}: {len(tensors)} tensors, {tree.num_params(params):,} parameters"
+        f"{', with Adam state' if moments else ''}; resume it in Megatron-LM with --load "
+        f"{args.save} {resume} and the model's flags"
+    )
+
+
+def adam_state(root: str, config, meta: dict, padded_vocab: int) -> tuple[dict, dict]:
+    """(Megatron's optimizer tensors, common.pt's optimizer part) of an fmeg checkpoint's Adam
+    state, or ({}, {}) when it holds none (another optimizer's, --no-save-optim, Megatron's)."""
+    from fmeg.interop.megatron import optimizer_state
+
+    if meta.get("optimizer_saved") is False or meta.get("optimizer", "adam") != "adam":
+        return {}, {}
+    path = checkpoint.latest(root)
+    if megatron.is_torch_dist(path):
+        return {}, {}
+    with checkpoint.Checkpoint.open(path) as ckpt:
+        main = any(name.startswith("main/") for name in ckpt.entries)
+        kinds = {"mu": "mu", "nu": "nu", "main": "main" if main else "params"}
+        trees = {
+            kind: read_params(ckpt, config, Layout(), Mesh.single(), kind=source)[0]
+            for kind, source in kinds.items()
+        }
+        step = saved_count(ckpt)
+    tensors = optimizer_state.state_tensors(trees, config, padded_vocab)
+    common = optimizer_state.common_state(
+        step, dict(meta.get("arguments", {})), int(meta.get("consumed_samples", 0))
+    )
+    return tensors, common
 
 
 def import_megatron(args) -> None:

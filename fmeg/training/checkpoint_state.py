@@ -309,15 +309,16 @@ def read_params(
     mesh: Any,
     device: Any = "cpu",
     dtype: torch.dtype = torch.float32,
+    kind: str = "params",
 ) -> dict[int, Any]:
-    """This rank's {stage: tree} of weights in dtype, its blocks only read from ckpt (generation,
-    conversion)."""
+    """This rank's {stage: tree} of weights (or of another kind of state: "main", "mu", "nu") in
+    dtype, its blocks only read from ckpt (generation, conversion)."""
     held = held_zeros(config, layout, mesh, device, dtype)
     boxes = []
     for stage, stage_tree in held.items():
         for path, leaf in tree.items(stage_tree):
             place = placement(stage, path, tuple(leaf.shape), config, layout, mesh)
-            boxes.append(Region(0, "params", place, place.block, leaf, False))
+            boxes.append(Region(0, kind, place, place.block, leaf, False))
     ckpt.read(load_requests(ckpt, boxes))
     return held
 

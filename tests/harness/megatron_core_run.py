@@ -14,8 +14,8 @@ torch.distributed.run):
         Megatron-LM saves with --dist-ckpt-optim-fully-reshardable; the losses to ROOT/losses.json
     continue DIR FAMILY ITERATIONS OUT
         one rank: model and optimizer loaded from DIR by megatron-core, each parameter's Adam state
-        ({key: tensor} of optimizer.state.*) and the step written to OUT, then ITERATIONS more
-        steps on the batches after DIR's iteration, their losses into OUT too
+        ({key: tensor} of optimizer.state.*) and the steps written to OUT (its steps taken before
+        the ITERATIONS more on the batches after DIR's iteration, whose losses OUT holds too)
 
 FAMILY is one of FAMILIES below: the same models tests/interop/megatron/test_megatron_checkpoint.py
 builds in fmeg.
@@ -383,8 +383,13 @@ def continue_(directory: str, family: str, iterations: str, out: str) -> None:
             )
             whole[box] = t.data.detach()
     start = int(loaded.get("iteration", 0))
+    steps = {
+        float(st["step"])
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+        for st in inner.optimizer.state.values()
+    }
     losses = [step(ddp, optimizer, start + i) for i in range(int(iterations))]
-    torch.save({"moments": moments, "losses": losses}, out)
+    torch.save({"moments": moments, "losses": losses, "steps": sorted(steps)}, out)
 
 
 def main() -> None:

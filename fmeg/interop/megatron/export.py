@@ -159,10 +159,13 @@ def layout_problem(config: gpt.GPTConfig, tp: int, pp: int, ep: int) -> str | No
     return None
 
 
-def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: Any) -> Path:
+def write_torch_dist(
+    root: str | Path, tensors: dict[str, torch.Tensor], args: Any, common: dict | None = None
+) -> Path:
     """Write `tensors` (megatron_tensors) and `args` as Megatron's checkpoint of iteration
-    args.iteration under root; returns the iteration directory. Refuses a root that already holds a
-    checkpoint."""
+    args.iteration under root, common.pt holding `common` too (the optimizer's: fmeg.interop.
+    megatron.optimizer_state); returns the iteration directory. Refuses a root that already holds
+    a checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     _Writer = _writer_class()
@@ -197,6 +200,7 @@ def write_torch_dist(root: str | Path, tensors: dict[str, torch.Tensor], args: A
                 "checkpoint_version": 3.0,
                 "iteration": args.iteration,
                 "num_floating_point_operations_so_far": 0,
+                **(common or {}),
             },
             tmp / "common.pt",
         )

@@ -100,6 +100,7 @@ def test_megatrons_moments_and_master_weights_load_bitwise(megatron):
     """Every box of fmeg's mu, nu and master weights at tp 1 equals megatron-core's own loaded
     exp_avg, exp_avg_sq and param (fp32: fmeg's weights are its master)."""
     directory, theirs = megatron
+    assert theirs["steps"] == [float(SAVED_AT)]
     layout, mesh = Layout(), Mesh.single()
     state = loaded(mesh, layout, directory)
     assert int(state.count) == SAVED_AT
@@ -126,3 +127,70 @@ def test_fmeg_continues_as_megatron_core_continues(megatron, tp):
     assert len(got) == len(want) == MORE
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+GPT2_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "127",
+    "--make-vocab-size-divisible-by",
+    "128",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--device",
+    "cpu",
+    "--use-distributed-optimizer",
+]
+
+
+def test_exported_adam_state_is_what_megatron_core_loads(tmp_path):
+    """fmeg trains 3 iterations at dp 2 with ZeRO-1 and saves; export-megatron writes the weights
+    and Adam's state; megatron-core's own load of them (model and distributed optimizer) holds
+    fmeg's moments and master weights bitwise, and its step."""
+    from fmeg import checkpoint
+    from fmeg.interop.megatron.export import megatron_tensors
+    from fmeg.training.checkpoint_state import read_params, saved_count
+
+    ckpt, out = str(tmp_path / "fmeg"), str(tmp_path / "megatron")
+    flags = [*GPT2_FLAGS, "--train-iters", "3", "--save", ckpt, "--save-interval", "3"]
+    launcher = [sys.executable, "-m", "fmeg.launch", "--nproc-per-node", "2"]
+    trained = run_group([*launcher, "-m", "recipes.gpt_pretrain", *flags])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    convert = [sys.executable, "-m", "recipes.convert_checkpoint", "export-megatron"]
+    exported = run_group([*convert, "--load", ckpt, "--save", out])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "with Adam state" in exported.stdout and "--use-distributed-optimizer" in exported.stdout
+    dumped = tmp_path / "loaded.pt"
+    torchrun(1, "continue", f"{out}/iter_0000003", "gpt2", "0", str(dumped))
+    loaded = torch.load(dumped, weights_only=True)
+    assert loaded["steps"] == [3.0]
+    theirs = loaded["moments"]
+    config = CONFIG.replace(vocab_size=127)
+    with checkpoint.Checkpoint.open(checkpoint.latest(ckpt)) as saved:
+        assert saved_count(saved) == 3
+        for kind, name in (("mu", "exp_avg"), ("nu", "exp_avg_sq"), ("params", "param")):
+            mine = read_params(saved, config, Layout(), Mesh.single(), kind=kind)[0]
+            for key, t in megatron_tensors(mine, config, 128).items():
+                assert torch.equal(theirs[f"optimizer.state.{name}.{key}"], t), (kind, key)
