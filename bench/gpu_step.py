@@ -13,6 +13,8 @@
     python bench/gpu_step.py --sharding optim_grads_params
     # also: multi-latent attention against GQA at this width
     python bench/gpu_step.py --model llama-1b --mla
+    # also: the runner's step under Muon (Newton-Schulz in bf16, Adam on the rest)
+    python bench/gpu_step.py --muon
 
 fmeg: the runner's real step (fmeg.training.parallel_step.train_iteration on a FlatState: bf16
 compute, fp32 master weights and gradients, global-norm clipping at 1.0, fused AdamW), one rank,
@@ -29,6 +31,10 @@ backward, its storage released after, and its gradients reduced into the owned s
 With one GPU there is no peer to gather from: this row prices the mechanism (copies, storage
 resizes, per-unit bookkeeping), and the ratio sharded / runner shows what it costs. Whether the
 gathers overlap compute needs several GPUs on NCCL; the CPU figures at dp 4 are bench/fsdp_cpu.py's.
+
+--muon adds the runner's step with --optimizer muon's defaults (each matrix orthogonalized whole
+by five quintic Newton-Schulz iterations in bf16, Adam on the embeddings, norms and biases) and
+its ratio to the AdamW step.
 
 --mla adds, for each model, the runner's step of a GQA model and of an MLA model at its width
 (bench/mla_step.py's shapes: DeepSeek-V3's MLA shrunk to the width, q latent 3h/4, kv latent h/2,
@@ -47,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fmeg.config.optimizer_flags import OptimizerConfig
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
@@ -204,11 +211,21 @@ def peer_step(config: gpt.GPTConfig, device: torch.device, compile_: bool):
 
 
 def fmeg_step(
-    config: gpt.GPTConfig, device: torch.device, compile_: bool, sharding: str = "no_shard"
+    config: gpt.GPTConfig,
+    device: torch.device,
+    compile_: bool,
+    sharding: str = "no_shard",
+    optimizer: OptimizerConfig = OptimizerConfig(),
 ):
     mesh, layout = Mesh.single(), Layout(sharding=sharding)
     state = initialized_state(
-        config, layout, mesh, seed=0, compute_dtype=torch.bfloat16, device=device
+        config,
+        layout,
+        mesh,
+        seed=0,
+        compute_dtype=torch.bfloat16,
+        device=device,
+        optimizer=optimizer,
     )
 
     def step(batch: dict) -> torch.Tensor:
@@ -318,6 +335,7 @@ def bench(
     peak: float | None,
     profile_: bool = False,
     sharding: str | None = None,
+    muon: bool = False,
 ) -> dict:
     config, batch_size = MODELS[name]
     # Each model compiles afresh, as in its own process: after a first model, dynamo would otherwise
@@ -333,6 +351,9 @@ def bench(
     }
     if sharding:
         variants[f"fmeg {sharding}"] = fmeg_step(config, device, compile_, sharding)
+    if muon:
+        muon_choice = OptimizerConfig(name="muon")
+        variants["fmeg muon"] = fmeg_step(config, device, compile_, optimizer=muon_choice)
     times: dict[str, list[float]] = {k: [] for k in variants}
     memory: dict[str, float] = {}
     for i in range(warmup + steps):
@@ -370,6 +391,8 @@ def bench(
             f"step time {sharding} / runner: "
             f"{medians[f'fmeg {sharding}'] / medians['fmeg runner']:.2f}"
         )
+    if muon:
+        print(f"step time muon / adamw: {medians['fmeg muon'] / medians['fmeg runner']:.2f}")
     if profile_ and device.type == "cuda":
         try:
             for variant, step in variants.items():
@@ -452,6 +475,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--mla", action="store_true", help="also time MLA against GQA at each model's width"
     )
+    p.add_argument("--muon", action="store_true", help="also time the runner's step under Muon")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)
@@ -459,7 +483,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device {device}{name}, torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
     models = a.model or ["gpt2-124m", "1.3b", "llama-1b"]
     rows = [
-        bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding)
+        bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding, a.muon)
         for m in models
     ]
     return rows + [

@@ -26,6 +26,7 @@ def test_gpu_step_bench_smoke_run_on_cpu():
             "--sharding",
             "optim_grads_params",
             "--mla",
+            "--muon",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -36,6 +37,7 @@ def test_gpu_step_bench_smoke_run_on_cpu():
     assert re.search(r"^fmeg runner +\d+\.\d", out.stdout, re.M)
     assert re.search(r"^nanoGPT-style peer +\d+\.\d", out.stdout, re.M)
     assert float(re.search(r"throughput ratio fmeg / peer: (\d+\.\d+)", out.stdout).group(1)) > 0
+    assert float(re.search(r"step time muon / adamw: (\d+\.\d+)", out.stdout).group(1)) > 0
     assert (
         float(re.search(r"step time optim_grads_params / runner: (\d+\.\d+)", out.stdout).group(1))
         > 0
