@@ -67,7 +67,7 @@ def load_checkpoint(root: str, vocab_size: int | None = None) -> tuple[gpt.GPTCo
         raise checkpoint.CheckpointError(
             f"{root}: no {checkpoint.LATEST}; not a checkpoint directory"
         )
-    if megatron.is_torch_dist(path):
+    if megatron.is_megatron(path):
         config = megatron_model(megatron.saved_args(path), vocab_size)
         opened = megatron.MegatronCheckpoint.open(path, config)
         opened.check(config)
@@ -239,7 +239,7 @@ def adam_state(root: str, config, meta: dict, padded_vocab: int) -> tuple[dict, 
     if meta.get("optimizer_saved") is False or meta.get("optimizer", "adam") != "adam":
         return {}, {}
     path = checkpoint.latest(root)
-    if megatron.is_torch_dist(path):
+    if megatron.is_megatron(path):
         return {}, {}
     with checkpoint.Checkpoint.open(path) as ckpt:
         main = any(name.startswith("main/") for name in ckpt.entries)

@@ -219,7 +219,7 @@ def load_model(a: argparse.Namespace) -> LoadedModel:
         )
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     # Megatron-LM's: the model and the tokenizer from its args
-    if megatron.is_torch_dist(path):
+    if megatron.is_megatron(path):
         margs = megatron.saved_args(path)
         tokenizer = _tokenizer(
             a,

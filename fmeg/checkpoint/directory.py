@@ -160,11 +160,13 @@ def latest(root: str | os.PathLike) -> Path | None:
     # release: Megatron's converters'
     path = root / "release" if text == "release" else iteration_dir(root, int(text))
     if not (path / METADATA).is_file():
+        # Megatron's legacy --ckpt-format torch files: fmeg.interop.megatron reads them
+        if any(path.glob("mp_rank_*/model_optim_rng.pt")):
+            return path
         if any(path.glob("mp_rank_*")):
             raise CheckpointError(
-                f"{path}: a Megatron --ckpt-format torch checkpoint (mp_rank_* files), which fmeg "
-                "does not read; convert it to torch_dist with Megatron (--ckpt-convert-format "
-                "torch_dist --ckpt-convert-save DIR) and load that"
+                f"{path}: mp_rank_* directories without their model_optim_rng.pt: an incomplete "
+                "Megatron --ckpt-format torch checkpoint; restore its files"
             )
         raise CheckpointError(f"{pointer}: names {path.name}, which has no {METADATA}")
     return path

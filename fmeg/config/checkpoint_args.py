@@ -199,7 +199,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     try:
         model = (
             _megatron_model(found)
-            if megatron.is_torch_dist(found)
+            if megatron.is_megatron(found)
             else json.loads((found / "metadata.json").read_text())["model"]
         )
         saved_model(model, str(found))

@@ -167,7 +167,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
             else []
         )
         return state, progress, said
-    if megatron.is_torch_dist(found):
+    if megatron.is_megatron(found):
         return _restore_megatron(cfg, session, found, load)
     with checkpoint.Checkpoint.open(found) as ckpt:
         saved = check_model(ckpt, cfg.model)

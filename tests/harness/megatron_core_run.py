@@ -8,6 +8,10 @@ torch.distributed.run):
     logits DIR FAMILY TOKENS OUT
         one rank: its GPTModel loaded from DIR by dist_checkpointing.load, its logits for the
         [b, s] token tensor in TOKENS written to OUT
+    save_legacy ROOT FAMILY TP PP ITERATION
+        the same GPTModel saved as Megatron-LM saves --ckpt-format torch: each rank's
+        state_dict_for_save_checkpoint() with the args and iteration, torch.save'd into
+        ROOT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt
     train ROOT FAMILY TP PP EP ITERATIONS
         its GPTModel trained ITERATIONS steps by megatron-core's DistributedDataParallel and
         distributed optimizer (Adam, fp32, lr 1e-3, clip 1.0, on batches(i)), saved as
@@ -253,6 +257,31 @@ def save(root: str, family: str, tp: int, pp: int, ep: int, iteration: int) -> N
             f.write(str(iteration))
 
 
+def save_legacy(root: str, family: str, tp: int, pp: int, iteration: int) -> None:
+    from megatron.core import parallel_state
+
+    m = model(family, tp, pp, 1)
+    t, p = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    # megatron/training/checkpointing.py's get_checkpoint_name
+    name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+    directory = os.path.join(root, f"iter_{iteration:07d}", name)
+    os.makedirs(directory, exist_ok=True)
+    state = {
+        "model": m.state_dict_for_save_checkpoint(),
+        "args": megatron_args(family, tp, pp, 1, iteration),
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+    }
+    torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
 def logits(directory: str, family: str, tokens_file: str, out_file: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -398,6 +427,9 @@ def main() -> None:
     if mode == "save":
         root, family, tp, pp, ep, iteration = rest
         save(root, family, int(tp), int(pp), int(ep), int(iteration))
+    elif mode == "save_legacy":
+        root, family, tp, pp, iteration = rest
+        save_legacy(root, family, int(tp), int(pp), int(iteration))
     elif mode == "train":
         root, family, tp, pp, ep, iterations = rest
         train(root, family, int(tp), int(pp), int(ep), int(iterations))

@@ -9,10 +9,23 @@ writes it by default) read into fmeg at any layout.
 
 gpt_keys.py names fmeg's GPT parameters as megatron-core's GPTModel does; checkpoint.py opens such a
 directory as fmeg's resume opens its own checkpoints; model_args.py reads and writes the model in
-Megatron's args; export.py writes fmeg's weights as such a directory.
+Megatron's args; export.py writes fmeg's weights as such a directory (optimizer_state.py, Adam's
+state); legacy.py reads the legacy --ckpt-format torch files (mp_rank_*/model_optim_rng.pt) as the
+same global tensors.
 """
 
-from fmeg.interop.megatron.checkpoint import MegatronCheckpoint, is_torch_dist, saved_args
+from fmeg.interop.megatron.checkpoint import (
+    MegatronCheckpoint,
+    is_megatron,
+    is_torch_dist,
+    saved_args,
+)
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError
 
-__all__ = ["MegatronCheckpoint", "MegatronCheckpointError", "is_torch_dist", "saved_args"]
+__all__ = [
+    "MegatronCheckpoint",
+    "MegatronCheckpointError",
+    "is_megatron",
+    "is_torch_dist",
+    "saved_args",
+]

@@ -32,7 +32,7 @@ import torch
 from fmeg import tree
 from fmeg.checkpoint import CheckpointError, Request
 from fmeg.checkpoint.boxes import Box
-from fmeg.interop.megatron import gpt_keys, model_args
+from fmeg.interop.megatron import gpt_keys, legacy, model_args
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
 from fmeg.interop.megatron.torch_dist import TorchDistDir
 
@@ -56,11 +56,24 @@ def is_torch_dist(path: Path) -> bool:
     return isinstance(meta, dict) and "sharded_backend" in meta
 
 
+def is_megatron(path: Path) -> bool:
+    """Whether an iteration directory is Megatron's: torch_dist, or the legacy mp_rank_* files."""
+    return is_torch_dist(path) or legacy.is_legacy(path)
+
+
+def _common(path: Path) -> dict:
+    """common.pt's dict, or a legacy checkpoint's first rank file's (without its weights)."""
+    if not is_torch_dist(path) and legacy.is_legacy(path):
+        first = legacy.rank_files(path)[(0, 0)]
+        return {k: v for k, v in read_common(first).items() if k != "model"}
+    return read_common(Path(path) / "common.pt")
+
+
 def saved_args(path: Path) -> Any:
-    """The args Namespace of an iteration directory's common.pt; a CheckpointError when it holds
-    none."""
+    """The args Namespace of an iteration directory's common.pt (a legacy checkpoint's first rank
+    file); a CheckpointError when it holds none."""
     try:
-        args = read_common(Path(path) / "common.pt").get("args")
+        args = _common(path).get("args")
     except MegatronCheckpointError as e:
         raise CheckpointError(str(e)) from None
     if args is None:
@@ -92,13 +105,18 @@ class MegatronCheckpoint:
     def open(cls, path: str | Path, config: Any) -> "MegatronCheckpoint":
         path = Path(path)
         try:
+            if not is_torch_dist(path) and legacy.is_legacy(path):
+                files = legacy.LegacyTorchDir(path, config.activation == "swiglu")
+                return cls(path, files, files.common, config)
             return cls(path, TorchDistDir(path), read_common(path / "common.pt"), config)
         except MegatronCheckpointError as e:
             raise CheckpointError(str(e)) from None
 
     def describe(self) -> str:
         lay = self.meta["layout"]
-        return f"a Megatron torch_dist checkpoint (tp {lay['tp']}, pp {lay['pp']}, ep {lay['ep']})"
+        legacy_files = isinstance(self.dist, legacy.LegacyTorchDir)
+        kind = "--ckpt-format torch" if legacy_files else "torch_dist"
+        return f"a Megatron {kind} checkpoint (tp {lay['tp']}, pp {lay['pp']}, ep {lay['ep']})"
 
     def check(self, config: Any) -> None:
         """Megatron's args (when common.pt holds them) against the flags' model: a CheckpointError

@@ -158,7 +158,7 @@ class _CommonUnpickler(pickle.Unpickler):
         if (module, name) == ("_codecs", "encode"):
             return _latin1
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return _AttributedDict
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuilt_tensor
         return _stand_in(module, name)
@@ -168,6 +168,11 @@ class _CommonUnpickler(pickle.Unpickler):
         if kind != "storage" or not isinstance(dtype, torch.dtype):
             raise pickle.UnpicklingError(f"holds a persistent id {kind!r}")
         return self.storage(str(key), dtype, int(numel))
+
+
+class _AttributedDict(dict):
+    """OrderedDict's stand-in: a dict that also takes the attributes a pickle sets on it (a module
+    state dict's _metadata, in --ckpt-format torch files)."""
 
 
 def _rebuilt_tensor(
@@ -300,7 +305,7 @@ class _TensorUnpickler(pickle.Unpickler):
         if module == "torch" and name in _STORAGE_DTYPES:
             return _STORAGE_DTYPES[name]
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return _AttributedDict
         raise pickle.UnpicklingError(f"names {module}.{name}")
 
     def persistent_load(self, pid: Any) -> tuple[str, torch.dtype]:

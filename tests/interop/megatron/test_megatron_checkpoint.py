@@ -397,8 +397,8 @@ def test_damaged_files_and_another_model_are_one_line_naming_them(tmp_path_facto
 
 
 def test_release_tracker_and_legacy_format_are_understood(tmp_path_factory, tmp_path):
-    """Megatron's converters write 'release' in the tracker file; a --ckpt-format torch checkpoint
-    (mp_rank_*) is named with the conversion that makes it loadable."""
+    """Megatron's converters write 'release' in the tracker file; mp_rank_* directories without
+    their files are an incomplete --ckpt-format torch checkpoint, named so in one line."""
     source = latest(megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1))
     release = tmp_path / "release_root"
     shutil.copytree(source, release / "release")
@@ -407,7 +407,7 @@ def test_release_tracker_and_legacy_format_are_understood(tmp_path_factory, tmp_
     legacy = tmp_path / "legacy"
     (legacy / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
     (legacy / "latest_checkpointed_iteration.txt").write_text("5")
-    with pytest.raises(CheckpointError, match="--ckpt-convert-format torch_dist"):
+    with pytest.raises(CheckpointError, match="an incomplete Megatron --ckpt-format torch"):
         latest(legacy)
 
 

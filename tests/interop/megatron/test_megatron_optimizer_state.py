@@ -194,3 +194,32 @@ def test_exported_adam_state_is_what_megatron_core_loads(tmp_path):
             mine = read_params(saved, config, Layout(), Mesh.single(), kind=kind)[0]
             for key, t in megatron_tensors(mine, config, 128).items():
                 assert torch.equal(theirs[f"optimizer.state.{name}.{key}"], t), (kind, key)
+
+
+# megatron-core moves a tied model's last-stage output copy to CUDA: gpt2 at pp 1
+@pytest.mark.parametrize("family, pp", [("llama", 2), ("gpt2", 1)])
+def test_legacy_torch_format_reads_the_weights_torch_dist_holds(tmp_path, family, pp):
+    """The same megatron-core model (seed 1234, at tp 2 x pp) saved both ways: --ckpt-format
+    torch (each rank its state_dict_for_save_checkpoint, torch.save'd as Megatron-LM saves it;
+    llama's gated fc1 split per rank as [gate_r; up_r]) and torch_dist; fmeg reads the same
+    weights, bitwise, from both."""
+    from fmeg import checkpoint
+    from fmeg.config.checkpoint_args import megatron_model
+    from fmeg.interop.megatron import saved_args
+    from fmeg.training.checkpoint_state import read_params
+
+    legacy, dist = tmp_path / "legacy", tmp_path / "dist"
+    torchrun(2 * pp, "save_legacy", str(legacy), family, "2", str(pp), "3")
+    torchrun(2 * pp, "save", str(dist), family, "2", str(pp), "1", "3")
+    # the model the legacy files' own args describe
+    config, read = megatron_model(saved_args(checkpoint.latest(legacy))), {}
+    for name, root in (("legacy", legacy), ("dist", dist)):
+        with MegatronCheckpoint.open(checkpoint.latest(root), config) as ckpt:
+            ckpt.check(config)
+            read[name] = read_params(ckpt, config, Layout(), Mesh.single())[0]
+            assert ckpt.meta["iteration"] == 3
+            if name == "legacy":
+                assert f"--ckpt-format torch checkpoint (tp 2, pp {pp}" in ckpt.describe()
+    pairs = zip(tree.items(read["legacy"]), tree.items(read["dist"]))
+    for (path, a), (_, b) in pairs:
+        assert torch.equal(a, b), path
