@@ -179,3 +179,19 @@ def test_soap_saved_with_homes_resumes_with_every_rank_computing_bitwise(tmp_pat
     assert "resumed from" in stdout
     whole = dense_curve(tmp_path, "whole", 2, OPTIMIZERS["soap"])[0]
     assert got["lm_loss"] == whole["lm_loss"][10:]
+
+
+@pytest.mark.slow
+def test_blockwise_muon_is_muon_at_tp1_and_depends_on_the_layout_at_tp2(tmp_path):
+    """Megatron's --muon-tp-mode blockwise orthogonalizes each tensor-parallel shard alone: at
+    tp 1 that is Muon, bit for bit; at tp 2 its curve leaves the duplicated (whole-matrix) one."""
+    muon = ["--optimizer", "muon", "--lr", "2e-2", *FP32]
+    blockwise = [*muon, "--muon-tp-mode", "blockwise"]
+    one = dense_curve(tmp_path, "one", 1, muon)[0]["lm_loss"]
+    assert dense_curve(tmp_path, "one_blockwise", 1, blockwise)[0]["lm_loss"] == one
+    tp2 = layouts.TABLE["tp2_sp"][1]
+    whole = dense_curve(tmp_path, "whole", 2, [*muon, *tp2])[0]["lm_loss"]
+    shards, stdout = dense_curve(tmp_path, "shards", 2, [*blockwise, *tp2])
+    assert "blockwise" in stdout
+    assert max(abs(a - b) / b for a, b in zip(whole, one)) <= 1e-5
+    assert max(abs(a - b) / b for a, b in zip(shards["lm_loss"], one)) > 1e-4
