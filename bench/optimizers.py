@@ -25,6 +25,7 @@ CHOICES = {
     "adaptive_muon": OptimizerConfig(
         name="adaptive_muon", muon=MuonSettings(adaptive=(0.95, 1e-8))
     ),
+    "soap": OptimizerConfig(name="soap"),
 }
 
 
