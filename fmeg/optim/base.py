@@ -6,6 +6,11 @@
     updates, state = tx.update(grads, state, params, lr=lr, weight_decay=wd)
     params = apply_updates(params, updates)
 
+A flat form (fmeg.state.flat steps it) has moment_dtypes, kinds (the buffers it keeps: "mu",
+"nu"), name, group(path, leaf) (the leaves one call steps together) and step_(views, steps, group,
+...); a matrix optimizer's also answers group "muon" for its matrices and has prepare_,
+whole_step, apply_ and fresh_state (fmeg.state.matrix_step runs them).
+
 The step's hyperparameters (lr, weight_decay, decoupled_lr) are keyword arguments of update, not
 state: schedules count samples, which only the runner knows, and a compiled step given them as 0-d
 tensors never recompiles when they change. Each transform takes the keywords it knows and ignores
@@ -71,6 +76,13 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
         leaves, [u.to(p.dtype) for u, p in zip(tree.tree_leaves(updates), leaves)]
     )
     return tree.tree_unflatten(new, spec)
+
+
+def without_stage(path: str) -> str:
+    """A flat state's leaf path without its pipeline stage ("0.layers.1..." -> "layers.1..."): the
+    path a model's rules name (flat forms are asked about "stage.path" leaves)."""
+    stage, _, rest = path.partition(".")
+    return rest if stage.isdigit() else path
 
 
 def partition(

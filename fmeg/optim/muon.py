@@ -31,7 +31,7 @@ import torch
 
 from fmeg import tree
 from fmeg.optim.adam import adamw
-from fmeg.optim.base import GradientTransformation, chain, partition
+from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
 from fmeg.optim.newton_schulz import newton_schulz, scale_factor
 from fmeg.optim.transforms import (
     Mask,
@@ -177,7 +177,7 @@ class MuonFlat(NamedTuple):
         return ("mu", "nu") if self.settings.adaptive or "nu" in inner else ("mu",)
 
     def group(self, path: str, leaf: torch.Tensor) -> Any:
-        if self.matrices.is_matrix(_local(path), leaf):
+        if self.matrices.is_matrix(without_stage(path), leaf):
             return "muon"
         return self.scalar.group(path, leaf)
 
@@ -196,13 +196,13 @@ class MuonFlat(NamedTuple):
     def whole_step(self, path: str, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         """The whole leaf's direction (before adaptive Muon's moment), from its whole x; Muon
         keeps no state per matrix."""
-        return orthogonalized(x, _local(path), self.matrices, self.settings), None
+        return orthogonalized(x, without_stage(path), self.matrices, self.settings), None
 
     def fresh_state(self, path: str, whole_shape: tuple[int, ...], device: Any) -> None:
         return None
 
     def scale(self, path: str, whole: torch.Tensor) -> torch.Tensor:
-        return adaptive_scale(_local(path), self.matrices, self.settings, whole)
+        return adaptive_scale(without_stage(path), self.matrices, self.settings, whole)
 
     def apply_(
         self,
@@ -224,12 +224,6 @@ class MuonFlat(NamedTuple):
         if decays and weight_decay:
             master.mul_(1 - lr * weight_decay)
         master.add_(update, alpha=-lr)
-
-
-def _local(path: str) -> str:
-    """A flat state's leaf path without its stage ("0.layers.1..." -> "layers.1...")."""
-    stage, _, rest = path.partition(".")
-    return rest if stage.isdigit() else path
 
 
 def muon(

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fmeg.optim.adam import adamw
-from fmeg.optim.base import GradientTransformation, chain, partition
-from fmeg.optim.muon import LeafMatrices, TwoDimensional, _local
+from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
+from fmeg.optim.muon import LeafMatrices, TwoDimensional
 from fmeg.optim.transforms import (
     Mask,
     add_decayed_weights,
@@ -182,7 +182,7 @@ class SoapFlat(NamedTuple):
     keeps_matrix_state: bool = True
 
     def group(self, path: str, leaf: torch.Tensor) -> Any:
-        if self.matrices.is_matrix(_local(path), leaf):
+        if self.matrices.is_matrix(without_stage(path), leaf):
             return "muon"
         return self.scalar.group(path, leaf)
 
@@ -193,14 +193,13 @@ class SoapFlat(NamedTuple):
         return grad / grad_scale if grad_scale is not None else grad.clone()
 
     def whole_step(self, path: str, whole: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        return leaf_direction(_local(path), whole, state, self.matrices, self.settings)
+        return leaf_direction(without_stage(path), whole, state, self.matrices, self.settings)
 
     def fresh_state(self, path: str, whole_shape: tuple[int, ...], device: Any) -> list:
         """The states of a leaf of this whole shape before its first step."""
         probe = torch.empty(whole_shape, device="meta")
-        return [
-            matrix_state(*m.shape, device=device) for m in self.matrices.split(_local(path), probe)
-        ]
+        parts = self.matrices.split(without_stage(path), probe)
+        return [matrix_state(*m.shape, device=device) for m in parts]
 
     def apply_(self, master, nu, update, scale, *, lr, weight_decay, decays) -> None:
         if decays and weight_decay:

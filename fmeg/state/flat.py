@@ -56,7 +56,7 @@ from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer
-from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixLeaf, MatrixPiece, MatrixStep
+from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixStep
 from fmeg.state.protocol import step_parts
 
 # What each data-parallel rank keeps a slice of (Megatron-FSDP's --data-parallel-sharding-strategy):
@@ -199,26 +199,20 @@ class FlatState:
         )
         master = self.master
         self._groups = self._adam_groups(pieces)
-        flat = self.optimizer.flat
-        leaves = [
-            MatrixLeaf(path, leaf.shape, *self._where[path], bool(flat.decay_mask(path, leaf)))
-            for path, leaf in tree.items(params)
-            if flat.group(path, leaf) == "muon"
-        ]
-        by_path = {leaf.path: leaf for leaf in leaves}
-        self._has_matrices = bool(leaves)
-        self._matrices = MatrixStep(
-            leaves,
-            [MatrixPiece(by_path[path], a, b) for path, _, a, b in pieces if path in by_path],
-            self._gather,
-            self.dp_group,
-            self.dp,
-            self.dp_rank,
-            self.lo,
-            self.zero,
+        self._matrices = MatrixStep.of(
+            self.optimizer.flat,
+            params,
+            self._where,
+            pieces,
+            gather=self._gather,
+            dp_group=self.dp_group,
+            dp=self.dp,
+            dp_rank=self.dp_rank,
+            lo=self.lo,
+            sliced=self.zero,
+            device=device,
         )
-        if getattr(flat, "keeps_matrix_state", False):
-            self._matrices.fresh_states(flat, device)
+        self._has_matrices = bool(self._matrices.leaves)
         self._groups.pop("muon", None)
         moments = (self.mu, self.nu if self.nu is not None else self.mu)
         # made once: the step slices nothing

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from fmeg import tree
+
 
 class LeafGather(Protocol):
     """A leaf's local block to the whole leaf and back (fmeg.training.optimizers')."""
@@ -100,12 +102,44 @@ class MatrixStep:
         """leaves: every matrix leaf of the state; pieces: their parts in [lo, hi); sliced: the
         owned slice is not the whole buffer (the distributed optimizer): the work is spread over
         the dp ranks, else every rank computes every leaf."""
-        self.pieces, self.gather, self.dp_group = pieces, gather, dp_group
+        self.leaves, self.pieces, self.gather, self.dp_group = leaves, pieces, gather, dp_group
         self.lo, self.sliced = lo, sliced and dp > 1
         home = homes(leaves, dp) if self.sliced else [dp_rank] * len(leaves)
         self.mine = [leaf for leaf, h in zip(leaves, home) if h == dp_rank]
         # each home leaf's state ({path: the flat form's state}), None until its first step
         self.states: dict[str, Any] = {leaf.path: None for leaf in self.mine}
+
+    @classmethod
+    def of(
+        cls,
+        flat: Any,
+        params: dict[int, Any],
+        where: dict[str, tuple[int, int]],
+        owned: list[tuple[str, torch.Tensor, int, int]],
+        *,
+        gather: LeafGather,
+        dp_group: Any,
+        dp: int,
+        dp_rank: int,
+        lo: int,
+        sliced: bool,
+        device: Any,
+    ) -> "MatrixStep":
+        """The step of a flat state's matrix leaves (its flat form's group "muon"): where: each
+        leaf's (flat start, numel); owned: the (path, leaf, a, b) parts of the leaves in [lo, hi).
+        A flat form that keeps a state per matrix (SOAP's) has it made for the leaves computed
+        here."""
+        leaves = [
+            MatrixLeaf(path, leaf.shape, *where[path], bool(flat.decay_mask(path, leaf)))
+            for path, leaf in tree.items(params)
+            if flat.group(path, leaf) == "muon"
+        ]
+        by_path = {leaf.path: leaf for leaf in leaves}
+        pieces = [MatrixPiece(by_path[path], a, b) for path, _, a, b in owned if path in by_path]
+        step = cls(leaves, pieces, gather, dp_group, dp, dp_rank, lo, sliced)
+        if getattr(flat, "keeps_matrix_state", False):
+            step.fresh_states(flat, device)
+        return step
 
     def fresh_states(self, flat: Any, device: Any) -> None:
         """The states of the leaves computed here before any step (what a checkpoint fills)."""
