@@ -27,6 +27,7 @@ from fmeg.optim.transforms import (
     default_decay_mask,
     scale_by_adam,
     scale_by_learning_rate,
+    step_group,
 )
 
 Dtypes = tuple[torch.dtype, torch.dtype]
@@ -49,9 +50,7 @@ class FusedAdamW(NamedTuple):
 
     def group(self, path: str, leaf: torch.Tensor) -> tuple[bool, bool]:
         """(takes decoupled_lr?, decays?) for a leaf: the leaves one kernel call steps together."""
-        return bool(self.decoupled and self.decoupled(path, leaf)), bool(
-            self.decay_mask(path, leaf)
-        )
+        return step_group(self.decoupled, self.decay_mask, path, leaf)
 
     def step_(
         self,

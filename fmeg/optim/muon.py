@@ -25,6 +25,7 @@ or FSDP split it (fmeg.state.matrix_step), so every layout takes one rank's step
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from fmeg import tree
 from fmeg.optim.adam import adamw
 from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
+from fmeg.optim.matrix_flat import MatrixFlat
 from fmeg.optim.newton_schulz import newton_schulz, scale_factor
 from fmeg.optim.transforms import (
     Mask,
@@ -153,19 +155,13 @@ def scale_by_muon(s: MuonSettings, matrices: LeafMatrices) -> GradientTransforma
     return GradientTransformation(init, update)
 
 
-class MuonFlat(NamedTuple):
+@dataclass(frozen=True)
+class MuonFlat(MatrixFlat):
     """muon's update over the runner's flat buffers: the scalar leaves by the scalar optimizer's
     flat form (its groups); the matrix leaves (group "muon") by prepare_() on the owned slice,
-    whole_step() on each leaf gathered whole, and apply_() on the owned slice again."""
-
-    settings: MuonSettings
-    matrices: LeafMatrices
-    scalar: Any
-    decay_mask: Mask
-    # Muon's momentum shares mu with the scalar optimizer's first moment; nu is the scalar Adam's
-    # second moment and adaptive Muon's
-    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
-    keeps_matrix_state: bool = False
+    whole_step() on each leaf gathered whole, and apply_() on the owned slice again. Muon's
+    momentum shares mu with the scalar optimizer's first moment; nu is the scalar Adam's second
+    moment and adaptive Muon's."""
 
     @property
     def name(self) -> str:
@@ -175,14 +171,6 @@ class MuonFlat(NamedTuple):
     def kinds(self) -> tuple[str, ...]:
         inner = getattr(self.scalar, "kinds", ("mu", "nu"))
         return ("mu", "nu") if self.settings.adaptive or "nu" in inner else ("mu",)
-
-    def group(self, path: str, leaf: torch.Tensor) -> Any:
-        if self.matrices.is_matrix(without_stage(path), leaf):
-            return "muon"
-        return self.scalar.group(path, leaf)
-
-    def step_(self, views, steps, group, **hyper: Any) -> None:
-        self.scalar.step_(views, steps, group, **hyper)
 
     def prepare_(
         self, mu: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None
@@ -198,9 +186,6 @@ class MuonFlat(NamedTuple):
         keeps no state per matrix."""
         return orthogonalized(x, without_stage(path), self.matrices, self.settings), None
 
-    def fresh_state(self, path: str, whole_shape: tuple[int, ...], device: Any) -> None:
-        return None
-
     def scale(self, path: str, whole: torch.Tensor) -> torch.Tensor:
         return adaptive_scale(without_stage(path), self.matrices, self.settings, whole)
 
@@ -215,15 +200,13 @@ class MuonFlat(NamedTuple):
         weight_decay: float,
         decays: bool,
     ) -> None:
-        """A piece of the master weights stepped by its piece of the direction (adaptive Muon:
-        normalized by nu, stepped in place, and multiplied by scale)."""
+        """MatrixFlat's, adaptive Muon's direction first normalized by nu (stepped in place) and
+        multiplied by scale."""
         if self.settings.adaptive:
             b2, eps = self.settings.adaptive
             nu.lerp_(update.square(), 1 - b2)
             update = update / (nu.sqrt() + eps) * scale
-        if decays and weight_decay:
-            master.mul_(1 - lr * weight_decay)
-        master.add_(update, alpha=-lr)
+        super().apply_(master, nu, update, scale, lr=lr, weight_decay=weight_decay, decays=decays)
 
 
 def muon(

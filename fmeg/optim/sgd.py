@@ -24,6 +24,7 @@ from fmeg.optim.transforms import (
     add_decayed_weights,
     default_decay_mask,
     scale_by_learning_rate,
+    step_group,
 )
 
 Tree = Any
@@ -93,9 +94,7 @@ class ElementwiseFlat(NamedTuple):
         return self.rule
 
     def group(self, path: str, leaf: torch.Tensor) -> tuple[bool, bool]:
-        return bool(self.decoupled and self.decoupled(path, leaf)), bool(
-            self.decay_mask(path, leaf)
-        )
+        return step_group(self.decoupled, self.decay_mask, path, leaf)
 
     def step_(
         self,

@@ -20,12 +20,14 @@ its home rank (fmeg.state.matrix_step), where the matrix's state lives.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from fmeg.optim.adam import adamw
 from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
+from fmeg.optim.matrix_flat import MatrixFlat
 from fmeg.optim.muon import LeafMatrices, TwoDimensional
 from fmeg.optim.transforms import (
     Mask,
@@ -166,28 +168,15 @@ def scale_by_soap(s: SoapSettings, matrices: LeafMatrices) -> GradientTransforma
     return GradientTransformation(init, update)
 
 
-class SoapFlat(NamedTuple):
+@dataclass(frozen=True)
+class SoapFlat(MatrixFlat):
     """soap's update over the runner's flat buffers: the scalar leaves by Adam's flat form; the
     matrix leaves (group "muon": the matrix step's) by whole_step() at their home rank, which
     keeps their states."""
 
-    settings: SoapSettings
-    matrices: LeafMatrices
-    scalar: Any
-    decay_mask: Mask
-    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
-    kinds: tuple[str, ...] = ("mu", "nu")
-    name: str = "soap"
-    # the matrix step keeps a state per matrix at its home rank
-    keeps_matrix_state: bool = True
-
-    def group(self, path: str, leaf: torch.Tensor) -> Any:
-        if self.matrices.is_matrix(without_stage(path), leaf):
-            return "muon"
-        return self.scalar.group(path, leaf)
-
-    def step_(self, views, steps, group, **hyper: Any) -> None:
-        self.scalar.step_(views, steps, group, **hyper)
+    kinds: ClassVar[tuple[str, ...]] = ("mu", "nu")
+    name: ClassVar[str] = "soap"
+    keeps_matrix_state: ClassVar[bool] = True
 
     def prepare_(self, mu, grad, grad_scale) -> torch.Tensor:
         return grad / grad_scale if grad_scale is not None else grad.clone()
@@ -200,11 +189,6 @@ class SoapFlat(NamedTuple):
         probe = torch.empty(whole_shape, device="meta")
         parts = self.matrices.split(without_stage(path), probe)
         return [matrix_state(*m.shape, device=device) for m in parts]
-
-    def apply_(self, master, nu, update, scale, *, lr, weight_decay, decays) -> None:
-        if decays and weight_decay:
-            master.mul_(1 - lr * weight_decay)
-        master.add_(update, alpha=-lr)
 
 
 def soap(

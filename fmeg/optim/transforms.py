@@ -42,6 +42,13 @@ def default_decay_mask(path: str, leaf: torch.Tensor) -> bool:
     return leaf.dim() > 1 and not path.endswith("bias")
 
 
+def step_group(
+    decoupled: Mask | None, decay_mask: Mask, path: str, leaf: torch.Tensor
+) -> tuple[bool, bool]:
+    """(takes decoupled_lr?, decays?) for a leaf: what a flat form's one kernel call shares."""
+    return bool(decoupled and decoupled(path, leaf)), bool(decay_mask(path, leaf))
+
+
 def clip_by_global_norm(max_norm: float | None) -> GradientTransformation:
     """Megatron's clip: the updates scaled by min(1, max_norm / (norm + 1e-6)); none for None or 0.
     The scale is a tensor, never a Python branch, so the transform stays traceable."""
