@@ -259,8 +259,9 @@ def _restore_megatron(
     if wanted and not optimizer:
         said.append(
             f"warning: --load {load}: the checkpoint holds no optimizer state fmeg reads (Megatron "
-            "writes it per parameter with --dist-ckpt-optim-fully-reshardable); the optimizer "
-            "and the LR schedule start fresh, as with --no-load-optim"
+            "writes it per parameter with --dist-ckpt-optim-fully-reshardable: resume it once in "
+            "Megatron-LM with that flag and --save to rewrite it so); the optimizer and the LR "
+            "schedule start fresh, as with --no-load-optim"
         )
     return state, plan.progress, said
 
