@@ -233,7 +233,8 @@ def export_megatron(args) -> None:
 
 def adam_state(root: str, config, meta: dict, padded_vocab: int) -> tuple[dict, dict]:
     """(Megatron's optimizer tensors, common.pt's optimizer part) of an fmeg checkpoint's Adam
-    state, or ({}, {}) when it holds none (another optimizer's, --no-save-optim, Megatron's)."""
+    state, or ({}, {}) when it holds none (another optimizer's, --no-save-optim, Megatron's, or
+    one that has taken no step: an import's)."""
     from fmeg.interop.megatron import optimizer_state
 
     if meta.get("optimizer_saved") is False or meta.get("optimizer", "adam") != "adam":
@@ -242,6 +243,8 @@ def adam_state(root: str, config, meta: dict, padded_vocab: int) -> tuple[dict, 
     if megatron.is_megatron(path):
         return {}, {}
     with checkpoint.Checkpoint.open(path) as ckpt:
+        if saved_count(ckpt) == 0:
+            return {}, {}
         main = any(name.startswith("main/") for name in ckpt.entries)
         kinds = {"mu": "mu", "nu": "nu", "main": "main" if main else "params"}
         trees = {

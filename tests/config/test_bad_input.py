@@ -315,7 +315,6 @@ def runner_cases() -> list[tuple[list[str], str]]:
             ["--global-batch-size", "8", "--eval-global-batch-size", "7"],
             "--eval-global-batch-size 7: a validation batch other than the final global batch (8)",
         ),
-        (["--optimizer", "soap"], "--optimizer soap: SOAP is not in fmeg's runner yet"),
         (
             ["--optimizer", "muon", "--muon-coefficient-type", "septic"],
             "--muon-coefficient-type septic: expected one of",

@@ -80,7 +80,6 @@ def test_the_flags_refused_are_the_features_still_to_come():
 @pytest.mark.parametrize(
     "flags, line",
     [
-        (["--optimizer", "soap"], "--optimizer soap: SOAP is not in fmeg's runner yet"),
         (
             ["--decoder-first-pipeline-num-layers", "2"],
             "--decoder-first-pipeline-num-layers 2: an uneven split of layers over pipeline "
