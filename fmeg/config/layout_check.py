@@ -277,6 +277,13 @@ def _made_safe(
             "ran in fp32: bf16 and fp16 round differently at each layout (--keep-precision keeps "
             "them)"
         )
+    muon = out.get("optimizer") in ("muon", "dist_muon", "adaptive_muon")
+    if not keep_precision and muon and out.get("muon_fp32_matmul_prec") != "high":
+        out["muon_fp32_matmul_prec"] = "high"
+        changed.append(
+            "Newton-Schulz in fp32 (--muon-fp32-matmul-prec high): its bf16 steps round "
+            "differently at each layout (--keep-precision keeps them)"
+        )
     if "global_batch_size" not in out:
         # Megatron's default, one micro batch per data-parallel rank, would differ by layout
         micro = out.get("micro_batch_size") or _default("micro_batch_size")

@@ -57,6 +57,15 @@ def test_the_plan_shrinks_the_model_says_so_and_leaves_out_the_runs_own_layout_a
         assert a.global_batch_size == reference.global_batch_size == 8
 
 
+def test_a_muon_plan_runs_newton_schulz_in_fp32_unless_told_to_keep_precision():
+    flags = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --optimizer muon".split()
+    plan = layout_check.plan(flags)
+    assert "Newton-Schulz in fp32" in "\n".join(layout_check.describe(plan))
+    assert parse_args(list(plan.reference.argv)).muon_fp32_matmul_prec == "high"
+    kept = layout_check.plan(flags, keep_precision=True)
+    assert parse_args(list(kept.reference.argv)).muon_fp32_matmul_prec == "medium"
+
+
 def test_the_plan_keeps_the_model_unshrunk_when_told_and_tries_experts_only_with_experts():
     plan = layout_check.plan([*DENSE, "--seq-length", "64"], shrink=False, max_ranks=2)
     assert not plan.shrank and parse_args(list(plan.reference.argv)).seq_length == 64
