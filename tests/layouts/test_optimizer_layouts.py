@@ -71,6 +71,23 @@ def test_muon_curves_equal_one_ranks(tmp_path, single, name, nproc, flags):
     assert_same(got, single("muon"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, nproc, flags", layouts.rows(["tp2_sp", "pp2_virtual", "dp2_zero1", "dp2_fsdp"])
+)
+def test_muon_with_default_flags_on_the_dense_model_equals_one_rank(
+    tmp_path, name, nproc, flags, capsys
+):
+    """Megatron's defaults (Newton-Schulz in bf16): the dense model's curves within 1e-5."""
+    one = dense_curve(tmp_path, "one", 1, ["--optimizer", "muon"])[0]
+    other, stdout = dense_curve(tmp_path, "other", nproc, ["--optimizer", "muon", *flags])
+    assert "optimizer muon (quintic x5, bf16, spectral; adam on the rest)" in stdout
+    difference = max(abs(a - b) / b for a, b in zip(other["lm_loss"], one["lm_loss"]))
+    with capsys.disabled():
+        print(f"\nmuon (bf16 Newton-Schulz) at {name}: largest difference {difference:.2e}")
+    assert_same(other, one)
+
+
 def dense_curve(tmp_path, name, nproc, flags):
     records, stdout = run_recipe(tmp_path, name, nproc, flags)
     return {"lm_loss": [r["lm_loss"] for r in records if "lm_loss" in r]}, stdout
