@@ -165,6 +165,7 @@ GPT2_FLAGS = [
 ]
 
 
+@pytest.mark.slow  # 20 s: fmeg trains at dp 2, exports, megatron-core loads
 def test_exported_adam_state_is_what_megatron_core_loads(tmp_path):
     """fmeg trains 3 iterations at dp 2 with ZeRO-1 and saves; export-megatron writes the weights
     and Adam's state; megatron-core's own load of them (model and distributed optimizer) holds
@@ -197,6 +198,7 @@ def test_exported_adam_state_is_what_megatron_core_loads(tmp_path):
 
 
 # megatron-core moves a tied model's last-stage output copy to CUDA: gpt2 at pp 1
+@pytest.mark.slow  # 75 s: megatron-core saves each model twice on 2 and 4 ranks
 @pytest.mark.parametrize("family, pp", [("llama", 2), ("gpt2", 1)])
 def test_legacy_torch_format_reads_the_weights_torch_dist_holds(tmp_path, family, pp):
     """The same megatron-core model (seed 1234, at tp 2 x pp) saved both ways: --ckpt-format
