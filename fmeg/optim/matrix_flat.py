@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fmeg.optim.base import without_stage
-from fmeg.optim.transforms import Mask
+from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
+from fmeg.optim.transforms import Mask, add_decayed_weights, scale_by_learning_rate
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,22 @@ class MatrixFlat:
         if decays and weight_decay:
             master.mul_(1 - lr * weight_decay)
         master.add_(update, alpha=-lr)
+
+
+def matrices_and_the_rest(
+    name: str,
+    direction: GradientTransformation,
+    scalar: GradientTransformation,
+    matrices: Any,
+    decay_mask: Mask,
+    flat: MatrixFlat,
+) -> GradientTransformation:
+    """A matrix optimizer: direction (then decoupled decay where decay_mask says, then -lr) on
+    matrices.is_matrix's leaves, scalar on the others, their states under name and "scalar";
+    flat: its form over the runner's buffers."""
+    matrix = chain(direction, add_decayed_weights(decay_mask), scale_by_learning_rate())
+    pytree = partition(
+        {name: matrix, "scalar": scalar},
+        lambda path, leaf: name if matrices.is_matrix(path, leaf) else "scalar",
+    )
+    return pytree._replace(flat=flat)

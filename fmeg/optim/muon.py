@@ -32,15 +32,10 @@ import torch
 
 from fmeg import tree
 from fmeg.optim.adam import adamw
-from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
-from fmeg.optim.matrix_flat import MatrixFlat
+from fmeg.optim.base import GradientTransformation, without_stage
+from fmeg.optim.matrix_flat import MatrixFlat, matrices_and_the_rest
 from fmeg.optim.newton_schulz import newton_schulz, scale_factor
-from fmeg.optim.transforms import (
-    Mask,
-    add_decayed_weights,
-    default_decay_mask,
-    scale_by_learning_rate,
-)
+from fmeg.optim.transforms import Mask, default_decay_mask
 
 Tree = Any
 
@@ -218,11 +213,6 @@ def muon(
     """Muon on matrices.is_matrix's leaves (decoupled weight decay where decay_mask says), scalar
     (default: adamw()) on the others."""
     scalar = adamw(decay_mask=decay_mask) if scalar is None else scalar
-    matrix = chain(
-        scale_by_muon(settings, matrices), add_decayed_weights(decay_mask), scale_by_learning_rate()
-    )
-    pytree = partition(
-        {"muon": matrix, "scalar": scalar},
-        lambda path, leaf: "muon" if matrices.is_matrix(path, leaf) else "scalar",
-    )
-    return pytree._replace(flat=MuonFlat(settings, matrices, scalar.flat, decay_mask))
+    flat = MuonFlat(settings, matrices, scalar.flat, decay_mask)
+    direction = scale_by_muon(settings, matrices)
+    return matrices_and_the_rest("muon", direction, scalar, matrices, decay_mask, flat)

@@ -26,15 +26,10 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from fmeg.optim.adam import adamw
-from fmeg.optim.base import GradientTransformation, chain, partition, without_stage
-from fmeg.optim.matrix_flat import MatrixFlat
+from fmeg.optim.base import GradientTransformation, without_stage
+from fmeg.optim.matrix_flat import MatrixFlat, matrices_and_the_rest
 from fmeg.optim.muon import LeafMatrices, TwoDimensional
-from fmeg.optim.transforms import (
-    Mask,
-    add_decayed_weights,
-    default_decay_mask,
-    scale_by_learning_rate,
-)
+from fmeg.optim.transforms import Mask, default_decay_mask
 
 Tree = Any
 # a matrix's state, by name: exp_avg, exp_avg_sq (in the eigenbasis), L, R, Q_L, Q_R, ev_L, ev_R,
@@ -201,11 +196,6 @@ def soap(
     (default: adamw with SOAP's betas and eps) on the others."""
     if scalar is None:
         scalar = adamw(settings.b1, settings.b2, settings.eps, decay_mask=decay_mask)
-    matrix = chain(
-        scale_by_soap(settings, matrices), add_decayed_weights(decay_mask), scale_by_learning_rate()
-    )
-    pytree = partition(
-        {"soap": matrix, "scalar": scalar},
-        lambda path, leaf: "soap" if matrices.is_matrix(path, leaf) else "scalar",
-    )
-    return pytree._replace(flat=SoapFlat(settings, matrices, scalar.flat, decay_mask))
+    flat = SoapFlat(settings, matrices, scalar.flat, decay_mask)
+    direction = scale_by_soap(settings, matrices)
+    return matrices_and_the_rest("soap", direction, scalar, matrices, decay_mask, flat)
