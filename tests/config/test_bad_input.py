@@ -319,6 +319,14 @@ def runner_cases() -> list[tuple[list[str], str]]:
             ["--optimizer", "muon", "--muon-coefficient-type", "septic"],
             "--muon-coefficient-type septic: expected one of",
         ),
+        (["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be"),
+        (["--optimizer", "sgd", "--sgd-momentum", "1.5"], "--sgd-momentum"),
+        (["--optimizer", "lion", "--lion-beta2", "-0.1"], "--lion-beta2"),
+        (
+            ["--optimizer", "muon", "--muon-coefficient-type", "cubic5"]
+            + ["--muon-num-ns-steps", "4"],
+            "--muon-coefficient-type cubic5 is a fixed 5-step schedule",
+        ),
     ]
 
 
