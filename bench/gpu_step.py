@@ -36,6 +36,9 @@ gathers overlap compute needs several GPUs on NCCL; the CPU figures at dp 4 are 
 by five quintic Newton-Schulz iterations in bf16, Adam on the embeddings, norms and biases) and
 its ratio to the AdamW step.
 
+--fp8 RECIPE adds the runner's step with that FP8 recipe (hybrid: e4m3 forward, e5m2 gradients)
+in every layer's qkv, projection and MLP GEMMs, and its ratio to the bf16 step.
+
 --mla adds, for each model, the runner's step of a GQA model and of an MLA model at its width
 (bench/mla_step.py's shapes: DeepSeek-V3's MLA shrunk to the width, q latent 3h/4, kv latent h/2,
 YaRN; the model's depth, sequence, batch and vocabulary), side by side, and their ratio: the GPU
@@ -54,6 +57,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fmeg.config.optimizer_flags import OptimizerConfig
+from fmeg.fp8.plan import Fp8Plan
+from fmeg.fp8.recipe import Fp8Recipe
 from fmeg.models import gpt
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.layout import Layout
@@ -216,8 +221,10 @@ def fmeg_step(
     compile_: bool,
     sharding: str = "no_shard",
     optimizer: OptimizerConfig = OptimizerConfig(),
+    fp8: str | None = None,
 ):
     mesh, layout = Mesh.single(), Layout(sharding=sharding)
+    plan = Fp8Plan(Fp8Recipe("hybrid", fp8), config.num_layers) if fp8 else None
     state = initialized_state(
         config,
         layout,
@@ -242,6 +249,7 @@ def fmeg_step(
                 compile="inductor" if compile_ else None,
                 # as the runner: a non-finite step is skipped
                 check_overflow=True,
+                fp8=plan,
             ),
         )["loss"]
 
@@ -336,6 +344,7 @@ def bench(
     profile_: bool = False,
     sharding: str | None = None,
     muon: bool = False,
+    fp8: str | None = None,
 ) -> dict:
     config, batch_size = MODELS[name]
     # Each model compiles afresh, as in its own process: after a first model, dynamo would otherwise
@@ -354,6 +363,8 @@ def bench(
     if muon:
         muon_choice = OptimizerConfig(name="muon")
         variants["fmeg muon"] = fmeg_step(config, device, compile_, optimizer=muon_choice)
+    if fp8:
+        variants[f"fmeg fp8 {fp8}"] = fmeg_step(config, device, compile_, fp8=fp8)
     times: dict[str, list[float]] = {k: [] for k in variants}
     memory: dict[str, float] = {}
     for i in range(warmup + steps):
@@ -393,6 +404,8 @@ def bench(
         )
     if muon:
         print(f"step time muon / adamw: {medians['fmeg muon'] / medians['fmeg runner']:.2f}")
+    if fp8:
+        print(f"step time fp8 / bf16: {medians[f'fmeg fp8 {fp8}'] / medians['fmeg runner']:.2f}")
     if profile_ and device.type == "cuda":
         try:
             for variant, step in variants.items():
@@ -476,6 +489,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--mla", action="store_true", help="also time MLA against GQA at each model's width"
     )
     p.add_argument("--muon", action="store_true", help="also time the runner's step under Muon")
+    p.add_argument(
+        "--fp8",
+        choices=["tensorwise", "blockwise", "mxfp8"],
+        help="also time the runner's step with this FP8 recipe (hybrid) in every layer",
+    )
     a = p.parse_args(argv)
     device = torch.device(a.device)
     peak = peak_for(device, a.peak_tflops)
@@ -483,7 +501,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device {device}{name}, torch {torch.__version__}, dense bf16 peak {peak} TFLOP/s")
     models = a.model or ["gpt2-124m", "1.3b", "llama-1b"]
     rows = [
-        bench(m, device, a.steps, a.warmup, not a.no_compile, peak, a.profile, a.sharding, a.muon)
+        bench(
+            m,
+            device,
+            a.steps,
+            a.warmup,
+            not a.no_compile,
+            peak,
+            a.profile,
+            a.sharding,
+            a.muon,
+            a.fp8,
+        )
         for m in models
     ]
     return rows + [

@@ -30,6 +30,7 @@ from fmeg.cli import print_refusal  # noqa: E402
 from fmeg.data.blending import build_datasets, parse_split, target_samples  # noqa: E402
 from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # noqa: E402
 from fmeg.data.fim import FIM  # noqa: E402
+from fmeg.fp8.plan import fp8_start_line  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
 from fmeg.training.report import holds_attention_scores, memory_estimate  # noqa: E402
@@ -171,6 +172,8 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         f"persistent state {state.bytes_per_parameter():.2f} bytes per parameter",
         flush=True,
     )
+    if precision.fp8 is not None:
+        print(fp8_start_line(precision.fp8, session.device, cfg.layout.sharding), flush=True)
     for line in cfg.ignored:
         print(f"ignored {line}", flush=True)
     for line in cfg.notices:

@@ -31,6 +31,7 @@ from fmeg.config.model_flags import ActivationFlags, ModelFlags, PositionFlags
 from fmeg.config.modelopt_flags import ModelOptFlags
 from fmeg.config.moe_flags import MoEFlags
 from fmeg.config.mtp_flags import MTPFlags
+from fmeg.config.fp8_flags import Fp8Flags
 from fmeg.config.parallel_flags import OverlapFlags, ParallelFlags
 from fmeg.config.optimizer_flags import OptimizerChoiceFlags
 from fmeg.config.training_flags import OptimizerFlags, PrecisionFlags, TrainingFlags
@@ -62,6 +63,7 @@ GROUPS = (
     OptimizerFlags,
     OptimizerChoiceFlags,
     PrecisionFlags,
+    Fp8Flags,
     DataFlags,
     SFTFlags,
     CheckpointFlags,

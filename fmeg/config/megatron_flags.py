@@ -137,22 +137,6 @@ IGNORED_SETTINGS.update(
         "--result-rejected-tracker-filename": "fmeg has no rerun state machine",
     }
 )
-# Megatron flags that only act with a feature fmeg does not have yet (FP8):
-# accepted and named as ignored, since the feature's own flag (LATER_WORK) stops the run when
-# switched on.
-_FP8 = "has no effect without --fp8-format (fmeg has no FP8 yet)"
-IGNORED_SETTINGS.update(
-    {
-        flag: _FP8
-        for flag in (
-            "--fp8-amax-history-len",
-            "--fp8-amax-compute-algo",
-            "--fp8-recipe",
-            "--fp8-margin",
-        )
-    }
-)
-IGNORED_SWITCHES["--fp8-param-gather"] = _FP8
 # The flags of Megatron-LM main's GPT functional-test configurations and example scripts (issue 49's
 # walk of them, tests/interop/megatron/test_megatron_flag_sets.py) that choose a kernel, an overlap,
 # a memory or a checkpoint-writing policy, or a rank order: none changes a number fmeg computes.
@@ -206,7 +190,6 @@ IGNORED_SETTINGS.update(
     }
 )
 MULTI_VALUED = {"--profile-ranks", "--cuda-graph-modules", "--offload-modules"}
-IGNORED_SWITCHES["--first-last-layers-bf16"] = _FP8
 # settings of features still to come, which the feature's own flag (LATER_WORK) refuses
 IGNORED_SWITCHES["--no-use-layer-wise-param-layout"] = (
     "how Megatron's layer-wise optimizer lays out its buffers: fmeg's flat state has one layout"
@@ -238,7 +221,6 @@ IGNORED_SETTINGS.update(
 # "off", the feature)}. The "off" values run; any other stops the run with one line naming the
 # feature.
 LATER_WORK = {
-    "--fp8-format": ({"choices": ["e4m3", "hybrid"]}, (None,), "FP8 training"),
     "--rotary-interleaved": (
         {"action": "store_true"},
         (False,),

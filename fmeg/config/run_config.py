@@ -26,7 +26,9 @@ from fmeg.config.arguments import batch_geometry, lr_steps
 from fmeg.config.batch_schedule import global_batch_size, parse_step_schedule
 from fmeg.config import context_flags, fsdp_flags, gpt_oss_flags, mla_flags, moe_flags, mtp_flags
 from fmeg.config.megatron_flags import activation, ignored_flags
+from fmeg.config import fp8_flags
 from fmeg.config.optimizer_flags import OptimizerConfig, optimizer_config
+from fmeg.fp8.plan import Fp8Plan
 from fmeg.parallel.layout import Layout
 
 
@@ -164,6 +166,8 @@ class PrecisionConfig:
     scaler: loss_scale.LossScale | None
     # Adam's (precision-aware)
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    # which layers' GEMMs run in FP8, and how (fmeg.fp8.plan.Fp8Plan; None: none)
+    fp8: Fp8Plan | None = None
 
     @property
     def name(self) -> str:
@@ -440,7 +444,7 @@ def _precision(a) -> PrecisionConfig:
         if a.use_precision_aware_optimizer
         else (torch.float32, torch.float32)
     )
-    return PrecisionConfig(compute, grad, scaler, moments)
+    return PrecisionConfig(compute, grad, scaler, moments, fp8_flags.plan(a))
 
 
 # what fmeg's precision-aware optimizer stores

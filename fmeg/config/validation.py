@@ -17,6 +17,7 @@ from fmeg.data.blending import parse_blend, parse_split
 from fmeg.config.arguments import GROUPS, batch_geometry, build_parser, lr_steps
 from fmeg.config import (
     context_flags,
+    fp8_flags,
     fsdp_flags,
     gpt_oss_flags,
     mla_flags,
@@ -90,7 +91,18 @@ def _feature_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     problems.extend(mla_flags.problems(a))
     problems.extend(mtp_flags.problems(a))
     problems.extend(gpt_oss_flags.problems(a))
+    problems.extend(fp8_flags.problems(a, _model_or_none(a)))
     return problems
+
+
+def _model_or_none(a: argparse.Namespace):
+    """The flags' model, or None where its own flags are at fault (named elsewhere)."""
+    from fmeg.config.run_config import model_config
+
+    try:
+        return model_config(a, a.padded_vocab_size or 128)
+    except (ValueError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:

@@ -493,12 +493,13 @@ def layer(
     attn_key = (
         None if key is None or config.attention.dropout == 0.0 else ops.fold_in(key, index, 2)
     )
+    tp = tp.for_layer(index)
     attn = attention(
         p["attn"],
         normed(p["attn_norm"], x_BSH),
         config,
         rope,
-        tp.for_layer(index),
+        tp,
         attn_key,
         recompute,
         documents,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fmeg import ops
+from fmeg.fp8.linear import Fp8Gemms, fp8_linear
 from fmeg.ops.precision import upcast
 from fmeg.parallel import collectives as C
 from fmeg.parallel.context import NO_CP, ContextParallel
@@ -68,6 +69,10 @@ class TensorParallel:
     experts: ExpertParallel = NO_EP
     # the sequence split over context-parallel ranks (fmeg.parallel.context)
     context: ContextParallel = NO_CP
+    # the run's fmeg.fp8.plan.Fp8Plan, or None; for_layer turns it into `fp8` for its layer
+    fp8_plan: Any = None
+    # this layer's fmeg.fp8.Fp8Recipe (its linears' GEMMs in FP8), or None
+    fp8: Any = None
 
     @property
     def size(self) -> int:
@@ -78,9 +83,13 @@ class TensorParallel:
         return 0 if self.group is None else self.group.rank
 
     def for_layer(self, index: int) -> TensorParallel:
-        """What layer `index` runs with: context parallelism's comm type of that layer."""
+        """What layer `index` runs with: context parallelism's comm type of that layer, and FP8
+        where the plan puts it."""
         context = self.context.for_layer(index)
-        return self if context is self.context else dataclasses.replace(self, context=context)
+        fp8 = self.fp8_plan.recipe if self.fp8_plan and self.fp8_plan.covers(index) else None
+        if context is self.context and fp8 == self.fp8:
+            return self
+        return dataclasses.replace(self, context=context, fp8=fp8)
 
     @property
     def sp(self) -> bool:
@@ -129,6 +138,18 @@ def leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return C.reduce_scatter_to(x, tp.group, SEQ_DIM) if tp.sp else C.reduce_from(x, tp.group)
 
 
+def _linear(x, weight, bias, tp: TensorParallel, x_split: bool, y_split: bool) -> torch.Tensor:
+    """ops.linear, or under tp.fp8 the FP8 linear: tensor-wise amaxes reduced over tp where the
+    operand's features are split (the weight always; x in row-parallel, the output gradient in
+    column-parallel) and over cp, whose ranks split the tokens."""
+    if tp.fp8 is None:
+        return ops.linear(x, weight, bias)
+    cp = (tp.context.group,) if tp.context.size > 1 else ()
+    split = lambda yes: ((tp.group,) if yes else ()) + cp  # noqa: E731
+    gemms = Fp8Gemms(tp.fp8, split(x_split), (tp.group,), split(y_split))
+    return fp8_linear(x, weight, bias, gemms)
+
+
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -138,7 +159,7 @@ def column_parallel_linear(
     gather_output: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all."""
-    y = ops.linear(enter(x, tp), weight, bias)
+    y = _linear(enter(x, tp), weight, bias, tp, x_split=False, y_split=True)
     return C.gather_from(y, tp.group, -1) if gather_output else y
 
 
@@ -154,7 +175,7 @@ def row_parallel_linear(
     reduction)."""
     if not input_is_parallel:
         x = C.scatter_to(x, tp.group, -1)
-    y = leave(ops.linear(x, weight), tp)
+    y = leave(_linear(x, weight, None, tp, x_split=True, y_split=False), tp)
     return y if bias is None else y + replicated_param(bias, tp)
 
 

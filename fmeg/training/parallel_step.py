@@ -50,9 +50,9 @@ def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -
     }
 
 
-def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
+def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParallel:
     """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the
-    experts' ranks."""
+    experts' ranks; fp8: the run's fmeg.fp8.plan.Fp8Plan (None: no FP8)."""
     experts = (
         ExpertParallel(
             mesh.group("tp_ep"),
@@ -73,6 +73,7 @@ def model_parallel(layout: Layout, mesh: Mesh) -> TensorParallel:
         ContextParallel(
             mesh.group("cp"), layout.cp_comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p")
         ),
+        fp8_plan=fp8,
     )
 
 
@@ -97,12 +98,13 @@ def evaluate(
     mesh: Mesh,
     compile: str | None = None,
     use: Any = None,
+    fp8: Any = None,
 ) -> torch.Tensor | None:
     """[sum of the token losses, number of tokens] over the microbatches and data parallelism,
     forward only; None off the last stage's ranks. Validation divides the sums over all its batches,
     as Megatron reports its validation loss: a mean over tokens, whatever the loss masks. use: the
-    state's use (sharded weights)."""
-    tp = model_parallel(layout, mesh)
+    state's use (sharded weights); fp8: the run's Fp8Plan."""
+    tp = model_parallel(layout, mesh, fp8)
     fns = {
         s: gp.stage_segments(
             config,
@@ -364,7 +366,7 @@ def train_iteration(
     hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=scale, per_token=per_token)
     microbatches = step_hooks.prepare(hooks, microbatches)
     fns = stage_functions(
-        state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token
+        state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8
     )
     reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
     loss, sync = forward_backward(
@@ -434,11 +436,12 @@ def stage_functions(
     compile: str | None,
     overlap_grad_reduce: bool,
     per_token: bool,
+    fp8: Any = None,
 ) -> dict:
     """{stage: its segments}. compile: a torch.compile backend (None: eager). Compiled, each stage
     is one graph (fused), unless its layers' gradients must be handed over one by one (data-parallel
     overlap), whole layers are recomputed or the weights are gathered a unit at a time."""
-    tp = model_parallel(layout, mesh)
+    tp = model_parallel(layout, mesh, fp8)
     fused = (
         compile is not None
         and not (overlap_grad_reduce and layout.dp > 1)

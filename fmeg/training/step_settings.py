@@ -9,6 +9,7 @@ objective and the performance policies. The loss scale is the state's (state.sca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,3 +31,5 @@ class StepSettings:
     overlap_grad_reduce: bool = False
     bucket_numel: int | None = None
     compile: str | None = None
+    # the run's fmeg.fp8.plan.Fp8Plan: which layers' GEMMs run in FP8, and how (None: none)
+    fp8: Any = None

@@ -195,6 +195,7 @@ class Trainer:
                 compile=self.session.compile,
                 decoupled_lr=decoupled_lr,
                 per_token=t.per_token_loss,
+                fp8=cfg.precision.fp8,
             ),
         )
         # the step's one read, on the rank that logs
@@ -333,6 +334,7 @@ class Trainer:
                 mesh=self.session.mesh,
                 compile=self.session.compile,
                 use=self.state.use,
+                fp8=cfg.precision.fp8,
             )
             self.progress = dataclasses.replace(self.progress, valid_consumed=first + gbs)
             total += pair.cpu() if pair is not None else 0.0

@@ -223,7 +223,17 @@ BAD = [
     (
         {"WORLD_SIZE": "1"},
         ["--fp8-format", "hybrid"],
-        "--fp8-format hybrid: FP8 training is not supported by fmeg yet",
+        "--fp8-recipe delayed (Megatron's default): delayed scaling is not in fmeg yet",
+    ),
+    (
+        {"WORLD_SIZE": "1"},
+        ["--fp8-format", "hybrid", "--fp8-recipe", "custom"],
+        "--fp8-recipe custom needs Transformer Engine's quantizer factory",
+    ),
+    (
+        {"WORLD_SIZE": "2"},
+        ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--tensor-model-parallel-size", "2"],
+        "--fp8-recipe blockwise at --tensor-model-parallel-size 2: each rank's share of",
     ),
     (
         {"WORLD_SIZE": "1"},

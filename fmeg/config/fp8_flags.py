@@ -1,0 +1,135 @@
+"""Megatron's FP8 flags (megatron/core/transformer/transformer_config.py's fp8 fields, as its
+argument factory names them), their defaults, and the run's Fp8Plan."""
+
+from __future__ import annotations
+
+import argparse
+
+from fmeg.config.declare import flag, group, switch
+from fmeg.fp8.linear import BLOCK
+from fmeg.fp8.plan import Fp8Plan
+from fmeg.fp8.recipe import RECIPES, Fp8Recipe
+
+
+@group("FP8")
+class Fp8Flags:
+    """FP8 GEMMs in the transformer layers' linears."""
+
+    fp8: str | None = flag(
+        "--fp8-format",
+        choices=["e4m3", "hybrid"],
+        help="FP8 GEMMs: e4m3 for every operand, or hybrid (e5m2 output gradients)",
+    )
+    fp8_recipe: str = flag(
+        "--fp8-recipe",
+        default="delayed",
+        choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
+        help="tensorwise: one scale per tensor from its amax now; blockwise: DeepSeek-V3's 1x128 "
+        "and 128x128 blocks; mxfp8: 1x32 blocks, e8m0 scales; delayed (Megatron's default): "
+        "scales from an amax history (not in fmeg yet)",
+    )
+    fp8_margin: int = flag(
+        "--fp8-margin", type=int, default=0, help="delayed scaling's scale / 2^margin"
+    )
+    fp8_amax_history_len: int = flag(
+        "--fp8-amax-history-len", type=int, default=1, help="delayed scaling's amax window"
+    )
+    fp8_amax_compute_algo: str = flag(
+        "--fp8-amax-compute-algo",
+        default="most_recent",
+        choices=["most_recent", "max"],
+        help="delayed scaling's amax from its window",
+    )
+    fp8_wgrad: bool = flag(
+        "--no-fp8-wgrad",
+        "--disable-fp8-wgrad",
+        action="store_false",
+        default=True,
+        help="delayed scaling: the weight gradient's GEMM in the compute dtype",
+    )
+    fp8_param_gather: bool = switch(
+        "--fp8-param-gather",
+        help="gather FP8 weights under ZeRO / FSDP: accepted; fmeg still gathers the compute "
+        "dtype (the same numbers, more bytes), as the start line says",
+    )
+    first_last_layers_bf16: bool = switch(
+        "--first-last-layers-bf16", help="keep the first and last layers out of FP8"
+    )
+    num_layers_at_start_in_bf16: int = flag(
+        "--num-layers-at-start-in-bf16", type=int, default=1, help="with --first-last-layers-bf16"
+    )
+    num_layers_at_end_in_bf16: int = flag(
+        "--num-layers-at-end-in-bf16", type=int, default=1, help="with --first-last-layers-bf16"
+    )
+
+    def problems(self) -> list[str]:
+        if self.fp8 is None:
+            return []
+        if self.fp8_recipe == "delayed":
+            return [
+                "--fp8-recipe delayed (Megatron's default): delayed scaling is not in fmeg yet; "
+                "give --fp8-recipe tensorwise (the same GEMMs, each scale from this step's amax)"
+            ]
+        if self.fp8_recipe == "custom":
+            return [
+                "--fp8-recipe custom needs Transformer Engine's quantizer factory; choose one of "
+                f"{', '.join(RECIPES)}"
+            ]
+        out = []
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if self.first_last_layers_bf16 and getattr(self, name) < 0:
+                out.append(f"--{name.replace('_', '-')} must be at least 0")
+        return out
+
+
+def plan(a: argparse.Namespace) -> Fp8Plan | None:
+    """The run's FP8 plan (None without --fp8-format)."""
+    if a.fp8 is None:
+        return None
+    keep = a.first_last_layers_bf16
+    return Fp8Plan(
+        Fp8Recipe(a.fp8, a.fp8_recipe),
+        a.num_layers,
+        a.num_layers_at_start_in_bf16 if keep else 0,
+        a.num_layers_at_end_in_bf16 if keep else 0,
+    )
+
+
+def problems(a: argparse.Namespace, config) -> list[str]:
+    """Where a layout would put a block across two ranks (the blocks one device uses would not be
+    this run's): each tensor-parallel share of a split feature dimension, and each context-parallel
+    chunk of the sequence, must be whole blocks. config: the model (fmeg.models.gpt.GPTConfig)."""
+    if a.fp8 is None or a.fp8_recipe not in BLOCK:
+        return []
+    block, tp, cp = BLOCK[a.fp8_recipe], a.tensor_model_parallel_size, a.context_parallel_size
+    out = []
+    if a.first_last_layers_bf16:
+        most = a.num_layers // a.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(a, name) > most:
+                out.append(
+                    f"--{name.replace('_', '-')} {getattr(a, name)}: at most the layers per "
+                    f"pipeline stage ({most}), as Megatron allows"
+                )
+    if tp > 1:
+        d, n, g = config.head_dim, config.num_heads, config.num_kv_heads
+        shares = {
+            "the MLP's hidden size": config.ffn_hidden_size,
+            "attention's heads x channels": n * d,
+            "the fused qkv rows": (n + 2 * g) * d,
+        }
+        for what, size in shares.items():
+            if (size // tp) % block:
+                out.append(
+                    f"--fp8-recipe {a.fp8_recipe} at --tensor-model-parallel-size {tp}: each "
+                    f"rank's share of {what} ({size // tp}) must be a multiple of the {block}-"
+                    "element block, or a block would straddle two ranks; change the sizes or tp"
+                )
+    chunk = a.seq_length // (2 * cp)
+    if cp > 1 and chunk % block:
+        out.append(
+            f"--fp8-recipe {a.fp8_recipe} at --context-parallel-size {cp}: each chunk of the "
+            f"sequence ({chunk} tokens) must be a multiple of the {block}-token block of the "
+            "weight gradient; change --seq-length or cp"
+        )
+    return out

@@ -1,0 +1,7 @@
+"""FP8 training: recipes (fmeg.fp8.recipe), quantization as pure functions (fmeg.fp8.quantize) and
+the FP8 linear layer the tensor-parallel linears switch to (fmeg.fp8.linear)."""
+
+from fmeg.fp8.linear import Fp8Gemms, fp8_linear
+from fmeg.fp8.recipe import E4M3, E5M2, Fp8Recipe
+
+__all__ = ["E4M3", "E5M2", "Fp8Gemms", "Fp8Recipe", "fp8_linear"]
