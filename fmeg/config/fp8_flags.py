@@ -24,9 +24,9 @@ class Fp8Flags:
         "--fp8-recipe",
         default="delayed",
         choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
-        help="tensorwise: one scale per tensor from its amax now; blockwise: DeepSeek-V3's 1x128 "
-        "and 128x128 blocks; mxfp8: 1x32 blocks, e8m0 scales; delayed (Megatron's default): "
-        "scales from an amax history (not in fmeg yet)",
+        help="delayed (Megatron's default): one scale per tensor from an amax history; "
+        "tensorwise: from the tensor's amax now; blockwise: DeepSeek-V3's 1x128 and 128x128 "
+        "blocks; mxfp8: 1x32 blocks, e8m0 scales",
     )
     fp8_margin: int = flag(
         "--fp8-margin", type=int, default=0, help="delayed scaling's scale / 2^margin"
@@ -65,11 +65,13 @@ class Fp8Flags:
     def problems(self) -> list[str]:
         if self.fp8 is None:
             return []
-        if self.fp8_recipe == "delayed":
+        if self.fp8_recipe == "delayed" and self.first_last_layers_bf16:
             return [
-                "--fp8-recipe delayed (Megatron's default): delayed scaling is not in fmeg yet; "
-                "give --fp8-recipe tensorwise (the same GEMMs, each scale from this step's amax)"
+                "--first-last-layers-bf16 with --fp8-recipe delayed: Megatron's delayed scaling "
+                "does not support first / last layers in BF16; use --fp8-recipe tensorwise"
             ]
+        if self.fp8_amax_history_len < 1:
+            return [f"--fp8-amax-history-len must be at least 1, got {self.fp8_amax_history_len}"]
         if self.fp8_recipe == "custom":
             return [
                 "--fp8-recipe custom needs Transformer Engine's quantizer factory; choose one of "
@@ -87,8 +89,17 @@ def plan(a: argparse.Namespace) -> Fp8Plan | None:
     if a.fp8 is None:
         return None
     keep = a.first_last_layers_bf16
+    delayed = a.fp8_recipe == "delayed"
+    recipe = Fp8Recipe(
+        a.fp8,
+        a.fp8_recipe,
+        history_len=a.fp8_amax_history_len if delayed else 1,
+        algo=a.fp8_amax_compute_algo if delayed else "most_recent",
+        margin=a.fp8_margin if delayed else 0,
+        wgrad=a.fp8_wgrad or not delayed,
+    )
     return Fp8Plan(
-        Fp8Recipe(a.fp8, a.fp8_recipe),
+        recipe,
         a.num_layers,
         a.num_layers_at_start_in_bf16 if keep else 0,
         a.num_layers_at_end_in_bf16 if keep else 0,

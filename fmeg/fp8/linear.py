@@ -15,6 +15,10 @@ both). A GEMM whose scales torch._scaled_mm takes (one per tensor: on CPU and CU
 CUDA shapes that are not multiples of 16 excepted) runs there with fp32 accumulation; every other
 dequantizes its operands to fp32 and multiplies: the same FP8 numbers, fp32 arithmetic.
 
+Delayed scaling (fmeg.fp8.delayed) quantizes x, w and g tensor-wise with the scales its state
+holds from earlier iterations and records each operand's local amax there; the state's step-end
+reduction over every rank makes them the whole tensors' amaxes.
+
 Sharding contract: under tensor-wise scaling each operand's amax is all-reduced (max) over the
 groups named for it in Fp8Gemms: the ranks that hold other parts of the same tensor (tp for a
 sharded weight or feature dimension, cp for a split sequence), so every rank quantizes with the
@@ -52,6 +56,8 @@ class Fp8Gemms:
     x_groups: tuple[Any, ...] = ()
     w_groups: tuple[Any, ...] = ()
     g_groups: tuple[Any, ...] = ()
+    # delayed scaling: (the fmeg.fp8.delayed.DelayedState, this linear's row of it)
+    delayed: tuple[Any, int] | None = None
 
 
 def _reduced_amax(t: torch.Tensor, groups: tuple[Any, ...]) -> torch.Tensor:
@@ -77,6 +83,7 @@ def transpose(q: Quantized) -> Quantized:
 
 
 def _scaled_mm_serves(a: Quantized, b: Quantized) -> bool:
+    """Whether torch._scaled_mm takes these operands: one scale each (a tensor's)."""
     if a.scale.dim() or b.scale.dim() or a.block or b.block or a.tile or b.tile:
         return False
     if a.data.dtype == E5M2 and b.data.dtype == E5M2:
@@ -101,8 +108,23 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
 
 
+def _with_scale(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
+    m = torch.finfo(dtype).max
+    return Quantized((t.float() * scale).clamp(-m, m).to(dtype), scale)
+
+
+def _delayed(t: torch.Tensor, gemms: Fp8Gemms, operand: int, dtype: torch.dtype) -> Quantized:
+    """t quantized with the state's scale for this operand (from earlier iterations), its amax
+    recorded for the next."""
+    state, row = gemms.delayed
+    state.record(row, operand, tensor_amax(t))
+    return _with_scale(t, state.scale_of(row, operand), dtype)
+
+
 def _forward_operands(x, w, gemms: Fp8Gemms) -> tuple[Quantized, Quantized]:
     r = gemms.recipe.recipe
+    if r == "delayed":
+        return _delayed(x, gemms, 0, E4M3), _delayed(w, gemms, 1, E4M3)
     if r == "tensorwise":
         return (
             quantize_tensorwise(x, E4M3, _reduced_amax(x, gemms.x_groups)),
@@ -133,12 +155,19 @@ class _Fp8Linear(torch.autograd.Function):
         gemms: Fp8Gemms = ctx.gemms
         r, gdt = gemms.recipe.recipe, gemms.recipe.grad_dtype
         dx = dw = None
-        if r == "tensorwise":
-            qg = quantize_tensorwise(gy, gdt, _reduced_amax(gy, gemms.g_groups))
-            qx, qw = (Quantized(*_requant(t, s)) for t, s in ((x, sx), (w, sw)))
+        if r in ("tensorwise", "delayed"):
+            qg = (
+                _delayed(gy, gemms, 2, gdt)
+                if r == "delayed"
+                else quantize_tensorwise(gy, gdt, _reduced_amax(gy, gemms.g_groups))
+            )
+            qx, qw = (_with_scale(t, s, E4M3) for t, s in ((x, sx), (w, sw)))
             if ctx.needs_input_grad[0]:
                 dx = gemm(qg, transpose(qw), x.dtype)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and not gemms.recipe.wgrad:
+                # --no-fp8-wgrad: the weight gradient in the compute dtype
+                dw = (gy.t() @ x).to(w.dtype)
+            elif ctx.needs_input_grad[1]:
                 dw = gemm(transpose(qg), transpose(qx), w.dtype)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
@@ -148,12 +177,6 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = gemm(quantize(gy.t(), gdt, r, False), quantize(x.t(), E4M3, r, False), w.dtype)
         return dx, dw, None
-
-
-def _requant(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t's forward FP8 data again, from its saved scale (no second reduction)."""
-    m = torch.finfo(E4M3).max
-    return (t.float() * scale).clamp(-m, m).to(E4M3), scale
 
 
 def fp8_linear(

@@ -5,8 +5,25 @@ after them count as the end)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from fmeg.fp8.linear import Fp8Gemms
 from fmeg.fp8.recipe import Fp8Recipe
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """What one layer's linears run with: the recipe, and under delayed scaling the run's
+    DelayedState and the layer's index in it."""
+
+    recipe: Fp8Recipe
+    state: Any = None
+    index: int = 0
+
+    def gemms(self, site: str, x_groups=(), w_groups=(), g_groups=()) -> Fp8Gemms:
+        """The Fp8Gemms of the layer's linear `site` (fmeg.fp8.delayed.SITES)."""
+        delayed = (self.state, self.state.row(self.index, site)) if self.state else None
+        return Fp8Gemms(self.recipe, x_groups, w_groups, g_groups, delayed)
 
 
 @dataclass(frozen=True)
@@ -15,10 +32,16 @@ class Fp8Plan:
     num_layers: int
     bf16_at_start: int = 0
     bf16_at_end: int = 0
+    # delayed scaling's fmeg.fp8.delayed.DelayedState (the runner's), or None
+    state: Any = None
 
     def covers(self, index: int) -> bool:
         """Whether layer `index` (0-based; num_layers + k: the k-th MTP layer) runs FP8."""
         return self.bf16_at_start <= index < self.num_layers - self.bf16_at_end
+
+    def layer(self, index: int) -> Fp8Layer | None:
+        """Layer index's FP8 settings, or None where it runs in the compute dtype."""
+        return Fp8Layer(self.recipe, self.state, index) if self.covers(index) else None
 
     def label(self) -> str:
         fp8 = [i for i in range(self.num_layers) if self.covers(i)]
@@ -41,7 +64,7 @@ def fp8_start_line(plan: Fp8Plan, device, sharding: str | None) -> str:
     one scale per tensor; block recipes dequantize to fp32 and multiply, the same FP8 numbers)."""
     where = (
         "torch._scaled_mm"
-        if plan.recipe.recipe == "tensorwise"
+        if plan.recipe.recipe in ("tensorwise", "delayed")
         else "dequantized FP8 operands multiplied in fp32 (no _scaled_mm kernel for its scales "
         "here)"
     )

@@ -19,8 +19,8 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FORMATS = ("e4m3", "hybrid")
-# Megatron's --fp8-recipe choices fmeg computes with current scaling (delayed: issue 53's next step)
-RECIPES = ("tensorwise", "blockwise", "mxfp8")
+# Megatron's --fp8-recipe choices fmeg computes (custom needs Transformer Engine)
+RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 # rowwise: TorchAO's, for research and its oracle; no Megatron flag names it
 ALL_RECIPES = RECIPES + ("rowwise",)
 
@@ -29,6 +29,12 @@ ALL_RECIPES = RECIPES + ("rowwise",)
 class Fp8Recipe:
     format: str = "hybrid"
     recipe: str = "tensorwise"
+    # delayed scaling's (Megatron applies them to no other recipe): its amax window and choice,
+    # the scale's 2^-margin, and whether the weight gradient's GEMM is FP8 (--no-fp8-wgrad)
+    history_len: int = 1
+    algo: str = "most_recent"
+    margin: int = 0
+    wgrad: bool = True
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -47,6 +53,9 @@ class Fp8Recipe:
         grads = "e5m2" if self.grad_dtype == E5M2 else "e4m3"
         scales = {
             "tensorwise": "one scale per tensor",
+            "delayed": f"one scale per tensor from an amax history of {self.history_len} "
+            f"iterations ({self.algo}, margin {self.margin})"
+            + ("" if self.wgrad else "; weight gradients in the compute dtype"),
             "rowwise": "one power-of-two scale per row",
             "blockwise": "1x128 activation and 128x128 weight blocks, power-of-two scales",
             "mxfp8": "1x32 blocks, e8m0 scales",

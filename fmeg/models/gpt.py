@@ -361,7 +361,7 @@ def project_qkv(
             p, x_BSH, config, rope, lambda q, x: norm(q, x, config, tp), tp, recompute_up
         )
     d, per_group = config.head_dim, config.heads_per_group
-    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp)
+    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp, site="qkv")
     qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
     q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
@@ -417,7 +417,7 @@ def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -
     """Attention's output projection (row-parallel) of the heads' outputs [b, N, s, d] -> [b, s,
     h]."""
     out = rearrange(out_BNSD, "b n s d -> b s (n d)")
-    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp)
+    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp, site="proj")
 
 
 def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:

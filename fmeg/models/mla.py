@@ -191,8 +191,8 @@ def _up_and_rotate(
     RoPE."""
     c = config
     mla = c.attention.mla
-    q = column_parallel_linear(q_in, q_weight, None, tp)
-    kv = column_parallel_linear(latent, kv_weight, None, tp)
+    q = column_parallel_linear(q_in, q_weight, None, tp, site="q_up")
+    kv = column_parallel_linear(latent, kv_weight, None, tp, site="kv_up")
     q = rearrange(q, "b s (n d) -> b n s d", d=q_head_dim(c))
     kv = rearrange(kv, "b s (n d) -> b n s d", d=mla.qk_head_dim + mla.v_head_dim)
     k_plain, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)

@@ -20,5 +20,6 @@ def dense_mlp(
     p: dict[str, Any], x_BSH: torch.Tensor, activation: Callable, tp: TensorParallel = NO_TP
 ) -> torch.Tensor:
     """fc2(activation(fc1(x))), column- then row-parallel."""
-    h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp)
-    return row_parallel_linear(activation(h), p["fc2"]["weight"], p["fc2"].get("bias"), tp)
+    h = column_parallel_linear(x_BSH, p["fc1"]["weight"], p["fc1"].get("bias"), tp, site="fc1")
+    fc2 = p["fc2"]
+    return row_parallel_linear(activation(h), fc2["weight"], fc2.get("bias"), tp, site="fc2")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fmeg import ops
-from fmeg.fp8.linear import Fp8Gemms, fp8_linear
+from fmeg.fp8.linear import fp8_linear
 from fmeg.ops.precision import upcast
 from fmeg.parallel import collectives as C
 from fmeg.parallel.context import NO_CP, ContextParallel
@@ -71,7 +71,7 @@ class TensorParallel:
     context: ContextParallel = NO_CP
     # the run's fmeg.fp8.plan.Fp8Plan, or None; for_layer turns it into `fp8` for its layer
     fp8_plan: Any = None
-    # this layer's fmeg.fp8.Fp8Recipe (its linears' GEMMs in FP8), or None
+    # this layer's fmeg.fp8.plan.Fp8Layer (its linears' GEMMs in FP8), or None
     fp8: Any = None
 
     @property
@@ -86,7 +86,7 @@ class TensorParallel:
         """What layer `index` runs with: context parallelism's comm type of that layer, and FP8
         where the plan puts it."""
         context = self.context.for_layer(index)
-        fp8 = self.fp8_plan.recipe if self.fp8_plan and self.fp8_plan.covers(index) else None
+        fp8 = self.fp8_plan.layer(index) if self.fp8_plan else None
         if context is self.context and fp8 == self.fp8:
             return self
         return dataclasses.replace(self, context=context, fp8=fp8)
@@ -138,15 +138,18 @@ def leave(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return C.reduce_scatter_to(x, tp.group, SEQ_DIM) if tp.sp else C.reduce_from(x, tp.group)
 
 
-def _linear(x, weight, bias, tp: TensorParallel, x_split: bool, y_split: bool) -> torch.Tensor:
-    """ops.linear, or under tp.fp8 the FP8 linear: tensor-wise amaxes reduced over tp where the
-    operand's features are split (the weight always; x in row-parallel, the output gradient in
-    column-parallel) and over cp, whose ranks split the tokens."""
+def _linear(
+    x, weight, bias, tp: TensorParallel, x_split: bool, y_split: bool, site: str
+) -> torch.Tensor:
+    """ops.linear, or under tp.fp8 the FP8 linear (site: which of the layer's linears, for delayed
+    scaling's state): tensor-wise amaxes reduced over tp where the operand's features are split
+    (the weight always; x in row-parallel, the output gradient in column-parallel) and over cp,
+    whose ranks split the tokens."""
     if tp.fp8 is None:
         return ops.linear(x, weight, bias)
     cp = (tp.context.group,) if tp.context.size > 1 else ()
     split = lambda yes: ((tp.group,) if yes else ()) + cp  # noqa: E731
-    gemms = Fp8Gemms(tp.fp8, split(x_split), (tp.group,), split(y_split))
+    gemms = tp.fp8.gemms(site, split(x_split), (tp.group,), split(y_split))
     return fp8_linear(x, weight, bias, gemms)
 
 
@@ -157,9 +160,11 @@ def column_parallel_linear(
     tp: TensorParallel,
     *,
     gather_output: bool = False,
+    site: str = "",
 ) -> torch.Tensor:
-    """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all."""
-    y = _linear(enter(x, tp), weight, bias, tp, x_split=False, y_split=True)
+    """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all.
+    site: which of a layer's linears (fmeg.fp8.delayed.SITES), for FP8."""
+    y = _linear(enter(x, tp), weight, bias, tp, x_split=False, y_split=True, site=site)
     return C.gather_from(y, tp.group, -1) if gather_output else y
 
 
@@ -170,12 +175,13 @@ def row_parallel_linear(
     tp: TensorParallel,
     *,
     input_is_parallel: bool = True,
+    site: str = "",
 ) -> torch.Tensor:
     """y = sum over ranks of x_r @ w_r.T, then + b (b is replicated and added once, after the
     reduction)."""
     if not input_is_parallel:
         x = C.scatter_to(x, tp.group, -1)
-    y = leave(_linear(x, weight, None, tp, x_split=True, y_split=False), tp)
+    y = leave(_linear(x, weight, None, tp, x_split=True, y_split=False, site=site), tp)
     return y if bias is None else y + replicated_param(bias, tp)
 
 

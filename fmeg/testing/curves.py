@@ -13,9 +13,12 @@ tokens of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
+from fmeg.fp8.delayed import DelayedState
+from fmeg.fp8.plan import Fp8Plan
 from fmeg.models import gpt
 from fmeg.parallel.context import shard_batch
 from fmeg.parallel.layout import Layout
@@ -48,15 +51,20 @@ def layout_curve(
     iterations: int,
     lr: float = 1e-2,
     seed: int = 0,
+    fp8: Fp8Plan | None = None,
 ) -> dict[str, Any]:
     """This rank's program: {"losses", "grad_norms"} of `iterations` steps (the losses None on
     ranks without the last pipeline stage) and its state's "bytes_per_parameter". Module level,
-    so gloo ranks can import it."""
+    so gloo ranks can import it. fp8: an FP8 plan (delayed scaling's state made here, one per
+    rank)."""
     state = initialized_state(config, layout, mesh, seed=seed, device="cpu")
     context = model_parallel(layout, mesh).context
     dp, rank = layout.dp, mesh.coord("dp")
     mine = [shard_batch(mb, context) for mb in microbatches[rank::dp]]
-    settings = StepSettings(lr=lr, weight_decay=0.01, clip_grad=1.0)
+    if fp8 is not None and fp8.recipe.recipe == "delayed":
+        delayed = DelayedState(config.num_layers, fp8.recipe.history_len, grad_factor=layout.dp)
+        fp8 = dataclasses.replace(fp8, state=delayed)
+    settings = StepSettings(lr=lr, weight_decay=0.01, clip_grad=1.0, fp8=fp8)
     losses, norms = [], []
     for _ in range(iterations):
         m = train_iteration(state, mine, config=config, layout=layout, mesh=mesh, settings=settings)
@@ -77,13 +85,14 @@ def layout_curve_on(
     *,
     backend: str = "threads",
     timeout: float = 300.0,
-    **options: Any,
+    fp8: Fp8Plan | None = None,
 ) -> dict[str, Any]:
     """The curve of config at layout over every rank: the losses of a last-stage rank, the grad
     norms (every rank's the same), and each rank's bytes per parameter. microbatches: the global
-    batch's, layout.micro_batch_size rows each, dealt to the data-parallel ranks."""
+    batch's, layout.micro_batch_size rows each, dealt to the data-parallel ranks. fp8: the FP8
+    plan the layers run with (fmeg.fp8.plan.Fp8Plan)."""
     world = world_of(layout)
-    args = (config, layout, microbatches, iterations)
+    args = (config, layout, microbatches, iterations, 1e-2, 0, fp8)
     seq = layout.sequence_parallel
     if backend == "threads":
         per_rank = run_threads(

@@ -30,6 +30,7 @@ from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 from fmeg.config.optimizer_flags import OptimizerConfig
 from fmeg.state.flat import FlatState
 from fmeg.training.step_settings import StepSettings
+from fmeg.fp8 import delayed
 from fmeg.training import optimizers, step_hooks
 
 
@@ -372,6 +373,9 @@ def train_iteration(
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )
+    if s.fp8 is not None and s.fp8.state is not None:
+        # delayed scaling's amaxes of this iteration: every rank's, skipped step or not (as TE)
+        delayed.finish_step(s.fp8.state, s.fp8.recipe, (mesh.group("tp_dp_cp"), mesh.group("pp")))
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
     loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)

@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 
 from fmeg import __version__, checkpoint
-from fmeg.checkpoint.load import FORMAT
+from fmeg.checkpoint.load import FORMAT, Request
 from fmeg.interop import megatron
+from fmeg.checkpoint.boxes import Box
+from fmeg.checkpoint.save import Piece
+from fmeg.fp8.delayed import DelayedState
 from fmeg.models import gpt, saved_config
 from fmeg.optim import loss_scale
 from fmeg.training import policies
@@ -63,13 +66,66 @@ def _options(cfg, session) -> dict:
 
 def new_state(cfg, session) -> FlatState:
     """This rank's state, its weights zeros, built from the shapes alone (a checkpoint fills it)."""
-    return init_state(
+    state = init_state(
         local_shapes(cfg.model, cfg.layout, session.mesh),
         cfg.model,
         cfg.layout,
         session.mesh,
         **_options(cfg, session),
     )
+    return with_fp8_state(state, cfg, session)
+
+
+def with_fp8_state(state: FlatState, cfg, session) -> FlatState:
+    """state with .fp8: delayed scaling's amax history and scales (fmeg.fp8.delayed), fresh, or
+    None without delayed scaling. Part of the training state: saved whole by rank 0, read by
+    every rank, the same at any layout."""
+    plan = cfg.precision.fp8
+    state.fp8 = (
+        DelayedState(
+            cfg.model.num_layers,
+            plan.recipe.history_len,
+            session.device,
+            1 if cfg.training.per_token_loss else cfg.layout.dp,
+        )
+        if plan is not None and plan.recipe.recipe == "delayed"
+        else None
+    )
+    return state
+
+
+FP8_PIECES = ("history", "scale")
+
+
+def fp8_pieces(state) -> list:
+    """The delayed-scaling state as checkpoint pieces (rank 0 writes them)."""
+    if getattr(state, "fp8", None) is None:
+        return []
+    out = []
+    for name in FP8_PIECES:
+        t = getattr(state.fp8, name).detach().cpu()
+        box = Box((0,) * t.dim(), tuple(t.shape))
+        out.append(Piece(f"fp8/{name}", box, tuple(t.shape), t, tuple(() for _ in t.shape)))
+    return out
+
+
+def read_fp8(ckpt, state) -> None:
+    """The saved amax history and scales into state.fp8, when the checkpoint has them (else they
+    start fresh, as a run without delayed scaling left none); a history of another length is
+    refused in one line."""
+    if getattr(state, "fp8", None) is None or not ckpt.has("fp8/history"):
+        return
+    saved, mine = ckpt.shape("fp8/history"), tuple(state.fp8.history.shape)
+    if tuple(saved) != mine:
+        raise checkpoint.CheckpointError(
+            f"{ckpt.path}: its FP8 amax history is {saved[0]} iterations long and this run's "
+            f"--fp8-amax-history-len is {mine[0]}; give --fp8-amax-history-len {saved[0]}"
+        )
+    for name in FP8_PIECES:
+        t = getattr(state.fp8, name)
+        out = torch.empty(t.shape, dtype=t.dtype)
+        ckpt.read([Request(f"fp8/{name}", Box((0,) * t.dim(), tuple(t.shape)), out)])
+        t.copy_(out)
 
 
 def check_model(ckpt: checkpoint.Checkpoint, config: gpt.GPTConfig) -> dict:
@@ -113,6 +169,7 @@ def read_state(
         if optimizer:
             boxes += matrix_regions(state, places, mesh)
         ckpt.read(load_requests(ckpt, boxes))
+        read_fp8(ckpt, state)
         count = saved_count(ckpt) if optimizer else 0
     except checkpoint.CheckpointError as e:
         problem = str(e)
@@ -153,6 +210,7 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
         state = initialized_state(
             cfg.model, cfg.layout, session.mesh, seed=cfg.training.seed, **_options(cfg, session)
         )
+        state = with_fp8_state(state, cfg, session)
         if load and ck.exit_on_missing_checkpoint:
             raise MissingCheckpoint(
                 f"--load {load}: no checkpoint there ({checkpoint.LATEST} missing) and "
@@ -342,6 +400,7 @@ class Checkpointer:
                 torch.cuda.current_stream().synchronize()
             boxes = regions(state, self.places, kinds, buffers=self.host)
         count = [count_piece(state.parts[0].count)] if session.rank == 0 and kinds == KINDS else []
+        count += fp8_pieces(state) if session.rank == 0 else []
         if kinds == KINDS:
             # each step replaces these tensors (never writes them): the pieces hold this step's
             boxes += [

@@ -60,6 +60,10 @@ class Trainer:
         # where this run began: the final line counts this run apart from the totals
         self.start = progress
         self.context = model_parallel(cfg.layout, session.mesh).context
+        # the FP8 plan, with delayed scaling's state (the state's, which checkpoints hold)
+        plan = cfg.precision.fp8
+        delayed = getattr(state, "fp8", None)
+        self.fp8 = dataclasses.replace(plan, state=delayed) if plan is not None else None
         self.loader = SampleLoader(cfg.data.num_workers, self.host_microbatch)
         logs = session.last_rank
         self.sinks = open_sinks(cfg.logging, dict(cfg.arguments)) if logs else []
@@ -195,7 +199,7 @@ class Trainer:
                 compile=self.session.compile,
                 decoupled_lr=decoupled_lr,
                 per_token=t.per_token_loss,
-                fp8=cfg.precision.fp8,
+                fp8=self.fp8,
             ),
         )
         # the step's one read, on the rank that logs
@@ -324,6 +328,8 @@ class Trainer:
         and every data-parallel rank."""
         cfg, gbs = self.cfg, self.cfg.global_batch
         total = torch.zeros(2, dtype=torch.float64)
+        # validation reads delayed scaling's scales and leaves its amax history as it was
+        history = self.fp8.state.history.clone() if self.fp8 and self.fp8.state else None
         for _ in range(cfg.training.eval_iters):
             first = self.progress.valid_consumed
             pair = evaluate(
@@ -334,10 +340,12 @@ class Trainer:
                 mesh=self.session.mesh,
                 compile=self.session.compile,
                 use=self.state.use,
-                fp8=cfg.precision.fp8,
+                fp8=self.fp8,
             )
             self.progress = dataclasses.replace(self.progress, valid_consumed=first + gbs)
             total += pair.cpu() if pair is not None else 0.0
+        if history is not None:
+            self.fp8.state.history.copy_(history)
         if self.session.last_rank:
             value = float(total[0] / total[1].clamp_min(1.0))
             self.emit({"iteration": iteration, "validation_lm_loss": value})

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from fmeg.fp8 import E4M3, E5M2, Fp8Gemms, Fp8Recipe, fp8_linear
 
 
-
 MAX = {E4M3: 448.0, E5M2: 57344.0}
 
 
@@ -141,9 +140,10 @@ def test_zeros_stay_zero_and_inf_or_nan_is_never_silent(recipe):
 def column_then_row(mesh, x, w1, w2, recipe):
     """An FP8 column-parallel then row-parallel pair at this rank's shards (tp over every rank):
     (its column output, the pair's output)."""
+    from fmeg.fp8.plan import Fp8Layer
     from fmeg.parallel.tensor import TensorParallel, column_parallel_linear, row_parallel_linear
 
-    tp = TensorParallel(mesh.group("tp"), fp8=recipe)
+    tp = TensorParallel(mesh.group("tp"), fp8=Fp8Layer(recipe))
     r, t = mesh.coord("tp"), mesh.size("tp")
     h = column_parallel_linear(x, w1.chunk(t, 0)[r], None, tp)
     return h, row_parallel_linear(h, w2.chunk(t, 1)[r], None, tp)

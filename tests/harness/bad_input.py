@@ -222,8 +222,13 @@ BAD = [
     ),
     (
         {"WORLD_SIZE": "1"},
-        ["--fp8-format", "hybrid"],
-        "--fp8-recipe delayed (Megatron's default): delayed scaling is not in fmeg yet",
+        ["--fp8-format", "hybrid", "--first-last-layers-bf16"],
+        "--first-last-layers-bf16 with --fp8-recipe delayed: Megatron's delayed scaling does not",
+    ),
+    (
+        {"WORLD_SIZE": "1"},
+        ["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"],
+        "--fp8-amax-history-len must be at least 1, got 0",
     ),
     (
         {"WORLD_SIZE": "1"},

@@ -1,6 +1,6 @@
 """Megatron-LM's own launch scripts run through recipes.gpt_pretrain with their flags unchanged,
-apart from sizes, data paths and GPU-only features (FP8): each trains on CPU ranks, saves, resumes
-and evaluates.
+apart from sizes and data paths (the Llama 3 8B script with and without its FP8 flags): each
+trains on CPU ranks, saves, resumes and evaluates.
 
 The flag lists are those of examples/gpt3/train_gpt3_175b_distributed.sh,
 examples/llama/train_llama3_8b_h100_fp8.sh (mock-data branch), examples/megatron_fsdp/
@@ -10,9 +10,11 @@ test_megatron_flag_sets.py.
 """
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fmeg.data.default_corpus import default_corpus
 from harness.runner import run_recipe, sentencepiece_model
@@ -94,10 +96,28 @@ def gpt3_175b(data_path: str, ckpt: str, logs: str, train_iters: int) -> list[st
     ]
 
 
+# the script's DTYPE_ARGS when DTYPE is fp8 (its default)
+LLAMA3_FP8 = [
+    "--fp8-format",
+    "hybrid",
+    "--fp8-amax-history-len",
+    "1024",
+    "--fp8-amax-compute-algo",
+    "max",
+    "--fp8-param-gather",
+]
+
+
 def llama3_8b(
-    ckpt: str, cache: str, logs: str, train_samples: int, data: list[str] | None = None
+    ckpt: str,
+    cache: str,
+    logs: str,
+    train_samples: int,
+    data: list[str] | None = None,
+    fp8: bool = False,
 ) -> list[str]:
-    """data: the real-data branch's --data-path and --tokenizer-model; else the mock branch."""
+    """data: the real-data branch's --data-path and --tokenizer-model; else the mock branch. fp8:
+    with the script's DTYPE_ARGS of its default DTYPE fp8 (else DTYPE bf16, which adds none)."""
     return [
         # MODEL_ARGS
         "--use-mcore-models",
@@ -166,7 +186,7 @@ def llama3_8b(
         "--adam-beta2",
         "0.95",
         "--bf16",
-        "--grad-reduce-in-bf16",  # DTYPE_ARGS, its bf16 branch
+        "--grad-reduce-in-bf16",
         "--cross-entropy-loss-fusion",
         "--calculate-per-token-loss",
         "--manual-gc",
@@ -174,6 +194,8 @@ def llama3_8b(
         "1",
         "--exit-duration-in-mins",
         "235",
+        # DTYPE_ARGS
+        *(LLAMA3_FP8 if fp8 else []),
         # MODEL_PARALLEL_ARGS (TP_SIZE=1 with --sequence-parallel, as the script has it: Megatron
         # turns it off)
         "--tensor-model-parallel-size",
@@ -374,6 +396,46 @@ def test_llama3_8b_script_trains_saves_resumes_and_evaluates(tmp_path, monkeypat
         weight_decay=0.1,
         decoupled=(5e-4, 4.5e-5),
     )
+
+
+def test_llama3_8b_script_with_its_fp8_flags_trains_saves_and_resumes(tmp_path):
+    """DTYPE fp8, the script's default: delayed scaling with a 1024-iteration amax history (max),
+    its state saved and resumed with the run."""
+    ckpt, cache, logs = str(tmp_path / "ckpt"), str(tmp_path / "cache"), str(tmp_path / "tb")
+    records, stdout, resumed, stdout2 = train_then_resume(
+        tmp_path,
+        2,
+        llama3_8b(ckpt, cache, logs, 48, fp8=True),
+        llama3_8b(ckpt, cache, logs, 96, fp8=True),
+    )
+    assert "FP8 delayed (hybrid: e4m3 forward, e5m2 gradients; one scale per tensor from an " in (
+        stdout
+    )
+    assert "amax history of 1024 iterations (max, margin 0)) in layers 0-3 of 4" in stdout
+    train = [r for r in records + resumed if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(1, 13)) and "resumed from" in stdout2
+    assert all(math.isfinite(r["lm_loss"]) for r in train)
+    # the history rolls one row a step (Transformer Engine's layout: the newest amax last), so
+    # iteration 12's rows of iterations 1-6 are iteration 6's, bitwise: saved and resumed whole
+    at6, at12 = (fp8_state(tmp_path / "ckpt" / f"iter_{i:07d}") for i in (6, 12))
+    assert at6["history"].shape == (1024, 4 * 6, 3)
+    assert torch.equal(at12["history"][1012:1018], at6["history"][1018:])
+    assert not at6["history"][:1018].any() and at6["history"][1018:, 0].gt(0).all()
+    assert not torch.equal(at12["scale"], at6["scale"]) and at12["scale"][0].ne(1.0).all()
+
+
+def fp8_state(path) -> dict:
+    """The delayed-scaling state a checkpoint holds: its amax history and scales."""
+    from fmeg.checkpoint.boxes import Box
+    from fmeg.checkpoint.load import Checkpoint, Request
+
+    out = {}
+    with Checkpoint.open(path) as ckpt:
+        for name in ("history", "scale"):
+            shape = ckpt.shape(f"fp8/{name}")
+            out[name] = torch.empty(shape)
+            ckpt.read([Request(f"fp8/{name}", Box((0,) * len(shape), shape), out[name])])
+    return out
 
 
 # The Megatron-FSDP user guide's required and recommended flags, added to the Llama 3 8B script.
