@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fmeg.config.optimizer_flags import OptimizerConfig
+from fmeg.fp8.delayed import DelayedState
 from fmeg.fp8.plan import Fp8Plan
 from fmeg.fp8.recipe import Fp8Recipe
 from fmeg.models import gpt
@@ -224,7 +225,9 @@ def fmeg_step(
     fp8: str | None = None,
 ):
     mesh, layout = Mesh.single(), Layout(sharding=sharding)
-    plan = Fp8Plan(Fp8Recipe("hybrid", fp8), config.num_layers) if fp8 else None
+    # delayed scaling's amax history and scales, as the runner keeps them
+    delayed = DelayedState(config.num_layers, 1, device) if fp8 == "delayed" else None
+    plan = Fp8Plan(Fp8Recipe("hybrid", fp8), config.num_layers, state=delayed) if fp8 else None
     state = initialized_state(
         config,
         layout,
@@ -491,7 +494,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--muon", action="store_true", help="also time the runner's step under Muon")
     p.add_argument(
         "--fp8",
-        choices=["tensorwise", "blockwise", "mxfp8"],
+        choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
         help="also time the runner's step with this FP8 recipe (hybrid) in every layer",
     )
     a = p.parse_args(argv)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from fmeg.config.declare import flag, group, switch
 from fmeg.fp8.linear import BLOCK
 from fmeg.fp8.plan import Fp8Plan
@@ -106,11 +108,31 @@ def plan(a: argparse.Namespace) -> Fp8Plan | None:
     )
 
 
+# torch.compile keeps the amaxes a delayed-scaling backward records from this release on (2.11's
+# compiled backward dropped them: its gradients' scales stayed 1)
+DELAYED_COMPILE_TORCH = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def problems(a: argparse.Namespace, config) -> list[str]:
     """Where a layout would put a block across two ranks (the blocks one device uses would not be
     this run's): each tensor-parallel share of a split feature dimension, and each context-parallel
-    chunk of the sequence, must be whole blocks. config: the model (fmeg.models.gpt.GPTConfig)."""
-    if a.fp8 is None or a.fp8_recipe not in BLOCK:
+    chunk of the sequence, must be whole blocks; and delayed scaling compiled on a torch whose
+    compiler drops its backward's amax records. config: the model (fmeg.models.gpt.GPTConfig)."""
+    if a.fp8 is None:
+        return []
+    compiled = a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
+    if a.fp8_recipe == "delayed" and compiled and _torch_release() < DELAYED_COMPILE_TORCH:
+        return [
+            f"--fp8-recipe delayed with compiled stages needs torch 2.13 or later (this is torch "
+            f"{torch.__version__}, whose compiler drops the amaxes the backward records); give "
+            "--no-compile or --fp8-recipe tensorwise"
+        ]
+    if a.fp8_recipe not in BLOCK or config is None:
         return []
     block, tp, cp = BLOCK[a.fp8_recipe], a.tensor_model_parallel_size, a.context_parallel_size
     out = []

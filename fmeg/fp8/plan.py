@@ -36,12 +36,24 @@ class Fp8Plan:
     state: Any = None
 
     def covers(self, index: int) -> bool:
-        """Whether layer `index` (0-based; num_layers + k: the k-th MTP layer) runs FP8."""
+        """Whether layer `index` (0-based; num_layers + k: the k-th multi-token prediction layer,
+        which follows the decoder's last) runs FP8."""
+        if index >= self.num_layers:
+            return self.bf16_at_end == 0
         return self.bf16_at_start <= index < self.num_layers - self.bf16_at_end
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer runs alike: all in FP8, with no per-layer state (delayed scaling's rows)."""
+        return self.bf16_at_start == self.bf16_at_end == 0 and self.state is None
 
     def layer(self, index: int) -> Fp8Layer | None:
         """Layer index's FP8 settings, or None where it runs in the compute dtype."""
-        return Fp8Layer(self.recipe, self.state, index) if self.covers(index) else None
+        return (
+            Fp8Layer(self.recipe, self.state, index if self.state else 0)
+            if self.covers(index)
+            else None
+        )
 
     def label(self) -> str:
         fp8 = [i for i in range(self.num_layers) if self.covers(i)]
@@ -59,9 +71,10 @@ class Fp8Plan:
         )
 
 
-def fp8_start_line(plan: Fp8Plan, device, sharding: str | None) -> str:
+def fp8_start_line(plan: Fp8Plan, device, sharding: str | None, eager: bool = False) -> str:
     """The start line's FP8 sentence: the plan, and where the GEMMs run (torch._scaled_mm serves
-    one scale per tensor; block recipes dequantize to fp32 and multiply, the same FP8 numbers)."""
+    one scale per tensor; block recipes dequantize to fp32 and multiply, the same FP8 numbers);
+    eager: compilation was asked for but the stages run eagerly (delayed scaling's state)."""
     where = (
         "torch._scaled_mm"
         if plan.recipe.recipe in ("tensorwise", "delayed")
@@ -73,4 +86,9 @@ def fp8_start_line(plan: Fp8Plan, device, sharding: str | None) -> str:
         if sharding != "no_shard"
         else ""
     )
-    return f"{plan.label()}; GEMMs on {device} through {where}{gathered}"
+    uncompiled = (
+        "; the stages run eagerly: delayed scaling compiles only with one graph per stage and pp 1"
+        if eager
+        else ""
+    )
+    return f"{plan.label()}; GEMMs on {device} through {where}{gathered}{uncompiled}"

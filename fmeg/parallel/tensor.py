@@ -82,18 +82,45 @@ class TensorParallel:
     def rank(self) -> int:
         return 0 if self.group is None else self.group.rank
 
+    def __post_init__(self):
+        # the layers' views are made here, outside any compiled region (dynamo cannot build this
+        # class inside one on every torch version): none where no layer differs, one that every
+        # layer shares where nothing depends on the index, else one per layer
+        object.__setattr__(self, "_views", _layer_views(self))
+
     def for_layer(self, index: int) -> TensorParallel:
         """What layer `index` runs with: context parallelism's comm type of that layer, and FP8
         where the plan puts it."""
-        context = self.context.for_layer(index)
-        fp8 = self.fp8_plan.layer(index) if self.fp8_plan else None
-        if context is self.context and fp8 == self.fp8:
-            return self
-        return dataclasses.replace(self, context=context, fp8=fp8)
+        views = self._views
+        if views is None or isinstance(views, TensorParallel):
+            return views or self
+        view = views.get(index)
+        return view if view is not None else _layer_view(self, index)
 
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.group is not None
+
+
+def _layer_view(tp: TensorParallel, index: int) -> TensorParallel:
+    context = tp.context.for_layer(index)
+    fp8 = tp.fp8_plan.layer(index)
+    if context is tp.context and fp8 == tp.fp8:
+        return tp
+    return dataclasses.replace(tp, context=context, fp8=fp8, fp8_plan=None)
+
+
+def _layer_views(tp: TensorParallel) -> TensorParallel | dict | None:
+    """None (every layer runs with tp), one view for all layers, or {index: view} (the decoder's
+    layers and a few multi-token prediction layers past them; others are made on demand)."""
+    plan = tp.fp8_plan
+    if plan is None:
+        return None
+    per_layer_comm = not isinstance(tp.context.comm_type, str)
+    if not per_layer_comm and plan.uniform:
+        return dataclasses.replace(tp, fp8=plan.layer(0), fp8_plan=None)
+    count = max(plan.num_layers, len(tp.context.comm_type) if per_layer_comm else 0) + 8
+    return {i: _layer_view(tp, i) for i in range(count)}
 
 
 NO_TP = TensorParallel()

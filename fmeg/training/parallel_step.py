@@ -432,6 +432,25 @@ def _finish_reduction(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Me
     sync.settle()
 
 
+def stage_compilation(
+    compile: str | None, layout: Layout, overlap_grad_reduce: bool, fp8: Any = None
+) -> tuple[str | None, bool]:
+    """(the backend the stages compile with, whether each stage is one graph). Delayed FP8 scaling
+    compiles only where each stage is one graph and each microbatch's backward follows its forward
+    (pp 1): its linears record amaxes into the state in forward and backward, and a compiled
+    backward keeps that state from its forward, which no other graph may write in between."""
+    fused = (
+        compile is not None
+        and not (overlap_grad_reduce and layout.dp > 1)
+        and (layout.recompute is None or layout.recompute[0] == "selective")
+        and layout.sharding != "optim_grads_params"
+    )
+    delayed = fp8 is not None and fp8.recipe.recipe == "delayed"
+    if compile is not None and delayed and not (fused and layout.pp == 1):
+        return None, False
+    return compile, fused
+
+
 def stage_functions(
     params: dict,
     config: gpt.GPTConfig,
@@ -446,12 +465,7 @@ def stage_functions(
     is one graph (fused), unless its layers' gradients must be handed over one by one (data-parallel
     overlap), whole layers are recomputed or the weights are gathered a unit at a time."""
     tp = model_parallel(layout, mesh, fp8)
-    fused = (
-        compile is not None
-        and not (overlap_grad_reduce and layout.dp > 1)
-        and (layout.recompute is None or layout.recompute[0] == "selective")
-        and layout.sharding != "optim_grads_params"
-    )
+    compile, fused = stage_compilation(compile, layout, overlap_grad_reduce, fp8)
     return {
         s: gp.stage_segments(
             config,

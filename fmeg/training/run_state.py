@@ -83,7 +83,7 @@ def with_fp8_state(state: FlatState, cfg, session) -> FlatState:
     plan = cfg.precision.fp8
     state.fp8 = (
         DelayedState(
-            cfg.model.num_layers,
+            cfg.model.num_layers + cfg.model.mtp_depth,
             plan.recipe.history_len,
             session.device,
             1 if cfg.training.per_token_loss else cfg.layout.dp,

@@ -143,3 +143,62 @@ def test_split_tensors_scales_are_one_devices_but_for_rounding(name, one_device,
 
 def _without_reduction(finish_step):
     return lambda state, recipe, groups: finish_step(state, recipe, ())
+
+
+def test_compiled_delayed_scaling_on_an_older_torch_is_refused_in_one_line(monkeypatch):
+    """torch 2.11's compiled backward drops the gradients' amax records (seen on the lent H200):
+    such a run is refused before it starts, naming the way out."""
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.validation import validate
+
+    argv = ["--fp8-format", "hybrid", "--compile", "--num-layers", "2"]
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    (line,) = validate(parse_args(argv, world_size=1), 1)
+    assert line.startswith("--fp8-recipe delayed with compiled stages needs torch 2.13 or later")
+    assert validate(parse_args([*argv, "--no-compile"], world_size=1), 1) == []
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert validate(parse_args(argv, world_size=1), 1) == []
+
+
+def test_compiled_steps_keep_the_amaxes_eager_steps_keep():
+    """The runner's compiled stage (inductor on the CPU) records the forward's and the backward's
+    amaxes as the eager step does: the same losses and scales after three steps."""
+    from fmeg.parallel.mesh import Mesh
+
+    config = gpt.GPTConfig(
+        vocab_size=128, padded_vocab_size=128, max_seq_len=32, num_layers=2, hidden_size=64,
+        num_heads=4,
+    )  # fmt: skip
+    batch = microbatches(1)
+    out = []
+    for compile in (None, "inductor"):
+        torch._dynamo.reset()
+        mesh, layout = Mesh.single(), Layout(micro_batch_size=2)
+        state = initialized_state(config, layout, mesh, seed=0, device="cpu")
+        delayed_state = DelayedState(2, 2)
+        recipe = Fp8Recipe("hybrid", "delayed", history_len=2)
+        plan = Fp8Plan(recipe, 2, state=delayed_state)
+        s = StepSettings(lr=1e-2, weight_decay=0.0, clip_grad=1.0, fp8=plan, compile=compile)
+        step = dict(config=config, layout=layout, mesh=mesh, settings=s)
+        losses = [float(train_iteration(state, batch, **step)["loss"]) for _ in range(3)]
+        out.append((losses, delayed_state.scale.clone()))
+    (eager, eager_scale), (compiled, compiled_scale) = out
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled_scale[:, 2].ne(1.0).any()
+    torch.testing.assert_close(compiled_scale, eager_scale, rtol=1e-5, atol=0)
+
+
+def test_delayed_scaling_compiles_only_one_graph_per_stage_at_pp_1():
+    """Another graph's forward between a compiled stage's forward and its backward (pipeline
+    warm-up, per-layer graphs) would write the state the compiled backward kept: such stages run
+    eagerly, and say so at start; tensor-wise scaling, which keeps no state, compiles at every
+    layout."""
+    from fmeg.training.parallel_step import stage_compilation
+
+    delayed_plan = Fp8Plan(Fp8Recipe("hybrid", "delayed"), 2, state=DelayedState(2, 1))
+    tensorwise = Fp8Plan(Fp8Recipe("hybrid", "tensorwise"), 2)
+    assert stage_compilation("inductor", Layout(), False, delayed_plan) == ("inductor", True)
+    assert stage_compilation("inductor", Layout(pp=2), False, delayed_plan) == (None, False)
+    assert stage_compilation("inductor", Layout(dp=2), True, delayed_plan) == (None, False)
+    assert stage_compilation("inductor", Layout(pp=2), False, tensorwise) == ("inductor", True)
+    assert stage_compilation("inductor", Layout(dp=2), True, tensorwise) == ("inductor", False)
