@@ -37,15 +37,19 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         base, seconds = curve([], a.iters, Path(tmp) / "bf16")
         print(f"bf16: final loss {base[-1]:.4f} ({seconds:.0f} s)")
-        print(f"{'recipe':<12} {'largest':>9} {'final':>9} {'mean last 20':>13} {'seconds':>8}")
+        print(
+            f"{'recipe':<12} {'largest':>9} {'at':>5} {'final':>9} {'mean last 20':>13} "
+            f"{'seconds':>8}"
+        )
         for recipe in a.recipes:
             flags = ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
             got, seconds = curve(flags, a.iters, Path(tmp) / recipe)
             rel = [abs(g - b) / b for g, b in zip(got, base, strict=True)]
             tail = sum(got[-20:]) / 20 - sum(base[-20:]) / 20
-            out[recipe] = {"largest": max(rel), "final": rel[-1], "tail": tail / base[-1]}
+            at = rel.index(max(rel)) + 1
+            out[recipe] = {"largest": max(rel), "at": at, "final": rel[-1], "tail": tail / base[-1]}
             print(
-                f"{recipe:<12} {max(rel):>9.2e} {rel[-1]:>9.2e} {tail / base[-1]:>+13.2e} "
+                f"{recipe:<12} {max(rel):>9.2e} {at:>5} {rel[-1]:>9.2e} {tail / base[-1]:>+13.2e} "
                 f"{seconds:>8.0f}"
             )
     return out
