@@ -13,6 +13,7 @@ MODELS = FMEG / "models"
 LAYERS = (
     "tree",
     "ops",
+    "fp8",
     "parallel",
     "models",
     "optim",

@@ -104,7 +104,7 @@ class TensorParallel:
 
 def _layer_view(tp: TensorParallel, index: int) -> TensorParallel:
     context = tp.context.for_layer(index)
-    fp8 = tp.fp8_plan.layer(index)
+    fp8 = tp.fp8_plan.layer(index) if tp.fp8_plan else tp.fp8
     if context is tp.context and fp8 == tp.fp8:
         return tp
     return dataclasses.replace(tp, context=context, fp8=fp8, fp8_plan=None)
@@ -114,12 +114,13 @@ def _layer_views(tp: TensorParallel) -> TensorParallel | dict | None:
     """None (every layer runs with tp), one view for all layers, or {index: view} (the decoder's
     layers and a few multi-token prediction layers past them; others are made on demand)."""
     plan = tp.fp8_plan
-    if plan is None:
-        return None
     per_layer_comm = not isinstance(tp.context.comm_type, str)
+    if not per_layer_comm and plan is None:
+        return None
     if not per_layer_comm and plan.uniform:
         return dataclasses.replace(tp, fp8=plan.layer(0), fp8_plan=None)
-    count = max(plan.num_layers, len(tp.context.comm_type) if per_layer_comm else 0) + 8
+    layers = plan.num_layers if plan else 0
+    count = max(layers, len(tp.context.comm_type) if per_layer_comm else 0) + 8
     return {i: _layer_view(tp, i) for i in range(count)}
 
 

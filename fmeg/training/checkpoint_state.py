@@ -255,8 +255,9 @@ def save_pieces(
 
 
 def count_piece(count: torch.Tensor) -> Piece:
-    """The optimizer's step count (written by rank 0)."""
-    return Piece("adam/count", Box((), ()), (), count.detach().cpu().reshape(()), ())
+    """The optimizer's step count (written by rank 0): a copy, since the step counts on in place
+    while a background save writes."""
+    return Piece("adam/count", Box((), ()), (), count.detach().to("cpu", copy=True).reshape(()), ())
 
 
 def load_requests(ckpt: Checkpoint, boxes: list[Region]) -> list[Request]:

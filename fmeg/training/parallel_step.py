@@ -373,9 +373,7 @@ def train_iteration(
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )
-    if s.fp8 is not None and s.fp8.state is not None:
-        # delayed scaling's amaxes of this iteration: every rank's, skipped step or not (as TE)
-        delayed.finish_step(s.fp8.state, s.fp8.recipe, (mesh.group("tp_dp_cp"), mesh.group("pp")))
+    _finish_fp8(s.fp8, mesh)
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
     loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)
@@ -430,6 +428,13 @@ def _finish_reduction(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Me
     sync.finish()
     _sync_tied(sync, config, layout, mesh, params)
     sync.settle()
+
+
+def _finish_fp8(fp8: Any, mesh: Mesh) -> None:
+    """Delayed scaling's amaxes of this iteration reduced over every rank and its scales renewed,
+    skipped step or not (as Transformer Engine's)."""
+    if fp8 is not None and fp8.state is not None:
+        delayed.finish_step(fp8.state, fp8.recipe, (mesh.group("tp_dp_cp"), mesh.group("pp")))
 
 
 def stage_compilation(

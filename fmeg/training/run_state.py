@@ -98,12 +98,13 @@ FP8_PIECES = ("history", "scale")
 
 
 def fp8_pieces(state) -> list:
-    """The delayed-scaling state as checkpoint pieces (rank 0 writes them)."""
+    """The delayed-scaling state as checkpoint pieces (rank 0 writes them): copies, since the next
+    step renews it in place while a background save writes."""
     if getattr(state, "fp8", None) is None:
         return []
     out = []
     for name in FP8_PIECES:
-        t = getattr(state.fp8, name).detach().cpu()
+        t = getattr(state.fp8, name).detach().to("cpu", copy=True)
         box = Box((0,) * t.dim(), tuple(t.shape))
         out.append(Piece(f"fp8/{name}", box, tuple(t.shape), t, tuple(() for _ in t.shape)))
     return out

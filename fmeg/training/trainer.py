@@ -165,6 +165,22 @@ class Trainer:
         self.finish(time.perf_counter() - start)
         return failed
 
+    def step_settings(self, lr: float, weight_decay: float, decoupled_lr: float | None):
+        """This iteration's hyperparameters with the run's step policies."""
+        cfg, t = self.cfg, self.cfg.training
+        return StepSettings(
+            lr=lr,
+            weight_decay=weight_decay,
+            clip_grad=t.clip_grad,
+            check_overflow=t.check_for_nan,
+            overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
+            bucket_numel=cfg.runtime.ddp_bucket_size,
+            compile=self.session.compile,
+            decoupled_lr=decoupled_lr,
+            per_token=t.per_token_loss,
+            fp8=self.fp8,
+        )
+
     def iterate(self, iteration: int) -> str | None:
         """One training iteration; an 'error: ...' line when it stops the run (a non-finite
         step)."""
@@ -189,18 +205,7 @@ class Trainer:
             config=cfg.model,
             layout=cfg.layout,
             mesh=self.session.mesh,
-            settings=StepSettings(
-                lr=lr,
-                weight_decay=weight_decay,
-                clip_grad=t.clip_grad,
-                check_overflow=t.check_for_nan,
-                overlap_grad_reduce=cfg.runtime.overlap_grad_reduce,
-                bucket_numel=cfg.runtime.ddp_bucket_size,
-                compile=self.session.compile,
-                decoupled_lr=decoupled_lr,
-                per_token=t.per_token_loss,
-                fp8=self.fp8,
-            ),
+            settings=self.step_settings(lr, weight_decay, decoupled_lr),
         )
         # the step's one read, on the rank that logs
         loss = float(m["loss"]) if self.session.last_rank else None
