@@ -15,6 +15,22 @@ PP2_VIRTUAL = [
 ]
 CP2 = ["--context-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
+# a model with experts and a gated MLP, grouped queries and an untied output layer (the optimizer
+# and FP8 rows')
+EXPERTS_MODEL = [
+    "--swiglu",
+    "--num-query-groups",
+    "2",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "16",
+    "--moe-layer-freq",
+    "([0]+[1]*3)",
+    "--untie-embeddings-and-output-weights",
+]
 ZERO1 = ["--use-distributed-optimizer"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 

@@ -109,29 +109,12 @@ def test_a_delayed_run_saved_at_zero1_resumes_at_tp2_on_its_curve(tmp_path, sing
     assert largest(first + second, single("delayed", RECIPES["delayed"])) <= FP8_BAND
 
 
-# experts and a gated MLP (the optimizer rows' model): the attention and dense-layer linears in
-# FP8, the experts' grouped GEMMs in the compute dtype
-EXPERTS = [
-    "--swiglu",
-    "--num-query-groups",
-    "2",
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--moe-ffn-hidden-size",
-    "16",
-    "--moe-layer-freq",
-    "([0]+[1]*3)",
-    "--untie-embeddings-and-output-weights",
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_the_model_with_experts_at_ep2_is_one_ranks_within_1e_5(tmp_path, single, recipe):
-    """Expert parallelism splits no sum of the FP8 linears (measured: 7.4e-6 tensor-wise, 3.2e-6
-    delayed)."""
-    flags = [*EXPERTS, *RECIPES[recipe]]
+    """The attention and dense layers' linears in FP8, the experts' grouped GEMMs in the compute
+    dtype: expert parallelism splits no sum of the FP8 linears (measured: 7.4e-6 tensor-wise,
+    3.2e-6 delayed)."""
+    flags = [*layouts.EXPERTS_MODEL, *RECIPES[recipe]]
     got, _ = curve(tmp_path, "ep2", 2, [*flags, *layouts.TABLE["ep2"][1]])
     assert largest(got, single(f"{recipe}_experts", flags)) <= 1e-5

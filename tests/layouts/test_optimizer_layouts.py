@@ -18,20 +18,7 @@ from harness.layouts import assert_same
 from harness.runner import run_recipe
 
 # experts and a gated MLP: the matrices Muon splits (q, k, v; [2, F, H]; one per expert)
-MODEL = [
-    "--swiglu",
-    "--num-query-groups",
-    "2",
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--moe-ffn-hidden-size",
-    "16",
-    "--moe-layer-freq",
-    "([0]+[1]*3)",
-    "--untie-embeddings-and-output-weights",
-]
+MODEL = layouts.EXPERTS_MODEL
 FP32 = ["--muon-fp32-matmul-prec", "high"]
 OPTIMIZERS = {
     "muon": ["--optimizer", "muon", "--lr", "2e-2", *FP32],
