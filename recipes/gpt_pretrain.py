@@ -30,11 +30,9 @@ from fmeg.cli import print_refusal  # noqa: E402
 from fmeg.data.blending import build_datasets, parse_split, target_samples  # noqa: E402
 from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # noqa: E402
 from fmeg.data.fim import FIM  # noqa: E402
-from fmeg.fp8.plan import fp8_start_line  # noqa: E402
-from fmeg.training.parallel_step import stage_compilation  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
-from fmeg.training.report import holds_attention_scores, memory_estimate  # noqa: E402
+from fmeg.training.report import fp8_line, holds_attention_scores, memory_estimate  # noqa: E402
 from fmeg.config.load import BadInput, load  # noqa: E402
 from fmeg.config.run_config import RunConfig  # noqa: E402
 from fmeg.training.run_state import Checkpointer, MissingCheckpoint, build_or_restore  # noqa: E402
@@ -174,11 +172,7 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         flush=True,
     )
     if precision.fp8 is not None:
-        backend, _ = stage_compilation(
-            session.compile, cfg.layout, cfg.runtime.overlap_grad_reduce, precision.fp8
-        )
-        eager = session.compile is not None and backend is None
-        print(fp8_start_line(precision.fp8, session.device, cfg.layout.sharding, eager), flush=True)
+        print(fp8_line(cfg, session), flush=True)
     for line in cfg.ignored:
         print(f"ignored {line}", flush=True)
     for line in cfg.notices:

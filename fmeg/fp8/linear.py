@@ -171,8 +171,12 @@ class _Fp8Linear(torch.autograd.Function):
                 dw = gemm(transpose(qg), transpose(qx), w.dtype)
             return dx, dw, None
         if ctx.needs_input_grad[0]:
-            qw_t = transpose(quantize(w, E4M3, r, True)) if r == "blockwise" else None
-            qw_t = qw_t or quantize(w.t(), E4M3, r, True)
+            # square tiles serve both orientations; 1 x n blocks run along the other dimension
+            qw_t = (
+                transpose(quantize(w, E4M3, r, True))
+                if r == "blockwise"
+                else quantize(w.t(), E4M3, r, True)
+            )
             dx = gemm(quantize(gy, gdt, r, False), qw_t, x.dtype)
         if ctx.needs_input_grad[1]:
             dw = gemm(quantize(gy.t(), gdt, r, False), quantize(x.t(), E4M3, r, False), w.dtype)

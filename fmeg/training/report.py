@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fmeg.fp8.plan import fp8_start_line
 from fmeg.models.gpt import GPTConfig
+from fmeg.training.parallel_step import stage_compilation
 
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
@@ -174,3 +176,14 @@ def draw_loss_curve(records: list[dict], path: str | Path) -> Path | None:
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+def fp8_line(cfg, session) -> str:
+    """The start line's FP8 sentence for the run (cfg: its RunConfig; session: its Session): the
+    plan, where the GEMMs run, and whether delayed scaling's stages run eagerly."""
+    plan = cfg.precision.fp8
+    backend, _ = stage_compilation(
+        session.compile, cfg.layout, cfg.runtime.overlap_grad_reduce, plan
+    )
+    eager = session.compile is not None and backend is None
+    return fp8_start_line(plan, session.device, cfg.layout.sharding, eager)
