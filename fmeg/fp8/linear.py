@@ -40,6 +40,7 @@ from fmeg.fp8.quantize import (
     quantize_blocks,
     quantize_tensorwise,
     quantize_tiles,
+    quantize_with_scale,
     tensor_amax,
 )
 from fmeg.fp8.recipe import E4M3, E5M2, Fp8Recipe
@@ -108,17 +109,12 @@ def gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     return (dequantize(a) @ dequantize(b).t()).to(out_dtype)
 
 
-def _with_scale(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
-    m = torch.finfo(dtype).max
-    return Quantized((t.float() * scale).clamp(-m, m).to(dtype), scale)
-
-
 def _delayed(t: torch.Tensor, gemms: Fp8Gemms, operand: int, dtype: torch.dtype) -> Quantized:
     """t quantized with the state's scale for this operand (from earlier iterations), its amax
     recorded for the next."""
     state, row = gemms.delayed
     state.record(row, operand, tensor_amax(t))
-    return _with_scale(t, state.scale_of(row, operand), dtype)
+    return quantize_with_scale(t, state.scale_of(row, operand), dtype)
 
 
 def _forward_operands(x, w, gemms: Fp8Gemms) -> tuple[Quantized, Quantized]:
@@ -161,7 +157,7 @@ class _Fp8Linear(torch.autograd.Function):
                 if r == "delayed"
                 else quantize_tensorwise(gy, gdt, _reduced_amax(gy, gemms.g_groups))
             )
-            qx, qw = (_with_scale(t, s, E4M3) for t, s in ((x, sx), (w, sw)))
+            qx, qw = (quantize_with_scale(t, s, E4M3) for t, s in ((x, sx), (w, sw)))
             if ctx.needs_input_grad[0]:
                 dx = gemm(qg, transpose(qw), x.dtype)
             if ctx.needs_input_grad[1] and not gemms.recipe.wgrad:

@@ -56,6 +56,11 @@ def _saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     return (x.float() * scale).clamp(-m, m).to(dtype)
 
 
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
+    """x with a given tensor-wise scale (delayed scaling's, or a saved forward scale)."""
+    return Quantized(_saturate(x, scale, dtype), scale)
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| in fp32 (NaN if x holds one)."""
     return x.detach().abs().amax().float()
