@@ -1,12 +1,14 @@
 """The GPT cut into pipeline stages, as pure functions over the params pytree.
 
 With pp ranks and vp model chunks per rank there are S = pp * vp stages; stage s = chunk * pp + rank
-holds layers [s * L / S, (s + 1) * L / S), so chunk c of rank r starts at layer c * (L / vp) + r *
-(L / pp / vp), Megatron's offset. Stage 0 also holds the embeddings, stage S - 1 the final norm, the
-output layer and the multi-token prediction layers (fmeg.models.mtp). Stage S - 1 holds a copy of
-the word embedding when it needs one (embedding_copy): as output.weight with tied embeddings, as
-mtp_embedding.weight for untied MTP layers' inputs; the two gradients are summed between the first
-and last stage (sync_tied_embedding_grads).
+holds the decoder layers after those of stages 0 .. s - 1, as many as `stages` gives it: an int S
+splits the L layers evenly (L / S each, so chunk c of rank r starts at layer c * (L / vp) + r *
+(L / pp / vp), Megatron's offset), a tuple names each stage's count (Megatron's uneven layouts; a
+stage may hold none and pass its activations on). Stage 0 also holds the embeddings, stage S - 1
+the final norm, the output layer and the multi-token prediction layers (fmeg.models.mtp). Stage
+S - 1 holds a copy of the word embedding when it needs one (embedding_copy): as output.weight with
+tied embeddings, as mtp_embedding.weight for untied MTP layers' inputs; the two gradients are
+summed between the first and last stage (sync_tied_embedding_grads).
 """
 
 from __future__ import annotations
@@ -22,17 +24,36 @@ from fmeg.parallel.pipeline.segments import Segment, compose, recompute_units
 from fmeg.parallel.tensor import NO_TP, TensorParallel
 
 
-def check_pipeline(config: GPTConfig, pp: int, vp: int = 1) -> None:
-    if config.num_layers % (pp * vp):
+# S stages of equal size, or each stage's decoder layers in forward order
+Stages = int | tuple[int, ...]
+
+
+def stage_counts(config: GPTConfig, stages: Stages) -> tuple[int, ...]:
+    """The decoder layers of each stage; ValueError when they do not add up to the model's."""
+    if isinstance(stages, int):
+        if stages < 1 or config.num_layers % stages:
+            raise ValueError(
+                f"GPTConfig.num_layers={config.num_layers} must be divisible by the {stages} "
+                "pipeline stages (pipeline size * virtual stages), or give each stage's layers"
+            )
+        return (config.num_layers // stages,) * stages
+    if sum(stages) != config.num_layers or min(stages, default=-1) < 0:
         raise ValueError(
-            f"GPTConfig.num_layers={config.num_layers} must be divisible by pipeline size * "
-            f"virtual stages = {pp} * {vp}"
+            f"the stages' decoder layers {list(stages)} must be counts adding up to "
+            f"GPTConfig.num_layers={config.num_layers}"
         )
+    return tuple(stages)
 
 
-def stage_layers(config: GPTConfig, stage: int, num_stages: int) -> range:
-    per = config.num_layers // num_stages
-    return range(stage * per, (stage + 1) * per)
+def num_stages(stages: Stages) -> int:
+    return stages if isinstance(stages, int) else len(stages)
+
+
+def stage_layers(config: GPTConfig, stage: int, stages: Stages) -> range:
+    """The model's indices of the decoder layers stage `stage` holds."""
+    counts = stage_counts(config, stages)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 def embedding_copy(config: GPTConfig) -> str | None:
@@ -44,16 +65,15 @@ def embedding_copy(config: GPTConfig) -> str | None:
     return "mtp_embedding.weight" if config.mtp_depth else None
 
 
-def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, Params]:
-    """{stage: that stage's params} for all pp * vp stages."""
-    check_pipeline(config, pp, vp)
-    stages = pp * vp
+def split(params: Params, config: GPTConfig, stages: Stages) -> dict[int, Params]:
+    """{stage: that stage's params} for all stages (pp * vp of them)."""
+    last = num_stages(stages) - 1
     out = {}
-    for s in range(stages):
+    for s in range(last + 1):
         p: Params = {"layers": [params["layers"][i] for i in stage_layers(config, s, stages)]}
         if s == 0:
             p["embedding"] = params["embedding"]
-        if s == stages - 1:
+        if s == last:
             p["final_norm"] = params["final_norm"]
             p["output"] = {"weight": gpt.output_weight(params, config)}
             if config.mtp_depth:
@@ -64,13 +84,13 @@ def split(params: Params, config: GPTConfig, pp: int, vp: int = 1) -> dict[int, 
     return out
 
 
-def stage_units(config: GPTConfig, stage: int, num_stages: int) -> list[str]:
+def stage_units(config: GPTConfig, stage: int, stages: Stages) -> list[str]:
     """The units of gpt.init (its `only`) whose weights split() puts in the stage: the last stage's
     copy of the word embedding is the embedding's."""
-    first, last = stage == 0, stage == num_stages - 1
+    first, last = stage == 0, stage == num_stages(stages) - 1
     return (
         (["embedding"] if first or (last and embedding_copy(config)) else [])
-        + [f"layers.{i}" for i in stage_layers(config, stage, num_stages)]
+        + [f"layers.{i}" for i in stage_layers(config, stage, stages)]
         + (
             ["final_norm"]
             + ([] if config.tie_embeddings else ["output"])
@@ -101,7 +121,7 @@ def merge(stage_trees: dict[int, Params], config: GPTConfig) -> Params:
 def stage_segments(
     config: GPTConfig,
     stage: int,
-    num_stages: int,
+    stages: Stages,
     tp: TensorParallel = NO_TP,
     recompute: tuple[str, str | None, int | None] | None = None,
     compile: str | None = None,
@@ -126,7 +146,8 @@ def stage_segments(
     as one segment (with compile, one graph): nothing can be handed over before the stage's backward
     ends, but the per-layer calls (guards, autograd wrappers, gradient hand-over) are gone, which is
     what a host-bound step needs. Not with full recomputation, whose units are segments."""
-    layers = stage_layers(config, stage, num_stages)
+    layers = stage_layers(config, stage, stages)
+    last = stage == num_stages(stages) - 1
     granularity, method, count = recompute or (None, None, None)
     unit_of = recompute_units(len(layers), method if granularity == "full" else None, count)
     selective = frozenset(modules) if granularity == "selective" else frozenset()
@@ -138,14 +159,7 @@ def stage_segments(
         return [
             Segment(
                 _fused_stage(
-                    config,
-                    tp,
-                    selective,
-                    per_token,
-                    compile,
-                    stage == 0,
-                    stage == num_stages - 1,
-                    layers.start,
+                    config, tp, selective, per_token, compile, stage == 0, last, layers.start
                 )
             )
         ]
@@ -165,7 +179,7 @@ def stage_segments(
         [Segment(lambda sub, x, batch: embedding(sub, batch), ("embedding",))] if stage == 0 else []
     )
     segments += [layer(i) for i in range(len(layers))]
-    if stage == num_stages - 1:
+    if last:
         segments.append(Segment(head, head_keys(config)))
     return segments
 
@@ -304,16 +318,14 @@ def _fused_stage(
     return torch.compile(stage, backend=backend, fullgraph=True) if backend else stage
 
 
-def stage_fn(
-    config: GPTConfig, stage: int, num_stages: int, tp: TensorParallel = NO_TP
-) -> Callable:
+def stage_fn(config: GPTConfig, stage: int, stages: Stages, tp: TensorParallel = NO_TP) -> Callable:
     """(params, x, batch) -> activations, or the microbatch's loss on the last stage: the stage's
     segments run one after the other (x is None on stage 0)."""
-    return compose(stage_segments(config, stage, num_stages, tp))
+    return compose(stage_segments(config, stage, stages, tp))
 
 
 def sync_tied_embedding_grads(
-    grads: dict[int, Params], config: GPTConfig, num_stages: int, embedding_group: Any = None
+    grads: dict[int, Params], config: GPTConfig, stages: Stages, embedding_group: Any = None
 ) -> dict[int, Params]:
     """Sum the word-embedding gradient of stage 0 and the gradient of the last stage's copy of it
     (embedding_copy), so both copies get the same update (Megatron's embedding-group all-reduce).
@@ -321,7 +333,7 @@ def sync_tied_embedding_grads(
     copy = embedding_copy(config)
     if copy is None:
         return grads
-    first, last = 0, num_stages - 1
+    first, last = 0, num_stages(stages) - 1
     owner, leaf = copy.split(".")
     # both copies on this rank: no communication
     if first in grads and last in grads:

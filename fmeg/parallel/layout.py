@@ -39,6 +39,9 @@ class Layout:
     cp_comm_type: str | tuple[str, ...] = "p2p"
     # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
     cp_a2a: int = 1
+    # the decoder layers of each of the pp * chunks stages in forward order (Megatron's uneven
+    # layouts); None: every stage holds as many
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def zero(self) -> bool:
@@ -63,6 +66,12 @@ class Layout:
     @property
     def num_stages(self) -> int:
         return self.pp * self.chunks
+
+    @property
+    def stages(self) -> int | tuple[int, ...]:
+        """The stages as fmeg.models.gpt_pipeline takes them: their number when they are even, else
+        each one's decoder layers."""
+        return self.stage_layers if self.stage_layers is not None else self.num_stages
 
     def microbatches(self, global_batch: int) -> int:
         """Microbatches each data-parallel rank runs for a global batch."""
@@ -110,6 +119,7 @@ class Layout:
             "zero": self.zero,
             **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
             "dtype": str(dtype).removeprefix("torch."),
+            **({"stage_layers": list(self.stage_layers)} if self.stage_layers else {}),
             **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
             **({"cp": self.cp} if self.cp > 1 else {}),
         }
@@ -135,6 +145,11 @@ class Layout:
                 else ""
             )
             + (f" (experts: ep {self.ep}, tp {self.expert_tp})" if self.experts_apart else "")
+            + (
+                f", layers per stage {'|'.join(map(str, self.stage_layers))}"
+                if self.stage_layers
+                else ""
+            )
             + (", sequence parallel" if self.sequence_parallel else "")
             + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
             + (f", recompute {recompute}" if recompute else "")

@@ -104,12 +104,11 @@ def placement(
 ) -> Placement:
     """Where the leaf at path of this rank's stage `stage` sits in the checkpoint's global
     tensors."""
-    stages = layout.num_stages
     name = path
     if path.startswith("layers."):
         _, index, rest = path.split(".", 2)
-        name = f"layers.{gp.stage_layers(config, stage, stages).start + int(index)}.{rest}"
-    copy = stage == stages - 1 and path == gp.embedding_copy(config)
+        name = f"layers.{gp.stage_layers(config, stage, layout.stages).start + int(index)}.{rest}"
+    copy = stage == layout.num_stages - 1 and path == gp.embedding_copy(config)
     name = "embedding.word.weight" if copy else name
     coords = {"tp": (mesh.coord("tp"), layout.tp), "ep": (mesh.coord("ep"), layout.ep)}
     if layout.experts_apart:

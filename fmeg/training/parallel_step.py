@@ -41,7 +41,7 @@ def local_stages(layout: Layout, pp_rank: int) -> list[int]:
 def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:
     """{stage: tensor- (and expert-) parallel shard} for this rank's stages, cut from the full
     (single-rank) parameters."""
-    stages = gp.split(full, config, layout.pp, layout.chunks)
+    stages = gp.split(full, config, layout.stages)
     coords = {"tp": (mesh.coord("tp"), layout.tp), "ep": (mesh.coord("ep"), layout.ep)}
     if layout.experts_apart:
         coords["etp"] = (mesh.coord("expert_tp"), layout.expert_tp)
@@ -108,13 +108,7 @@ def evaluate(
     tp = model_parallel(layout, mesh, fp8)
     fns = {
         s: gp.stage_segments(
-            config,
-            s,
-            layout.num_stages,
-            tp,
-            compile=compile,
-            per_token=True,
-            fused=compile is not None,
+            config, s, layout.stages, tp, compile=compile, per_token=True, fused=compile is not None
         )
         for s in params
     }
@@ -265,7 +259,7 @@ def initialized_state(
     at once than its state and one unit. options: init_state's (device: where the state lives)."""
     state = init_state(local_shapes(config, layout, mesh), config, layout, mesh, **options)
     for stage in local_stages(layout, mesh.coord("pp")):
-        for unit in gp.stage_units(config, stage, layout.num_stages):
+        for unit in gp.stage_units(config, stage, layout.stages):
             state.assign(shard_params(gpt.init(config, seed, only=unit), config, layout, mesh))
     return state
 
@@ -332,7 +326,7 @@ def _sync_tied(sync: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh, sta
         for part in parents:
             node = node.setdefault(part, {})
         node[name] = sync.leaf(path)
-    synced = gp.sync_tied_embedding_grads(held, config, layout.num_stages, mesh.group("embedding"))
+    synced = gp.sync_tied_embedding_grads(held, config, layout.stages, mesh.group("embedding"))
     for path in paths:
         stage, _, rest = path.partition(".")
         value = subtree(synced[int(stage)], rest)
@@ -475,7 +469,7 @@ def stage_functions(
         s: gp.stage_segments(
             config,
             s,
-            layout.num_stages,
+            layout.stages,
             tp,
             layout.recompute,
             compile,

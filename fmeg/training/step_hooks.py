@@ -181,7 +181,7 @@ def update_expert_bias(
     )
     kinds = moe.moe_layers(config, mtp=True)
     for stage in state.params:
-        for j, index in enumerate(gp.stage_layers(config, stage, layout.num_stages)):
+        for j, index in enumerate(gp.stage_layers(config, stage, layout.stages)):
             if kinds[index]:
                 state.add_(f"{stage}.layers.{j}.mlp.router.expert_bias", delta[index])
         # the multi-token prediction layers'

@@ -181,10 +181,12 @@ def gpt_loss_and_grads(mesh, params, batch, config, key):
     return loss, grads
 
 
-def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp, segmented=True):
+def pipelined_gpt(
+    mesh, params, microbatches, config, schedule_name, vp, segmented=True, stage_layers=None
+):
     """Split the GPT into stages, run this rank's part of a schedule, sum tied-embedding grads.
     Stages run as chains of segments (one vjp each, as training does) or, segmented=False, as one
-    function."""
+    function; stage_layers: each stage's decoder layers (None: even)."""
     from fmeg.models import gpt_pipeline as gp
     from fmeg.parallel.pipeline import execute, schedules
 
@@ -197,13 +199,13 @@ def pipelined_gpt(mesh, params, microbatches, config, schedule_name, vp, segment
         "zero_bubble": lambda: schedules.zero_bubble_h1(pp, m),
     }[schedule_name]
     schedule = schedules.with_communication(make())
-    stages = pp * vp
-    mine = [s for s in range(stages) if s % pp == rank]
-    all_params = gp.split(params, config, pp, vp)
+    stages = stage_layers or pp * vp
+    mine = [s for s in range(pp * vp) if s % pp == rank]
+    all_params = gp.split(params, config, stages)
     stage_params = {s: all_params[s] for s in mine}
     fns = {s: (gp.stage_segments if segmented else gp.stage_fn)(config, s, stages) for s in mine}
     loss, grads = execute.execute(
-        schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), stages
+        schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), pp * vp
     )
     grads = gp.sync_tied_embedding_grads(grads, config, stages, mesh.group("embedding"))
     return loss, grads

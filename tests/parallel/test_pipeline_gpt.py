@@ -114,16 +114,63 @@ def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(
     params, mbs = gpt.init(config, 3), microbatches(config, m, seed=3)
     results = run_threads(pp, P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
     check(results, config, params, mbs, pp, vp)
-    assert "mtp" in gp.split(params, config, pp, vp)[pp * vp - 1]
+    assert "mtp" in gp.split(params, config, pp * vp)[pp * vp - 1]
 
 
 def test_layers_must_divide_over_stages():
     with pytest.raises(
-        ValueError,
-        match=r"GPTConfig\.num_layers=8 must be divisible by pipeline size \* virtual stages = 3 "
-        r"\* 1",
+        ValueError, match=r"GPTConfig\.num_layers=8 must be divisible by the 3 pipeline stages"
     ):
         gp.split(gpt.init(CONFIGS["gpt2_tied"], 0), CONFIGS["gpt2_tied"], 3)
+    with pytest.raises(ValueError, match=r"\[1, 2\] must be counts adding up to .*=8"):
+        gp.split(gpt.init(CONFIGS["gpt2_tied"], 0), CONFIGS["gpt2_tied"], (1, 2))
+
+
+# stages of 0, 1, 2 and 3 layers (8 in all), an empty stage between two full ones, the embedding
+# alone on the first stage and the head alone on the last
+UNEVEN = [
+    ("1f1b", 1, 4, (3, 1, 0, 4)),
+    ("gpipe", 1, 2, (0, 8)),
+    ("zero_bubble", 1, 4, (2, 3, 3, 0)),
+    ("interleaved", 2, 2, (0, 3, 2, 3)),
+    ("interleaved", 2, 4, (0, 1, 2, 3, 0, 1, 1, 0)),
+]
+
+
+@pytest.mark.parametrize("schedule, vp, pp, stage_layers", UNEVEN)
+@pytest.mark.parametrize("style", ["gpt2_tied", "llama_mtp"])
+def test_uneven_stages_give_one_devices_loss_and_gradients(schedule, vp, pp, stage_layers, style):
+    config, m = CONFIGS[style], 4
+    params, mbs = gpt.init(config, 4), microbatches(config, m, seed=4)
+    results = run_threads(
+        pp, P.pipelined_gpt, params, mbs, config, schedule, vp, True, stage_layers, pp=pp
+    )
+    check(results, config, params, mbs, pp, vp)
+    held = {s: len(p["layers"]) for _, grads in results for s, p in grads.items()}
+    assert tuple(held[s] for s in range(pp * vp)) == stage_layers
+
+
+def test_uneven_stages_on_gloo():
+    config, pp, vp, stage_layers = CONFIGS["llama_untied"], 2, 2, (0, 3, 5, 0)
+    params, mbs = gpt.init(config, 5), microbatches(config, 4, seed=5)
+    results = gloo(pp).run(
+        P.pipelined_gpt, params, mbs, config, "interleaved", vp, True, stage_layers, pp=pp
+    )
+    check(results, config, params, mbs, pp, vp)
+
+
+def test_uneven_stage_offsets_follow_megatron():
+    config = CONFIGS["gpt2_tied"].replace(num_layers=9)
+    # stage s = chunk * pp + rank; each stage starts after the layers of the stages before it
+    counts = (0, 2, 3, 1, 0, 3)
+    assert [list(gp.stage_layers(config, s, counts)) for s in range(6)] == [
+        [],
+        [0, 1],
+        [2, 3, 4],
+        [5],
+        [],
+        [6, 7, 8],
+    ]
 
 
 def test_stage_offsets_follow_megatron():
