@@ -101,7 +101,10 @@ def unused_flag_problems(a: argparse.Namespace) -> list[str]:
 
 def recompute_problems(a: argparse.Namespace) -> list[str]:
     """Megatron's rules for the recompute flags, one line each."""
-    per_rank = a.num_layers // a.pipeline_model_parallel_size
+    uneven = getattr(a, "pipeline_stage_layers", None)
+    pp = a.pipeline_model_parallel_size
+    # the most layers a pipeline rank holds
+    per_rank = max(sum(uneven[r::pp]) for r in range(pp)) if uneven else a.num_layers // max(pp, 1)
     if a.recompute_modules is not None and a.recompute_granularity != "selective":
         return [
             "--recompute-modules applies to --recompute-granularity selective (or "

@@ -32,6 +32,8 @@ LAYOUT_DESTS = (
     "pipeline_model_parallel_layout",
     "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
     "hierarchical_context_parallel_sizes",
     "sequence_parallel",
     "use_distributed_optimizer",

@@ -15,6 +15,8 @@ from fmeg.config.problems import Problems
 
 def virtual_chunks(a: argparse.Namespace) -> int:
     """Virtual pipeline stages per pipeline rank the flags give (1 when they give a bad number)."""
+    if getattr(a, "pipeline_stage_layers", None):
+        return max(1, len(a.pipeline_stage_layers) // a.pipeline_model_parallel_size)
     per_layer = a.num_layers_per_virtual_pipeline_stage
     if per_layer is None or per_layer <= 0:
         return 1
@@ -112,6 +114,13 @@ def pipeline_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     problems, need = Problems.start()
     pp = a.pipeline_model_parallel_size
     problems.extend(getattr(a, "layout_problems", []))
+    if getattr(a, "pipeline_stage_layers", None):
+        # uneven stages: pipeline_layout.apply checked that they hold every layer
+        need(
+            len(a.pipeline_stage_layers) == pp or pp > 1,
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1",
+        )
+        return problems
     vp_chunks = 1
     if a.num_layers_per_virtual_pipeline_stage is not None:
         need(

@@ -244,26 +244,6 @@ LATER_WORK = {
         (False,),
         "weight decay on the q/k norms",
     ),
-    "--decoder-first-pipeline-num-layers": (
-        {"type": int, "default": None},
-        (None,),
-        "an uneven split of layers over pipeline stages",
-    ),
-    "--decoder-last-pipeline-num-layers": (
-        {"type": int, "default": None},
-        (None,),
-        "an uneven split of layers over pipeline stages",
-    ),
-    "--account-for-embedding-in-pipeline-split": (
-        {"action": "store_true"},
-        (False,),
-        "an uneven split of layers over pipeline stages",
-    ),
-    "--account-for-loss-in-pipeline-split": (
-        {"action": "store_true"},
-        (False,),
-        "an uneven split of layers over pipeline stages",
-    ),
     "--per-split-data-args-path": (
         {"default": None},
         (None,),

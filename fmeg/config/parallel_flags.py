@@ -39,8 +39,26 @@ class ParallelFlags:
     )
     pipeline_model_parallel_layout: str | None = flag(
         "--pipeline-model-parallel-layout",
-        help="Megatron's layout string, e.g. 'Et|(tt|)*3tmL': what each (virtual) stage holds; "
-        "fmeg takes the even ones (fmeg.config.pipeline_layout)",
+        help="Megatron's layout string, e.g. 'Et|(tt|)*3tmL': what each (virtual) stage holds, "
+        "any number of layers (fmeg.config.pipeline_layout)",
+    )
+    decoder_first_pipeline_num_layers: int | None = flag(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        help="decoder layers of the first pipeline rank (the others split the rest evenly)",
+    )
+    decoder_last_pipeline_num_layers: int | None = flag(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        help="decoder layers of the last pipeline rank (the others split the rest evenly)",
+    )
+    account_for_embedding_in_pipeline_split: bool = switch(
+        "--account-for-embedding-in-pipeline-split",
+        help="count the embedding as a layer when splitting: the first stage holds one layer less",
+    )
+    account_for_loss_in_pipeline_split: bool = switch(
+        "--account-for-loss-in-pipeline-split",
+        help="count the loss as a layer when splitting: the last stage holds one layer less",
     )
     pipeline_schedule: str = flag(
         "--pipeline-schedule",

@@ -85,8 +85,11 @@ def _rope_fields(a) -> dict:
 
 def layout_from_args(a, world: int) -> Layout:
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+    uneven = getattr(a, "pipeline_stage_layers", None)
     chunks = (
-        (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage
+        len(uneven) // pp
+        if uneven
+        else (a.num_layers // pp) // a.num_layers_per_virtual_pipeline_stage
         if a.num_layers_per_virtual_pipeline_stage
         else 1
     )
@@ -112,6 +115,7 @@ def layout_from_args(a, world: int) -> Layout:
         cp=a.context_parallel_size,
         cp_comm_type=context_flags.comm_type(a),
         cp_a2a=context_flags.a2a_level(a),
+        stage_layers=uneven,
     )
 
 

@@ -53,6 +53,10 @@ HONOURED_SINCE = {
     "--fp8-amax-compute-algo",
     "--fp8-param-gather",
     "--first-last-layers-bf16",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
 }
 # --fp8-format was refused at any value but its default; since issue 53 it runs, under Megatron's
 # dest (args.fp8), which Megatron's saved arguments use

@@ -1,6 +1,7 @@
 """Megatron's --pipeline-model-parallel-layout: the strings of its documentation expand as it
 expands them, an even layout sets the virtual stages as --num-layers-per-virtual-pipeline-stage
-would, and any other layout is one line naming what fmeg's pipeline cannot hold."""
+would, an uneven one gives each stage its layers, and a layout fmeg's pipeline cannot hold is one
+line naming why."""
 
 import pytest
 
@@ -52,15 +53,12 @@ def test_an_even_layout_sets_the_virtual_stages(layout, per_stage):
     "layout, needle",
     [
         ("Ett|t|tmL", "3 stages are not a multiple of --pipeline-model-parallel-size 2"),
-        ("Ett|tt|m|L", "keeps the MTP layers and the loss at the end of the last stage"),
-        (
-            "Ettt|tmL",
-            "stage 0 holds 3 decoder layers; fmeg's pipeline splits the 4 evenly over the 2 stages",
-        ),
+        ("Ett|tt|m|L", "keeps the MTP layers (m) and the loss (L) at the end of the last stage"),
         ("Et|t|t|t|m|L|E|L", "it holds 2 E, 4 t, 1 m and 2 L"),
         ("Et*3|(tt|)*29,m|L", "it holds 1 E, 61 t"),
-        ("tE|tttmL", "keeps the embedding at the start of the first stage"),
-        ("Et|tm|t|tL", "keeps the MTP layers and the loss at the end of the last stage"),
+        ("tE|tttmL", "the embedding (E) comes first in the first stage"),
+        ("|Ett|tt|mL", "the embedding (E) comes first in the first stage"),
+        ("Et|tm|t|tL", "keeps the MTP layers (m) and the loss (L) at the end of the last stage"),
         ("Et|t|(t|tmL", "a '(' is not closed"),
         ("Et|t|t|tmLx", "cannot read 'x'"),
     ],
@@ -78,6 +76,26 @@ def test_the_layout_and_the_virtual_stage_flag_are_alternatives():
         args("Et|t|t|tmL", extra=["--num-layers-per-virtual-pipeline-stage", "1"]), 2
     )
     assert problems == [
-        "--pipeline-model-parallel-layout sets the virtual stages: drop "
-        "--num-layers-per-virtual-pipeline-stage"
+        "--pipeline-model-parallel-layout places every layer: drop "
+        "--num-layers-per-virtual-pipeline-stage, --decoder-first/last-pipeline-num-layers and "
+        "--account-for-*-in-pipeline-split"
     ]
+
+
+@pytest.mark.parametrize(
+    "layout, pp, counts",
+    [
+        ("Ettt|tmL", 2, (3, 1)),
+        ("E|t|ttt|mL", 2, (0, 1, 3, 0)),
+        ("E||tt|tt|mL|", 2, None),
+        ("E|t|tt||t|mL", 3, (0, 1, 2, 0, 1, 0)),
+    ],
+)
+def test_an_uneven_layout_gives_each_stage_its_layers(layout, pp, counts):
+    a = args(layout, pp=pp)
+    problems = validate(a, pp)
+    if counts is None:  # the loss is not at the end of the last stage
+        assert len(problems) == 1 and "at the end of the last stage" in problems[0]
+        return
+    assert problems == [] and a.pipeline_stage_layers == counts
+    assert a.num_layers_per_virtual_pipeline_stage is None

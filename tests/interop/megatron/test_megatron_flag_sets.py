@@ -18,10 +18,6 @@ from harness.megatron_flag_sets import CONFIGS, SCRIPTS, argv_of
 
 # the flags these configurations and scripts use that ask for a feature fmeg does not have yet
 STILL_TO_COME = {
-    "--decoder-first-pipeline-num-layers": "uneven pipeline stages (issue 54)",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline stages (issue 54)",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages (issue 54)",
-    "--account-for-loss-in-pipeline-split": "uneven pipeline stages (issue 54)",
     "--experimental-attention-variant": "gated delta net and DeepSeek sparse attention",
     "--attention-output-gate": "Qwen3-Next's gated attention",
     # used only by the gated delta net configurations
@@ -80,9 +76,9 @@ def test_the_flags_refused_are_the_features_still_to_come():
     "flags, line",
     [
         (
-            ["--decoder-first-pipeline-num-layers", "2"],
-            "--decoder-first-pipeline-num-layers 2: an uneven split of layers over pipeline "
-            "stages is not supported by fmeg yet",
+            ["--attention-output-gate"],
+            "--attention-output-gate: a gate on attention's output (Qwen3-Next's) is not "
+            "supported by fmeg yet",
         ),
         (
             ["--experimental-attention-variant", "gated_delta_net", "--linear-num-key-heads", "4"],
