@@ -32,7 +32,13 @@ from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # 
 from fmeg.data.fim import FIM  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
-from fmeg.training.report import fp8_line, holds_attention_scores, memory_estimate  # noqa: E402
+from fmeg.models import gpt_pipeline as gp  # noqa: E402
+from fmeg.training.report import (  # noqa: E402
+    fp8_line,
+    holds_attention_scores,
+    memory_estimate,
+    stages_line,
+)
 from fmeg.config.load import BadInput, load  # noqa: E402
 from fmeg.config.run_config import RunConfig  # noqa: E402
 from fmeg.training.run_state import Checkpointer, MissingCheckpoint, build_or_restore  # noqa: E402
@@ -147,6 +153,8 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         else f" (gradients reduced in {str(precision.grad_dtype).removeprefix('torch.')})"
     )
     in_flight = min(layout.pp, layout.microbatches(cfg.global_batch)) * layout.chunks
+    stage_layers = [gp.stage_layers(model, s, layout.stages) for s in range(layout.num_stages)]
+    compute_bytes = torch.finfo(precision.compute_dtype).bits // 8
     estimate = memory_estimate(
         local,
         state_bytes,
@@ -156,8 +164,10 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         layout.tp,
         layout.pp,
         in_flight,
-        torch.finfo(precision.compute_dtype).bits // 8,
+        compute_bytes,
         cp=layout.cp,
+        # this (the last) rank's stages': the average over its stages, as in_flight counts them
+        layers=sum(len(r) for r in stage_layers[layout.pp - 1 :: layout.pp]) / layout.chunks,
     )
     print(
         f"fmeg gpt_pretrain on {session.device}: world {session.world} = {layout.describe()}; "
@@ -185,6 +195,19 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         f"{scores} attention scores, Korthikanti's count)",
         flush=True,
     )
+    if layout.pp > 1:
+        print(
+            stages_line(
+                model,
+                stage_layers,
+                micro_batch=layout.micro_batch_size,
+                seq_len=cfg.data.seq_length,
+                tp=layout.tp,
+                cp=layout.cp,
+                activation_bytes=compute_bytes,
+            ),
+            flush=True,
+        )
     print(
         "persistent state per rank (MB): "
         + ", ".join(f"r{r} {b / 2**20:.2f}" for r, b in enumerate(per_rank)),

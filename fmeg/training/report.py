@@ -21,47 +21,95 @@ def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
     MLA count, less its norms' per-token terms). Multi-token prediction adds, as Megatron counts it,
     6 (3h + 2h^2) per token and depth for its norms and eh_proj and one more output layer per depth:
     Megatron leaves the depths' transformer layers out, and so does this count."""
+    return sum(layer_flops(config, global_batch, seq_len)) + head_flops(
+        config, global_batch, seq_len
+    )
+
+
+def _attention_terms(config: GPTConfig, seq_len: int) -> float:
+    """A layer's attention matmuls in units of 2 h^2 per token (model_flops' attention term)."""
+    c, s, h = config, seq_len, config.hidden_size
+    mla = c.attention.mla
+    if mla is None:
+        return (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
+    n, dq, dr, dv = c.num_heads, mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim
+    q = h * n * (dq + dr) if mla.q_lora_rank is None else mla.q_lora_rank * (h + n * (dq + dr))
+    weights = q + h * (mla.kv_lora_rank + dr) + mla.kv_lora_rank * n * (dq + dv) + n * dv * h
+    return (weights + s * n * (dq + dr + dv)) / (2 * h * h)
+
+
+def layer_flops(config: GPTConfig, global_batch: int, seq_len: int) -> list[float]:
+    """Each decoder layer's share of model_flops: 12 B s h^2 (attention + its MLP's F / h, x 3/2
+    with SwiGLU; an MoE layer's F is topk x the expert width + the shared expert's)."""
     from fmeg.models.moe import expert_ffn, moe_layers
 
-    c, s = config, seq_len
-    h, L = c.hidden_size, c.num_layers
-    attention = (1 + c.num_kv_heads / c.num_heads + s / h) * (c.num_heads * c.head_dim / h)
-    if c.attention.mla is not None:
-        n, dq, dr, dv = (
-            c.num_heads,
-            c.attention.mla.qk_head_dim,
-            c.attention.mla.qk_pos_emb_head_dim,
-            c.attention.mla.v_head_dim,
-        )
-        q = (
-            h * n * (dq + dr)
-            if c.attention.mla.q_lora_rank is None
-            else c.attention.mla.q_lora_rank * (h + n * (dq + dr))
-        )
-        weights = (
-            q
-            + h * (c.attention.mla.kv_lora_rank + dr)
-            + c.attention.mla.kv_lora_rank * n * (dq + dv)
-            + n * dv * h
-        )
-        attention = (weights + s * n * (dq + dr + dv)) / (2 * h * h)
-    moe = sum(moe_layers(c))
-    ffn = c.ffn_hidden_size * (L - moe) / L
-    if moe:
-        ffn += (
-            (
-                expert_ffn(c) * c.experts.router.topk
-                + (c.experts.shared_expert_intermediate_size or 0)
-            )
-            * moe
-            / L
-        )
-    mlp = ffn / h * (1.5 if c.activation == "swiglu" else 1.0)
+    c, h = config, config.hidden_size
+    gated = 1.5 if c.activation == "swiglu" else 1.0
+    experts = (
+        expert_ffn(c) * c.experts.router.topk + (c.experts.shared_expert_intermediate_size or 0)
+        if c.experts
+        else 0
+    )
+    attention = _attention_terms(c, seq_len)
+    scale = 12.0 * global_batch * seq_len * h * h
+    return [
+        scale * (attention + (experts if moe else c.ffn_hidden_size) / h * gated)
+        for moe in moe_layers(c)[: c.num_layers]
+    ]
+
+
+def head_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:
+    """The last stage's share of model_flops beyond its decoder layers: the output layer once per
+    prediction depth and each multi-token prediction depth's norms and eh_proj."""
+    c, h = config, config.hidden_size
     depths = c.mtp_depth
-    logits = c.padded_vocab_size / (2 * L * h) * (depths + 1)
-    # Megatron's: their norms and eh_proj, not their layers
-    mtp = depths * (3 * h + 2 * h * h) / (2 * L * h * h)
-    return 12.0 * global_batch * s * L * h * h * (attention + mlp + mtp + logits)
+    return (
+        12.0
+        * global_batch
+        * seq_len
+        * (c.padded_vocab_size * h / 2 * (depths + 1) + depths * (3 * h + 2 * h * h) / 2)
+    )
+
+
+def stage_costs(
+    config: GPTConfig,
+    stage_layers: list[range],
+    micro_batch: int,
+    seq_len: int,
+    tp: int = 1,
+    cp: int = 1,
+    activation_bytes: int = 4,
+) -> list[tuple[int, float, float]]:
+    """For each pipeline stage (its decoder layers' indices): (layers, model FLOPs of one
+    microbatch's forward and backward on one of its tp x cp ranks, activation bytes one microbatch
+    leaves there, as memory_estimate counts them). The last stage adds the head's FLOPs and the
+    multi-token prediction depths' activations."""
+    per_layer = layer_flops(config, micro_batch, seq_len)
+    head = head_flops(config, micro_batch, seq_len)
+    layer, depths = microbatch_activations(config, micro_batch, seq_len, tp, cp, activation_bytes)
+    last = len(stage_layers) - 1
+    return [
+        (
+            len(layers),
+            (sum(per_layer[i] for i in layers) + (head if s == last else 0.0)) / (tp * cp),
+            layer * len(layers) + (depths if s == last else 0.0),
+        )
+        for s, layers in enumerate(stage_layers)
+    ]
+
+
+def stages_line(config: GPTConfig, stage_layers: list[range], **sizes) -> str:
+    """The start line's pipeline sentence: each stage's layers, GFLOP and activation MB per
+    microbatch (stage_costs)."""
+    costs = stage_costs(config, stage_layers, **sizes)
+    return (
+        "pipeline stages (per microbatch on one rank of each): layers "
+        + "|".join(str(n) for n, _, _ in costs)
+        + "; GFLOP "
+        + "|".join(f"{f / 1e9:.3g}" for _, f, _ in costs)
+        + "; activations (MB) "
+        + "|".join(f"{b / 2**20:.3g}" for _, _, b in costs)
+    )
 
 
 def activation_units(config: GPTConfig) -> float:
@@ -114,6 +162,18 @@ def holds_attention_scores(config: GPTConfig) -> bool:
     )
 
 
+def microbatch_activations(
+    config: GPTConfig, micro_batch: int, seq_len: int, tp: int, cp: int, activation_bytes: int
+) -> tuple[float, float]:
+    """(one decoder layer's, all the multi-token prediction depths') activation bytes for one
+    microbatch on one rank, as memory_estimate counts them."""
+    s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
+    scores = 5 * a * s / h if holds_attention_scores(config) else 0.0
+    layer = s * b * h * (activation_units(config) + scores) / (tp * cp) * (activation_bytes / 2)
+    depth = layer + 8 * s * b * h / (tp * cp) * (activation_bytes / 2)
+    return layer, depth * config.mtp_depth
+
+
 def memory_estimate(
     local_params: int,
     state_bytes: int,
@@ -125,6 +185,7 @@ def memory_estimate(
     in_flight: int,
     activation_bytes: int = 4,
     cp: int = 1,
+    layers: float | None = None,
 ) -> dict[str, float]:
     """Bytes per rank: weights and fp32 gradients, optimizer state, and activations of the
     microbatches a rank holds at once (Korthikanti et al. 2022: s b h (units + 5 a s / h) per layer
@@ -132,13 +193,11 @@ def memory_estimate(
     attention scores, counted only where fmeg holds them (holds_attention_scores): fused attention
     keeps none. Context parallelism holds s / cp of the tokens, their scores against the whole
     sequence. The last stage also holds each multi-token prediction depth: one more layer and the 8
-    h of its two norms' inputs and its eh_proj's [2h] input."""
-    s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_heads
-    scores = 5 * a * s / h if holds_attention_scores(config) else 0.0
-    per_layer_16bit = s * b * h * (activation_units(config) + scores) / (tp * cp)
-    depths = config.mtp_depth
-    layers = config.num_layers / pp + depths * (1 + 8 * s * b * h / (tp * cp) / per_layer_16bit)
-    activations = per_layer_16bit * (activation_bytes / 2) * layers * in_flight
+    h of its two norms' inputs and its eh_proj's [2h] input. layers: the decoder layers the rank
+    holds (None: num_layers / pp)."""
+    layer, depths = microbatch_activations(config, micro_batch, seq_len, tp, cp, activation_bytes)
+    held = config.num_layers / pp if layers is None else layers
+    activations = (layer * held + depths) * in_flight
     # compute copy + fp32 gradient buffer
     weights = local_params * (activation_bytes + 4)
     return {
