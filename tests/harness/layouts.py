@@ -32,6 +32,11 @@ EXPERTS_MODEL = [
     "--untie-embeddings-and-output-weights",
 ]
 ZERO1 = ["--use-distributed-optimizer"]
+# 1 decoder layer on the first pipeline rank, the other 3 on the next
+FIRST1 = ["--decoder-first-pipeline-num-layers", "1"]
+# pp 2 x 3 virtual stages of 0, 1, 2, 0, 1 and 0 decoder layers: the embedding alone, an empty
+# stage, the loss alone
+UNEVEN_LAYOUT = ["--pipeline-model-parallel-layout", "E|t|tt||t|L"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 
 # multi-latent attention with experts: the model of the MLA and MTP rows
@@ -207,6 +212,30 @@ TABLE: dict[str, tuple[int, list[str]]] = {
         ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
     ),
     "tp2_sp_zero1": (2, [*TP2_SP, *ZERO1]),
+    # uneven pipeline stages (4 decoder layers): Megatron's flags and its layout strings
+    "pp2_first1": (2, ["--pipeline-model-parallel-size", "2", *FIRST1]),
+    "pp3_embedding_loss_split": (
+        3,
+        [
+            "--pipeline-model-parallel-size",
+            "3",
+            "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split",
+        ],
+    ),
+    "pp2_uneven_layout": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT]),
+    "pp2_uneven_zero_bubble": (
+        2,
+        [*FIRST1, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"],
+    ),
+    "pp2_uneven_layout_tp2_sp_zero1": (
+        4,
+        ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT, *TP2_SP, *ZERO1],
+    ),
+    "pp2_uneven_layout_compiled": (
+        2,
+        ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT, "--compile"],
+    ),
 }
 
 

@@ -1040,8 +1040,9 @@ def test_the_gpt_oss_script_trains_saves_and_resumes_with_per_layer_moe_logging(
 def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
     """Megatron-MoE-ModelZoo's DeepSeek-V3 pretraining command (pretrain_gpt.py's flags, in their
     order), without its FP8 flags (--fp8-recipe, --fp8-format, --moe-router-padding-for-fp8); sizes
-    shrunk where marked, its uneven --pipeline-model-parallel-layout made even for 4 layers (fmeg's
-    pipeline splits evenly), its tokenizer a local directory (fmeg never downloads)."""
+    shrunk where marked (its 61 layers and its layout string kept: 32 stages of 0 to 2 decoder
+    layers, so pp 2 x 16 virtual stages here), its tokenizer a local directory (fmeg never
+    downloads)."""
     return [
         "--distributed-timeout-minutes",
         "60",
@@ -1090,11 +1091,11 @@ def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
         "--num-workers",
         "6",
         "--num-layers",
-        "4",
+        "61",
         "--hidden-size",
         "64",
         "--ffn-hidden-size",
-        "96",  # sizes: 61, 7168, 18432
+        "96",  # sizes: 7168, 18432
         "--num-attention-heads",
         "4",
         "--kv-channels",
@@ -1142,9 +1143,9 @@ def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
         "--num-experts",
         "8",  # size: 256
         "--moe-layer-freq",
-        "([0]*1+[1]*3)",
+        "([0]*3+[1]*58)",
         "--moe-ffn-hidden-size",
-        "16",  # sizes: ([0]*3+[1]*58), 2048
+        "16",  # size: 2048
         "--moe-shared-expert-intermediate-size",
         "16",
         "--moe-router-load-balancing-type",
@@ -1226,7 +1227,7 @@ def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
         "mlp",
         "layernorm",
         "--pipeline-model-parallel-layout",
-        "Et|t|t|tmL",  # Et*2|(tt|)*22t|(tt|)*7mL
+        "Et*2|(tt|)*22t|(tt|)*7mL",
         "--use-precision-aware-optimizer",
         "--main-grads-dtype",
         "fp32",
@@ -1241,14 +1242,24 @@ def deepseek_v3(tokenizer_dir: str, ckpt: str, train_samples: int) -> list[str]:
     ]
 
 
-@pytest.mark.slow  # four ranks, twice; each feature it runs has its own default-suite test
-def test_the_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
-    """Every flag of the DeepSeek-V3 pretraining command but FP8 runs as in Megatron: MLA with YaRN,
-    DeepSeek-MoE routing with the expert bias at ep 2, MTP, pp 2 with two virtual stages from its
-    layout string, selective recomputation of its modules, bf16 moments, the flex dispatcher as
-    alltoall; it saves the weights only (--no-save-optim) and, given --load, resumes them with a
-    fresh optimizer (its --no-load-optim)."""
-    pytest.importorskip("tokenizers")
+def with_values(flags: list[str], **values: str | None) -> list[str]:
+    """flags with the named flags' values replaced (None: the flag and its value dropped)."""
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        name = flag[2:].replace("-", "_") if flag.startswith("--") else None
+        if name in values:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            if values[name] is not None:
+                out += [flag, values[name]] if skip else [flag]
+            continue
+        out.append(flag)
+    return out
+
+
+def _deepseek_tokenizer(tmp_path) -> str:
     from harness.data_files import bpe_files
 
     from fmeg.data.tokenizers import GPT2BPETokenizer
@@ -1258,11 +1269,53 @@ def test_the_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
     GPT2BPETokenizer(*map(str, bpe_files(tmp_path)))._tok.save(
         str(tokenizer_dir / "tokenizer.json")
     )
+    return str(tokenizer_dir)
+
+
+@pytest.mark.slow  # four ranks and one, 61 layers each
+def test_the_deepseek_v3_layout_string_gives_one_ranks_curve(tmp_path):
+    """The command's own layout string (32 stages of 2, 1 and 0 layers, the MTP layer and the loss
+    alone on the last) at pp 2 x 16 virtual stages with ep 2, in fp32 (its --bf16 and bf16 moments
+    off, as the invariance guarantee is stated): one rank's loss, MTP loss and balancing loss within
+    1e-5 over 8 iterations."""
+    pytest.importorskip("tokenizers")
+    fp32 = dict(bf16=None, exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32")
+    flags = with_values(deepseek_v3(_deepseek_tokenizer(tmp_path), str(tmp_path / "c"), 64), **fp32)
+    keys = ("lm_loss", "mtp_1 loss", "seq_load_balancing_loss")
+    got, stdout = run_recipe(tmp_path, "layout", 4, flags, common=[])
+    assert "(x16 virtual)" in stdout
+    one_rank = with_values(
+        flags,
+        pipeline_model_parallel_size="1",
+        expert_model_parallel_size="1",
+        pipeline_model_parallel_layout=None,
+        global_batch_size="8",
+    )
+    want, _ = run_recipe(tmp_path, "one", 1, one_rank, common=[])
+    for key in keys:
+        a, b = ([r[key] for r in rs if "lm_loss" in r] for rs in (got, want))
+        assert len(a) == len(b) == 8
+        assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (key, a, b)
+
+
+@pytest.mark.slow  # four ranks, twice; each feature it runs has its own default-suite test
+def test_the_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
+    """Every flag of the DeepSeek-V3 pretraining command but FP8 runs as in Megatron: MLA with YaRN,
+    DeepSeek-MoE routing with the expert bias at ep 2, MTP, pp 2 with two virtual stages from its
+    layout string, selective recomputation of its modules, bf16 moments, the flex dispatcher as
+    alltoall; it saves the weights only (--no-save-optim) and, given --load, resumes them with a
+    fresh optimizer (its --no-load-optim)."""
+    pytest.importorskip("tokenizers")
+    tokenizer_dir = _deepseek_tokenizer(tmp_path)
     ckpt = str(tmp_path / "ckpt")
     first, stdout = run_recipe(
-        tmp_path, "first", 4, deepseek_v3(str(tokenizer_dir), ckpt, 32), common=[]
+        tmp_path, "first", 4, deepseek_v3(tokenizer_dir, ckpt, 32), common=[]
     )
-    assert "world 4 = tp 1 x pp 2 (x2 virtual) x dp 2 (experts: ep 2, tp 1)" in stdout
+    stages = "|".join(["2"] * 23 + ["1"] + ["2"] * 7 + ["0"])
+    assert (
+        f"world 4 = tp 1 x pp 2 (x16 virtual) x dp 2 (experts: ep 2, tp 1), layers per stage "
+        f"{stages}" in stdout
+    )
     assert "recompute selective (mla_up_proj moe mlp layernorm)" in stdout
     assert (
         "ignored --pipeline-model-parallel-layout" not in stdout
@@ -1272,11 +1325,7 @@ def test_the_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
     assert [r["iteration"] for r in train] == [1, 2, 3, 4]
     assert all("mtp_1 loss" in r and "seq_load_balancing_loss" in r for r in train)
     second, stdout2 = run_recipe(
-        tmp_path,
-        "second",
-        4,
-        [*deepseek_v3(str(tokenizer_dir), ckpt, 64), "--load", ckpt],
-        common=[],
+        tmp_path, "second", 4, [*deepseek_v3(tokenizer_dir, ckpt, 64), "--load", ckpt], common=[]
     )
     assert (
         "resumed from" in stdout2

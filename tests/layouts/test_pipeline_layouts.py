@@ -1,0 +1,101 @@
+"""Uneven pipeline stages keep one rank's loss curve (20 iterations, within 1e-5, dropout on as by
+default): Megatron's --decoder-first-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-
+split, and layout strings with stages of 0, 1 and 2 layers, the embedding alone, an empty stage and
+the loss alone, under 1F1B, interleaved and zero-bubble schedules, with tp 2 + sp and the
+distributed optimizer, compiled; multi-token prediction's layout with its MTP layers beside the
+loss; a checkpoint saved at uneven stages resumes at even ones and back on its curve."""
+
+import pytest
+
+from harness import layouts
+from harness.layouts import MLA, PP2_VIRTUAL, TP2_SP, assert_same
+from harness.runner import DROPOUT, run_recipe
+
+LAYOUTS = layouts.rows(
+    [
+        "pp2_first1",
+        "pp3_embedding_loss_split",
+        "pp2_uneven_layout",
+        "pp2_uneven_zero_bubble",
+        "pp2_uneven_layout_tp2_sp_zero1",
+        "pp2_uneven_layout_compiled",
+    ],
+    fast=("pp2_uneven_layout",),
+)
+
+
+def curves(tmp_path, name, nproc, flags, keys=("lm_loss",)):
+    records, stdout = run_recipe(tmp_path, name, nproc, [*DROPOUT, *flags])
+    return {key: [r[key] for r in records if "lm_loss" in r] for key in keys}, stdout
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return curves(tmp_path_factory.mktemp("uneven"), "single", 1, [])[0]
+
+
+@pytest.mark.parametrize("name, nproc, flags", LAYOUTS)
+def test_uneven_stages_give_one_ranks_curve(tmp_path, single, name, nproc, flags):
+    got, stdout = curves(tmp_path, name, nproc, flags)
+    stages = {
+        "pp2_first1": "1|3",
+        "pp3_embedding_loss_split": "1|2|1",
+        "pp2_uneven_zero_bubble": "1|3",
+    }.get(name, "0|1|2|0|1|0")
+    assert f"layers per stage {stages}" in stdout
+    assert f"pipeline stages (per microbatch on one rank of each): layers {stages};" in stdout
+    assert_same(got, single)
+
+
+MTP = [*MLA, "--mtp-num-layers", "1"]
+KEYS = ("lm_loss", "mtp_1 loss", "seq_load_balancing_loss")
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_beside_the_loss_on_an_uneven_layout_gives_one_ranks_curves(
+    tmp_path,
+):
+    layout = ["--pipeline-model-parallel-layout", "E|t|tt||t|mL"]
+    got, _ = curves(
+        tmp_path, "pp2", 2, [*MTP, "--pipeline-model-parallel-size", "2", *layout], KEYS
+    )
+    assert_same(got, curves(tmp_path, "one", 1, MTP, KEYS)[0])
+
+
+@pytest.mark.slow
+def test_a_run_saved_at_uneven_stages_resumes_at_even_ones_and_back_on_its_curve(tmp_path, single):
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    half = ["--train-iters", "10", "--lr-decay-iters", "20"]
+    uneven = ["--pipeline-model-parallel-size", "2", *layouts.UNEVEN_LAYOUT]
+    curves(tmp_path, "first", 2, [*uneven, "--save", ckpt, *half])
+    # uneven -> tp 2 + sp: the rest of the curve; its checkpoint at iteration 15 -> uneven again
+    records, stdout = run_recipe(
+        tmp_path,
+        "second",
+        2,
+        [
+            *DROPOUT,
+            *TP2_SP,
+            "--load",
+            ckpt,
+            "--save",
+            back,
+            "--save-interval",
+            "15",
+            "--train-iters",
+            "15",
+            "--lr-decay-iters",
+            "20",
+        ],
+    )
+    assert "resumed from" in stdout and "resharded from" in stdout
+    assert_same(
+        {"lm_loss": [r["lm_loss"] for r in records if "lm_loss" in r]},
+        {"lm_loss": single["lm_loss"][10:15]},
+        iterations=5,
+    )
+    got, stdout = curves(tmp_path, "third", 2, [*PP2_VIRTUAL, "--load", back])
+    assert "resharded from" in stdout
+    assert_same(got, {"lm_loss": single["lm_loss"][15:]}, iterations=5)
+    got, stdout = curves(tmp_path, "fourth", 2, [*uneven, "--load", back])
+    assert_same(got, {"lm_loss": single["lm_loss"][15:]}, iterations=5)
