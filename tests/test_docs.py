@@ -82,9 +82,10 @@ def test_every_command_of_the_readme_and_docs_is_run_by_a_test():
         + page("fine-tuning.md")
         + page("testing.md")
         + page("optimizers.md")
+        + page("parallelism.md")
     )
     everything = bash_commands(README) + [c for text in PAGES.values() for c in bash_commands(text)]
-    assert sorted(tested) == sorted(everything) and len(tested) == 24
+    assert sorted(tested) == sorted(everything) and len(tested) == 25
     # several processes start under fmeg.launch, whose refusals are one line
     assert not [c for c in everything if c.startswith("torchrun")]
     # nothing recommends signalling runs by a name pattern, which reaches other users' runs
@@ -163,6 +164,15 @@ def test_docs_muon_run(tmp_path):
     assert "optimizer muon (quintic x5, bf16, spectral; adam on the rest)" in stdout
     first, last = loss_fall(stdout)
     assert last < first - 1.0
+
+
+@pytest.mark.slow  # uneven stages run in tests/layouts/test_pipeline_layouts.py
+def test_docs_uneven_pipeline_stages(tmp_path):
+    (stdout,) = run_block(page("parallelism.md"), tmp_path)
+    assert "world 2 = tp 1 x pp 2 (x3 virtual) x dp 1, layers per stage 0|2|3|0|3|0;" in stdout
+    assert "pipeline stages (per microbatch on one rank of each): layers 0|2|3|0|3|0;" in stdout
+    first, last = loss_fall(stdout)
+    assert last < first
 
 
 def test_docs_main_job(tmp_path):
