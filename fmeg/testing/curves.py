@@ -23,7 +23,8 @@ from fmeg.models import gpt
 from fmeg.parallel.context import shard_batch
 from fmeg.parallel.layout import Layout
 from fmeg.parallel.spmd import GlooRanks, run_threads
-from fmeg.training.parallel_step import initialized_state, model_parallel, train_iteration
+from fmeg.training.parallel_step import initialized_state, train_iteration
+from fmeg.training.stage_functions import model_parallel
 from fmeg.training.step_settings import StepSettings
 
 

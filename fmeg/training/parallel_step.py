@@ -10,7 +10,6 @@ what a single rank would hold.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -25,13 +24,12 @@ from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
 from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
-from fmeg.parallel.context import ContextParallel
-from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 from fmeg.config.optimizer_flags import OptimizerConfig
 from fmeg.state.flat import FlatState
 from fmeg.training.step_settings import StepSettings
 from fmeg.fp8 import delayed
 from fmeg.training import optimizers, step_hooks
+from fmeg.training.stage_functions import model_parallel, stage_functions
 
 
 def local_stages(layout: Layout, pp_rank: int) -> list[int]:
@@ -49,33 +47,6 @@ def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -
         s: shard(stages[s], gpt.TP_RULES + moe.EP_RULES, coords)
         for s in local_stages(layout, mesh.coord("pp"))
     }
-
-
-def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParallel:
-    """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the
-    experts' ranks; fp8: the run's fmeg.fp8.plan.Fp8Plan (None: no FP8)."""
-    experts = (
-        ExpertParallel(
-            mesh.group("tp_ep"),
-            mesh.coord("ep"),
-            layout.ep,
-            mesh.group("expert_tp"),
-            mesh.coord("expert_tp"),
-            layout.expert_tp,
-        )
-        if layout.experts_apart
-        else NO_EP
-    )
-    experts = dataclasses.replace(experts, balance_group=mesh.group("tp_dp_cp"))
-    return TensorParallel(
-        mesh.group("tp"),
-        layout.sequence_parallel,
-        experts,
-        ContextParallel(
-            mesh.group("cp"), layout.cp_comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p")
-        ),
-        fp8_plan=fp8,
-    )
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
@@ -429,56 +400,6 @@ def _finish_fp8(fp8: Any, mesh: Mesh) -> None:
     skipped step or not (as Transformer Engine's)."""
     if fp8 is not None and fp8.state is not None:
         delayed.finish_step(fp8.state, fp8.recipe, (mesh.group("tp_dp_cp"), mesh.group("pp")))
-
-
-def stage_compilation(
-    compile: str | None, layout: Layout, overlap_grad_reduce: bool, fp8: Any = None
-) -> tuple[str | None, bool]:
-    """(the backend the stages compile with, whether each stage is one graph). Delayed FP8 scaling
-    compiles only where each stage is one graph and each microbatch's backward follows its forward
-    (pp 1): its linears record amaxes into the state in forward and backward, and a compiled
-    backward keeps that state from its forward, which no other graph may write in between."""
-    fused = (
-        compile is not None
-        and not (overlap_grad_reduce and layout.dp > 1)
-        and (layout.recompute is None or layout.recompute[0] == "selective")
-        and layout.sharding != "optim_grads_params"
-    )
-    delayed = fp8 is not None and fp8.recipe.recipe == "delayed"
-    if compile is not None and delayed and not (fused and layout.pp == 1):
-        return None, False
-    return compile, fused
-
-
-def stage_functions(
-    params: dict,
-    config: gpt.GPTConfig,
-    layout: Layout,
-    mesh: Mesh,
-    compile: str | None,
-    overlap_grad_reduce: bool,
-    per_token: bool,
-    fp8: Any = None,
-) -> dict:
-    """{stage: its segments}. compile: a torch.compile backend (None: eager). Compiled, each stage
-    is one graph (fused), unless its layers' gradients must be handed over one by one (data-parallel
-    overlap), whole layers are recomputed or the weights are gathered a unit at a time."""
-    tp = model_parallel(layout, mesh, fp8)
-    compile, fused = stage_compilation(compile, layout, overlap_grad_reduce, fp8)
-    return {
-        s: gp.stage_segments(
-            config,
-            s,
-            layout.stages,
-            tp,
-            layout.recompute,
-            compile,
-            per_token,
-            fused,
-            layout.recompute_modules,
-        )
-        for s in params
-    }
 
 
 def forward_backward(

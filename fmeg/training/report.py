@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fmeg.fp8.plan import fp8_start_line
 from fmeg.models.gpt import GPTConfig
-from fmeg.training.parallel_step import stage_compilation
+from fmeg.training.stage_functions import stage_compilation
 
 
 def model_flops(config: GPTConfig, global_batch: int, seq_len: int) -> float:

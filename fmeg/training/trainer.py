@@ -23,7 +23,8 @@ from fmeg.ops import fold_in
 from fmeg.training import policies
 from fmeg.training.metrics import ProgressDisplay, open_sinks
 from fmeg.parallel.context import WHOLE_SEQUENCE_KEYS, shard_batch
-from fmeg.training.parallel_step import evaluate, global_norm, model_parallel, train_iteration
+from fmeg.training.parallel_step import evaluate, global_norm, train_iteration
+from fmeg.training.stage_functions import model_parallel
 from fmeg.training.step_settings import StepSettings
 from fmeg.training.report import draw_loss_curve, model_flops
 from fmeg.training.sample_loader import SampleLoader

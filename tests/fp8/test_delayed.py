@@ -80,7 +80,7 @@ def microbatches(n: int = 4) -> list[dict]:
 def scales_after(mesh, layout, steps):
     """This rank's delayed-scaling scales after each of `steps` runner steps."""
     from fmeg.parallel.context import shard_batch
-    from fmeg.training.parallel_step import model_parallel
+    from fmeg.training.stage_functions import model_parallel
 
     state = initialized_state(CONFIG, layout, mesh, seed=0, device="cpu")
     delayed = DelayedState(CONFIG.num_layers, 4, grad_factor=layout.dp)
@@ -193,7 +193,7 @@ def test_delayed_scaling_compiles_only_one_graph_per_stage_at_pp_1():
     warm-up, per-layer graphs) would write the state the compiled backward kept: such stages run
     eagerly, and say so at start; tensor-wise scaling, which keeps no state, compiles at every
     layout."""
-    from fmeg.training.parallel_step import stage_compilation
+    from fmeg.training.stage_functions import stage_compilation
 
     delayed_plan = Fp8Plan(Fp8Recipe("hybrid", "delayed"), 2, state=DelayedState(2, 1))
     tensorwise = Fp8Plan(Fp8Recipe("hybrid", "tensorwise"), 2)
