@@ -116,6 +116,7 @@ def layout_from_args(a, world: int) -> Layout:
         cp_comm_type=context_flags.comm_type(a),
         cp_a2a=context_flags.a2a_level(a),
         stage_layers=uneven,
+        dp_outer=a.num_distributed_optimizer_instances,
     )
 
 

@@ -54,12 +54,17 @@ class GradSync:
         buffer: torch.Tensor | None = None,
         overlap: bool = True,
         divisor: int | None = None,
+        replicas: Any = None,
     ):
         """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh
         one; overlap: start each bucket once its leaves are final, else all of them at finish();
         divisor: what the group's sum is divided by (default its size: the mean; context-parallel
-        ranks, whose gradients are their tokens' shares, divide by the data-parallel size alone)."""
+        ranks, whose gradients are their tokens' shares, divide by the data-parallel size alone);
+        replicas: hybrid sharding's group of the ranks holding the same slices (None: none): what
+        this rank holds of the sum over group (its owned slice, the replicated leaves) is summed
+        over it at finish(), as Megatron sums over its distributed-optimizer instances."""
         self.group, self.dp = group, 1 if group is None else group.size
+        self.replicas = replicas
         self.divisor = self.dp if divisor is None else divisor
         self.rank = 0 if group is None else group.rank
         # the flat layout ZeRO-1 slices
@@ -187,9 +192,34 @@ class GradSync:
         for handle in self._handles:
             handle.wait()
         self._handles = []
+        if self.replicas is not None:
+            for a, b in self._held_ranges():
+                # a clone: thread peers may still read it
+                self.buffer[a:b].copy_(self.replicas.all_reduce(self.buffer[a:b].clone()))
         if self.divisor != 1:
             self.buffer.div_(self.divisor)
         return self
+
+    def _held_ranges(self) -> list[tuple[int, int]]:
+        """The disjoint element ranges of the buffer this rank holds reduced: its owned slice and
+        the replicated leaves (everything without owner slices)."""
+        if not self.owner_slices:
+            return [(0, self.padded)]
+        size = self.padded // self.dp
+        ranges = [(self.rank * size, (self.rank + 1) * size)]
+        ranges += [
+            (self.offsets[i], self.offsets[i] + self.shapes[i].numel())
+            for i in sorted(
+                {i for _, _, leaves, owner in self.buckets if owner is None for i in leaves}
+            )
+        ]
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(r for r in ranges if r[1] > r[0]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
 
     def settle(self) -> "GradSync":
         """Nothing to do: the buffer is whole (ShardedGradSync copies the tied leaves' owned parts

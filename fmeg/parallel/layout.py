@@ -39,6 +39,9 @@ class Layout:
     cp_comm_type: str | tuple[str, ...] = "p2p"
     # a2a+p2p: the a2a level's size (--hierarchical-context-parallel-sizes a2a p2p)
     cp_a2a: int = 1
+    # hybrid sharding (Megatron's --num-distributed-optimizer-instances): the sliced state is
+    # sharded over dp x cp / dp_outer ranks and replicated dp_outer times
+    dp_outer: int = 1
     # the decoder layers of each of the pp * chunks stages in forward order (Megatron's uneven
     # layouts); None: every stage holds as many
     stage_layers: tuple[int, ...] | None = None
@@ -120,6 +123,7 @@ class Layout:
             **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
             "dtype": str(dtype).removeprefix("torch."),
             **({"stage_layers": list(self.stage_layers)} if self.stage_layers else {}),
+            **({"dp_outer": self.dp_outer} if self.dp_outer > 1 else {}),
             **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
             **({"cp": self.cp} if self.cp > 1 else {}),
         }
@@ -152,5 +156,15 @@ class Layout:
             )
             + (", sequence parallel" if self.sequence_parallel else "")
             + (f", sharded {self.sharding}" if self.sharding not in ("no_shard", "optim") else "")
+            + (
+                f", hybrid: {self.dp_outer} replicas of the state sharded over "
+                + (
+                    f"{self.dp * self.cp // self.dp_outer} ranks"
+                    if self.dp * self.cp > self.dp_outer
+                    else "1 rank (whole)"
+                )
+                if self.dp_outer > 1
+                else ""
+            )
             + (f", recompute {recompute}" if recompute else "")
         )

@@ -75,13 +75,17 @@ def rank_groups(
     etp: int | None = None,
     order: str = DEFAULT_ORDER,
     cp_a2a: int = 1,
+    dp_outer: int = 1,
 ) -> dict[str, list[list[int]]]:
     """Every group Megatron's initialize_model_parallel builds, as lists of global ranks.
 
     Keys: tp, pp, dp, cp, dp_cp, mp (tp-pp), tp_cp, tp_dp, tp_dp_cp, embedding, position_embedding,
     ep, expert_tp, expert_dp, tp_ep, tp_ep_pp, and hierarchical context parallelism's two levels
     (Megatron's --hierarchical-context-parallel-sizes cp_a2a, cp / cp_a2a): cp_a2a, every cp_a2a
-    consecutive ranks of a cp group, and cp_p2p, the ranks of a cp group cp_a2a apart.
+    consecutive ranks of a cp group, and cp_p2p, the ranks of a cp group cp_a2a apart; and hybrid
+    sharding's two levels (Megatron's --num-distributed-optimizer-instances dp_outer): dp_cp_shard,
+    every dp x cp / dp_outer consecutive ranks of a dp_cp group (an instance, which shards the
+    state), and dp_cp_outer, the ranks of a dp_cp group that many apart (the instances' replicas).
     """
     etp = tp if etp is None else etp
     for name, size in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).items():
@@ -130,6 +134,15 @@ def rank_groups(
         )
     groups["cp_a2a"] = [g[i : i + cp_a2a] for g in groups["cp"] for i in range(0, cp, cp_a2a)]
     groups["cp_p2p"] = [g[i::cp_a2a] for g in groups["cp"] for i in range(cp_a2a)]
+    if dp_outer < 1 or (dp * cp) % dp_outer:
+        raise ValueError(
+            f"the distributed optimizer's instances ({dp_outer}) must divide dp x cp = {dp} x {cp}"
+        )
+    inner = dp * cp // dp_outer
+    groups["dp_cp_shard"] = [
+        g[i * inner : (i + 1) * inner] for g in groups["dp_cp"] for i in range(dp_outer)
+    ]
+    groups["dp_cp_outer"] = [g[j::inner] for g in groups["dp_cp"] for j in range(inner)]
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups

@@ -48,11 +48,14 @@ class ShardedGradSync:
         bucket_numel: int | None = None,
         divisor: int | None = None,
         in_flight: int = 2,
+        replicas: Any = None,
     ):
         """params: this rank's {stage: tree} (shapes only are read); accumulator: this rank's slice
         of the flat gradient (padded / dp elements, any float dtype); unit_of(path): the unit a leaf
         belongs to (buckets never span two); divisor: what the group's sum is divided by (default
-        its size)."""
+        its size); replicas: hybrid sharding's group of the ranks holding the same slices, over
+        which the slice and the replicated leaves are summed at finish() (None: none)."""
+        self.replicas = replicas
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
         self.divisor = self.dp if divisor is None else divisor
@@ -181,10 +184,13 @@ class ShardedGradSync:
             if owner == self.rank and not self._rounds[k]:
                 self.accumulator[a - lo : b - lo].zero_()
         for i, whole in self.whole.items():
-            if self.group is not None:
-                # a clone: thread peers may still read it
-                whole.copy_(self.group.all_reduce(whole.clone()))
+            for group in (self.group, self.replicas):
+                if group is not None:
+                    # a clone: thread peers may still read it
+                    whole.copy_(group.all_reduce(whole.clone()))
             whole.div_(self.divisor)
+        if self.replicas is not None:
+            self.accumulator.copy_(self.replicas.all_reduce(self.accumulator.clone()))
         if self.divisor != 1:
             self.accumulator.div_(self.divisor)
         return self

@@ -99,6 +99,7 @@ class FlatState:
         device: Any = None,
         reshard_after_forward: str = "true",
         gather: LeafGather | None = None,
+        replica_group: Any = None,
     ):
         """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then
         zeros until assign() fills them, a unit at a time, or a checkpoint is read); counted(path,
@@ -111,7 +112,9 @@ class FlatState:
         "true" frees every gathered unit after its forward, "false" keeps every one until its
         backward, "auto" keeps the embedding and the head (torch's fully_shard default: its root
         module's); gather: each matrix leaf's local block to the whole leaf and back (the matrix
-        optimizers', fmeg.state.matrix_step; default: leaves are whole here)."""
+        optimizers', fmeg.state.matrix_step; default: leaves are whole here); replica_group: hybrid
+        sharding's replicas of this rank's slices (Megatron's distributed-optimizer instances: the
+        gradients are summed over them after the sum over dp_group; None: no replicas)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -128,6 +131,7 @@ class FlatState:
         moment_dtypes = optimizer.flat.moment_dtypes
         self.kinds = getattr(optimizer.flat, "kinds", ("mu", "nu"))
         self.dp_group, self._gather = dp_group, gather or LocalOnly()
+        self.replica_group = replica_group
         # the loss scaler's state (None: no scaling), part of the optimizer's like the moments
         self.scaler = scaler_of(optimizer)
         size = self.flat.padded // dp
@@ -270,6 +274,7 @@ class FlatState:
                 replicated=replicated,
                 bucket_numel=bucket_numel,
                 divisor=divisor,
+                replicas=self.replica_group,
             )
         else:
             sync = GradSync(
@@ -281,6 +286,7 @@ class FlatState:
                 buffer=self.grad,
                 overlap=overlap,
                 divisor=divisor,
+                replicas=self.replica_group,
             )
         self._grad_sync = (key, sync)
         return sync
@@ -426,10 +432,11 @@ class FlatState:
         slice, then the compute weights from the master. The owned gradient is main_grad()'s, taken
         after the data-parallel mean (GradSync.finish). decoupled_lr: the learning rate of the
         leaves marked decoupled (default lr)."""
-        norm = self.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)).sqrt()
+        # the slices of one instance (their replicas hold the same gradient)
+        norm = self.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",)).sqrt()
         return step_parts(
             (self,),
-            (mesh.group("dp_cp"),),
+            (self.dp_group,),
             norm,
             clip_grad=clip_grad,
             lr=lr,

@@ -18,7 +18,8 @@ fp32 master weights, Adam's moments) hold each leaf whole or, with the distribut
 slice of the flattened leaves: a slice is a few boxes of a leaf's block (boxes.flat_boxes). The
 ranks holding the same block in the same kind of buffer are its replicas: the decoder's data- and
 context-parallel ranks (and the tensor-parallel ones for a leaf tp does not split), the experts'
-expert-data-parallel ranks; a distributed-optimizer slice has replicas only over tp. Replicas write
+expert-data-parallel ranks; a distributed-optimizer slice has replicas only over tp (and hybrid
+sharding's instances, which hold the same slices). Replicas write
 a block once between them (fully parallel: each its share of the cells; otherwise the first), and
 every rank reads exactly the boxes it holds.
 """
@@ -123,7 +124,8 @@ def placement(
         whole, sliced = free + ["expert_dp"], free
     else:
         free = [] if "tp" in split else ["tp"]
-        whole, sliced = free + ["cp", "dp"], free
+        # hybrid sharding's instances hold the same slices
+        whole, sliced = free + ["cp", "dp"], free + ["dp_cp_outer"]
     return Placement(
         name,
         Box(offset, tuple(shape)),

@@ -206,9 +206,10 @@ def init_state(
         params,
         counted_once(config, layout, mesh),
         sharding=layout.sharding,
-        dp=mesh.size("dp_cp"),
-        dp_rank=mesh.coord("dp_cp"),
-        dp_group=mesh.group("dp_cp"),
+        dp=mesh.size("dp_cp_shard"),
+        dp_rank=mesh.coord("dp_cp_shard"),
+        dp_group=mesh.group("dp_cp_shard"),
+        replica_group=mesh.group("dp_cp_outer"),
         **options,
     )
 
@@ -425,7 +426,8 @@ def forward_backward(
     params = state.params
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = state.grad_sync(
-        mesh.group("dp_cp"),
+        # hybrid sharding: summed within the instance here, over its replicas at finish
+        mesh.group("dp_cp_shard"),
         bucket_numel=bucket_numel,
         overlap=overlap_grad_reduce,
         replicated=tied_paths(config, layout, params) if state.zero else frozenset(),

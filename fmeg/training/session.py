@@ -125,6 +125,7 @@ class Session:
                 ep=cfg.layout.ep,
                 etp=cfg.layout.expert_tp,
                 cp_a2a=cfg.layout.cp_a2a,
+                dp_outer=cfg.layout.dp_outer,
                 device=device,
                 timeout=timeout,
             )

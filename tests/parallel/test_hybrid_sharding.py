@@ -1,0 +1,97 @@
+"""Hybrid sharding's reduction (Megatron's distributed-optimizer instances): the groups are
+Megatron's (an instance is dp x cp / N consecutive ranks of a dp-cp group, its replicas the ranks
+that far apart); each rank's owned slice and replicated leaves after GradSync and ShardedGradSync
+with replicas equal the mean over every rank, and on the wire each rank sends its buckets within
+the instance and, across instances, one all-reduce of exactly what it holds."""
+
+import pytest
+import torch
+
+from fmeg import tree
+from fmeg.parallel.comm import RecordingGroup
+from fmeg.parallel.data_parallel import GradSync
+from fmeg.parallel.mesh import rank_groups
+from fmeg.parallel.sharded_grads import ShardedGradSync
+from fmeg.parallel.spmd import run_threads
+from fmeg.parallel.zero import FlatBuffer
+
+
+def test_instances_are_consecutive_ranks_of_the_data_parallel_group_and_replicas_far_apart():
+    g = rank_groups(8, tp=2, cp=2, dp_outer=2)
+    # dp x cp = 4 ranks per dp-cp group: instances of 2
+    assert g["dp_cp"][0] == [0, 2, 4, 6]
+    assert g["dp_cp_shard"][:2] == [[0, 2], [4, 6]]
+    assert g["dp_cp_outer"][:2] == [[0, 4], [2, 6]]
+    assert rank_groups(8, dp_outer=1)["dp_cp_shard"] == rank_groups(8)["dp_cp"]
+    with pytest.raises(ValueError, match="instances \\(3\\) must divide dp x cp = 8 x 1"):
+        rank_groups(8, dp_outer=3)
+
+
+def grads(rank: int):
+    gen = torch.Generator().manual_seed(rank)
+    return {
+        0: {
+            "a": torch.randn(5, 3, generator=gen),
+            "b": torch.randn(7, generator=gen),
+            "tied": torch.randn(4, 2, generator=gen),
+        }
+    }
+
+
+def hybrid_sync(mesh, sharded: bool):
+    """This rank's owned slice and replicated leaf after the reduction, and what it sent."""
+    inner = RecordingGroup(mesh.group("dp_cp_shard"))
+    outer = RecordingGroup(mesh.group("dp_cp_outer"))
+    mine = grads(mesh.rank)
+    padded = FlatBuffer.of(mine, inner.size).padded
+    if sharded:
+        sync = ShardedGradSync(
+            mine,
+            inner,
+            torch.zeros(padded // inner.size),
+            unit_of=lambda p: p,
+            replicated=frozenset({"0.tied"}),
+            divisor=4,
+            replicas=outer,
+        )
+    else:
+        sync = GradSync(
+            mine,
+            inner,
+            owner_slices=True,
+            replicated=frozenset({"0.tied"}),
+            buffer=torch.zeros(padded),
+            divisor=4,
+            replicas=outer,
+        )
+    for path, g in tree.flatten(mine[0]).items():
+        sync.ready(0, {path: g})
+    sync.finish()
+    tied = sync.leaf("0.tied").clone()
+    sync.settle()
+    return sync.owned().clone(), tied, inner.log, outer.log
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["zero1", "optim_grads"])
+def test_owned_slices_hold_the_mean_over_every_rank(sharded):
+    out = run_threads(4, hybrid_sync, sharded, dp_outer=2)
+    mean = {k: sum(grads(r)[0][k] for r in range(4)) / 4 for k in ("a", "b", "tied")}
+    flat = torch.cat([mean[k].reshape(-1) for k in ("a", "b", "tied")])
+    padded = FlatBuffer.of(grads(0), 2).padded
+    whole = torch.cat([flat, torch.zeros(padded - flat.numel())])
+    size = padded // 2
+    for rank, (owned, tied, inner_log, outer_log) in enumerate(out):
+        shard = rank % 2  # the rank's place in its instance
+        torch.testing.assert_close(owned, whole[shard * size : (shard + 1) * size])
+        torch.testing.assert_close(tied, mean["tied"])
+        # across instances: what this rank holds, nothing more
+        sent = sum(n for _, n in outer_log)
+        held = size + (0 if sharded else 8 - _overlap(shard, size, 22, 30)) + (8 if sharded else 0)
+        assert [op for op, _ in outer_log] == ["all_reduce"] * len(outer_log)
+        assert sent == held * 4, (rank, outer_log)
+        assert inner_log, "the instance reduces its buckets"
+
+
+def _overlap(shard: int, size: int, a: int, b: int) -> int:
+    """Elements of [a, b) (the tied leaf's) inside this rank's owned slice."""
+    return max(0, min(b, (shard + 1) * size) - max(a, shard * size))
