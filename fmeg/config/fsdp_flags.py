@@ -77,7 +77,8 @@ class FSDPFlags:
         "--num-distributed-optimizer-instances",
         type=int,
         default=1,
-        help="the distributed optimizer's replicas (hybrid sharding): 1 only",
+        help="hybrid sharding: the sharded state's replicas; each shards it over dp x cp / N ranks "
+        "and gradients are summed over the N replicas after",
     )
     torch_fsdp2_reshard_after_forward: str = flag(
         "--torch-fsdp2-reshard-after-forward",
@@ -165,9 +166,12 @@ def problems(a: argparse.Namespace) -> list[str]:
                 else "expected auto, true, false or a number of ranks"
             )
         )
-    if a.num_distributed_optimizer_instances != 1:
+    n = a.num_distributed_optimizer_instances
+    if n < 1:
+        out.append(f"--num-distributed-optimizer-instances must be positive, got {n}")
+    elif n > 1 and sharding(a) == "no_shard":
         out.append(
-            f"--num-distributed-optimizer-instances {a.num_distributed_optimizer_instances}: "
-            "hybrid sharding is not supported by fmeg yet; use 1 or drop the flag"
+            f"--num-distributed-optimizer-instances {n}: replicas of a sharded state need one: "
+            "add --use-distributed-optimizer (or Megatron-FSDP's sharding)"
         )
     return out

@@ -40,6 +40,7 @@ LAYOUT_DESTS = (
     "use_megatron_fsdp",
     "use_torch_fsdp2",
     "data_parallel_sharding_strategy",
+    "num_distributed_optimizer_instances",
 )
 # what a check must not touch or wait for: the user's checkpoints, loggers and exits
 OUTSIDE_DESTS = (

@@ -51,6 +51,18 @@ def layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         f"x cp = {tp} x {dp} x {cp} (the experts' ranks are the tensor-, data- and "
         "context-parallel ones)",
     )
+    instances = a.num_distributed_optimizer_instances
+    need(
+        instances < 1 or (dp * cp) % instances == 0 or world_size % (tp * pp) != 0,
+        f"--num-distributed-optimizer-instances {instances} must divide data x context parallel "
+        f"= {dp} x {cp}",
+    )
+    need(
+        instances == 1 or not (a.num_experts and (ep > 1 or etp != tp)),
+        f"--num-distributed-optimizer-instances {instances}: hybrid sharding with the experts laid "
+        "out apart (--expert-model-parallel-size, --expert-tensor-parallel-size) is not supported "
+        "by fmeg yet",
+    )
     need(
         a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads "

@@ -271,9 +271,28 @@ BAD = [
         "split over tp",
     ),
     (
-        {"WORLD_SIZE": "1"},
+        {"WORLD_SIZE": "2"},
         ["--num-distributed-optimizer-instances", "2"],
-        "--num-distributed-optimizer-instances 2: hybrid sharding is not supported by fmeg yet",
+        "--num-distributed-optimizer-instances 2: replicas of a sharded state need one: add "
+        "--use-distributed-optimizer",
+    ),
+    (
+        {"WORLD_SIZE": "2"},
+        ["--num-distributed-optimizer-instances", "3", "--use-distributed-optimizer"],
+        "--num-distributed-optimizer-instances 3 must divide data x context parallel = 2 x 1",
+    ),
+    (
+        {"WORLD_SIZE": "4"},
+        [
+            "--num-distributed-optimizer-instances",
+            "2",
+            "--use-distributed-optimizer",
+            "--num-experts",
+            "4",
+            "--expert-model-parallel-size",
+            "2",
+        ],
+        "--num-distributed-optimizer-instances 2: hybrid sharding with the experts laid out apart",
     ),
     (
         {"WORLD_SIZE": "1"},
