@@ -32,6 +32,8 @@ EXPERTS_MODEL = [
     "--untie-embeddings-and-output-weights",
 ]
 ZERO1 = ["--use-distributed-optimizer"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+HYBRID2 = ["--num-distributed-optimizer-instances", "2"]
 # 1 decoder layer on the first pipeline rank, the other 3 on the next
 FIRST1 = ["--decoder-first-pipeline-num-layers", "1"]
 # pp 2 x 3 virtual stages of 0, 1, 2, 0, 1 and 0 decoder layers: the embedding alone, an empty
@@ -212,6 +214,15 @@ TABLE: dict[str, tuple[int, list[str]]] = {
         ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
     ),
     "tp2_sp_zero1": (2, [*TP2_SP, *ZERO1]),
+    # hybrid sharding: the sharded state replicated over 2 instances
+    "dp4_zero1_hybrid2": (4, [*ZERO1, *HYBRID2]),
+    "dp4_fsdp_hybrid2": (4, [*FSDP, *HYBRID2]),
+    "dp4_optim_grads_hybrid2": (
+        4,
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", *HYBRID2],
+    ),
+    "cp2_dp2_zero1_hybrid2": (4, [*CP2, *ZERO1, *HYBRID2]),
+    "pp2_dp2_fsdp_hybrid2": (4, ["--pipeline-model-parallel-size", "2", *FSDP, *HYBRID2]),
     # uneven pipeline stages (4 decoder layers): Megatron's flags and its layout strings
     "pp2_first1": (2, ["--pipeline-model-parallel-size", "2", *FIRST1]),
     "pp3_embedding_loss_split": (
