@@ -51,18 +51,6 @@ def layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         f"x cp = {tp} x {dp} x {cp} (the experts' ranks are the tensor-, data- and "
         "context-parallel ones)",
     )
-    instances = a.num_distributed_optimizer_instances
-    need(
-        instances < 1 or (dp * cp) % instances == 0 or world_size % (tp * pp) != 0,
-        f"--num-distributed-optimizer-instances {instances} must divide data x context parallel "
-        f"= {dp} x {cp}",
-    )
-    need(
-        instances == 1 or not (a.num_experts and (ep > 1 or etp != tp)),
-        f"--num-distributed-optimizer-instances {instances}: hybrid sharding with the experts laid "
-        "out apart (--expert-model-parallel-size, --expert-tensor-parallel-size) is not supported "
-        "by fmeg yet",
-    )
     need(
         a.kv_channels is not None or a.hidden_size % a.num_attention_heads == 0,
         f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads "
@@ -118,6 +106,31 @@ def layout_problems(a: argparse.Namespace, world_size: int) -> list[str]:
             f"--ffn-hidden-size {a.ffn_hidden_size} must be divisible by "
             f"--tensor-model-parallel-size {tp}",
         )
+    return problems
+
+
+def hybrid_problems(a: argparse.Namespace, world_size: int) -> list[str]:
+    """Hybrid sharding's instances against the data-parallel ranks and the experts."""
+    problems, need = Problems.start()
+    tp, pp, cp = (
+        a.tensor_model_parallel_size,
+        a.pipeline_model_parallel_size,
+        a.context_parallel_size,
+    )
+    dp, _ = batch_geometry(a, world_size)
+    ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size or tp
+    instances = a.num_distributed_optimizer_instances
+    need(
+        instances < 1 or (dp * cp) % instances == 0 or world_size % (tp * pp) != 0,
+        f"--num-distributed-optimizer-instances {instances} must divide data x context parallel "
+        f"= {dp} x {cp}",
+    )
+    need(
+        instances == 1 or not (a.num_experts and (ep > 1 or etp != tp)),
+        f"--num-distributed-optimizer-instances {instances}: hybrid sharding with the experts laid "
+        "out apart (--expert-model-parallel-size, --expert-tensor-parallel-size) is not supported "
+        "by fmeg yet",
+    )
     return problems
 
 

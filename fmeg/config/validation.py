@@ -28,6 +28,7 @@ from fmeg.config.megatron_flags import later_work_problems
 from fmeg.config.problems import Problems
 from fmeg.config.layout_checks import (
     batch_problems,
+    hybrid_problems,
     layout_problems,
     pipeline_problems,
     microbatches_per_step,
@@ -70,6 +71,7 @@ def validate(a: argparse.Namespace, world_size: int) -> list[str]:
         return problems
     for part in (
         layout_problems,
+        hybrid_problems,
         pipeline_problems,
         batch_problems,
         _feature_problems,

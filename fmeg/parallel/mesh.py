@@ -138,14 +138,20 @@ def rank_groups(
         raise ValueError(
             f"the distributed optimizer's instances ({dp_outer}) must divide dp x cp = {dp} x {cp}"
         )
-    inner = dp * cp // dp_outer
-    groups["dp_cp_shard"] = [
-        g[i * inner : (i + 1) * inner] for g in groups["dp_cp"] for i in range(dp_outer)
-    ]
-    groups["dp_cp_outer"] = [g[j::inner] for g in groups["dp_cp"] for j in range(inner)]
+    groups.update(_hybrid_groups(groups["dp_cp"], dp_outer))
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups
+
+
+def _hybrid_groups(dp_cp: list[list[int]], instances: int) -> dict[str, list[list[int]]]:
+    """Megatron's intra- and inter-instance groups of each dp-cp group: consecutive ranks, and the
+    ranks an instance apart."""
+    inner = len(dp_cp[0]) // instances
+    return {
+        "dp_cp_shard": [g[i * inner : (i + 1) * inner] for g in dp_cp for i in range(instances)],
+        "dp_cp_outer": [g[j::inner] for g in dp_cp for j in range(inner)],
+    }
 
 
 def group_of(groups: list[list[int]], rank: int) -> list[int] | None:

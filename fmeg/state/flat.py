@@ -112,9 +112,8 @@ class FlatState:
         "true" frees every gathered unit after its forward, "false" keeps every one until its
         backward, "auto" keeps the embedding and the head (torch's fully_shard default: its root
         module's); gather: each matrix leaf's local block to the whole leaf and back (the matrix
-        optimizers', fmeg.state.matrix_step; default: leaves are whole here); replica_group: hybrid
-        sharding's replicas of this rank's slices (Megatron's distributed-optimizer instances: the
-        gradients are summed over them after the sum over dp_group; None: no replicas)."""
+        optimizers', fmeg.state.matrix_step; default: leaves are whole here); replica_group: the
+        ranks holding the same slices (hybrid sharding's instances; None: none)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
