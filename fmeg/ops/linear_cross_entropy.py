@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fmeg.ops import weight_grads
 from fmeg.ops.cross_entropy import IGNORE_INDEX
 from fmeg.ops.precision import upcast
 
@@ -86,8 +87,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # The GEMMs run in the compute dtype (g's) with fp32 accumulation; the per-token scale goes
         # on the [tokens, hidden] operands, never on the [tokens, vocab] one.
         grad_x = ((g @ weight.to(g.dtype)) * scale).to(x.dtype)
-        grad_w = (g.mT @ (x * scale).to(g.dtype)).to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None
+
+        def grad_w() -> torch.Tensor:
+            return (g.mT @ (x * scale).to(g.dtype)).to(weight.dtype)
+
+        # a zero-bubble schedule's B leaves the weight's product to its W
+        if not torch.compiler.is_compiling() and weight_grads.defer(weight, grad_w):
+            return grad_x, None, None, None, None, None
+        return grad_x, grad_w(), None, None, None, None
 
 
 class _LinearCrossEntropyWithJvp(_LinearCrossEntropy):

@@ -13,9 +13,12 @@ data_parallel.GradSync), each segment's gradients are added into its buffer as e
 backward produces them, with final=True in the stage's last backward (so data-parallel reduction can
 start while the rest runs), instead of being summed here and returned.
 
-Zero-bubble schedules: B sends the input gradient as soon as it is computed and W adds the weight
-gradient to the sum. Both come from the one vjp call made at B (one autograd.grad computes them
-together), so W changes when weight gradients are applied, not how much compute B does.
+Zero-bubble schedules (a W action in the list): the backward is split. The forward runs with
+ops.weight_grads.deferrable() and B with deferring(): B computes the input gradient (sent at once)
+and the gradients of everything but the linears' weights, whose products g.T @ x are kept; W
+computes them and adds the stage's weight gradients to the sum. The numbers are the same; B does
+about half the backward's matmuls and W the rest. Compiled segments run torch's own linears, whose
+backward B computes whole (W then only hands the gradients over).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg import tree
+from fmeg.ops import weight_grads
 from fmeg.parallel.pipeline.actions import Action
 from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take, units
 
@@ -51,13 +55,44 @@ def vjp(fn: Callable, params: Any, *x: torch.Tensor) -> tuple[torch.Tensor, Call
     with torch.enable_grad():
         out = fn(tree.tree_unflatten(inputs[: len(leaves)], spec), *inputs[len(leaves) :])
 
-    def pullback(grad_out: torch.Tensor) -> tuple:
-        grads = torch.autograd.grad(
-            out, inputs, grad_out, allow_unused=True, materialize_grads=True
-        )
-        return (dict(zip(tree.paths_of(spec), grads[: len(leaves)])), *grads[len(leaves) :])
+    def pullback(grad_out: torch.Tensor, deferred: list | None = None) -> tuple:
+        """deferred: a list that receives (the returned params cotangents, their deferred weight
+        gradients as (path, compute) pairs), the weights' entries left None until W."""
+        paths = tree.paths_of(spec)
+        if deferred is None:
+            grads = torch.autograd.grad(
+                out, inputs, grad_out, allow_unused=True, materialize_grads=True
+            )
+            return (dict(zip(paths, grads[: len(leaves)])), *grads[len(leaves) :])
+        pending: list = []
+        named = {id(leaf): path for leaf, path in zip(inputs, paths)}
+        with weight_grads.deferring(named, pending):
+            grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+        params_grads = dict(zip(paths, grads[: len(leaves)]))
+        deferred.append((params_grads, pending, dict(zip(paths, inputs))))
+        x_grads = [
+            torch.zeros_like(t) if g is None else g
+            for t, g in zip(inputs[len(leaves) :], grads[len(leaves) :])
+        ]
+        return (params_grads, *x_grads)
 
     return out.detach(), pullback
+
+
+@torch.no_grad()
+def weight_gradients(deferred: list) -> list[dict[str, torch.Tensor]]:
+    """W: each segment's params cotangents with the deferred weight gradients computed and added
+    (a leaf no op reached gets zeros)."""
+    out = []
+    for grads, pending, leaves in deferred:
+        for path, compute in pending:
+            dw = compute()
+            grads[path] = dw if grads[path] is None else grads[path] + dw
+        for path, g in grads.items():
+            if g is None:
+                grads[path] = torch.zeros_like(leaves[path])
+        out.append(grads)
+    return out
 
 
 def _always(
@@ -74,6 +109,7 @@ def _forward(
     batch: dict,
     use: Callable = _always,
     stage: int = 0,
+    split: bool = False,
 ) -> tuple:
     """(output, entries) through the chain of segments: (segment, vjp function) for a kept segment,
     and (unit, its input) for a recomputed unit, whose forward keeps nothing else. Each segment runs
@@ -91,10 +127,14 @@ def _forward(
         def fn(p, *x, segment=segment):
             return segment.fn(p, x[0] if x else None, batch)
 
-        with use(stage, segment.keys):
+        with use(stage, segment.keys), weight_grads.deferrable() if split else _nothing():
             x, pullback = vjp(fn, take(segment, params), *(() if x is None else (x,)))
         entries.append((segment, pullback))
     return x, entries
+
+
+def _nothing() -> contextlib.nullcontext:
+    return contextlib.nullcontext()
 
 
 def _backward(
@@ -104,10 +144,12 @@ def _backward(
     batch: dict,
     use: Callable = _always,
     stage: int = 0,
+    deferred: list | None = None,
 ) -> tuple[torch.Tensor | None, list[dict[str, torch.Tensor]]]:
     """(gradient of the stage input or None on stage 0, [{path: param gradient} per segment, last
     first]). A recomputed unit runs its forward again from its saved input, keeping vjps this time,
-    then backward."""
+    then backward. deferred: B of a split backward (the weight gradients left for W: vjp's
+    pullback)."""
     per_segment = []
     for head, saved in reversed(entries):
         if isinstance(head, list):
@@ -116,12 +158,12 @@ def _backward(
             with contextlib.ExitStack() as held:
                 for segment in head:
                     held.enter_context(use(stage, segment.keys, True))
-                _, inner = _forward(kept, params, saved, batch, use, stage)
-                grad_out, grads = _backward(inner, grad_out, params, batch, use, stage)
+                _, inner = _forward(kept, params, saved, batch, use, stage, deferred is not None)
+                grad_out, grads = _backward(inner, grad_out, params, batch, use, stage, deferred)
             per_segment += grads
             continue
         with use(stage, head.keys, True):
-            cotangents = saved(grad_out)
+            cotangents = saved(grad_out) if deferred is None else saved(grad_out, deferred)
         per_segment.append(cotangents[0])
         grad_out = cotangents[1] if len(cotangents) > 1 else None
     return grad_out, per_segment
@@ -185,7 +227,7 @@ class _Execution:
         elif a.kind == "B":
             self.backward(s, m)
         elif a.kind == "W":
-            self.accumulate(s, self.deferred.pop((s, m)))
+            self.accumulate(s, weight_gradients(self.deferred.pop((s, m))))
 
     def forward(self, s: int, m: int) -> None:
         x = None if s == 0 else self.inbox.pop(("F", s, m))
@@ -196,7 +238,13 @@ class _Execution:
                 )
         else:
             out, self.vjps[(s, m)] = _forward(
-                self.segments[s], self.params[s], x, self.microbatches[m], self.use, s
+                self.segments[s],
+                self.params[s],
+                x,
+                self.microbatches[m],
+                self.use,
+                s,
+                self.split_backward,
             )
         if s == self.last:
             self.loss = (0.0 if self.loss is None else self.loss) + out.detach() / self.divisor
@@ -212,8 +260,15 @@ class _Execution:
             if s == self.last
             else self.inbox.pop(("B", s, m))
         )
+        deferred: list | None = [] if self.split_backward else None
         grad_in, per_segment = _backward(
-            self.vjps.pop((s, m)), grad_out, self.params[s], self.microbatches[m], self.use, s
+            self.vjps.pop((s, m)),
+            grad_out,
+            self.params[s],
+            self.microbatches[m],
+            self.use,
+            s,
+            deferred,
         )
         if s > 0:
             ours = (s - 1) % self.pp == s % self.pp
@@ -222,7 +277,7 @@ class _Execution:
             else:
                 self.outbox[("B", s, m)] = grad_in
         if self.split_backward:
-            self.deferred[(s, m)] = per_segment
+            self.deferred[(s, m)] = deferred
         else:
             self.accumulate(s, per_segment)
 
