@@ -64,7 +64,9 @@ class ParallelFlags:
         "--pipeline-schedule",
         default="1f1b",
         choices=["1f1b", "gpipe", "zero_bubble"],
-        help="schedule without virtual stages (interleaved 1F1B is used with them)",
+        help="schedule without virtual stages (interleaved 1F1B is used with them); zero_bubble is "
+        "ZB-H1 with the backward split: the linears' weight gradients deferred to fill the bubble "
+        "(eager stages; compiled ones compute them in the backward)",
     )
     sequence_parallel: bool = switch(
         "--sequence-parallel",

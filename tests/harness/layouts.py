@@ -239,6 +239,14 @@ TABLE: dict[str, tuple[int, list[str]]] = {
         2,
         [*FIRST1, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble"],
     ),
+    "pp2_zero_bubble_compiled": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble", "--compile"],
+    ),
+    "pp2_zero_bubble_dp2_fsdp": (
+        4,
+        ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble", *FSDP],
+    ),
     "pp2_uneven_layout_tp2_sp_zero1": (
         4,
         ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT, *TP2_SP, *ZERO1],

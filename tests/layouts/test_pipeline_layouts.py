@@ -1,9 +1,11 @@
-"""Uneven pipeline stages keep one rank's loss curve (20 iterations, within 1e-5, dropout on as by
-default): Megatron's --decoder-first-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-
-split, and layout strings with stages of 0, 1 and 2 layers, the embedding alone, an empty stage and
-the loss alone, under 1F1B, interleaved and zero-bubble schedules, with tp 2 + sp and the
-distributed optimizer, compiled; multi-token prediction's layout with its MTP layers beside the
-loss; a checkpoint saved at uneven stages resumes at even ones and back on its curve."""
+"""Uneven pipeline stages, and zero-bubble's split backward, keep one rank's loss curve (20
+iterations, within 1e-5, dropout on as by default): Megatron's --decoder-first-pipeline-num-layers,
+--account-for-embedding/loss-in-pipeline-split, and layout strings with stages of 0, 1 and 2
+layers, the embedding alone, an empty stage and the loss alone, under 1F1B, interleaved and
+zero-bubble schedules, with tp 2 + sp and the distributed optimizer, compiled; zero-bubble with
+Megatron-FSDP's sharded weights and compiled (where B computes the weight gradients); multi-token
+prediction's layout with its MTP layers beside the loss; a checkpoint saved at uneven stages
+resumes at even ones and back on its curve."""
 
 import pytest
 
@@ -19,6 +21,8 @@ LAYOUTS = layouts.rows(
         "pp2_uneven_zero_bubble",
         "pp2_uneven_layout_tp2_sp_zero1",
         "pp2_uneven_layout_compiled",
+        "pp2_zero_bubble_compiled",
+        "pp2_zero_bubble_dp2_fsdp",
     ],
     fast=("pp2_uneven_layout",),
 )
@@ -41,7 +45,13 @@ def test_uneven_stages_give_one_ranks_curve(tmp_path, single, name, nproc, flags
         "pp2_first1": "1|3",
         "pp3_embedding_loss_split": "1|2|1",
         "pp2_uneven_zero_bubble": "1|3",
+        "pp2_zero_bubble_compiled": "2|2",
+        "pp2_zero_bubble_dp2_fsdp": "2|2",
     }.get(name, "0|1|2|0|1|0")
+    if "zero_bubble" in name and "uneven" not in name:  # even stages: the start line's stage line
+        assert f"pipeline stages (per microbatch on one rank of each): layers {stages};" in stdout
+        assert_same(got, single)
+        return
     assert f"layers per stage {stages}" in stdout
     assert f"pipeline stages (per microbatch on one rank of each): layers {stages};" in stdout
     assert_same(got, single)
