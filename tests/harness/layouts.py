@@ -273,3 +273,31 @@ def assert_same(got, want, iterations=20):
         assert len(got[key]) == len(want[key]) == iterations, key
         for a, b in zip(got[key], want[key]):
             assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], want[key])
+
+
+def assert_resumes_there_and_back(tmp_path, single, layout, other):
+    """A run of 20 iterations saved at iteration 10 at layout (nproc, flags) resumes at other
+    (nproc, flags) on single's curve to iteration 15, and its checkpoint there back at layout on the
+    curve to the end (dropout on, as by default)."""
+    from harness.runner import DROPOUT, run_recipe
+
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    decay = ["--lr-decay-iters", "20"]
+    steps = [
+        ("first", layout, ["--save", ckpt, "--train-iters", "10", *decay], None),
+        (
+            "second",
+            other,
+            ["--load", ckpt, "--save", back, "--save-interval", "15", "--train-iters", "15"]
+            + decay,
+            slice(10, 15),
+        ),
+        ("third", layout, ["--load", back], slice(15, 20)),
+    ]
+    for name, (nproc, flags), extra, part in steps:
+        records, stdout = run_recipe(tmp_path, name, nproc, [*DROPOUT, *flags, *extra])
+        if part is None:
+            continue
+        assert "resharded from" in stdout
+        got = [r["lm_loss"] for r in records if "lm_loss" in r]
+        assert_same({"lm_loss": got}, {"lm_loss": single["lm_loss"][part]}, iterations=5)

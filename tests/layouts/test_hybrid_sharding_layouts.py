@@ -65,34 +65,5 @@ def test_muon_with_hybrid_sharding_gives_one_ranks_curve(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_saved_with_instances_resumes_without_and_back_on_its_curve(tmp_path, single):
-    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    hybrid = [*ZERO1, *HYBRID2]
-    curves(
-        tmp_path,
-        "first",
-        4,
-        [*hybrid, "--save", ckpt, "--train-iters", "10", "--lr-decay-iters", "20"],
-    )
-    got, stdout = curves(
-        tmp_path,
-        "second",
-        2,
-        [
-            *ZERO1,
-            "--load",
-            ckpt,
-            "--save",
-            back,
-            "--save-interval",
-            "15",
-            "--train-iters",
-            "15",
-            "--lr-decay-iters",
-            "20",
-        ],
-    )
-    assert "resharded from" in stdout
-    assert_same(got, {"lm_loss": single["lm_loss"][10:15]}, iterations=5)
-    got, stdout = curves(tmp_path, "third", 4, [*hybrid, "--load", back])
-    assert "resharded from" in stdout
-    assert_same(got, {"lm_loss": single["lm_loss"][15:]}, iterations=5)
+    hybrid = (4, [*ZERO1, *HYBRID2])
+    layouts.assert_resumes_there_and_back(tmp_path, single, hybrid, (2, ZERO1))

@@ -10,7 +10,7 @@ resumes at even ones and back on its curve."""
 import pytest
 
 from harness import layouts
-from harness.layouts import MLA, PP2_VIRTUAL, TP2_SP, assert_same
+from harness.layouts import MLA, TP2_SP, assert_same
 from harness.runner import DROPOUT, run_recipe
 
 LAYOUTS = layouts.rows(
@@ -74,38 +74,5 @@ def test_multi_token_prediction_beside_the_loss_on_an_uneven_layout_gives_one_ra
 
 @pytest.mark.slow
 def test_a_run_saved_at_uneven_stages_resumes_at_even_ones_and_back_on_its_curve(tmp_path, single):
-    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
-    half = ["--train-iters", "10", "--lr-decay-iters", "20"]
-    uneven = ["--pipeline-model-parallel-size", "2", *layouts.UNEVEN_LAYOUT]
-    curves(tmp_path, "first", 2, [*uneven, "--save", ckpt, *half])
-    # uneven -> tp 2 + sp: the rest of the curve; its checkpoint at iteration 15 -> uneven again
-    records, stdout = run_recipe(
-        tmp_path,
-        "second",
-        2,
-        [
-            *DROPOUT,
-            *TP2_SP,
-            "--load",
-            ckpt,
-            "--save",
-            back,
-            "--save-interval",
-            "15",
-            "--train-iters",
-            "15",
-            "--lr-decay-iters",
-            "20",
-        ],
-    )
-    assert "resumed from" in stdout and "resharded from" in stdout
-    assert_same(
-        {"lm_loss": [r["lm_loss"] for r in records if "lm_loss" in r]},
-        {"lm_loss": single["lm_loss"][10:15]},
-        iterations=5,
-    )
-    got, stdout = curves(tmp_path, "third", 2, [*PP2_VIRTUAL, "--load", back])
-    assert "resharded from" in stdout
-    assert_same(got, {"lm_loss": single["lm_loss"][15:]}, iterations=5)
-    got, stdout = curves(tmp_path, "fourth", 2, [*uneven, "--load", back])
-    assert_same(got, {"lm_loss": single["lm_loss"][15:]}, iterations=5)
+    uneven = (2, ["--pipeline-model-parallel-size", "2", *layouts.UNEVEN_LAYOUT])
+    layouts.assert_resumes_there_and_back(tmp_path, single, uneven, (2, TP2_SP))
