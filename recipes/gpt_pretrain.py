@@ -32,13 +32,7 @@ from fmeg.data.default_corpus import cache_dir as fmeg_cache, default_corpus  # 
 from fmeg.data.fim import FIM  # noqa: E402
 from fmeg.data.mock_corpus import mock_corpus  # noqa: E402
 from fmeg.data.sft_dataset import build_sft_datasets  # noqa: E402
-from fmeg.models import gpt_pipeline as gp  # noqa: E402
-from fmeg.training.report import (  # noqa: E402
-    fp8_line,
-    holds_attention_scores,
-    memory_estimate,
-    stages_line,
-)
+from fmeg.training import report  # noqa: E402
 from fmeg.config.load import BadInput, load  # noqa: E402
 from fmeg.config.run_config import RunConfig  # noqa: E402
 from fmeg.training.run_state import Checkpointer, MissingCheckpoint, build_or_restore  # noqa: E402
@@ -153,9 +147,8 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         else f" (gradients reduced in {str(precision.grad_dtype).removeprefix('torch.')})"
     )
     in_flight = min(layout.pp, layout.microbatches(cfg.global_batch)) * layout.chunks
-    stage_layers = [gp.stage_layers(model, s, layout.stages) for s in range(layout.num_stages)]
-    compute_bytes = torch.finfo(precision.compute_dtype).bits // 8
-    estimate = memory_estimate(
+    element_bytes = precision.compute_dtype.itemsize
+    estimate = report.memory_estimate(
         local,
         state_bytes,
         model,
@@ -164,10 +157,9 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         layout.tp,
         layout.pp,
         in_flight,
-        compute_bytes,
+        element_bytes,
         cp=layout.cp,
-        # this (the last) rank's stages': the average over its stages, as in_flight counts them
-        layers=sum(len(r) for r in stage_layers[layout.pp - 1 :: layout.pp]) / layout.chunks,
+        layers=report.last_rank_layers(model, layout),
     )
     print(
         f"fmeg gpt_pretrain on {session.device}: world {session.world} = {layout.describe()}; "
@@ -182,12 +174,12 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         flush=True,
     )
     if precision.fp8 is not None:
-        print(fp8_line(cfg, session), flush=True)
+        print(report.fp8_line(cfg, session), flush=True)
     for line in cfg.ignored:
         print(f"ignored {line}", flush=True)
     for line in cfg.notices:
         print(f"warning: {line}", flush=True)
-    scores = "with" if holds_attention_scores(model) else "without"
+    scores = "with" if report.holds_attention_scores(model) else "without"
     print(
         "theoretical memory on this rank (MB): "
         + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in estimate.items())
@@ -196,18 +188,7 @@ def announce(cfg: RunConfig, session: Session, state, per_rank: list[int]) -> No
         flush=True,
     )
     if layout.pp > 1:
-        print(
-            stages_line(
-                model,
-                stage_layers,
-                micro_batch=layout.micro_batch_size,
-                seq_len=cfg.data.seq_length,
-                tp=layout.tp,
-                cp=layout.cp,
-                activation_bytes=compute_bytes,
-            ),
-            flush=True,
-        )
+        print(report.stages_line(model, layout, cfg.data.seq_length, element_bytes), flush=True)
     print(
         "persistent state per rank (MB): "
         + ", ".join(f"r{r} {b / 2**20:.2f}" for r, b in enumerate(per_rank)),

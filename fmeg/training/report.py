@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fmeg.fp8.plan import fp8_start_line
+from fmeg.models import gpt_pipeline as gp
 from fmeg.models.gpt import GPTConfig
+from fmeg.parallel.layout import Layout
 from fmeg.training.stage_functions import stage_compilation
 
 
@@ -98,10 +100,30 @@ def stage_costs(
     ]
 
 
-def stages_line(config: GPTConfig, stage_layers: list[range], **sizes) -> str:
+def stage_ranges(config: GPTConfig, layout: Layout) -> list[range]:
+    """Each pipeline stage's decoder layers (their indices in the model)."""
+    return [gp.stage_layers(config, s, layout.stages) for s in range(layout.num_stages)]
+
+
+def last_rank_layers(config: GPTConfig, layout: Layout) -> float:
+    """The decoder layers the last pipeline rank holds, per virtual stage (memory_estimate's)."""
+    return sum(len(r) for r in stage_ranges(config, layout)[layout.pp - 1 :: layout.pp]) / (
+        layout.chunks
+    )
+
+
+def stages_line(config: GPTConfig, layout: Layout, seq_len: int, activation_bytes: int) -> str:
     """The start line's pipeline sentence: each stage's layers, GFLOP and activation MB per
     microbatch (stage_costs)."""
-    costs = stage_costs(config, stage_layers, **sizes)
+    costs = stage_costs(
+        config,
+        stage_ranges(config, layout),
+        layout.micro_batch_size,
+        seq_len,
+        layout.tp,
+        layout.cp,
+        activation_bytes,
+    )
     return (
         "pipeline stages (per microbatch on one rank of each): layers "
         + "|".join(str(n) for n, _, _ in costs)
