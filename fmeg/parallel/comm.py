@@ -17,12 +17,15 @@ input:
                                           with one
                                       (source, destination, tag) arrive in the order they were sent
 
-Two asynchronous calls, for gradient buckets, work in place on a buffer the caller owns and must
-leave alone until the returned handle's wait() has returned:
+Asynchronous calls, for gradient buckets and gathered weights, work in place on a buffer the
+caller owns and must leave alone until the returned handle's wait() has returned:
 
     all_reduce_async(x)               x becomes the sum over the group
     reduce_async(x, dst)              on group rank dst, x becomes the sum; elsewhere x is scratch
     broadcast_async(x, src)           x becomes group rank src's x
+    all_gather_into_async(out, x)     out (size * x.numel() elements) becomes each rank's x in rank
+                                      order (x may be this rank's part of out)
+    reduce_scatter_async(out, x)      out becomes this rank's 1/size of the sum of x
 
 Implementations: TorchGroup (a torch.distributed process group: gloo or NCCL), ThreadGroup (ranks as
 threads of one process, for tests and notebooks) and RecordingGroup (counts bytes, wraps either).
@@ -82,7 +85,8 @@ class TorchGroup:
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        # gloo has no reduce_scatter: reduce, keep our chunk
+        # gloo's reduce_scatter_tensor, called inside torch.func's transforms (sequence
+        # parallelism's backward), mutates a tensor the transform does not own: reduce, keep ours
         if self.gloo:
             return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
         if torch.compiler.is_compiling():
@@ -91,6 +95,12 @@ class TorchGroup:
         out = torch.empty_like(chunks[self.rank])
         dist.reduce_scatter(out, chunks, group=self.pg)
         return out
+
+    def all_gather_into_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
+        return dist.all_gather_into_tensor(out, x, group=self.pg, async_op=True)
+
+    def reduce_scatter_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
+        return dist.reduce_scatter_tensor(out, x, group=self.pg, async_op=True)
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         # chunks stacked on a new leading dim travel as one tensor
@@ -224,6 +234,15 @@ class ThreadGroup:
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return self.all_reduce(x).chunk(self.size, dim=dim)[self.rank].contiguous()
 
+    def all_gather_into_async(self, out: torch.Tensor, x: torch.Tensor) -> "_Done":
+        # a clone: x may be a view of out
+        out.copy_(self.all_gather(x.clone(), 0))
+        return _Done()
+
+    def reduce_scatter_async(self, out: torch.Tensor, x: torch.Tensor) -> "_Done":
+        out.copy_(self.reduce_scatter(x.clone(), 0))
+        return _Done()
+
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         parts = self._exchange(x)
         return torch.cat([p.chunk(self.size, dim=split_dim)[self.rank] for p in parts], dim=cat_dim)
@@ -313,6 +332,14 @@ class RecordingGroup:
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.log.append(("reduce_scatter", x.numel() * x.element_size()))
         return self.inner.reduce_scatter(x, dim)
+
+    def all_gather_into_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
+        self.log.append(("all_gather", out.numel() * out.element_size()))
+        return self.inner.all_gather_into_async(out, x)
+
+    def reduce_scatter_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
+        self.log.append(("reduce_scatter", x.numel() * x.element_size()))
+        return self.inner.reduce_scatter_async(out, x)
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         self.log.append(("all_to_all", x.numel() * x.element_size()))
