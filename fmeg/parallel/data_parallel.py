@@ -11,12 +11,14 @@
 Gradients accumulate in one flat buffer (at least fp32 unless a buffer of another dtype is given, as
 --grad-reduce-in-bf16 gives a bf16 one; the first contribution of an iteration is copied, the others
 added) laid out like zero.FlatBuffer: leaves in tree order, padded to a multiple of dp. The buffer
-is cut into buckets of about bucket_numel elements, walking leaves in reverse (the order backward
-produces them, as Megatron does), and a bucket's collective starts as soon as its last leaf has
-arrived, so communication overlaps with the rest of the backward pass. Without ZeRO a bucket is
-all-reduced. With ZeRO a bucket lies inside one rank's slice and is reduced to that rank only
-(reduce-scatter's traffic, in pieces), except buckets of `replicated` leaves (the tied embedding
-copies, whose gradients are summed across pipeline stages afterwards), which are all-reduced. Which
+is cut into buckets, and a bucket's collective starts as soon as its last leaf has arrived, so
+communication overlaps with the rest of the backward pass. Without ZeRO a bucket holds about
+bucket_numel elements, walking leaves in reverse (the order backward produces them, as Megatron
+does), and is all-reduced. With ZeRO a bucket is a unit of the layout (unit_of: a layer; each
+padded to a multiple of dp, each rank owning the rank-th 1/dp of it) and is reduce-scattered, one
+collective per unit; `replicated` leaves (the tied embedding copies, whose gradients are summed
+across pipeline stages afterwards) are then units of their own, whose owned elements leaf() gives
+(the same elements of each copy). Which
 bucket starts when depends only on the schedule, so every data-parallel rank issues the same
 collectives in the same order. Without overlap (overlap=False) buckets start at finish(), in tree
 order: the same numbers.
@@ -26,12 +28,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fmeg import tree
-from fmeg.parallel.zero import FlatBuffer
+from fmeg.parallel.zero import FlatBuffer, alone_in_unit, owned_view
 
 
 def default_bucket_numel(dp: int) -> int:
@@ -55,8 +57,10 @@ class GradSync:
         overlap: bool = True,
         divisor: int | None = None,
         replicas: Any = None,
+        unit_of: Callable[[str], str] | None = None,
     ):
-        """buffer: a persistent flat gradient buffer to fill (zero in its padding), else a fresh
+        """unit_of: the units of ZeRO's layout (zero.FlatBuffer; None: one); buffer: a persistent
+        flat gradient buffer to fill (zero in its padding), else a fresh
         one; overlap: start each bucket once its leaves are final, else all of them at finish();
         divisor: what the group's sum is divided by (default its size: the mean; context-parallel
         ranks, whose gradients are their tokens' shares, divide by the data-parallel size alone);
@@ -68,7 +72,7 @@ class GradSync:
         self.divisor = self.dp if divisor is None else divisor
         self.rank = 0 if group is None else group.rank
         # the flat layout ZeRO-1 slices
-        self.layout = FlatBuffer.of(params, self.dp)
+        self.layout = FlatBuffer.of(params, self.dp, unit_of if owner_slices else None)
         self.owner_slices, self.spec, self.shapes = (
             owner_slices,
             self.layout.spec,
@@ -78,7 +82,7 @@ class GradSync:
         leaves = list(tree.items(params))
         self.paths = [path for path, _ in leaves]
         sizes = [shape.numel() for shape in self.shapes]
-        self.offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+        self.offsets = list(self.layout.starts)
         self.index = {path: i for i, path in enumerate(self.paths)}
         if buffer is not None and (
             buffer.shape != (self.padded,) or not buffer.is_floating_point()
@@ -95,16 +99,15 @@ class GradSync:
                 self.padded, dtype=dtype, device=leaves[0][1].device if leaves else "cpu"
             )
         )
-        unknown = set(replicated) - set(self.index)
-        if unknown:
-            raise ValueError(f"GradSync: replicated paths {sorted(unknown)} are not parameters")
-        self.buckets = _buckets(
-            sizes,
-            self.padded,
-            self.dp if owner_slices else 1,
-            {self.index[p] for p in replicated},
-            bucket_numel or default_bucket_numel(self.dp),
+        whole = {self.index[p] for p in replicated}
+        self.buckets = (
+            _unit_buckets(self.layout)
+            if owner_slices
+            else _buckets(sizes, self.padded, whole, bucket_numel or default_bucket_numel(self.dp))
         )
+        self.replicated = whole
+        units = [leaves for _, _, leaves, _ in self.buckets] if owner_slices else None
+        alone_in_unit(replicated, self.index, units, "GradSync")
         self._buckets_of: list[list[int]] = [[] for _ in leaves]
         for b, (_, _, leaves_of, _) in enumerate(self.buckets):
             for i in leaves_of:
@@ -124,7 +127,8 @@ class GradSync:
         self._arrived = [False] * len(self.paths)
         # received a contribution this iteration
         self._touched = [False] * len(self.paths)
-        self._handles: list[Any] = []
+        # (handle, this rank's chunk of the sum, where it goes)
+        self._handles: list[tuple[Any, torch.Tensor | None, torch.Tensor | None]] = []
         # leaves still to come when each bucket started
         self.started_with_pending: list[int] = []
         for b, waiting in enumerate(self._waiting):
@@ -189,8 +193,10 @@ class GradSync:
         for i, arrived in enumerate(self._arrived):
             if not arrived:
                 self._arrive(i)
-        for handle in self._handles:
+        for handle, mine, target in self._handles:
             handle.wait()
+            if target is not None:
+                target.copy_(mine)
         self._handles = []
         if self.replicas is not None:
             for a, b in self._held_ranges():
@@ -205,13 +211,9 @@ class GradSync:
         the replicated leaves (everything without owner slices)."""
         if not self.owner_slices:
             return [(0, self.padded)]
-        size = self.padded // self.dp
-        ranges = [(self.rank * size, (self.rank + 1) * size)]
-        ranges += [
-            (self.offsets[i], self.offsets[i] + self.shapes[i].numel())
-            for i in sorted(
-                {i for _, _, leaves, owner in self.buckets if owner is None for i in leaves}
-            )
+        ranges = [
+            self.layout.chunk(u, self.rank) if scatter else (a, b)
+            for u, (a, b, _, scatter) in enumerate(self.buckets)
         ]
         merged: list[tuple[int, int]] = []
         for a, b in sorted(r for r in ranges if r[1] > r[0]):
@@ -232,44 +234,52 @@ class GradSync:
         return tree.tree_unflatten([self._view(i) for i in range(len(self.paths))], self.spec)
 
     def leaf(self, path: str) -> torch.Tensor:
-        return self._view(self.index[path])
+        """A leaf's gradient: with owner slices, a replicated leaf's owned elements (flat)."""
+        i = self.index[path]
+        if self.owner_slices and i in self.replicated:
+            return owned_view(self.buffer, self.layout, i, self.rank)
+        return self._view(i)
 
     def owned(self) -> torch.Tensor:
-        """This rank's contiguous slice of the flat buffer (ZeRO-1's gradient shard)."""
-        size = self.padded // self.dp
-        return self.buffer[self.rank * size : (self.rank + 1) * size]
+        """This rank's owned elements of the flat buffer (ZeRO-1's gradient shard; a copy with
+        more than one unit)."""
+        return self.layout.shard(self.buffer, self.rank)
 
     def _view(self, i: int) -> torch.Tensor:
         return self._views[i]
 
     def _start(self, b: int) -> None:
-        start, end, _, owner = self.buckets[b]
+        start, end, _, scatter = self.buckets[b]
         self.started_with_pending.append(self._arrived.count(False))
         if self.group is None:
             return
         piece = self.buffer[start:end]
-        self._handles.append(
-            self.group.all_reduce_async(piece)
-            if owner is None
-            else self.group.reduce_async(piece, owner)
-        )
+        if not scatter:
+            self._handles.append((self.group.all_reduce_async(piece), None, None))
+            return
+        # into a tensor of its own (NCCL may write its input's chunk in place; gloo may not)
+        mine = piece.new_empty(piece.numel() // self.dp)
+        target = self.buffer[slice(*self.layout.chunk(b, self.rank))]
+        self._handles.append((self.group.reduce_scatter_async(mine, piece), mine, target))
+
+
+def _unit_buckets(layout: FlatBuffer) -> list[tuple[int, int, list[int], bool]]:
+    """[(start, end, leaves, True: reduce-scattered)]: one bucket per unit of the layout."""
+    firsts = [a for a, _ in layout.units]
+    leaves: list[list[int]] = [[] for _ in layout.units]
+    for i, start in enumerate(layout.starts):
+        leaves[max(bisect.bisect_right(firsts, start) - 1, 0)].append(i)
+    return [(a, b, found, True) for (a, b), found in zip(layout.units, leaves)]
 
 
 def _buckets(
-    sizes: list[int],
-    padded: int,
-    owners: int,
-    replicated: set[int],
-    bucket_numel: int,
-    extra_cuts: set[int] = frozenset(),
-) -> list[tuple[int, int, list[int], int | None]]:
-    """[(start, end, leaves it touches, owner rank or None for an all-reduce)], in the order
-    backward fills them: element ranges cut at leaf boundaries once they hold bucket_numel elements,
-    always cut at the owners' slice boundaries, around replicated leaves (which are all-reduced even
-    with owners > 1) and at extra_cuts (leaf boundaries)."""
+    sizes: list[int], padded: int, replicated: set[int], bucket_numel: int
+) -> list[tuple[int, int, list[int], bool]]:
+    """[(start, end, leaves it touches, False: all-reduced)], in the order backward fills them:
+    element ranges cut at leaf boundaries once they hold bucket_numel elements, always cut around
+    replicated leaves."""
     offsets = list(itertools.accumulate(sizes, initial=0))
-    slice_size = padded // owners
-    hard = {k * slice_size for k in range(owners + 1)} | set(extra_cuts)
+    hard = {0, padded}
     for i in replicated:
         hard |= {offsets[i], offsets[i + 1]}
     cuts = sorted(hard | set(offsets))
@@ -279,14 +289,13 @@ def _buckets(
         i = bisect.bisect_right(offsets, position) - 1
         return i if i < len(sizes) and sizes[i] > 0 else None
 
-    out: list[tuple[int, int, list[int], int | None]] = []
+    out: list[tuple[int, int, list[int], bool]] = []
     end, touched = None, set()
     for a, b in reversed([(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]):
         end = b if end is None else end
         leaf = leaf_at(a)
         touched |= {leaf} - {None}
         if a in hard or end - a >= bucket_numel:
-            owner = None if owners == 1 or leaf in replicated else a // slice_size
-            out.append((a, end, sorted(touched), owner))
+            out.append((a, end, sorted(touched), False))
             end, touched = None, set()
     return out

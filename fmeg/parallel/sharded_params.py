@@ -9,16 +9,16 @@ to be used.
     with weights.use(stage, ("layers.3",)):
         out = layer(weights.params[stage]["layers"][3], x)
 
-The layout is zero.FlatBuffer's, and this rank owns the slice [rank * padded / dp, (rank + 1) *
-padded / dp) as with ZeRO-1. A unit (a layer, the embedding, the head: unit_of(path)) covers a
-contiguous range of the layout and has a buffer of its own, allocated once; its storage is resized
-to nothing when the unit is not in use, so a rank holds at most the units in use and the one being
-prefetched. Gathering a unit broadcasts each owner's piece of it into the buffer from the owner (a
-unit usually lies inside one or two owners' slices), as every data-parallel rank does in the same
-order. Autograd keeps the views a forward saved: their storage comes back, with the same values,
-when backward gathers the unit again (the buffer's version counter is left alone, as torch's FSDP
-does). use() also starts gathering the unit that came after this one last time (the order of the
-previous iteration's uses, forward then backward), so its broadcast overlaps this unit's compute.
+The layout is zero.FlatBuffer's with these units: each unit is padded to a multiple of dp and this
+rank owns the rank-th 1/dp of it (its chunk), as Megatron-FSDP and FSDP2 shard. A unit (a layer,
+the embedding, the head: unit_of(path)) has a buffer of its own, allocated once; its storage is
+resized to nothing when the unit is not in use, so a rank holds at most the units in use and the
+one being prefetched. Gathering a unit is one all-gather of every rank's chunk into its buffer, as
+every data-parallel rank does in the same order. Autograd keeps the views a forward saved: their
+storage comes back, with the same values, when backward gathers the unit again (the buffer's
+version counter is left alone, as torch's FSDP does). use() also starts gathering the unit that
+came after this one last time (the order of the previous iteration's uses, forward then
+backward), so its all-gather overlaps this unit's compute.
 
 keep_after_forward(unit) (torch FSDP2's reshard_after_forward=False for the units it is true of): a
 unit its forward used with autograd recording stays gathered until the matching backward has used
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -58,32 +57,26 @@ class ShardedParams:
         whether the unit stays gathered from a forward to its backward."""
         self.group, self.owned, self.prefetch, self.dp, self.rank = group, owned, prefetch, dp, rank
         self.keep_after_forward = keep_after_forward
-        layout = FlatBuffer.of(params, self.dp)
+        layout = FlatBuffer.of(params, self.dp, unit_of)
         self.size = layout.padded // self.dp
         if owned.shape != (self.size,):
             raise ValueError(
                 f"ShardedParams: owned slice of {tuple(owned.shape)}, need ({self.size},)"
             )
         paths = [path for path, _ in tree.items(params)]
-        offsets = list(itertools.accumulate([s.numel() for s in layout.shapes], initial=0))
-        self.units: dict[str, tuple[int, int]] = {}
-        for path, a, b in zip(paths, offsets, offsets[1:]):
-            unit = unit_of(path)
-            start = self.units.get(unit, (a, b))[0]
-            if unit in self.units and self.units[unit][1] != a:
-                raise ValueError(
-                    f"ShardedParams: unit {unit} is not contiguous in the layout (at {path})"
-                )
-            self.units[unit] = (start, b)
+        names = list(dict.fromkeys(unit_of(path) for path in paths))
+        # unit -> its flat range (padded); its chunk's first position in owned
+        self.units: dict[str, tuple[int, int]] = dict(zip(names, layout.units))
+        self.chunks = dict(zip(names, layout.chunk_starts))
         self.buffers = {
             u: torch.empty(b - a, dtype=owned.dtype, device=owned.device)
             for u, (a, b) in self.units.items()
         }
         views = []
-        for path, a, shape in zip(paths, offsets, layout.shapes):
+        for path, start, shape in zip(paths, layout.starts, layout.shapes):
             unit = unit_of(path)
-            start = a - self.units[unit][0]
-            views.append(self.buffers[unit][start : start + shape.numel()].view(shape))
+            first = start - self.units[unit][0]
+            views.append(self.buffers[unit][first : first + shape.numel()].view(shape))
         self.params = tree.tree_unflatten(views, layout.spec)
         for buffer in self.buffers.values():
             buffer.untyped_storage().resize_(0)
@@ -92,6 +85,8 @@ class ShardedParams:
         self._kept = {u: 0 for u in self.units}
         # unit -> pending handles (gathered, not yet waited for)
         self._gathering: dict[str, list] = {}
+        # each unit's version counter when its gathering started
+        self._versions: dict[str, int] = {}
         # this iteration's uses (unit, backward?), in order
         self._order: list[tuple[str, bool]] = []
         # the unit used after each use, last iteration
@@ -183,26 +178,30 @@ class ShardedParams:
             self.buffers[unit].untyped_storage().resize_(0)
 
     def _start(self, unit: str) -> None:
-        """Give the unit's buffer storage and start broadcasting each owner's piece into it."""
+        """Give the unit's buffer storage and start all-gathering every rank's chunk into it."""
         a, b = self.units[unit]
-        buffer = self.buffers[unit]
+        buffer, size = self.buffers[unit], (b - a) // self.dp
         buffer.untyped_storage().resize_((b - a) * buffer.element_size())
-        handles = []
+        mine = self.owned[self.chunks[unit] :][:size]
+        self._versions[unit] = buffer._version
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
-            for owner in range(a // self.size, (b - 1) // self.size + 1):
-                lo, hi = max(a, owner * self.size), min(b, (owner + 1) * self.size)
-                piece = buffer[lo - a : hi - a]
-                if owner == self.rank:
-                    piece.copy_(self.owned[lo - owner * self.size : hi - owner * self.size])
-                elif self.group is None:
+            if self.group is None:
+                if self.dp > 1:
                     raise RuntimeError(
-                        f"ShardedParams: unit {unit} needs rank {owner}'s slice and there is no "
-                        "group"
+                        f"ShardedParams: unit {unit} needs the other ranks' chunks and there is "
+                        "no group"
                     )
-                if self.group is not None:
-                    handles.append(self.group.broadcast_async(piece, owner))
-        self._gathering[unit] = handles
+                buffer.copy_(mine)
+                self._gathering[unit] = []
+            else:
+                self._gathering[unit] = [self.group.all_gather_into_async(buffer, mine)]
 
     def _wait(self, unit: str) -> None:
-        for handle in self._gathering.pop(unit, ()):
+        handles = self._gathering.pop(unit, ())
+        for handle in handles:
             handle.wait()
+        if handles:
+            # an asynchronous all_gather_into_tensor counts versions when it completes, after
+            # _start has returned (torch 2.13, gloo): the version from before it, as in _start
+            buffer = self.buffers[unit]
+            torch._C._autograd._unsafe_set_version_counter((buffer,), (self._versions[unit],))

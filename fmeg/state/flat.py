@@ -16,9 +16,11 @@
 
 dp counts the ranks that hold the same weights and average their gradients: Megatron's data-parallel
 group with context parallelism, dp x cp (the runner's mesh group dp_cp). Every buffer is laid out as
-zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order, padded to a multiple of
-dp). With any sharding but no_shard this rank owns the slice [lo, hi) of it; the sharding
-(Megatron-FSDP's strategies, SHARDINGS) says which buffers are only that slice:
+zero.FlatBuffer lays out this rank's {stage: tree} (leaves in tree order; with any sharding but
+no_shard cut into units, unit_of's layers, each padded to a multiple of dp). With any sharding but
+no_shard this rank owns the rank-th 1/dp of every unit (its chunks, as Megatron-FSDP and FSDP2
+shard); the sharding (Megatron-FSDP's strategies, SHARDINGS) says which buffers hold only those
+owned elements (the "slice"), its chunks in unit order:
 
                                       no_shard   optim (ZeRO-1)  optim_grads   optim_grads_params
     weights  compute dtype            whole      whole           whole
@@ -39,7 +41,7 @@ norm (one foreach norm over the owned pieces of the leaves, each parameter count
 torch's fused AdamW kernel over the owned slice (fmeg.optim.adamw's flat form), one call per
 (learning rate, weight decay or not) group, with the clip as its grad_scale (a device tensor: no
 host sync, no pass of its own) and the decoupled weight decay inside it, and the refresh of the
-compute weights from the master (optim and optim_grads: an all-gather).
+compute weights from the master (optim and optim_grads: an all-gather per unit).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from fmeg.optim.loss_scale import scaler_of
 from fmeg.parallel.data_parallel import GradSync
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
-from fmeg.parallel.zero import FlatBuffer
+from fmeg.parallel.zero import FlatBuffer, OwnedView
 from fmeg.state.matrix_step import LeafGather, LocalOnly, MatrixStep
 from fmeg.state.protocol import step_parts
 
@@ -76,9 +78,12 @@ KEEP_AFTER_FORWARD = {
 
 def unit_of(path: str) -> str:
     """The unit of sharded gradients' buckets and gathered weights a leaf ("stage.path") belongs to:
-    its layer ("0.layers.3"), or its top-level part ("0.embedding", "1.final_norm")."""
+    its layer ("0.layers.3"), the word embeddings ("0.embedding.word": a unit of the size of the
+    tied output copy, whose chunks are summed with its chunks), or its top-level part
+    ("0.embedding" for the position embeddings, "1.final_norm", "1.output")."""
     parts = path.split(".")
-    return ".".join(parts[:3] if parts[1] == "layers" else parts[:2])
+    tied = parts[1:3] == ["embedding", "word"]
+    return ".".join(parts[:3] if parts[1] == "layers" or tied else parts[:2])
 
 
 class FlatState:
@@ -117,10 +122,10 @@ class FlatState:
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
-        self.zero = sharding != "no_shard"
         self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
         self.shard_params = sharding == "optim_grads_params"
-        self.flat = FlatBuffer.of(params, dp)
+        self.zero = sharding != "no_shard"
+        self.flat = FlatBuffer.of(params, dp, unit_of if self.zero else None)
         self.optimizer = optimizer = optimizer or optim.adamw()
         if optimizer.flat is None:
             raise ValueError(
@@ -133,15 +138,12 @@ class FlatState:
         self.replica_group = replica_group
         # the loss scaler's state (None: no scaling), part of the optimizer's like the moments
         self.scaler = scaler_of(optimizer)
-        size = self.flat.padded // dp
-        self.lo, self.hi = (
-            (dp_rank * size, (dp_rank + 1) * size) if self.zero else (0, self.flat.padded)
-        )
+        # the owned elements' number
+        self.size = self.flat.padded // dp if self.zero else self.flat.padded
         self.dp, self.dp_rank = dp, dp_rank
-        sizes = [leaf.numel() for _, leaf in tree.items(params)]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self._where = {
-            path: (start, n) for (path, _), start, n in zip(tree.items(params), starts, sizes)
+            path: (start, leaf.numel())
+            for (path, leaf), start in zip(tree.items(params), self.flat.starts)
         }
         device = tree.tree_leaves(params)[0].device if device is None else torch.device(device)
         self._allocate(device, compute_dtype, grad_dtype, moment_dtypes)
@@ -173,7 +175,7 @@ class FlatState:
         moment_dtypes: tuple[torch.dtype, torch.dtype],
     ) -> None:
         """The buffers, once: whole or this rank's slice as the sharding says."""
-        owned = self.hi - self.lo
+        owned = self.size
         weights = owned if self.shard_params else self.flat.padded
         self.weights = torch.zeros(weights, device=device, dtype=compute_dtype)
         grad = owned if self.shard_grads else self.flat.padded
@@ -194,9 +196,9 @@ class FlatState:
         self._owned_grad = owned_grad = (
             self.grad32 if self.grad32 is not None else self._owned(self.grad)
         )
-        self._norm_pieces = [owned_grad[a:b] for _, _, a, b in pieces]
+        self._norm_pieces = [owned_grad[a:b] for _, _, a, b, _ in pieces]
         self._norm_weight = torch.tensor(
-            [float(counted(path, leaf)) for path, leaf, _, _ in pieces],
+            [float(counted(path, leaf)) for path, leaf, _, _, _ in pieces],
             dtype=torch.float64,
             device=device,
         )
@@ -211,7 +213,7 @@ class FlatState:
             dp_group=self.dp_group,
             dp=self.dp,
             dp_rank=self.dp_rank,
-            lo=self.lo,
+            layout=self.flat,
             sliced=self.zero,
             device=device,
         )
@@ -225,9 +227,25 @@ class FlatState:
         }
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
 
-    def _owned(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This rank's slice [lo, hi) of a buffer laid out whole or already only the slice."""
-        return buffer if buffer.numel() == self.hi - self.lo else buffer[self.lo : self.hi]
+    def _owned(self, buffer: torch.Tensor) -> Any:
+        """This rank's owned elements of a buffer laid out whole (an OwnedView of it; with one unit
+        a plain view) or already only them."""
+        if buffer.numel() == self.size:
+            return buffer
+        view = OwnedView(buffer, self.flat, self.dp_rank)
+        return view.chunks[0] if len(view.chunks) == 1 else view
+
+    def _owned_copy(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's owned elements of a buffer laid out whole (a copy, but with one unit) or
+        already only them (itself)."""
+        return buffer if buffer.numel() == self.size else self.flat.shard(buffer, self.dp_rank)
+
+    def owned_pieces(self, start: int, n: int) -> list[tuple[int, int, int]]:
+        """[(flat lo, flat hi, owned position of lo)]: the owned parts of the flat range [start,
+        start + n)."""
+        if not self.zero:
+            return [(start, start + n, start)] if n else []
+        return self.flat.owned_pieces(start, n, self.dp_rank)
 
     @torch.no_grad()
     def assign(self, values: dict[int, Any]) -> None:
@@ -235,18 +253,19 @@ class FlatState:
         params) that are not meta tensors to them, the part held here only: the model can be built a
         unit at a time, every other unit a meta tensor, without its whole copy on any rank. The
         optimizer's moments are left as they are."""
-        first = self.lo if self.shard_params else 0
         for path, leaf in tree.items(values):
             if leaf.is_meta:
                 continue
             start, n = self._where[path]
             flat = leaf.reshape(-1)
-            a, b = max(start, first), min(start + n, first + self.weights.numel())
-            if a < b:
-                self.weights[a - first : b - first].copy_(flat[a - start : b - start])
-            a, b = max(start, self.lo), min(start + n, self.hi)
-            if self.main is not None and a < b:
-                self.main[a - self.lo : b - self.lo].copy_(flat[a - start : b - start])
+            if not self.shard_params:
+                self.weights[start : start + n].copy_(flat)
+            for a, b, at in self.owned_pieces(start, n):
+                piece = flat[a - start : b - start]
+                if self.shard_params:
+                    self.weights[at : at + b - a].copy_(piece)
+                if self.main is not None:
+                    self.main[at : at + b - a].copy_(piece)
 
     def grad_sync(
         self,
@@ -271,7 +290,6 @@ class FlatState:
                 self.grad,
                 unit_of=unit_of,
                 replicated=replicated,
-                bucket_numel=bucket_numel,
                 divisor=divisor,
                 replicas=self.replica_group,
             )
@@ -286,6 +304,7 @@ class FlatState:
                 overlap=overlap,
                 divisor=divisor,
                 replicas=self.replica_group,
+                unit_of=unit_of,
             )
         self._grad_sync = (key, sync)
         return sync
@@ -295,33 +314,33 @@ class FlatState:
         half-precision grad) its fp32 copy, refreshed here; unscaling and overflow checks belong on
         it, in fp32."""
         if self.grad32 is not None:
-            self.grad32.copy_(self._owned(self.grad))
+            self.grad32.copy_(self._owned_copy(self.grad))
         return self._owned_grad
 
     def _adam_groups(self, pieces: list) -> dict[tuple[bool, bool], list[tuple[int, int]]]:
         """{(decoupled learning rate?, weight decay?): [(start, end)]}: the owned pieces cut into
         maximal runs of neighbouring leaves that share both, each group one fused AdamW call."""
         runs: list[list] = []
-        for path, leaf, a, b in pieces:
+        for path, leaf, a, b, at in pieces:
             group = self.optimizer.flat.group(path, leaf)
-            if runs and runs[-1][2] == group and runs[-1][1] == a:
+            # neighbours in the owned elements and in the flat buffers (one chunk)
+            if runs and runs[-1][2:] == [group, at - a] and runs[-1][1] == a:
                 runs[-1][1] = b
             else:
-                runs.append([a, b, group])
+                runs.append([a, b, group, at - a])
         groups: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
-        for a, b, group in runs:
+        for a, b, group, _ in runs:
             groups.setdefault(group, []).append((a, b))
         return groups
 
-    def _owned_pieces(self, params: dict[int, Any]) -> list[tuple[str, torch.Tensor, int, int]]:
-        """(path, leaf, start, end) for every leaf's part inside [lo, hi), in owned coordinates."""
-        out, offset = [], 0
-        for path, leaf in tree.items(params):
-            start, end = max(offset, self.lo), min(offset + leaf.numel(), self.hi)
-            if start < end:
-                out.append((path, leaf, start - self.lo, end - self.lo))
-            offset += leaf.numel()
-        return out
+    def _owned_pieces(self, params: dict[int, Any]) -> list[tuple[str, Any, int, int, int]]:
+        """(path, leaf, start, end, flat start) for every leaf's owned parts, start and end in owned
+        coordinates."""
+        return [
+            (path, leaf, at, at + b - a, a)
+            for path, leaf in tree.items(params)
+            for a, b, at in self.owned_pieces(*self._where[path])
+        ]
 
     @property
     def master(self) -> torch.Tensor:
@@ -359,7 +378,7 @@ class FlatState:
 
     @property
     def sliced_kinds(self) -> frozenset[str]:
-        """The buffers() kinds held as this rank's slice [lo, hi) rather than whole."""
+        """The buffers() kinds held as this rank's owned elements rather than whole."""
         if not self.zero:
             return frozenset()
         return frozenset({"main", *self.kinds} | ({"params"} if self.shard_params else set()))
@@ -386,19 +405,25 @@ class FlatState:
             for path, shape in zip(self._where, self.flat.shapes)
         ]
 
-    def buffers(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """What checkpoints save and load, by kind, each with the flat index of its first element:
-        params (the compute weights, whole), main (fp32 master weights; absent in fp32, where the
-        weights are the master), mu and nu (Adam's moments); the last three are the slice [lo, hi)
-        with ZeRO-1."""
+    def buffers(self) -> dict[str, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
+        """What checkpoints save and load, by kind, each with its runs [(flat lo, flat hi, position
+        in the buffer of lo)]: params (the compute weights, whole), main (fp32 master weights;
+        absent in fp32, where the weights are the master), mu and nu (Adam's moments); the last
+        three are the owned elements (its chunks) with ZeRO-1."""
+        whole = [(0, self.flat.padded, 0)]
+        owned = (
+            [(*self.flat.chunk(u, self.dp_rank), at) for u, at in enumerate(self.flat.chunk_starts)]
+            if self.zero
+            else whole
+        )
         out = {
-            "params": (self.weights, self.lo if self.shard_params else 0),
-            "mu": (self.mu, self.lo),
+            "params": (self.weights, owned if self.shard_params else whole),
+            "mu": (self.mu, owned),
         }
         if self.nu is not None:
-            out["nu"] = (self.nu, self.lo)
+            out["nu"] = (self.nu, owned)
         if self.main is not None:
-            out["main"] = (self.main, self.lo)
+            out["main"] = (self.main, owned)
         return out
 
     def set_count(self, count: int) -> None:
@@ -411,7 +436,7 @@ class FlatState:
         """The optimizer state a new run starts with, for the weights held now: the master from the
         weights, zero moments, step count 0 (--finetune, --no-load-optim)."""
         if self.main is not None:
-            self.main.copy_(self._owned(self.weights))
+            self.main.copy_(self._owned_copy(self.weights))
         self.mu.zero_()
         if self.nu is not None:
             self.nu.zero_()
@@ -491,13 +516,21 @@ class FlatState:
             )
 
     def refresh(self, dp_group: Any) -> None:
-        """The compute weights from the master (with ZeRO-1, the owned slices all-gathered over
-        dp_group; with sharded weights, the owned slice only: units are gathered when used)."""
+        """The compute weights from the master (with ZeRO-1, every unit's chunks all-gathered over
+        dp_group, one all-gather per unit; with sharded weights, the owned chunks only: units are
+        gathered when used)."""
         if self.gathered is not None:
             if self.main is not None:
                 self.weights.copy_(self.main)
         elif self.zero and dp_group is not None:
-            self.weights.copy_(dp_group.all_gather(self.master.to(self.weights.dtype), 0))
+            master, handles = self.master, []
+            for u, first in enumerate(self.flat.chunk_starts):
+                a, b = self.flat.units[u]
+                # a copy: in fp32 the chunk is a view of the unit gathered into
+                mine = master[first : first + (b - a) // self.dp].to(self.weights.dtype, copy=True)
+                handles.append(dp_group.all_gather_into_async(self.weights[a:b], mine))
+            for handle in handles:
+                handle.wait()
         elif self.main is not None:
             self.weights.copy_(self.main)
 
@@ -508,15 +541,14 @@ class FlatState:
         under ZeRO-1)."""
         start, n = self._where[path]
         delta = delta.reshape(-1).to(self.weights.device)
-        a, b = max(start, self.lo), min(start + n, self.hi)
         if self.gathered is None:
             self.weights[start : start + n] += delta.to(self.weights.dtype)
-        elif a < b:
-            self.weights[a - self.lo : b - self.lo] += delta[a - start : b - start].to(
-                self.weights.dtype
-            )
-        if self.main is not None and a < b:
-            self.main[a - self.lo : b - self.lo] += delta[a - start : b - start]
+        for a, b, at in self.owned_pieces(start, n):
+            piece = delta[a - start : b - start]
+            if self.gathered is not None:
+                self.weights[at : at + b - a] += piece.to(self.weights.dtype)
+            if self.main is not None:
+                self.main[at : at + b - a] += piece
 
     def matrix_states(self) -> dict[str, Any]:
         """The matrix optimizer's states of the leaves computed here ({stage.path: (state, mesh
@@ -524,5 +556,7 @@ class FlatState:
         return self._matrices.held_states()
 
     def main_grads(self) -> list[torch.Tensor]:
-        """[main_grad()]: the owned fp32 gradient pieces of the state (ExpertSplitState has two)."""
-        return [self.main_grad()]
+        """The owned fp32 gradient pieces of the state (a whole fp32 gradient's chunks; one piece
+        otherwise; ExpertSplitState has more)."""
+        grad = self.main_grad()
+        return grad.chunks if isinstance(grad, OwnedView) else [grad]

@@ -1,18 +1,18 @@
 """The matrix optimizers' step on a flat state (Muon, SOAP): each matrix leaf's update computed on
 the leaf whole, as one rank would, however the layout splits it, at a home rank.
 
-    step = MatrixStep(leaves, pieces, gather, dp_group, dp_rank, lo, sliced)
+    step = MatrixStep(leaves, pieces, gather, dp_group, dp, dp_rank, layout, sliced)
     step.run(flat, master, mu, nu, grad, grad_scale, lr=lr, weight_decay=wd)
 
-A leaf is split three ways: the distributed optimizer (ZeRO-1, FSDP) gives this rank a slice
-[lo, hi) of the flat buffers, which may cut a leaf anywhere; tensor (or expert-tensor) parallelism
-gives it a block of the leaf's rows or columns; expert parallelism gives it whole experts, which
-are whole matrices already. With a flat form that has prepare_, whole_step, apply_ (and scale for
-adaptive Muon: fmeg.optim.muon.MuonFlat, fmeg.optim.soap.SoapFlat) the step:
+A leaf is split three ways: the distributed optimizer (ZeRO-1, FSDP) gives this rank a chunk of
+each unit of the flat buffers (zero.FlatBuffer), which may cut a leaf anywhere; tensor (or
+expert-tensor) parallelism gives it a block of the leaf's rows or columns; expert parallelism gives
+it whole experts, which are whole matrices already. With a flat form that has prepare_, whole_step,
+apply_ (and scale for adaptive Muon: fmeg.optim.muon.MuonFlat, fmeg.optim.soap.SoapFlat) the step:
 
 1. prepares the owned slice elementwise (Muon: steps the momentum; SOAP: the unclipped gradient);
-2. all-gathers it over the data-parallel group (one all-gather), so every rank has its blocks of
-   every leaf;
+2. all-gathers it over the data-parallel group (one all-gather, laid out flat again), so every
+   rank has its blocks of every leaf;
 3. at each leaf's home (one data-parallel rank per leaf, spread by size so the work balances; with
    the buffers whole, every rank), gathers the block over its tensor-parallel group into the whole
    leaf (gather.whole; tensor-parallel peers share a home and compute alike: Megatron's
@@ -73,6 +73,8 @@ class MatrixPiece(NamedTuple):
     # the owned part [a, b) in owned coordinates
     a: int
     b: int
+    # where a is in the flat buffers
+    at: int
 
 
 def homes(leaves: list[MatrixLeaf], ranks: int) -> list[int]:
@@ -96,14 +98,15 @@ class MatrixStep:
         dp_group: Any,
         dp: int,
         dp_rank: int,
-        lo: int,
+        layout: Any,
         sliced: bool,
     ):
-        """leaves: every matrix leaf of the state; pieces: their parts in [lo, hi); sliced: the
-        owned slice is not the whole buffer (the distributed optimizer): the work is spread over
-        the dp ranks, else every rank computes every leaf."""
+        """leaves: every matrix leaf of the state; pieces: their owned parts; layout: the flat
+        buffers' (zero.FlatBuffer); sliced: the owned elements are not the whole buffer (the
+        distributed optimizer): the work is spread over the dp ranks, else every rank computes
+        every leaf."""
         self.leaves, self.pieces, self.gather, self.dp_group = leaves, pieces, gather, dp_group
-        self.lo, self.sliced = lo, sliced and dp > 1
+        self.layout, self.sliced = layout, sliced and dp > 1
         home = homes(leaves, dp) if self.sliced else [dp_rank] * len(leaves)
         self.mine = [leaf for leaf, h in zip(leaves, home) if h == dp_rank]
         # each home leaf's state ({path: the flat form's state}), None until its first step
@@ -115,18 +118,18 @@ class MatrixStep:
         flat: Any,
         params: dict[int, Any],
         where: dict[str, tuple[int, int]],
-        owned: list[tuple[str, torch.Tensor, int, int]],
+        owned: list[tuple[str, torch.Tensor, int, int, int]],
         *,
         gather: LeafGather,
         dp_group: Any,
         dp: int,
         dp_rank: int,
-        lo: int,
+        layout: Any,
         sliced: bool,
         device: Any,
     ) -> "MatrixStep":
         """The step of a flat state's matrix leaves (its flat form's group "muon"): where: each
-        leaf's (flat start, numel); owned: the (path, leaf, a, b) parts of the leaves in [lo, hi).
+        leaf's (flat start, numel); owned: the (path, leaf, a, b, flat a) owned parts of the leaves.
         A flat form that keeps a state per matrix (SOAP's) has it made for the leaves computed
         here."""
         leaves = [
@@ -135,8 +138,10 @@ class MatrixStep:
             if flat.group(path, leaf) == "muon"
         ]
         by_path = {leaf.path: leaf for leaf in leaves}
-        pieces = [MatrixPiece(by_path[path], a, b) for path, _, a, b in owned if path in by_path]
-        step = cls(leaves, pieces, gather, dp_group, dp, dp_rank, lo, sliced)
+        pieces = [
+            MatrixPiece(by_path[path], a, b, at) for path, _, a, b, at in owned if path in by_path
+        ]
+        step = cls(leaves, pieces, gather, dp_group, dp, dp_rank, layout, sliced)
         if getattr(flat, "keeps_matrix_state", False):
             step.fresh_states(flat, device)
         return step
@@ -168,10 +173,10 @@ class MatrixStep:
         lr: float,
         weight_decay: float,
     ) -> None:
-        owned = torch.zeros_like(master)
+        owned = torch.zeros(mu.shape, device=mu.device)
         for p in self.pieces:
             owned[p.a : p.b] = flat.prepare_(mu[p.a : p.b], grad[p.a : p.b], grad_scale)
-        full = self.dp_group.all_gather(owned, 0) if self.sliced else owned
+        full = self.layout.unshard(self.dp_group.all_gather(owned, 0)) if self.sliced else owned
         out = torch.zeros_like(full)
         for leaf in self.mine:
             local = full[leaf.start : leaf.start + leaf.numel].view(leaf.shape)
@@ -181,13 +186,13 @@ class MatrixStep:
             )
             block = self.gather.part(leaf.path, update)
             out[leaf.start : leaf.start + leaf.numel] = block.flatten()
-        mine = self.dp_group.reduce_scatter(out, 0) if self.sliced else out
+        mine = self.dp_group.reduce_scatter(self.layout.by_rank(out), 0) if self.sliced else out
         for p in self.pieces:
             leaf, scale = p.leaf, None
             if getattr(flat.settings, "adaptive", None):
                 shape = self.gather.whole_shape(leaf.path, tuple(leaf.shape))
                 whole = flat.scale(leaf.path, torch.empty(shape, device=master.device))
-                first = p.a + self.lo - leaf.start
+                first = p.at - leaf.start
                 scale = self.gather.part(leaf.path, whole).flatten()[first : first + p.b - p.a]
             flat.apply_(
                 master[p.a : p.b],

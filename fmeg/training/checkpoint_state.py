@@ -26,6 +26,7 @@ every rank reads exactly the boxes it holds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -169,22 +170,23 @@ def regions(
 ) -> list[Region]:
     """The boxes of the state's buffers of these kinds, each with a view of its values: of the
     state's own buffers, or of buffers[(part, kind)] laid out as them (a host copy); ranges[(part,
-    kind)] = (lo, hi) limits a buffer to that flat range of the part."""
+    kind)] = (lo, hi) limits a whole buffer to that flat range of the part."""
     out = []
     for p, (part, leaves) in enumerate(zip(state.parts, places)):
         own = part.buffers()
         for kind in kinds:
             if kind not in own:
                 continue
-            buffer, first = own[kind]
+            buffer, runs = own[kind]
             buffer = (buffers or {}).get((p, kind), buffer)
-            lo, hi = (ranges or {}).get((p, kind), (first, first + buffer.numel()))
-            for start, numel, place in leaves:
+            if (p, kind) in (ranges or {}):
+                runs = [(*ranges[(p, kind)], ranges[(p, kind)][0])]
+            for (lo, hi, first), (start, numel, place) in itertools.product(runs, leaves):
                 a, b = max(start, lo), min(start + numel, hi)
                 for box, flat in (
                     flat_boxes(place.block.shape, a - start, b - start) if a < b else ()
                 ):
-                    at = start + flat - first
+                    at = start + flat - lo + first
                     offset = tuple(o + g for o, g in zip(box.offset, place.block.offset))
                     out.append(
                         Region(

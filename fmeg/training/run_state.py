@@ -103,10 +103,10 @@ def read_state(
     for p, part in enumerate(state.parts) if cfg.checkpoint.fully_parallel_load else ():
         group = REPLICA_GROUPS[p]
         n, r = mesh.size(group), mesh.coord(group)
-        for kind, (buffer, first) in part.buffers().items():
+        for kind, (buffer, _) in part.buffers().items():
             if n > 1 and kind in kinds and kind not in part.sliced_kinds:
                 size = buffer.numel() // n
-                ranges[(p, kind)] = (first + r * size, first + (r + 1) * size)
+                ranges[(p, kind)] = (r * size, (r + 1) * size)
                 gathers.append((buffer, r, size, mesh.group(group)))
     problem = ""
     try:

@@ -74,8 +74,10 @@ def state_of(config, layout: Layout, mesh: Mesh, dtype: torch.dtype, values: dic
         trees = split_experts(mine) if len(state.parts) > 1 else (mine,)
         for part, part_tree in zip(state.parts, trees):
             if kind in part.buffers():
-                buffer, first = part.buffers()[kind]
-                buffer.copy_(part.flat.flatten(part_tree)[first : first + buffer.numel()])
+                buffer, runs = part.buffers()[kind]
+                flat = part.flat.flatten(part_tree)
+                for lo, hi, at in runs:
+                    buffer[at : at + hi - lo].copy_(flat[lo:hi])
     if values:
         state.set_count(7)
     return state

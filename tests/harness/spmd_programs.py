@@ -231,12 +231,23 @@ def zero_state_bytes(mesh, config, compute_dtype):
     )
 
 
+UNITS = {"leaf": lambda path: path, "stage": lambda path: path.split(".")[0]}
+
+
 def grad_sync_mean(
-    mesh, grads_per_rank, owner_slices, replicated, bucket_numel, order, buffer_dtype=None
+    mesh,
+    grads_per_rank,
+    owner_slices,
+    replicated,
+    bucket_numel,
+    order,
+    buffer_dtype=None,
+    units="leaf",
 ):
     """GradSync over the dp group: leaves handed over in `order` (stage, path) pairs, into a buffer
-    of buffer_dtype if given; returns (the tree of means (ZeRO: only the replicated leaves are
-    whole), this rank's slice, collectives, pending leaves at each bucket start)."""
+    of buffer_dtype if given, ZeRO's units each leaf or each stage (UNITS); returns (the tree of
+    means (ZeRO: only the replicated leaves are whole), this rank's owned elements, collectives,
+    pending leaves at each bucket start)."""
     from fmeg import tree
     from fmeg.parallel.comm import RecordingGroup
     from fmeg.parallel.data_parallel import GradSync
@@ -244,7 +255,8 @@ def grad_sync_mean(
 
     group = RecordingGroup(mesh.group("dp"))
     mine = grads_per_rank[mesh.coord("dp")]
-    padded = FlatBuffer.of(mine, mesh.size("dp")).padded
+    unit_of = UNITS[units] if owner_slices else None
+    padded = FlatBuffer.of(mine, mesh.size("dp"), unit_of).padded
     buffer = None if buffer_dtype is None else torch.zeros(padded, dtype=buffer_dtype)
     sync = GradSync(
         mine,
@@ -253,6 +265,7 @@ def grad_sync_mean(
         replicated=frozenset(replicated),
         bucket_numel=bucket_numel,
         buffer=buffer,
+        unit_of=unit_of,
     )
     flat = {s: tree.flatten(g) for s, g in mine.items()}
     for stage, path in order:
@@ -633,27 +646,19 @@ def sharded_training(
     return losses, norms, state.bytes_per_parameter(), None if pair is None else pair.tolist()
 
 
-def sharded_grad_sync_mean(mesh, grads_per_rank, replicated, bucket_numel, order, microbatches):
-    """ShardedGradSync over the dp group: each microbatch hands this rank's gradients (divided by
-    microbatches) over leaf by leaf in `order`; returns (this rank's slice after settle, the
-    replicated leaves' whole means)."""
+def sharded_grad_sync_mean(mesh, grads_per_rank, replicated, units, order, microbatches):
+    """ShardedGradSync over the dp group, its units each leaf or each stage (UNITS): each
+    microbatch hands this rank's gradients (divided by microbatches) over leaf by leaf in `order`;
+    returns (this rank's owned elements, the replicated leaves' owned elements by leaf())."""
     from fmeg import tree
     from fmeg.parallel.sharded_grads import ShardedGradSync
     from fmeg.parallel.zero import FlatBuffer
-    from fmeg.state.flat import unit_of
 
     group = mesh.group("dp")
     mine = grads_per_rank[mesh.coord("dp")]
-    layout = FlatBuffer.of(mine, mesh.size("dp"))
+    layout = FlatBuffer.of(mine, mesh.size("dp"), UNITS[units])
     acc = torch.full((layout.padded // mesh.size("dp"),), float("nan"), dtype=torch.float64)
-    sync = ShardedGradSync(
-        mine,
-        group,
-        acc,
-        unit_of=unit_of,
-        replicated=frozenset(replicated),
-        bucket_numel=bucket_numel,
-    )
+    sync = ShardedGradSync(mine, group, acc, unit_of=UNITS[units], replicated=frozenset(replicated))
     flat = {s: tree.flatten(g) for s, g in mine.items()}
     for _ in range(2):  # a second iteration starts from nothing
         sync.reset()
@@ -663,6 +668,37 @@ def sharded_grad_sync_mean(mesh, grads_per_rank, replicated, bucket_numel, order
                     stage, {path: flat[stage][path] / microbatches}, final=m == microbatches - 1
                 )
         sync.finish()
-        whole = {p: sync.leaf(p).clone() for p in replicated}
-        sync.settle()
-    return acc.clone(), whole
+        tied = {p: sync.leaf(p).clone() for p in replicated}
+    return acc.clone(), tied
+
+
+def fsdp_on_the_wire(mesh, config, sharding, microbatches, iterations, policy="true"):
+    """`iterations` steps at dp with `sharding`, the data-parallel group (dp_cp_shard) recorded;
+    returns ([(collective, bytes)] of the last iteration, {unit: its padded elements},
+    the dtype's bytes)."""
+    from fmeg.parallel.comm import RecordingGroup
+    from fmeg.parallel.layout import Layout
+    from fmeg.training.parallel_step import init_state, shard_params, train_iteration
+    from fmeg.training.step_settings import StepSettings
+    from fmeg.models import gpt
+    from fmeg.state.flat import unit_of
+
+    recorded = RecordingGroup(mesh.comms["dp_cp_shard"])
+    mesh.comms["dp_cp_shard"] = recorded
+    layout = Layout(dp=mesh.size("dp"), sharding=sharding)
+    params = shard_params(gpt.init(config, 0), config, layout, mesh)
+    state = init_state(params, config, layout, mesh, reshard_after_forward=policy)
+    dp, dp_rank = mesh.size("dp"), mesh.coord("dp")
+    for _ in range(iterations):
+        recorded.log.clear()
+        train_iteration(
+            state,
+            microbatches[dp_rank::dp],
+            config=config,
+            layout=layout,
+            mesh=mesh,
+            settings=StepSettings(lr=1e-2, weight_decay=0.01, clip_grad=1.0),
+        )
+    names = list(dict.fromkeys(unit_of(path) for path in state._where))
+    units = {name: b - a for name, (a, b) in zip(names, state.flat.units)}
+    return list(recorded.log), units, state.weights.element_size()

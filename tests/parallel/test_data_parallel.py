@@ -11,8 +11,9 @@ from harness import spmd_programs as P
 from fmeg import tree
 from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
-from fmeg.parallel.data_parallel import GradSync, _buckets
+from fmeg.parallel.data_parallel import GradSync, _buckets, _unit_buckets
 from fmeg.parallel.pipeline import execute, schedules
+from fmeg.parallel.zero import FlatBuffer
 from harness.parallel import run
 
 
@@ -27,16 +28,15 @@ def per_rank_grads(shapes_by_stage, dp, seed):
     ]
 
 
-def check(results, per_rank, owner_slices, replicated, dp):
+def check(results, per_rank, owner_slices, replicated, dp, units="leaf"):
     want = tree.tree_map(lambda *xs: sum(xs) / dp, *per_rank)
-    flat_want = torch.cat([leaf.reshape(-1) for leaf in tree.tree_leaves(want)])
-    flat_want = torch.nn.functional.pad(flat_want, (0, -len(flat_want) % dp))
+    layout = FlatBuffer.of(want, dp, P.UNITS[units] if owner_slices else None)
+    flat_want = layout.flatten(want, torch.float64)
     for rank, (got, owned, _, _) in enumerate(results):
-        # every rank's slice is the mean
-        torch.testing.assert_close(owned, flat_want.chunk(dp)[rank])
-        for path, g in tree.items(got):
-            if not owner_slices or path in replicated:
-                torch.testing.assert_close(g, tree.flatten(want)[path], msg=path)
+        # every rank's owned elements (its chunk of every unit) are the mean
+        torch.testing.assert_close(owned, layout.shard(flat_want, rank).to(owned.dtype))
+        for path, g in tree.items(got) if not owner_slices else ():
+            torch.testing.assert_close(g, tree.flatten(want)[path], msg=path)
 
 
 shapes = st.lists(
@@ -50,14 +50,17 @@ shapes = st.lists(
     owner_slices=st.booleans(),
     bucket_numel=st.integers(1, 60),
     reverse=st.booleans(),
+    units=st.sampled_from(["leaf", "stage"]),
     data=st.data(),
 )
 def test_bucketed_mean_equals_the_per_leaf_mean_on_thread_ranks(
-    stage_shapes, dp, owner_slices, bucket_numel, reverse, data
+    stage_shapes, dp, owner_slices, bucket_numel, reverse, units, data
 ):
     per_rank = per_rank_grads(dict(enumerate(stage_shapes)), dp, seed=len(stage_shapes))
     paths = [path for path, _ in tree.items(per_rank[0])]
-    replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2)) if owner_slices else set()
+    # tied copies are units of their own
+    alone = owner_slices and units == "leaf"
+    replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2)) if alone else set()
     order = [
         (int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)
     ]
@@ -70,27 +73,34 @@ def test_bucketed_mean_equals_the_per_leaf_mean_on_thread_ranks(
         sorted(replicated),
         bucket_numel,
         order,
+        None,
+        units,
         tp=1,
     )
-    check(results, per_rank, owner_slices, replicated, dp)
+    check(results, per_rank, owner_slices, replicated, dp, units)
+    if owner_slices:
+        # one reduce-scatter per unit
+        layout = FlatBuffer.of(per_rank[0], dp, P.UNITS[units])
+        assert results[0][2] == ["reduce_scatter"] * len(layout.units)
 
 
 @given(
     stage_shapes=st.lists(shapes, min_size=1, max_size=2),
     dp=st.sampled_from([2, 3, 4]),
-    bucket_numel=st.integers(1, 60),
+    units=st.sampled_from(["leaf", "stage"]),
     microbatches=st.integers(1, 3),
     reverse=st.booleans(),
     data=st.data(),
 )
 def test_sharded_gradients_hold_the_slice_of_the_mean_on_thread_ranks(
-    stage_shapes, dp, bucket_numel, microbatches, reverse, data
+    stage_shapes, dp, units, microbatches, reverse, data
 ):
-    """optim_grads: each microbatch's buckets reduced to their owners add up to the owner's slice of
-    the mean; replicated leaves are whole means, their owned parts in the slice."""
+    """optim_grads: each microbatch's units reduce-scattered add up to each rank's chunks of the
+    mean; leaf() gives a replicated leaf's (a unit of its own) owned elements of the mean."""
     per_rank = per_rank_grads(dict(enumerate(stage_shapes)), dp, seed=len(stage_shapes))
     paths = [path for path, _ in tree.items(per_rank[0])]
-    replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2))
+    alone = units == "leaf"
+    replicated = data.draw(st.sets(st.sampled_from(paths), max_size=2)) if alone else set()
     order = [
         (int(p.split(".")[0]), p.split(".", 1)[1]) for p in (reversed(paths) if reverse else paths)
     ]
@@ -100,23 +110,28 @@ def test_sharded_gradients_hold_the_slice_of_the_mean_on_thread_ranks(
         P.sharded_grad_sync_mean,
         per_rank,
         sorted(replicated),
-        bucket_numel,
+        units,
         order,
         microbatches,
         tp=1,
     )
-    check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), dp)
-    want = tree.flatten(tree.tree_map(lambda *xs: sum(xs) / dp, *per_rank))
-    for _, whole in results:
-        for path, g in whole.items():
-            torch.testing.assert_close(g, want[path], msg=path)
+    check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), dp, units)
+    mean = tree.tree_map(lambda *xs: sum(xs) / dp, *per_rank)
+    layout = FlatBuffer.of(mean, dp, P.UNITS[units])
+    flat = layout.flatten(mean, torch.float64)
+    for rank, (_, tied) in enumerate(results):
+        for path, g in tied.items():
+            start = layout.starts[paths.index(path)]
+            pieces = layout.owned_pieces(start, tree.flatten(mean)[path].numel(), rank)
+            held = torch.cat([flat[:0]] + [flat[a:b] for a, b, _ in pieces])
+            torch.testing.assert_close(g, held, msg=path)
 
 
 def test_sharded_gradients_on_gloo():
     per_rank = per_rank_grads({0: [(10, 10), (10,), (3,)], 1: [(20, 5), (7, 7)]}, 2, seed=0)
     paths = [path for path, _ in tree.items(per_rank[0])]
     order = [(int(p.split(".")[0]), p.split(".", 1)[1]) for p in reversed(paths)]
-    results = run("gloo", 2, P.sharded_grad_sync_mean, per_rank, ["0.w.1"], 40, order, 2, tp=1)
+    results = run("gloo", 2, P.sharded_grad_sync_mean, per_rank, ["0.w.1"], "leaf", order, 2, tp=1)
     check([(None, owned, None, None) for owned, _ in results], per_rank, True, set(), 2)
 
 
@@ -129,9 +144,11 @@ def test_bucketed_mean_on_gloo(owner_slices):
     results = run("gloo", 2, P.grad_sync_mean, per_rank, owner_slices, replicated, 40, order, tp=1)
     check(results, per_rank, owner_slices, set(replicated), 2)
     ops = results[0][2]
-    assert (
-        set(ops) == ({"reduce", "all_reduce"} if owner_slices else {"all_reduce"}) and len(ops) > 2
-    )
+    if owner_slices:
+        # a unit per leaf, each reduce-scattered
+        assert ops == ["reduce_scatter"] * 5
+    else:
+        assert set(ops) == {"all_reduce"} and len(ops) > 2
 
 
 @pytest.mark.parametrize("owner_slices", [False, True])
@@ -148,31 +165,35 @@ def test_a_bf16_buffer_reduces_in_bf16_on_gloo(owner_slices):
     results = run(
         "gloo", 2, P.grad_sync_mean, per_rank, owner_slices, [], 40, order, torch.bfloat16, tp=1
     )
-    flat = [torch.cat([leaf.reshape(-1) for leaf in tree.tree_leaves(g)]) for g in per_rank]
-    want = torch.nn.functional.pad((flat[0] + flat[1]) / 2, (0, -len(flat[0]) % 2))
+    layout = FlatBuffer.of(per_rank[0], 2, P.UNITS["leaf"] if owner_slices else None)
+    flat = [layout.flatten(g, torch.bfloat16) for g in per_rank]
+    want = (flat[0] + flat[1]) / 2
     for rank, (_, owned, _, _) in enumerate(results):
-        assert owned.dtype == torch.bfloat16 and torch.equal(owned, want.chunk(2)[rank])
+        shard = layout.shard(want, rank)
+        assert owned.dtype == torch.bfloat16 and torch.equal(owned, shard)
 
 
-def test_buckets_respect_owner_slices_and_replicated_leaves():
+def test_buckets_of_size_and_of_units():
+    """Without ZeRO, buckets of about bucket_numel (reversed, cut around replicated leaves); with
+    ZeRO, one per unit, each a multiple of dp."""
     sizes, padded = [100, 10, 100, 3, 49], 264
-    assert _buckets(sizes, padded, 1, set(), 120) == [
-        (110, 264, [2, 3, 4], None),
-        (0, 110, [0, 1], None),
+    assert _buckets(sizes, padded, set(), 120) == [
+        (110, 264, [2, 3, 4], False),
+        (0, 110, [0, 1], False),
     ]
-    four = _buckets(sizes, padded, 4, set(), 120)
-    assert [(a, b, owner) for a, b, _, owner in four] == [
-        (198, 264, 3),
-        (132, 198, 2),
-        (66, 132, 1),
-        (0, 66, 0),
-    ]
-    with_tied = _buckets(sizes, padded, 2, {0}, 1000)
-    assert [(a, b, owner) for a, b, _, owner in with_tied] == [
-        (132, 264, 1),
-        (100, 132, 0),
-        (0, 100, None),
-    ]
+    assert [(a, b) for a, b, _, _ in _buckets(sizes, padded, {0}, 1000)] == [(100, 264), (0, 100)]
+    params = {0: {"a": torch.zeros(10), "b": torch.zeros(5)}, 1: {"c": torch.zeros(3)}}
+    layout = FlatBuffer.of(params, 4, lambda path: path.split(".")[0])
+    assert layout.units == ((0, 16), (16, 20)) and layout.starts == (0, 10, 16)
+    assert _unit_buckets(layout) == [(0, 16, [0, 1], True), (16, 20, [2], True)]
+    with pytest.raises(ValueError, match="replicated leaf 0.w.0 shares its unit"):
+        GradSync(
+            {0: {"w": [torch.zeros(2), torch.zeros(3)]}},
+            None,
+            owner_slices=True,
+            replicated=frozenset({"0.w.0"}),
+            unit_of=lambda path: path.split(".")[0],
+        )
 
 
 def test_a_leaf_given_twice_or_never_is_an_error():

@@ -265,8 +265,8 @@ def _kept_from_forward(mesh, policy):
     "policy, kept",
     [
         ("true", set()),
-        ("false", {"0.embedding", "0.layers.0", "0.layers.1"}),
-        ("auto", {"0.embedding"}),
+        ("false", {"0.embedding.word", "0.embedding", "0.layers.0", "0.layers.1"}),
+        ("auto", {"0.embedding.word", "0.embedding"}),
     ],
 )
 def test_reshard_after_forward_keeps_the_units_from_forward_to_backward(policy, kept):

@@ -38,18 +38,22 @@ def grads(rank: int):
     }
 
 
+# a unit per leaf
+UNIT = str
+
+
 def hybrid_sync(mesh, sharded: bool):
     """This rank's owned slice and replicated leaf after the reduction, and what it sent."""
     inner = RecordingGroup(mesh.group("dp_cp_shard"))
     outer = RecordingGroup(mesh.group("dp_cp_outer"))
     mine = grads(mesh.rank)
-    padded = FlatBuffer.of(mine, inner.size).padded
+    padded = FlatBuffer.of(mine, inner.size, UNIT).padded
     if sharded:
         sync = ShardedGradSync(
             mine,
             inner,
             torch.zeros(padded // inner.size),
-            unit_of=lambda p: p,
+            unit_of=UNIT,
             replicated=frozenset({"0.tied"}),
             divisor=4,
             replicas=outer,
@@ -63,35 +67,29 @@ def hybrid_sync(mesh, sharded: bool):
             buffer=torch.zeros(padded),
             divisor=4,
             replicas=outer,
+            unit_of=UNIT,
         )
     for path, g in tree.flatten(mine[0]).items():
         sync.ready(0, {path: g})
     sync.finish()
-    tied = sync.leaf("0.tied").clone()
-    sync.settle()
-    return sync.owned().clone(), tied, inner.log, outer.log
+    return sync.owned().clone(), sync.leaf("0.tied").clone(), inner.log, outer.log
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["zero1", "optim_grads"])
 def test_owned_slices_hold_the_mean_over_every_rank(sharded):
     out = run_threads(4, hybrid_sync, sharded, dp_outer=2)
     mean = {k: sum(grads(r)[0][k] for r in range(4)) / 4 for k in ("a", "b", "tied")}
-    flat = torch.cat([mean[k].reshape(-1) for k in ("a", "b", "tied")])
-    padded = FlatBuffer.of(grads(0), 2).padded
-    whole = torch.cat([flat, torch.zeros(padded - flat.numel())])
-    size = padded // 2
+    # units a (15 -> 16), b (7 -> 8), tied (8), each split in 2
+    layout = FlatBuffer.of(grads(0), 2, UNIT)
+    assert layout.units == ((0, 16), (16, 24), (24, 32))
+    whole = layout.flatten({0: mean})
     for rank, (owned, tied, inner_log, outer_log) in enumerate(out):
         shard = rank % 2  # the rank's place in its instance
-        torch.testing.assert_close(owned, whole[shard * size : (shard + 1) * size])
-        torch.testing.assert_close(tied, mean["tied"])
-        # across instances: what this rank holds, nothing more
-        sent = sum(n for _, n in outer_log)
-        held = size + (0 if sharded else 8 - _overlap(shard, size, 22, 30)) + (8 if sharded else 0)
+        torch.testing.assert_close(owned, layout.shard(whole, shard))
+        # the tied leaf: this rank's half of it
+        torch.testing.assert_close(tied, mean["tied"].reshape(-1).chunk(2)[shard])
+        # across instances: what this rank holds, its 16 owned elements, nothing more
         assert [op for op, _ in outer_log] == ["all_reduce"] * len(outer_log)
-        assert sent == held * 4, (rank, outer_log)
-        assert inner_log, "the instance reduces its buckets"
-
-
-def _overlap(shard: int, size: int, a: int, b: int) -> int:
-    """Elements of [a, b) (the tied leaf's) inside this rank's owned slice."""
-    return max(0, min(b, (shard + 1) * size) - max(a, shard * size))
+        assert sum(n for _, n in outer_log) == 16 * 4, (rank, outer_log)
+        # within the instance: each unit reduce-scattered
+        assert [op for op, _ in inner_log] == ["reduce_scatter"] * 3
