@@ -473,7 +473,9 @@ class FlatState:
         groups."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
-            norms = torch.stack(torch._foreach_norm(self._norm_pieces)).double()
+            # accumulated in fp64: a leaf's norm from its slices' is then its whole norm but for
+            # fp64's rounding, so the clip is the same fp32 number at every sharding
+            norms = torch.stack(torch._foreach_norm(self._norm_pieces, 2, dtype=torch.float64))
             total = (norms.square() * self._norm_weight).sum()
         for name in groups:
             group = mesh.group(name)
