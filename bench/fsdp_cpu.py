@@ -4,7 +4,7 @@ gradients.
 
     # 12 layers, hidden 768, vocab 32000: 117M parameters
     python bench/fsdp_cpu.py
-    python bench/fsdp_cpu.py --layers 2 --hidden 256 --steps 2    # a quicker look
+    python bench/fsdp_cpu.py --layers 2 --hidden 256 --heads 8 --steps 2    # a quicker look
 
 Each strategy runs on four fresh gloo processes (so one strategy's peak cannot hide another's), the
 same weights and batches. The state is built as the runner builds it, a layer at a time
@@ -14,12 +14,16 @@ would add. The step peak is the high-water mark over the timed steps, reset afte
 built, less the resident size just before the steps' first allocation; the state figure is the
 persistent buffers' bytes. Prints a table and each strategy's ratios to no_shard, measured in the
 same run. The last row is the distributed optimizer with Megatron's precision-aware optimizer's bf16
-moments (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16).
+moments (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16). A second
+table counts what rank 0 sends over its data-parallel group in the last timed step (the recording
+communicator: each kind of collective, its number and its logical volume, the whole tensor it
+works on).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 
@@ -64,6 +68,7 @@ def rank_program(
     mesh, sharding: str, moments: torch.dtype, sizes: dict, microbatches: int, steps: int
 ) -> dict:
     from fmeg.models import gpt
+    from fmeg.parallel.comm import RecordingGroup
     from fmeg.parallel.layout import Layout
     from fmeg.training.parallel_step import initialized_state, train_iteration
     from fmeg.training.step_settings import StepSettings
@@ -77,6 +82,7 @@ def rank_program(
         num_heads=sizes["heads"],
     )
     layout = Layout(dp=mesh.size("dp"), sharding=sharding)
+    wire = mesh.comms["dp_cp_shard"] = RecordingGroup(mesh.comms["dp_cp_shard"])
     _reset_peak()
     start = _status_kb("VmRSS")
     state = initialized_state(
@@ -112,6 +118,7 @@ def rank_program(
     before = _status_kb("VmRSS")
     times = []
     for _ in range(steps):
+        wire.log.clear()
         t0 = time.perf_counter()
         float(step()["grad_norm"])
         times.append(time.perf_counter() - t0)
@@ -134,6 +141,7 @@ def rank_program(
         "state_mb": held / 2**20,
         "bytes_per_param": state.bytes_per_parameter(),
         "params": state.parts[0].flat.numel,
+        "wire": wire.log,
     }
 
 
@@ -154,7 +162,8 @@ def main() -> None:
             )
         finally:
             pool.close()
-        rows[row] = {k: max(r[k] for r in results) for k in results[0]}
+        rows[row] = {k: max(r[k] for r in results) for k in results[0] if k != "wire"}
+        rows[row]["wire"] = results[0]["wire"]
     n = rows["no_shard"]["params"]
     print(
         f"dp 4 on gloo, {n / 1e6:.0f}M parameters, bf16 + fp32 master, {a.microbatches} "
@@ -178,6 +187,14 @@ def main() -> None:
             f"{r['state_mb'] / base['state_mb']:15.2f} {r['rss_mb'] / base['rss_mb']:14.2f} "
             f"{r['ms'] / base['ms']:14.2f}"
         )
+    print("rank 0's data-parallel collectives in a step: number x (logical MB)")
+    for sharding, r in rows.items():
+        count, volume = collections.Counter(), collections.Counter()
+        for op, n in r["wire"]:
+            count[op] += 1
+            volume[op] += n / 2**20
+        kinds = ", ".join(f"{op} {count[op]} ({volume[op]:.1f})" for op in count)
+        print(f"{sharding:>20} {kinds}")
 
 
 if __name__ == "__main__":
