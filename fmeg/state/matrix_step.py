@@ -191,7 +191,7 @@ class MatrixStep:
             leaf, scale = p.leaf, None
             if getattr(flat.settings, "adaptive", None):
                 shape = self.gather.whole_shape(leaf.path, tuple(leaf.shape))
-                whole = flat.scale(leaf.path, torch.empty(shape, device=master.device))
+                whole = flat.scale(leaf.path, torch.empty(shape, device=mu.device))
                 first = p.at - leaf.start
                 scale = self.gather.part(leaf.path, whole).flatten()[first : first + p.b - p.a]
             flat.apply_(

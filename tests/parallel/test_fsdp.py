@@ -450,3 +450,32 @@ def test_a_checkpoint_saved_fully_sharded_resumes_under_zero1_at_tp2_then_on_one
         assert len(got) == len(want) and all(
             abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)
         ), (got, want)
+
+
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon", "soap"])
+def test_the_matrix_optimizers_step_the_same_bits_at_every_sharding(name):
+    """Muon, adaptive Muon and SOAP at dp 2 in fp32, one microbatch per rank: each matrix gathered
+    from every rank's chunks of its unit, stepped at its home and scattered back gives the losses
+    of every rank holding the whole buffers, bit for bit."""
+    from fmeg.config.optimizer_flags import ADAPTIVE_MUON, MuonSettings, OptimizerConfig
+
+    batches = microbatches(2)
+    adaptive = ADAPTIVE_MUON if name == "adaptive_muon" else None
+    options = {"optimizer": OptimizerConfig(name=name, muon=MuonSettings(adaptive=adaptive))}
+    curves = {
+        sharding: run_threads(
+            2,
+            P.sharded_training,
+            CONFIG,
+            {"sharding": sharding},
+            batches,
+            3,
+            torch.float32,
+            False,
+            False,
+            options,
+            tp=1,
+        )[0][0]
+        for sharding in SHARDINGS
+    }
+    assert len({tuple(c) for c in curves.values()}) == 1, curves
