@@ -18,6 +18,7 @@ optimizer's, so the loss curve is the same.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,7 +69,7 @@ class FlatBuffer:
             tuple(zip(cuts, cuts[1:])),
         )
 
-    @property
+    @functools.cached_property
     def chunk_starts(self) -> tuple[int, ...]:
         """Each unit's first position in a rank's owned elements (its chunks, in unit order)."""
         sizes = [(b - a) // self.dp for a, b in self.units]
