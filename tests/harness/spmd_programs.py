@@ -189,6 +189,7 @@ def pipelined_gpt(
     function; stage_layers: each stage's decoder layers (None: even)."""
     from fmeg.models import gpt_pipeline as gp
     from fmeg.parallel.pipeline import execute, schedules
+    from fmeg.parallel.pipeline.actions import placement_of
 
     pp, rank = mesh.size("pp"), mesh.coord("pp")
     m = len(microbatches)
@@ -197,15 +198,24 @@ def pipelined_gpt(
         "1f1b": lambda: schedules.one_f_one_b(pp, m),
         "interleaved": lambda: schedules.interleaved_1f1b(pp, m, vp),
         "zero_bubble": lambda: schedules.zero_bubble_h1(pp, m),
+        "zero_bubble_v": lambda: schedules.zero_bubble_v(pp, m),
+        "dualpipe_v": lambda: schedules.dualpipe_v(pp, m),
     }[schedule_name]
     schedule = schedules.with_communication(make())
+    placement = placement_of(schedule)
     stages = stage_layers or pp * vp
-    mine = [s for s in range(pp * vp) if s % pp == rank]
+    mine = [s for s in range(pp * vp) if placement[s] == rank]
     all_params = gp.split(params, config, stages)
     stage_params = {s: all_params[s] for s in mine}
     fns = {s: (gp.stage_segments if segmented else gp.stage_fn)(config, s, stages) for s in mine}
     loss, grads = execute.execute(
-        schedule[rank], fns, stage_params, microbatches, mesh.group("pp"), pp * vp
+        schedule[rank],
+        fns,
+        stage_params,
+        microbatches,
+        mesh.group("pp"),
+        pp * vp,
+        placement=placement,
     )
     grads = gp.sync_tied_embedding_grads(grads, config, stages, mesh.group("embedding"))
     return loss, grads

@@ -73,14 +73,22 @@ def check(results, config, params, mbs, pp, vp):
         )
 
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+CASES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 2),
+    ("zero_bubble", 1),
+    ("zero_bubble_v", 2),
+    ("dualpipe_v", 2),
+]
 
 
 @pytest.mark.parametrize("schedule, vp", CASES)
 @pytest.mark.parametrize("style", ["gpt2_tied", "llama_untied"])
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipelined_gpt_on_gloo(schedule, vp, style, pp):
-    config, m = CONFIGS[style], 4
+    # DualPipeV takes at least two microbatches per stage
+    config, m = CONFIGS[style], 2 * pp if schedule == "dualpipe_v" else 4
     params, mbs = gpt.init(config, 0), microbatches(config, m)
     results = gloo(pp).run(P.pipelined_gpt, params, mbs, config, schedule, vp, pp=pp)
     check(results, config, params, mbs, pp, vp)
@@ -104,7 +112,8 @@ def test_one_stage_holds_both_copies_of_the_embedding(style):
 
 
 @pytest.mark.parametrize(
-    "schedule, vp, pp", [("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 4)]
+    "schedule, vp, pp",
+    [("1f1b", 1, 2), ("interleaved", 2, 2), ("zero_bubble", 1, 4), ("zero_bubble_v", 2, 2)],
 )
 @pytest.mark.parametrize("style", ["llama_mtp", "llama_tied_mtp"])
 def test_multi_token_prediction_on_the_last_stage_gives_one_devices_gradients(
@@ -134,6 +143,8 @@ UNEVEN = [
     ("zero_bubble", 1, 4, (2, 3, 3, 0)),
     ("interleaved", 2, 2, (0, 3, 2, 3)),
     ("interleaved", 2, 4, (0, 1, 2, 3, 0, 1, 1, 0)),
+    ("zero_bubble_v", 2, 2, (0, 3, 5, 0)),
+    ("dualpipe_v", 2, 2, (2, 0, 3, 3)),
 ]
 
 

@@ -20,6 +20,8 @@ from fmeg.parallel.pipeline import (
     with_communication,
     zero_bubble_h1,
 )
+from fmeg.parallel.pipeline.actions import looped, placement_of, v_shape
+from fmeg.parallel.pipeline.schedules import by_name, dualpipe_v, forwards, zero_bubble_v
 
 pps, mbs, chunks = st.integers(1, 8), st.integers(1, 32), st.integers(1, 4)
 
@@ -74,6 +76,85 @@ def test_zero_bubble_bubble_is_below_1f1b_at_pp4_m8():
     zb = simulate(zero_bubble_h1(4, 8), {"F": 1.0, "B": 1.0, "W": 1.0}).bubble_fraction
     ofob = simulate(one_f_one_b(4, 8), {"F": 1.0, "B": 2.0}).bubble_fraction
     assert zb < ofob, (zb, ofob)
+
+
+@given(st.integers(1, 8), st.integers(1, 32))
+def test_zero_bubble_v_validates_in_a_v_and_keeps_1f1b_memory(pp, m):
+    schedule = zero_bubble_v(pp, m)
+    assert placement_of(schedule) == v_shape(pp)
+    validate(schedule, m, placement=v_shape(pp))
+    # chunk activations: 1F1B's peak of pp microbatches of a whole rank's layers is 2 pp chunks'
+    assert max(simulate(schedule).peak_activations) <= 2 * pp
+
+
+@given(st.integers(1, 8), st.data())
+def test_dualpipe_v_validates_in_a_v(pp, data):
+    m = data.draw(st.integers(2 * pp, 40), label="microbatches")
+    schedule = dualpipe_v(pp, m)
+    validate(schedule, m, placement=v_shape(pp))
+    # DualPipeV's own bound: one microbatch more than 1F1B's, in chunks
+    assert max(simulate(schedule).peak_activations) <= 2 * pp + 1
+
+
+def test_dualpipe_v_refuses_fewer_than_two_microbatches_per_stage():
+    with pytest.raises(ValueError, match=r"DualPipeV needs at least 2 x pipeline size \(8\)"):
+        dualpipe_v(4, 7)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_the_v_schedules_have_less_bubble_than_zb_h1_and_1f1b(pp, m):
+    # one chunk is half a rank's layers: its F, B and W take half of ZB-H1's
+    half = {"F": 0.5, "B": 0.5, "W": 0.5}
+    zbv = simulate(zero_bubble_v(pp, m), half).bubble_fraction
+    dpv = simulate(dualpipe_v(pp, m), half).bubble_fraction
+    zbh1 = simulate(zero_bubble_h1(pp, m), {"F": 1.0, "B": 1.0, "W": 1.0}).bubble_fraction
+    ofob = simulate(one_f_one_b(pp, m), {"F": 1.0, "B": 2.0}).bubble_fraction
+    assert max(zbv, dpv) < zbh1 < ofob, (zbv, dpv, zbh1, ofob)
+
+
+def test_zero_bubble_v_at_pp4_m8_is_as_short_as_the_hand_made_order():
+    # the hand-made ZB-V order (torch.distributed.pipelining's ScheduleZBVZeroBubble, simulated
+    # here with F = B = W) takes 25.5 units: each rank's 2m chunks of F, B and W (24) and 1.5 of
+    # bubble; the list scheduler's is as short and holds as much
+    timeline = simulate(zero_bubble_v(4, 8), {"F": 0.5, "B": 0.5, "W": 0.5})
+    assert timeline.total == pytest.approx(25.5)
+    assert timeline.peak_activations == [8, 8, 8, 8]
+
+
+def test_the_v_turns_on_one_rank_without_a_message():
+    full = with_communication(zero_bubble_v(3, 4))
+    # stages 2 and 3 are both on rank 2; the loss's stage 5 is on rank 0
+    assert Action(2, "SEND_F", 0) not in full[2] and Action(3, "RECV_F", 0) not in full[2]
+    assert Action(3, "SEND_B", 0) not in full[2]
+    assert Action(5, "F", 0) in full[0] and Action(4, "SEND_B", 0) in full[1]
+
+
+def test_a_stage_on_two_ranks_is_named():
+    s = zero_bubble_v(2, 2)
+    s[1].append(Action(0, "F", 2))
+    with pytest.raises(ValueError, match="stage 0 has actions on ranks 0 and 1"):
+        placement_of(s)
+    s = zero_bubble_v(2, 2)
+    with pytest.raises(ScheduleError, match=r"stage 3 belongs on rank 1"):
+        # the V read as Megatron's loop
+        validate(s, 2)
+
+
+@pytest.mark.parametrize("pp, chunks", [(1, 1), (4, 1), (2, 3), (4, 2)])
+def test_forward_only_order_is_gpipes_and_interleaved_with_one_group(pp, chunks):
+    m = 5 if chunks == 1 else 8
+    want = gpipe(pp, m) if chunks == 1 else interleaved_1f1b(pp, m, chunks, group_size=m)
+    assert forwards(looped(pp, chunks), m) == [
+        [a for a in actions if a.kind == "F"] for actions in want
+    ]
+
+
+def test_by_name_gives_each_schedule():
+    assert by_name("1f1b", 4, 8) == one_f_one_b(4, 8)
+    assert by_name("1f1b", 4, 8, chunks=2) == interleaved_1f1b(4, 8, 2)
+    assert by_name("zero_bubble_v", 4, 8, chunks=2) == zero_bubble_v(4, 8)
+    with pytest.raises(ValueError, match="dualpipe_v places exactly 2 chunks per rank, got 3"):
+        by_name("dualpipe_v", 4, 8, chunks=3)
 
 
 def test_1f1b_matches_megatrons_documented_order():

@@ -1,8 +1,10 @@
 """Actions: what one pipeline rank does next, written as PyTorch's pipelining writes them ("2F0").
 
 A schedule is a list per pipeline rank of Actions in execution order. Stages are virtual: with v
-model chunks per rank and pp ranks, stage s = chunk * pp + rank lives on rank s % pp (Megatron's
-interleaving), and the model's layers run through stages 0, 1, ..., v * pp - 1 in order.
+model chunks per rank and pp ranks the model's layers run through stages 0, 1, ..., v * pp - 1 in
+order. A placement says which rank holds each stage: `looped` (Megatron's interleaving: stage s on
+rank s % pp) or `v_shape` (two chunks per rank, down the ranks and back up: stages s and
+2 pp - 1 - s on rank s, so the loss is computed on rank 0 and the turn needs no message).
 
     F   forward of one microbatch through one stage
     B   backward (input gradient; the weight gradient too unless a W for it follows)
@@ -49,6 +51,31 @@ class Action:
 
 
 Schedule = list[list[Action]]
+# the rank of each stage, indexed by stage
+Placement = tuple[int, ...]
+
+
+def looped(pp: int, chunks: int = 1) -> Placement:
+    """Megatron's placement: stage s on rank s % pp."""
+    return tuple(s % pp for s in range(pp * chunks))
+
+
+def v_shape(pp: int) -> Placement:
+    """ZB-V's and DualPipeV's placement: rank r holds stages r and 2 pp - 1 - r."""
+    return tuple(range(pp)) + tuple(reversed(range(pp)))
+
+
+def placement_of(schedule: Schedule) -> Placement:
+    """The placement a schedule's own actions describe (a stage on two ranks is an error)."""
+    ranks: dict[int, int] = {}
+    for r, actions in enumerate(schedule):
+        for a in actions:
+            if ranks.setdefault(a.stage, r) != r:
+                raise ValueError(f"stage {a.stage} has actions on ranks {ranks[a.stage]} and {r}")
+    if sorted(ranks) != list(range(len(ranks))):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise ValueError(f"stages {missing} have no actions in the schedule")
+    return tuple(ranks[s] for s in range(len(ranks)))
 
 
 def format_schedule(schedule: Schedule) -> str:

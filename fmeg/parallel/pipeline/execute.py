@@ -32,7 +32,7 @@ import torch
 
 from fmeg import tree
 from fmeg.ops import weight_grads
-from fmeg.parallel.pipeline.actions import Action
+from fmeg.parallel.pipeline.actions import Action, looped
 from fmeg.parallel.pipeline.segments import Segment, as_segments, check_cover, compose, take, units
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
@@ -187,6 +187,7 @@ class _Execution:
         divisor: int,
         use: Callable,
         split_backward: bool,
+        placement: tuple[int, ...],
     ):
         self.segments, self.params, self.microbatches, self.pp_group = (
             segments,
@@ -194,7 +195,8 @@ class _Execution:
             microbatches,
             pp_group,
         )
-        self.pp = 1 if pp_group is None else pp_group.size
+        # the pipeline rank of each stage
+        self.rank_of = placement
         self.last, self.loss_scale, self.forward_only = num_stages - 1, loss_scale, forward_only
         self.grads_into, self.divisor, self.use, self.split_backward = (
             grads_into,
@@ -213,15 +215,15 @@ class _Execution:
         self.loss: torch.Tensor | None = None
 
     def run(self, a: Action) -> None:
-        s, m, pp = a.stage, a.microbatch, self.pp
+        s, m, rank_of = a.stage, a.microbatch, self.rank_of
         if a.kind == "RECV_F":
-            self.inbox[("F", s, m)] = self.pp_group.recv((s - 1) % pp, FORWARD_TAG)
+            self.inbox[("F", s, m)] = self.pp_group.recv(rank_of[s - 1], FORWARD_TAG)
         elif a.kind == "RECV_B":
-            self.inbox[("B", s, m)] = self.pp_group.recv((s + 1) % pp, BACKWARD_TAG)
+            self.inbox[("B", s, m)] = self.pp_group.recv(rank_of[s + 1], BACKWARD_TAG)
         elif a.kind == "SEND_F":
-            self.pp_group.send(self.outbox.pop(("F", s, m)), (s + 1) % pp, FORWARD_TAG)
+            self.pp_group.send(self.outbox.pop(("F", s, m)), rank_of[s + 1], FORWARD_TAG)
         elif a.kind == "SEND_B":
-            self.pp_group.send(self.outbox.pop(("B", s, m)), (s - 1) % pp, BACKWARD_TAG)
+            self.pp_group.send(self.outbox.pop(("B", s, m)), rank_of[s - 1], BACKWARD_TAG)
         elif a.kind == "F":
             self.forward(s, m)
         elif a.kind == "B":
@@ -249,7 +251,7 @@ class _Execution:
         if s == self.last:
             self.loss = (0.0 if self.loss is None else self.loss) + out.detach() / self.divisor
         # the next stage is ours: hand over without communication
-        elif (s + 1) % self.pp == s % self.pp:
+        elif self.rank_of[s + 1] == self.rank_of[s]:
             self.inbox[("F", s + 1, m)] = out.detach()
         else:
             self.outbox[("F", s, m)] = out.detach()
@@ -271,8 +273,7 @@ class _Execution:
             deferred,
         )
         if s > 0:
-            ours = (s - 1) % self.pp == s % self.pp
-            if ours:
+            if self.rank_of[s - 1] == self.rank_of[s]:
                 self.inbox[("B", s - 1, m)] = grad_in
             else:
                 self.outbox[("B", s, m)] = grad_in
@@ -304,6 +305,7 @@ def execute(
     grads_into: Any = None,
     microbatch_mean: bool = True,
     use: Callable = _always,
+    placement: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank
     holds the last stage, else None; {stage: gradient of its params}, empty when grads_into takes
@@ -314,8 +316,10 @@ def execute(
     gradients instead. microbatch_mean=False: the loss and gradients are of the sum of the
     microbatch losses (per-token losses divide later). use(stage, segment keys, backward) -> a
     context inside which each segment's forward and backward run: where sharded weights are gathered
-    (fmeg.parallel.sharded_params)."""
+    (fmeg.parallel.sharded_params). placement: the pipeline rank of each stage (actions.looped,
+    Megatron's, by default; actions.v_shape for the V schedules)."""
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
+    pp = 1 if pp_group is None else pp_group.size
     if not forward_only:
         for s in stage_params:
             check_cover(segments[s], stage_params[s], s)
@@ -331,6 +335,7 @@ def execute(
         divisor=len(microbatches) if microbatch_mean else 1,
         use=use,
         split_backward=any(a.kind == "W" for a in actions),
+        placement=placement or looped(pp, -(-num_stages // pp)),
     )
     for a in actions:
         start = time.perf_counter()

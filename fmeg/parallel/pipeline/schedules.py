@@ -8,7 +8,7 @@ of them needs.
 
 from __future__ import annotations
 
-from fmeg.parallel.pipeline.actions import Action, Schedule
+from fmeg.parallel.pipeline.actions import Action, Placement, Schedule, placement_of
 
 
 def _check(pp: int, microbatches: int) -> None:
@@ -129,19 +129,171 @@ def zero_bubble_h1(pp: int, microbatches: int) -> Schedule:
     return schedule
 
 
+def zero_bubble_v(pp: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V (actions.v_shape), the backward
+    split into B and W, placed by a unit-time list scheduler: a rank runs a ready B first (the
+    later stage's when both are ready), then a ready F (the later stage's first) if its memory
+    allows, else its oldest pending W. A microbatch's first-chunk F reserves room for its
+    second-chunk activation too, and a rank holds at most 2 pp chunk activations (1F1B's peak: pp
+    microbatches of a whole rank's layers), freed at W."""
+    _check(pp, microbatches)
+    stages = 2 * pp
+    # (kind, stage, microbatch) -> the time slot after which it is done
+    done: dict[tuple[str, int, int], int] = {}
+    # per stage: the next F, B and W to run
+    count = {kind: [0] * stages for kind in "FBW"}
+    pending: list[list[Action]] = [[] for _ in range(pp)]
+    schedule: Schedule = [[] for _ in range(pp)]
+
+    def finished(key: tuple[str, int, int], t: int) -> bool:
+        return done.get(key, t + 1) <= t
+
+    def next_action(r: int, t: int) -> Action | None:
+        first, second = r, stages - 1 - r
+        for s in (second, first):
+            b = count["B"][s]
+            grad_in = ("B", s + 1, b) if s < stages - 1 else ("F", s, b)
+            if b < count["F"][s] and finished(grad_in, t):
+                pending[r].append(Action(s, "W", b))
+                return Action(s, "B", b)
+        held = 2 * count["F"][first] - count["W"][first] - count["W"][second]
+        for s in (second, first):
+            f = count["F"][s]
+            x_in = s == 0 or finished(("F", s - 1, f), t)
+            if f < microbatches and x_in and (s == second or held + 2 <= stages):
+                return Action(s, "F", f)
+        return pending[r].pop(0) if pending[r] else None
+
+    t = 0
+    while any(len(a) < 6 * microbatches for a in schedule):
+        for r in range(pp):
+            action = next_action(r, t)
+            if action is not None:
+                count[action.kind][action.stage] += 1
+                schedule[r].append(action)
+                done[(action.kind, action.stage, action.microbatch)] = t + 1
+        t += 1
+    return schedule
+
+
+def dualpipe_v(pp: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe cut in half, as in deepseek-ai/DualPipe): two chunks per rank
+    in a V, at least 2 pp microbatches. Rank r runs 2 (pp - r - 1) first-chunk forwards, r + 1
+    pairs of forwards (first chunk, then second), pp - r - 1 rounds of (second chunk's B, a pending
+    W, its F), then the main phase's pairs of a forward of one chunk with a full backward of the
+    other (which DualPipe runs overlapped, hiding one's communication behind the other's compute;
+    here one after the other), and the cool-down, whose later backwards split off their W to fill
+    the bubble. A full backward is a B followed at once by its W."""
+    _check(pp, microbatches)
+    if microbatches < 2 * pp:
+        raise ValueError(
+            f"DualPipeV needs at least 2 x pipeline size ({2 * pp}) microbatches, "
+            f"got {microbatches}"
+        )
+    return [_dualpipe_v_rank(pp, microbatches, r) for r in range(pp)]
+
+
+def _dualpipe_v_rank(pp: int, microbatches: int, r: int) -> list[Action]:
+    stages = (r, 2 * pp - 1 - r)
+    counts = {(kind, c): 0 for kind in "FB" for c in (0, 1)}
+    pending: list[Action] = []
+    out: list[Action] = []
+
+    def forward(c: int) -> None:
+        out.append(Action(stages[c], "F", counts[("F", c)]))
+        counts[("F", c)] += 1
+
+    def backward(c: int, split: bool) -> None:
+        b = Action(stages[c], "B", counts[("B", c)])
+        counts[("B", c)] += 1
+        out.append(b)
+        w = Action(b.stage, "W", b.microbatch)
+        pending.append(w) if split else out.append(w)
+
+    def weight() -> None:
+        if pending:
+            out.append(pending.pop(0))
+
+    for _ in range(2 * (pp - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(pp - r - 1):
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for i in range(microbatches - 2 * pp + r + 1):
+        forward(0)
+        backward(1, split=False)
+        forward(1)
+        backward(0, split=False)
+    for _ in range(pp - r - 1):
+        backward(1, split=False)
+        forward(1)
+        backward(0, split=False)
+    # the second half of the last r + 1 rounds splits W off (the odd ranks one backward earlier)
+    split = False
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(0, split)
+    for _ in range(pp - r - 1):
+        weight()
+        backward(0, split)
+    while pending:
+        weight()
+    return out
+
+
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "zero_bubble_v", "dualpipe_v")
+# the schedules that place two chunks per rank in a V
+V_SCHEDULES = ("zero_bubble_v", "dualpipe_v")
+
+
+def by_name(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule a run's --pipeline-schedule names: with chunks > 1, interleaved 1F1B unless
+    the name is a V schedule (which takes exactly two chunks per rank)."""
+    if name in V_SCHEDULES:
+        if chunks != 2:
+            raise ValueError(f"{name} places exactly 2 chunks per rank, got {chunks}")
+        return (zero_bubble_v if name == "zero_bubble_v" else dualpipe_v)(pp, microbatches)
+    if chunks > 1:
+        return interleaved_1f1b(pp, microbatches, chunks)
+    return {"1f1b": one_f_one_b, "gpipe": gpipe, "zero_bubble": zero_bubble_h1}[name](
+        pp, microbatches
+    )
+
+
+def forwards(placement: Placement, microbatches: int) -> Schedule:
+    """Forward only (evaluation): each rank runs its stages in order, every microbatch through one
+    before the next (GPipe's forwards; interleaved 1F1B's with one group of all microbatches)."""
+    ranks = 1 + max(placement)
+    return [
+        [
+            Action(s, "F", m)
+            for s in range(len(placement))
+            if placement[s] == r
+            for m in range(microbatches)
+        ]
+        for r in range(ranks)
+    ]
+
+
 def num_stages(schedule: Schedule) -> int:
     return 1 + max(a.stage for actions in schedule for a in actions)
 
 
 def with_communication(schedule: Schedule) -> Schedule:
     """Insert RECV before and SEND after each compute action whose neighbour stage is on another
-    rank.
+    rank (the placement is the schedule's own: placement_of).
 
     F of stage s > 0 receives its input from stage s - 1; F of a non-last stage sends its output to
     s + 1; B of a non-last stage receives the output gradient from s + 1; B of stage s > 0 sends the
     input gradient to s - 1. W needs nothing. Existing communication actions are kept as they are.
     """
-    pp, stages = len(schedule), num_stages(schedule)
+    stages, rank = num_stages(schedule), placement_of(schedule)
     out: Schedule = []
     for actions in schedule:
         new = []
@@ -149,8 +301,8 @@ def with_communication(schedule: Schedule) -> Schedule:
             if not a.is_compute or a.kind == "W":
                 new.append(a)
                 continue
-            prev_remote = a.stage > 0 and (a.stage - 1) % pp != a.stage % pp
-            next_remote = a.stage < stages - 1 and (a.stage + 1) % pp != a.stage % pp
+            prev_remote = a.stage > 0 and rank[a.stage - 1] != rank[a.stage]
+            next_remote = a.stage < stages - 1 and rank[a.stage + 1] != rank[a.stage]
             if a.kind == "F":
                 new += (
                     ([Action(a.stage, "RECV_F", a.microbatch)] if prev_remote else [])
