@@ -9,6 +9,7 @@ import torch
 
 from fmeg.config.declare import not_positive, flag, group, switch
 from fmeg.models.gpt_pipeline import SELECTIVE_MODULES
+from fmeg.parallel.pipeline.schedules import SCHEDULES
 
 
 @group("parallelism")
@@ -63,10 +64,11 @@ class ParallelFlags:
     pipeline_schedule: str = flag(
         "--pipeline-schedule",
         default="1f1b",
-        choices=["1f1b", "gpipe", "zero_bubble"],
-        help="schedule without virtual stages (interleaved 1F1B is used with them); zero_bubble is "
-        "ZB-H1 with the backward split: the linears' weight gradients deferred to fill the bubble "
-        "(eager stages; compiled ones compute them in the backward)",
+        choices=list(SCHEDULES),
+        help="1f1b, gpipe and zero_bubble (ZB-H1) without virtual stages (interleaved 1F1B is used "
+        "with them); zero_bubble_v (ZB-V) and dualpipe_v (DualPipeV) place 2 virtual stages per "
+        "rank in a V. The zero-bubble ones split the backward: the linears' weight gradients "
+        "deferred to fill the bubble (eager stages; compiled ones compute them in the backward)",
     )
     sequence_parallel: bool = switch(
         "--sequence-parallel",

@@ -25,6 +25,7 @@ from fmeg.config import (
     mtp_flags,
 )
 from fmeg.config.megatron_flags import later_work_problems
+from fmeg.parallel.pipeline.schedules import V_SCHEDULES
 from fmeg.config.problems import Problems
 from fmeg.config.layout_checks import (
     batch_problems,
@@ -113,7 +114,20 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
     dp, gbs = batch_geometry(a, world_size)
     vp_chunks, microbatches = virtual_chunks(a), microbatches_per_step(a, world_size)
-    if vp_chunks > 1 and microbatches:
+    v_shaped = a.pipeline_schedule in V_SCHEDULES
+    if v_shaped:
+        need(
+            vp_chunks == 2,
+            f"--pipeline-schedule {a.pipeline_schedule} places two stages on each pipeline rank in "
+            f"a V, got {vp_chunks}: give --num-virtual-stages-per-pipeline-rank 2 (or a "
+            "--pipeline-model-parallel-layout of 2 x pp stages)",
+        )
+        need(
+            a.pipeline_schedule != "dualpipe_v" or not microbatches or microbatches >= 2 * pp,
+            f"--pipeline-schedule dualpipe_v needs at least 2 x --pipeline-model-parallel-size "
+            f"({2 * pp}) microbatches per step, got {microbatches}; raise --global-batch-size",
+        )
+    elif vp_chunks > 1 and microbatches:
         need(
             microbatches >= pp,
             f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "

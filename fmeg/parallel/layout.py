@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from fmeg.parallel.mesh import Mesh
+from fmeg.parallel.pipeline.actions import Placement, looped, v_shape
+from fmeg.parallel.pipeline.schedules import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,23 @@ class Layout:
         return self.pp * self.chunks
 
     @property
+    def placement(self) -> Placement:
+        """The pipeline rank of each stage: a V (rank r holds stages r and 2 pp - 1 - r) under the
+        V schedules, else Megatron's loop (stage s on rank s % pp)."""
+        if self.schedule in V_SCHEDULES:
+            return v_shape(self.pp)
+        return looped(self.pp, self.chunks)
+
+    def stages_on(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank pp_rank holds, in forward order."""
+        return [s for s, r in enumerate(self.placement) if r == pp_rank]
+
+    @property
+    def loss_rank(self) -> int:
+        """The pipeline rank of the last stage (which computes the loss)."""
+        return self.placement[-1]
+
+    @property
     def stages(self) -> int | tuple[int, ...]:
         """The stages as fmeg.models.gpt_pipeline takes them: their number when they are even, else
         each one's decoder layers."""
@@ -123,6 +142,7 @@ class Layout:
             **({"sharding": self.sharding} if self.sharding not in ("no_shard", "optim") else {}),
             "dtype": str(dtype).removeprefix("torch."),
             **({"stage_layers": list(self.stage_layers)} if self.stage_layers else {}),
+            **({"placement": "v"} if self.schedule in V_SCHEDULES else {}),
             **({"dp_outer": self.dp_outer} if self.dp_outer > 1 else {}),
             **({"ep": self.ep, "etp": self.expert_tp} if self.experts_apart else {}),
             **({"cp": self.cp} if self.cp > 1 else {}),
@@ -140,7 +160,9 @@ class Layout:
         ):
             recompute += f" ({' '.join(self.recompute_modules)})"
         return (
-            f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual) x dp {self.dp}"
+            f"tp {self.tp} x pp {self.pp} (x{self.chunks} virtual"
+            + (", in a V" if self.schedule in V_SCHEDULES else "")
+            + f") x dp {self.dp}"
             + (
                 f" x cp {self.cp} ({' '.join(self.cp_comm_types)}"
                 + (f", a2a {self.cp_a2a} x p2p {self.cp // self.cp_a2a}" if self.cp_a2a > 1 else "")

@@ -32,10 +32,6 @@ from fmeg.training import optimizers, step_hooks
 from fmeg.training.stage_functions import model_parallel, stage_functions
 
 
-def local_stages(layout: Layout, pp_rank: int) -> list[int]:
-    return [s for s in range(layout.num_stages) if s % layout.pp == pp_rank]
-
-
 def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -> dict[int, Any]:
     """{stage: tensor- (and expert-) parallel shard} for this rank's stages, cut from the full
     (single-rank) parameters."""
@@ -45,19 +41,12 @@ def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -
         coords["etp"] = (mesh.coord("expert_tp"), layout.expert_tp)
     return {
         s: shard(stages[s], gpt.TP_RULES + moe.EP_RULES, coords)
-        for s in local_stages(layout, mesh.coord("pp"))
+        for s in layout.stages_on(mesh.coord("pp"))
     }
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
-    if layout.chunks > 1:
-        full = schedules.interleaved_1f1b(layout.pp, microbatches, layout.chunks)
-    else:
-        full = {
-            "1f1b": schedules.one_f_one_b,
-            "gpipe": schedules.gpipe,
-            "zero_bubble": schedules.zero_bubble_h1,
-        }[layout.schedule](layout.pp, microbatches)
+    full = schedules.by_name(layout.schedule, layout.pp, microbatches, layout.chunks)
     return schedules.with_communication(full)[pp_rank]
 
 
@@ -83,14 +72,7 @@ def evaluate(
         )
         for s in params
     }
-    full = (
-        schedules.gpipe(layout.pp, len(microbatches))
-        if layout.chunks == 1
-        else schedules.interleaved_1f1b(
-            layout.pp, len(microbatches), layout.chunks, len(microbatches)
-        )
-    )
-    forwards = [[a for a in actions if a.kind == "F"] for actions in full]
+    forwards = schedules.forwards(layout.placement, len(microbatches))
     actions = schedules.with_communication(forwards)[mesh.coord("pp")]
     loss, _ = execute.execute(
         actions,
@@ -101,15 +83,36 @@ def evaluate(
         layout.num_stages,
         forward_only=True,
         microbatch_mean=False,
+        placement=layout.placement,
         **({"use": use} if use else {}),
     )
-    if loss is None:
+    pair = None
+    if loss is not None:
+        tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
+        pair = torch.stack([loss.double(), tokens.double()])
+        # every rank's tokens: data and context parallel
+        group = mesh.group("dp_cp")
+        pair = group.all_reduce(pair) if group is not None else pair
+    return to_last_rank(pair, layout, mesh)
+
+
+# the tag of the loss's one message from the last stage to the last pipeline rank
+LOSS_TAG = 2
+
+
+def to_last_rank(value: torch.Tensor | None, layout: Layout, mesh: Mesh) -> torch.Tensor | None:
+    """The loss where the runner reads and logs it, on the last pipeline rank (as Megatron logs
+    from the last rank): under a V the last stage is on pipeline rank 0, which sends it over.
+    None on the other ranks."""
+    last, holder = layout.pp - 1, layout.loss_rank
+    if holder == last:
+        return value
+    group, rank = mesh.group("pp"), mesh.coord("pp")
+    if rank == holder:
+        group.send(value, last, LOSS_TAG)
+        group.finish()
         return None
-    tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(loss.device)
-    pair = torch.stack([loss.double(), tokens.double()])
-    # every rank's tokens: data and context parallel
-    group = mesh.group("dp_cp")
-    return group.all_reduce(pair) if group is not None else pair
+    return group.recv(holder, LOSS_TAG) if rank == last else None
 
 
 def counted_once(config: gpt.GPTConfig, layout: Layout, mesh: Mesh):
@@ -230,7 +233,7 @@ def initialized_state(
     state (with sharded weights, the slice held here only), so no rank ever holds more of the model
     at once than its state and one unit. options: init_state's (device: where the state lives)."""
     state = init_state(local_shapes(config, layout, mesh), config, layout, mesh, **options)
-    for stage in local_stages(layout, mesh.coord("pp")):
+    for stage in layout.stages_on(mesh.coord("pp")):
         for unit in gp.stage_units(config, stage, layout.stages):
             state.assign(shard_params(gpt.init(config, seed, only=unit), config, layout, mesh))
     return state
@@ -343,6 +346,7 @@ def train_iteration(
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
     loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)
+    loss = to_last_rank(loss, layout, mesh)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -444,6 +448,7 @@ def forward_backward(
         grads_into=sync,
         microbatch_mean=not per_token,
         use=state.use,
+        placement=layout.placement,
     )
     state.end_iteration()
     return loss, sync

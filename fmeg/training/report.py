@@ -107,9 +107,8 @@ def stage_ranges(config: GPTConfig, layout: Layout) -> list[range]:
 
 def last_rank_layers(config: GPTConfig, layout: Layout) -> float:
     """The decoder layers the last pipeline rank holds, per virtual stage (memory_estimate's)."""
-    return sum(len(r) for r in stage_ranges(config, layout)[layout.pp - 1 :: layout.pp]) / (
-        layout.chunks
-    )
+    ranges = stage_ranges(config, layout)
+    return sum(len(ranges[s]) for s in layout.stages_on(layout.pp - 1)) / layout.chunks
 
 
 def stages_line(config: GPTConfig, layout: Layout, seq_len: int, activation_bytes: int) -> str:

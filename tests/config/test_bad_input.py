@@ -312,6 +312,11 @@ def runner_cases() -> list[tuple[list[str], str]]:
             "pipeline rank",
         ),
         (
+            ["--pipeline-schedule", "zero_bubble_v"],
+            "--pipeline-schedule zero_bubble_v places two stages on each pipeline rank in a V, "
+            "got 1: give --num-virtual-stages-per-pipeline-rank 2",
+        ),
+        (
             ["--global-batch-size", "8", "--eval-global-batch-size", "7"],
             "--eval-global-batch-size 7: a validation batch other than the final global batch (8)",
         ),

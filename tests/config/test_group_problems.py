@@ -37,3 +37,19 @@ def test_the_run_reports_group_and_layout_problems_together():
 def test_a_size_that_is_not_positive_stops_the_checks_across_groups():
     lines = validate(parse_args(["--num-layers", "0", "--lr", "2"], world_size=1), world_size=1)
     assert lines == ["--num-layers must be positive, got 0"]
+
+
+def test_the_v_schedules_name_their_needs():
+    v = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    argv = [*v, "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "dualpipe_v"]
+    batch = ["--micro-batch-size", "1", "--global-batch-size", "3"]
+    lines = validate(parse_args([*argv, *batch], world_size=2), world_size=2)
+    assert lines == [
+        "--pipeline-schedule dualpipe_v needs at least 2 x --pipeline-model-parallel-size (4) "
+        "microbatches per step, got 3; raise --global-batch-size"
+    ]
+    enough = ["--micro-batch-size", "1", "--global-batch-size", "4"]
+    assert validate(parse_args([*argv, *enough], world_size=2), world_size=2) == []
+    three = [*v[:2], "--num-layers", "6", "--num-virtual-stages-per-pipeline-rank", "3"]
+    lines = validate(parse_args([*three, "--pipeline-schedule", "zero_bubble_v"], 2), 2)
+    assert lines[0].startswith("--pipeline-schedule zero_bubble_v places two stages on each")

@@ -40,6 +40,10 @@ FIRST1 = ["--decoder-first-pipeline-num-layers", "1"]
 # stage, the loss alone
 UNEVEN_LAYOUT = ["--pipeline-model-parallel-layout", "E|t|tt||t|L"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
+# two virtual stages on each of 2 pipeline ranks in a V (stages 0 and 3 on rank 0, 1 and 2 on 1)
+PP2_V = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+ZB_V = [*PP2_V, "--pipeline-schedule", "zero_bubble_v"]
+DUALPIPE_V = [*PP2_V, "--pipeline-schedule", "dualpipe_v"]
 
 # multi-latent attention with experts: the model of the MLA and MTP rows
 MLA = [
@@ -247,6 +251,16 @@ TABLE: dict[str, tuple[int, list[str]]] = {
         4,
         ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zero_bubble", *FSDP],
     ),
+    # the V schedules: the loss on pipeline rank 0, the turn between stages 1 and 2 on rank 1
+    "pp2_zero_bubble_v": (2, ZB_V),
+    "pp2_zero_bubble_v_dp2_fsdp": (4, [*ZB_V, *FSDP]),
+    "pp2_zero_bubble_v_uneven": (
+        2,
+        [*ZB_V[:2], "--pipeline-schedule", "zero_bubble_v", "--pipeline-model-parallel-layout"]
+        + ["E|tt|t|tL"],
+    ),
+    "pp2_dualpipe_v_tp2_sp": (4, [*DUALPIPE_V, *TP2_SP]),
+    "pp2_dualpipe_v_compiled": (2, [*DUALPIPE_V, "--compile"]),
     "pp2_uneven_layout_tp2_sp_zero1": (
         4,
         ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT, *TP2_SP, *ZERO1],

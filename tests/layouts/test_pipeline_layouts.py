@@ -26,6 +26,16 @@ LAYOUTS = layouts.rows(
     ],
     fast=("pp2_uneven_layout",),
 )
+V_LAYOUTS = layouts.rows(
+    [
+        "pp2_zero_bubble_v",
+        "pp2_zero_bubble_v_dp2_fsdp",
+        "pp2_zero_bubble_v_uneven",
+        "pp2_dualpipe_v_tp2_sp",
+        "pp2_dualpipe_v_compiled",
+    ],
+    fast=("pp2_zero_bubble_v", "pp2_dualpipe_v_tp2_sp"),
+)
 
 
 def curves(tmp_path, name, nproc, flags, keys=("lm_loss",)):
@@ -57,6 +67,17 @@ def test_uneven_stages_give_one_ranks_curve(tmp_path, single, name, nproc, flags
     assert_same(got, single)
 
 
+@pytest.mark.parametrize("name, nproc, flags", V_LAYOUTS)
+def test_v_schedules_give_one_ranks_curve(tmp_path, single, name, nproc, flags):
+    """ZB-V and DualPipeV place stages 0 and 3 on pipeline rank 0 (which computes the loss and
+    sends it to the last rank, which logs it) and 1 and 2 on rank 1."""
+    got, stdout = curves(tmp_path, name, nproc, flags)
+    stages = "0|2|1|1" if "uneven" in name else "1|1|1|1"
+    assert "(x2 virtual, in a V)" in stdout
+    assert f"pipeline stages (per microbatch on one rank of each): layers {stages};" in stdout
+    assert_same(got, single)
+
+
 MTP = [*MLA, "--mtp-num-layers", "1"]
 KEYS = ("lm_loss", "mtp_1 loss", "seq_load_balancing_loss")
 
@@ -76,3 +97,27 @@ def test_multi_token_prediction_beside_the_loss_on_an_uneven_layout_gives_one_ra
 def test_a_run_saved_at_uneven_stages_resumes_at_even_ones_and_back_on_its_curve(tmp_path, single):
     uneven = (2, ["--pipeline-model-parallel-size", "2", *layouts.UNEVEN_LAYOUT])
     layouts.assert_resumes_there_and_back(tmp_path, single, uneven, (2, TP2_SP))
+
+
+@pytest.mark.slow
+def test_a_run_saved_in_a_v_resumes_at_the_loop_and_back_on_its_curve(tmp_path, single):
+    """Rank 0 holds stages 0 and 3 in the V, stages 0 and 2 in Megatron's loop."""
+    virtual = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    layouts.assert_resumes_there_and_back(
+        tmp_path, single, (2, layouts.TABLE["pp2_zero_bubble_v"][1]), (2, virtual)
+    )
+
+
+def test_validation_in_a_v_gives_one_ranks_validation_loss(tmp_path):
+    """Evaluation runs forward only through the V (stage 3's loss on pipeline rank 0, sent to the
+    last rank, which logs it)."""
+    evaluation = ["--eval-interval", "10", "--eval-iters", "2"]
+
+    def validation(name, nproc, flags):
+        records, _ = run_recipe(tmp_path, name, nproc, [*DROPOUT, *evaluation, *flags])
+        return [r["validation_lm_loss"] for r in records if "validation_lm_loss" in r]
+
+    want = validation("one", 1, [])
+    got = validation("v", 2, layouts.TABLE["pp2_dualpipe_v_compiled"][1][:-1])
+    assert len(want) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want))
+    assert len(got) == 2
