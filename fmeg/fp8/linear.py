@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from fmeg.ops.weight_grads import defer
+
 from fmeg.fp8.quantize import (
     Quantized,
     dequantize,
@@ -130,28 +132,32 @@ def _forward_operands(x, w, gemms: Fp8Gemms) -> tuple[Quantized, Quantized]:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """x [M, K], w [N, K] -> (y [M, N], x's scale, w's scale); the scales are constants."""
+    """x [M, K], weight [N, K] or a stack [..., N_last, K] read as [N, K] -> (y [M, N], x's scale,
+    w's scale); the scales are constants. The weight gradient may be deferred to a zero-bubble
+    schedule's W (ops.weight_grads), computed from what B quantized."""
 
     @staticmethod
-    def forward(x, w, gemms):
-        qx, qw = _forward_operands(x, w, gemms)
+    def forward(x, weight, gemms):
+        qx, qw = _forward_operands(x, _matrix(weight), gemms)
         return gemm(qx, qw, x.dtype), qx.scale, qw.scale
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, gemms = inputs
+        x, weight, gemms = inputs
         _, sx, sw = output
         ctx.mark_non_differentiable(sx, sw)
-        ctx.save_for_backward(x, w, sx, sw)
+        ctx.save_for_backward(x, weight, sx, sw)
         ctx.gemms = gemms
 
     @staticmethod
     def backward(ctx, gy, _sx, _sw):
-        x, w, sx, sw = ctx.saved_tensors
+        x, weight, sx, sw = ctx.saved_tensors
+        w = _matrix(weight)
         gemms: Fp8Gemms = ctx.gemms
         r, gdt = gemms.recipe.recipe, gemms.recipe.grad_dtype
         dx = dw = None
         if r in ("tensorwise", "delayed"):
+            # the gradient's scale (its amax reduced over the ranks) is taken in B
             qg = (
                 _delayed(gy, gemms, 2, gdt)
                 if r == "delayed"
@@ -160,23 +166,37 @@ class _Fp8Linear(torch.autograd.Function):
             qx, qw = (quantize_with_scale(t, s, E4M3) for t, s in ((x, sx), (w, sw)))
             if ctx.needs_input_grad[0]:
                 dx = gemm(qg, transpose(qw), x.dtype)
-            if ctx.needs_input_grad[1] and not gemms.recipe.wgrad:
+
+            def compute() -> torch.Tensor:
                 # --no-fp8-wgrad: the weight gradient in the compute dtype
-                dw = (gy.t() @ x).to(w.dtype)
-            elif ctx.needs_input_grad[1]:
-                dw = gemm(transpose(qg), transpose(qx), w.dtype)
-            return dx, dw, None
-        if ctx.needs_input_grad[0]:
-            # square tiles serve both orientations; 1 x n blocks run along the other dimension
-            qw_t = (
-                transpose(quantize(w, E4M3, r, True))
-                if r == "blockwise"
-                else quantize(w.t(), E4M3, r, True)
-            )
-            dx = gemm(quantize(gy, gdt, r, False), qw_t, x.dtype)
+                if not gemms.recipe.wgrad:
+                    return (gy.t() @ x).to(w.dtype)
+                return gemm(transpose(qg), transpose(qx), w.dtype)
+
+        else:
+            if ctx.needs_input_grad[0]:
+                # square tiles serve both orientations; 1 x n blocks run along the other dimension
+                qw_t = (
+                    transpose(quantize(w, E4M3, r, True))
+                    if r == "blockwise"
+                    else quantize(w.t(), E4M3, r, True)
+                )
+                dx = gemm(quantize(gy, gdt, r, False), qw_t, x.dtype)
+
+            def compute() -> torch.Tensor:
+                qg_t = quantize(gy.t(), gdt, r, False)
+                return gemm(qg_t, quantize(x.t(), E4M3, r, False), w.dtype)
+
         if ctx.needs_input_grad[1]:
-            dw = gemm(quantize(gy.t(), gdt, r, False), quantize(x.t(), E4M3, r, False), w.dtype)
+            deferred = not torch.compiler.is_compiling() and defer(
+                weight, lambda: compute().reshape(weight.shape)
+            )
+            dw = None if deferred else compute().reshape(weight.shape)
         return dx, dw, None
+
+
+def _matrix(weight: torch.Tensor) -> torch.Tensor:
+    return weight.flatten(0, -2) if weight.dim() > 2 else weight
 
 
 def fp8_linear(
@@ -185,8 +205,7 @@ def fp8_linear(
     """x [..., K] @ weight.T (+ bias) with FP8 GEMMs; weight [N, K] or a stack [..., N_last, K]
     flattened to [N, K] as fmeg.ops.linear reads it."""
     if weight.dim() > 2:
-        weight = weight.flatten(0, -2)
         bias = None if bias is None else bias.flatten()
     y, _, _ = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, gemms)
-    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    y = y.reshape(*x.shape[:-1], _matrix(weight).shape[0])
     return y if bias is None else y + bias

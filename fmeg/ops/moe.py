@@ -10,16 +10,13 @@ Tokens are rows T of a [T, H] matrix, experts E, k experts per token. Shapes fol
 router (megatron/core/transformer/moe/moe_utils.py) so that its flags mean the same here:
 
 - softmax scores: softmax over the top-k logits (Mixtral; equal to renormalising the top-k of a
-softmax over
-  all experts), or with pre_softmax the top-k of a softmax over all experts, not renormalised.
+  softmax over all experts), or with pre_softmax the top-k of a softmax over all experts, not
+  renormalised.
 - sigmoid scores (DeepSeek-V3): sigmoid of the logits; the top-k is chosen on sigmoid + expert_bias
-(the
-  bias steers the choice only) and the chosen scores are normalised to sum to 1 when k > 1.
+  (the bias steers the choice only) and the chosen scores are normalised to sum to 1 when k > 1.
 - group-limited routing: experts in num_groups equal groups; a token first picks group_topk groups
-by the sum
-  of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3: its top 2),
-      then its
-  k experts inside them.
+  by the sum of each group's top (k / group_topk) scores (megatron-core; transformers' DeepSeek-V3:
+  its top 2), then its k experts inside them.
 - scaling_factor multiplies the final probabilities.
 
 Experts run as one grouped matmul per weight over the tokens sorted by expert (torch._grouped_mm
@@ -27,6 +24,8 @@ where the device and dtype take it: bf16 on CUDA 9.0+, fp32 on CPU when not comp
 experts otherwise): no loop over tokens, and no host sync on the grouped path. The loop reads the
 experts' boundaries on the host, except under torch.compile, where it runs every expert on every
 row, masked (no host sync in a graph, at E times the FLOPs: compiled runs want the grouped path).
+Inside ops.weight_grads.deferrable() (a zero-bubble schedule's forward) the experts' weight
+gradients may be deferred to W, as the linears' are, with the same numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from fmeg.ops.weight_grads import defer, forward_deferrable
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -257,9 +258,7 @@ def expert_rows(
     rows after the counts' blocks belong to none of the E' experts held and give zeros, their
     expert_of_row E')."""
     held = fc1.shape[0]
-    # gated: [E', 2F, H], gate rows then up rows
-    w1 = fc1.flatten(1, -2) if fc1.dim() == 4 else fc1
-    h = grouped_linear(rows_NH, w1, counts_E)
+    h = grouped_linear(rows_NH, fc1, counts_E)
     if fc1_bias is not None:
         h = h + _per_row(fc1_bias.flatten(1), expert_of_row, held)
     h = activation(h)
@@ -279,7 +278,20 @@ def grouped_linear(
     rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
     """rows sorted by expert (the first counts[0] rows are expert 0's, ...; any rows after them
-    belong to no expert and give zeros) times each expert's weight transposed -> [N, F]."""
+    belong to no expert and give zeros) times each expert's weight transposed -> [N, F]. A gated
+    weight [E, 2, F, H] (gate rows, then up rows) is read as [E, 2F, H]."""
+    if forward_deferrable():
+        return DeferrableGroupedLinear.apply(rows_NH, weight_EFH, counts_E)
+    return _grouped_linear(rows_NH, _flat(weight_EFH), counts_E)
+
+
+def _flat(weight: torch.Tensor) -> torch.Tensor:
+    return weight.flatten(1, -2) if weight.dim() == 4 else weight
+
+
+def _grouped_linear(
+    rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: torch.Tensor
+) -> torch.Tensor:
     n, e = rows_NH.shape[0], weight_EFH.shape[0]
     # an expert-parallel shard can hold none of a small model's experts
     if e == 0:
@@ -309,6 +321,51 @@ def grouped_linear(
     parts = [rows_NH[bounds[i] : bounds[i + 1]] @ weight_EFH[i].transpose(-1, -2) for i in range(e)]
     rest = rows_NH.new_zeros(n - bounds[-1], weight_EFH.shape[-2])
     return torch.cat([*parts, rest])
+
+
+def _grouped_weight_grad(
+    grad_NF: torch.Tensor, rows_NH: torch.Tensor, counts_E: torch.Tensor, shape: torch.Size
+) -> torch.Tensor:
+    """Each expert's weight gradient [E, F, H]: its rows' grad.T @ rows, as autograd computes it
+    for _grouped_linear (the same kernel, so the same bits)."""
+    if shape[0] == 0:
+        return grad_NF.new_zeros(shape)
+    ends = counts_E.cumsum(0)
+    if _grouped_mm_supported(rows_NH, grad_NF.new_empty(shape)):
+        valid = (torch.arange(rows_NH.shape[0], device=rows_NH.device) < ends[-1])[:, None]
+        zero = rows_NH.new_zeros(())
+        grad_NF, rows_NH = torch.where(valid, grad_NF, zero), torch.where(valid, rows_NH, zero)
+        return torch._grouped_mm(grad_NF.t(), rows_NH, offs=ends.to(torch.int32))
+    bounds = [0, *ends.tolist()]
+    return torch.stack([grad_NF[a:b].t() @ rows_NH[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+class DeferrableGroupedLinear(torch.autograd.Function):
+    """grouped_linear whose weight gradient may be deferred (ops.weight_grads): the rows' gradient
+    in backward, the weight's in W."""
+
+    @staticmethod
+    def forward(rows, weight, counts):
+        return _grouped_linear(rows, _flat(weight), counts)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, counts = ctx.saved_tensors
+        w = _flat(weight)
+        drows = _grouped_linear(grad, w.transpose(-1, -2), counts)
+        dw = None
+        if ctx.needs_input_grad[1]:
+
+            def compute(grad=grad, rows=rows) -> torch.Tensor:
+                return _grouped_weight_grad(grad, rows, counts, w.shape).reshape(weight.shape)
+
+            if not defer(weight, compute):
+                dw = compute()
+        return drows, dw, None
 
 
 def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -261,6 +261,8 @@ TABLE: dict[str, tuple[int, list[str]]] = {
     ),
     "pp2_dualpipe_v_tp2_sp": (4, [*DUALPIPE_V, *TP2_SP]),
     "pp2_dualpipe_v_compiled": (2, [*DUALPIPE_V, "--compile"]),
+    "pp2_dualpipe_v": (2, DUALPIPE_V),
+    "ep2_pp2_zero_bubble_v": (4, [*EP2, *ZB_V]),
     "pp2_uneven_layout_tp2_sp_zero1": (
         4,
         ["--pipeline-model-parallel-size", "2", *UNEVEN_LAYOUT, *TP2_SP, *ZERO1],

@@ -80,6 +80,9 @@ LAYOUTS = layouts.rows(
         "cp2_ep2",
         "cp2_ep2_zero1_alltoall",
         "cp2_tp2_sp_ep2_etp1",
+        # the experts' weight gradients deferred to W
+        "ep2_pp2_zero_bubble_v",
+        "pp2_dualpipe_v",
     ],
     fast=("ep2", "pp2_virtual"),
 )

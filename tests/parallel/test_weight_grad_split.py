@@ -1,7 +1,8 @@
 """Zero-bubble's split backward: B computes the input gradient and every gradient but the linears'
-weights, W the linears' weight gradients; together they are the unsplit backward's numbers, and on
-torch's FLOP counter B and W split the backward's matmuls, W taking exactly the weight-gradient
-products (2 x tokens x in x out per linear)."""
+weights, W the linears' weight gradients (the experts' grouped GEMMs and the FP8 linears too);
+together they are the unsplit backward's numbers, and on torch's FLOP counter B and W split the
+backward's matmuls, W taking exactly the weight-gradient products (2 x rows x in x out per
+linear)."""
 
 import pytest
 import torch
@@ -26,7 +27,35 @@ CONFIGS = {
         num_kv_heads=2,
         ffn_hidden_size=24,
     ),
+    # gated experts on every layer: the grouped GEMMs' weights are deferred too
+    "llama_experts": gpt.GPTConfig.llama(
+        vocab_size=48,
+        max_seq_len=8,
+        num_layers=2,
+        hidden_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=24,
+        num_experts=4,
+        moe_router_topk=2,
+    ),
 }
+
+
+def fp8_parallel(config, recipe):
+    """The model's transforms on one rank, with FP8 linears under recipe (None: none)."""
+    if recipe is None:
+        return gp.NO_TP
+    from fmeg.fp8.delayed import DelayedState
+    from fmeg.fp8.plan import Fp8Plan
+    from fmeg.fp8.recipe import Fp8Recipe
+    from fmeg.parallel.layout import Layout
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.stage_functions import model_parallel
+
+    state = DelayedState(config.num_layers, 4) if recipe == "delayed" else None
+    plan = Fp8Plan(Fp8Recipe("hybrid", recipe), config.num_layers, state=state)
+    return model_parallel(Layout(), Mesh.single(), plan)
 
 
 def batch(config):
@@ -34,17 +63,33 @@ def batch(config):
     return {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 8)}
 
 
+def grouped_mm_flops(a, b, offs=None, *rest, out_val=None, **kwargs):
+    """torch's counter has no formula for _grouped_mm: 2 x the rows the experts hold x in x out
+    (a [rows, in] by b [E, in, out]; or the weight gradient, a [out, rows] by b [rows, in])."""
+    offs = kwargs["offs"] if offs is None else offs
+    rows = int(offs[-1])
+    return 2 * rows * (a.shape[1] * b.shape[2] if b.dim() == 3 else a.shape[0] * b.shape[1])
+
+
+grouped_mm_flops._get_raw = True
+
+
 def counted(fn):
-    with FlopCounterMode(display=False) as counter:
+    mapping = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         out = fn()
     return out, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("style", sorted(CONFIGS))
-def test_b_and_w_are_the_backward_split_in_two(style):
+@pytest.mark.parametrize(
+    "style, recipe",
+    [(style, None) for style in sorted(CONFIGS)]
+    + [("llama_gated", "tensorwise"), ("llama_gated", "blockwise"), ("gpt2", "delayed")],
+)
+def test_b_and_w_are_the_backward_split_in_two(style, recipe):
     config = CONFIGS[style]
     params = gp.split(gpt.init(config, 0), config, 1)[0]
-    segments = gp.stage_segments(config, 0, 1)
+    segments = gp.stage_segments(config, 0, 1, fp8_parallel(config, recipe))
     mb = batch(config)
     seed = torch.ones(())
 
@@ -69,7 +114,13 @@ def test_b_and_w_are_the_backward_split_in_two(style):
     }
     assert deferred_paths == linears, deferred_paths ^ linears
     tokens = 2 * 8
-    assert w_flops == sum(2 * tokens * leaves[p].numel() for p in linears)
+    # an expert's weight sees the rows routed to it: topk rows per token over the E experts
+    experts = config.experts
+    rows = {
+        p: tokens * experts.router.topk / experts.num_experts if ".experts." in p else tokens
+        for p in linears
+    }
+    assert w_flops == sum(2 * rows[p] * leaves[p].numel() for p in linears)
     assert 0.3 < w_flops / whole_flops < 0.7
 
 
