@@ -125,11 +125,15 @@ def hybrid_problems(a: argparse.Namespace, world_size: int) -> list[str]:
         f"--num-distributed-optimizer-instances {instances} must divide data x context parallel "
         f"= {dp} x {cp}",
     )
+    # the experts' data-parallel ranks: every rank but their tp and ep ones
+    edp = dp * tp * cp // (ep * etp) if ep * etp else 0
     need(
-        instances == 1 or not (a.num_experts and (ep > 1 or etp != tp)),
-        f"--num-distributed-optimizer-instances {instances}: hybrid sharding with the experts laid "
-        "out apart (--expert-model-parallel-size, --expert-tensor-parallel-size) is not supported "
-        "by fmeg yet",
+        instances < 1
+        or not (a.num_experts and (ep > 1 or etp != tp))
+        or edp % instances == 0
+        or world_size % (tp * pp) != 0,
+        f"--num-distributed-optimizer-instances {instances} must divide the experts' data-parallel "
+        f"size {edp} (tp x dp x cp / (ep x expert tp) = {tp} x {dp} x {cp} / ({ep} x {etp}))",
     )
     return problems
 

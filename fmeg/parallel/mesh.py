@@ -85,7 +85,8 @@ def rank_groups(
     consecutive ranks of a cp group, and cp_p2p, the ranks of a cp group cp_a2a apart; and hybrid
     sharding's two levels (Megatron's --num-distributed-optimizer-instances dp_outer): dp_cp_shard,
     every dp x cp / dp_outer consecutive ranks of a dp_cp group (an instance, which shards the
-    state), and dp_cp_outer, the ranks of a dp_cp group that many apart (the instances' replicas).
+    state), and dp_cp_outer, the ranks of a dp_cp group that many apart (the instances' replicas);
+    expert_dp_shard and expert_dp_outer split expert_dp alike.
     """
     etp = tp if etp is None else etp
     for name, size in dict(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp).items():
@@ -138,19 +139,25 @@ def rank_groups(
         raise ValueError(
             f"the distributed optimizer's instances ({dp_outer}) must divide dp x cp = {dp} x {cp}"
         )
-    groups.update(_hybrid_groups(groups["dp_cp"], dp_outer))
+    groups.update(_hybrid_groups(groups["dp_cp"], dp_outer, "dp_cp"))
+    # the experts' instances split expert_dp alike (megatron-core's intra- and inter-partial expert
+    # data-parallel groups); a grid they do not divide has none (the flags' check refuses it)
+    if expert_dp % dp_outer == 0:
+        groups.update(_hybrid_groups(groups["expert_dp"], dp_outer, "expert_dp"))
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups
 
 
-def _hybrid_groups(dp_cp: list[list[int]], instances: int) -> dict[str, list[list[int]]]:
-    """Megatron's intra- and inter-instance groups of each dp-cp group: consecutive ranks, and the
-    ranks an instance apart."""
-    inner = len(dp_cp[0]) // instances
+def _hybrid_groups(
+    data: list[list[int]], instances: int, name: str
+) -> dict[str, list[list[int]]]:
+    """Megatron's intra- and inter-instance groups of each data-parallel group: {name}_shard,
+    consecutive ranks, and {name}_outer, the ranks an instance apart."""
+    inner = len(data[0]) // instances
     return {
-        "dp_cp_shard": [g[i * inner : (i + 1) * inner] for g in dp_cp for i in range(instances)],
-        "dp_cp_outer": [g[j::inner] for g in dp_cp for j in range(inner)],
+        f"{name}_shard": [g[i * inner : (i + 1) * inner] for g in data for i in range(instances)],
+        f"{name}_outer": [g[j::inner] for g in data for j in range(inner)],
     }
 
 

@@ -116,17 +116,25 @@ class ExpertSplitState(Parts):
         """params: this rank's fp32 {stage: tree} (its experts only); counted and the options as
         FlatState's. Sharded (FlatState's sharding) the dense state is sliced over dp x cp (the
         ranks holding the same dense weights), the experts' over expert_dp; dp: the data-parallel
-        size, which both parts' summed gradients are divided by."""
+        size, which both parts' summed gradients are divided by. Under hybrid sharding each part
+        is sliced within its instance (dp_cp_shard, expert_dp_shard) and summed over the instances
+        (dp_cp_outer, expert_dp_outer), as megatron-core splits its expert data-parallel group."""
         dense, experts = split_experts(params)
-        edp = mesh.size("expert_dp")
+        if "expert_dp_shard" not in mesh.groups:
+            raise ValueError(
+                f"hybrid sharding's instances ({mesh.size('dp_cp_outer')}) must divide the "
+                f"experts' data-parallel size ({mesh.size('expert_dp')})"
+            )
         self.mesh, self.dp, self.zero = mesh, dp, sharding != "no_shard"
+        # hybrid sharding: each part sliced within its instance, replicated over the instances
         self.dense = FlatState(
             dense,
             counted,
             sharding=sharding,
-            dp=mesh.size("dp_cp"),
-            dp_rank=mesh.coord("dp_cp"),
-            dp_group=mesh.group("dp_cp"),
+            dp=mesh.size("dp_cp_shard"),
+            dp_rank=mesh.coord("dp_cp_shard"),
+            dp_group=mesh.group("dp_cp_shard"),
+            replica_group=mesh.group("dp_cp_outer"),
             **flat_state_options,
         )
         # a pipeline stage may hold no MoE layer: then no experts' state (its norm part is zero)
@@ -135,9 +143,10 @@ class ExpertSplitState(Parts):
                 experts,
                 counted,
                 sharding=sharding,
-                dp=edp,
-                dp_rank=mesh.coord("expert_dp"),
-                dp_group=mesh.group("expert_dp"),
+                dp=mesh.size("expert_dp_shard"),
+                dp_rank=mesh.coord("expert_dp_shard"),
+                dp_group=mesh.group("expert_dp_shard"),
+                replica_group=mesh.group("expert_dp_outer"),
                 **flat_state_options,
             )
             if tree.tree_leaves(experts)
@@ -196,8 +205,9 @@ class ExpertSplitState(Parts):
         overlap: bool = False,
         divisor: int | None = None,
     ) -> _SplitSync:
-        """group: the dense leaves' data-parallel group; the experts reduce over the mesh's
-        expert_dp group; both sums are divided by divisor (default: the data-parallel size), the
+        """group: the dense leaves' data-parallel group (within the instance); the experts reduce
+        over the mesh's expert_dp_shard group (expert_dp without hybrid sharding), then over the
+        instances; both sums are divided by divisor (default: the data-parallel size), the
         mean over dp of each leaf's tokens."""
         divisor = self.dp if divisor is None else divisor
         dense = self.dense.grad_sync(
@@ -210,7 +220,7 @@ class ExpertSplitState(Parts):
         if not self.experts:
             return dense
         experts = self.experts.grad_sync(
-            self.mesh.group("expert_dp"),
+            self.mesh.group("expert_dp_shard"),
             bucket_numel=bucket_numel,
             overlap=overlap,
             divisor=divisor,
@@ -231,7 +241,7 @@ class ExpertSplitState(Parts):
         decoupled_lr: float | None = None,
     ) -> torch.Tensor:
         experts = (
-            self.experts.norm_squared(mesh, ("expert_dp",) if self.zero else ())
+            self.experts.norm_squared(mesh, ("expert_dp_shard",) if self.zero else ())
             if self.experts
             else torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
         )
@@ -239,9 +249,10 @@ class ExpertSplitState(Parts):
         group = mesh.group("tp_ep_pp")
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (
-            self.dense.norm_squared(mesh, ("dp_cp", "mp") if self.zero else ("mp",)) + experts
+            self.dense.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",))
+            + experts
         ).sqrt()
-        groups = tuple(mesh.group(name) for name in ("dp_cp", "expert_dp"))
+        groups = tuple(mesh.group(name) for name in ("dp_cp_shard", "expert_dp_shard"))
         return step_parts(
             self.parts,
             groups,

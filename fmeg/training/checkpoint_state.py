@@ -122,7 +122,8 @@ def placement(
     parts = [partition_of(path, rules_) for rules_ in (moe.EP_RULES, gpt.TP_RULES)]
     if layout.experts_apart and is_expert(path):
         free = [axis for axis, name_ in (("expert_tp", "etp"), ("ep", "ep")) if name_ not in split]
-        whole, sliced = free + ["expert_dp"], free
+        # hybrid sharding's instances hold the same slices
+        whole, sliced = free + ["expert_dp"], free + ["expert_dp_outer"]
     else:
         free = [] if "tp" in split else ["tp"]
         # hybrid sharding's instances hold the same slices

@@ -290,9 +290,9 @@ BAD = [
             "--num-experts",
             "4",
             "--expert-model-parallel-size",
-            "2",
+            "4",
         ],
-        "--num-distributed-optimizer-instances 2: hybrid sharding with the experts laid out apart",
+        "--num-distributed-optimizer-instances 2 must divide the experts' data-parallel size 1",
     ),
     (
         {"WORLD_SIZE": "1"},

@@ -93,3 +93,23 @@ def test_owned_slices_hold_the_mean_over_every_rank(sharded):
         assert sum(n for _, n in outer_log) == 16 * 4, (rank, outer_log)
         # within the instance: each unit reduce-scattered
         assert [op for op, _ in inner_log] == ["reduce_scatter"] * 3
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(tp=2, ep=2, etp=1), dict(ep=2), dict(cp=2, ep=2), dict(ep=4, etp=1)]
+)
+def test_the_experts_instances_are_megatron_cores(monkeypatch, sizes):
+    """expert_dp_shard / expert_dp_outer are the groups megatron-core's own
+    create_hierarchical_groups makes of each expert data-parallel group (its intra- and
+    inter-partial expert data-parallel groups), its create_group standing in as the ranks."""
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    monkeypatch.setattr(ps, "create_group", lambda ranks, **_: list(ranks))
+    g = rank_groups(16, dp_outer=2, **sizes)
+    for ranks in g["expert_dp"]:
+        inner = len(ranks) // 2
+        for rank in ranks:
+            (intra, inter), _ = ps.create_hierarchical_groups(rank, ranks, [inner, 2])
+            assert intra in g["expert_dp_shard"] and rank in intra
+            assert inter in g["expert_dp_outer"] and rank in inter
+    # a grid whose expert data-parallel groups the instances do not divide has none
+    assert "expert_dp_shard" not in rank_groups(4, ep=4, dp_outer=2)

@@ -17,8 +17,9 @@ Zero-bubble schedules (a W action in the list): the backward is split. The forwa
 ops.weight_grads.deferrable() and B with deferring(): B computes the input gradient (sent at once)
 and the gradients of everything but the linears' weights (the experts' and the FP8 linears' too),
 whose products g.T @ x are kept; W computes them and adds the stage's weight gradients to the sum.
-The numbers are the same; B does about half the backward's matmuls and W the rest. Compiled segments run torch's own linears, whose
-backward B computes whole (W then only hands the gradients over).
+The numbers are the same; B does about half the backward's matmuls and W the rest. Compiled
+segments run torch's own linears, whose backward B computes whole (W then only hands the gradients
+over).
 """
 
 from __future__ import annotations
