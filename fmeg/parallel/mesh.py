@@ -149,9 +149,7 @@ def rank_groups(
     return groups
 
 
-def _hybrid_groups(
-    data: list[list[int]], instances: int, name: str
-) -> dict[str, list[list[int]]]:
+def _hybrid_groups(data: list[list[int]], instances: int, name: str) -> dict[str, list[list[int]]]:
     """Megatron's intra- and inter-instance groups of each data-parallel group: {name}_shard,
     consecutive ranks, and {name}_outer, the ranks an instance apart."""
     inner = len(data[0]) // instances

@@ -249,8 +249,7 @@ class ExpertSplitState(Parts):
         group = mesh.group("tp_ep_pp")
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (
-            self.dense.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",))
-            + experts
+            self.dense.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",)) + experts
         ).sqrt()
         groups = tuple(mesh.group(name) for name in ("dp_cp_shard", "expert_dp_shard"))
         return step_parts(
