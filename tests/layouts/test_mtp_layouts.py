@@ -2,9 +2,9 @@
 DeepSeek-V3-shaped model (MLA, sigmoid-routed experts with an expert bias after a dense first layer)
 with two MTP depths gives one rank's lm loss, "mtp_1 loss", "mtp_2 loss" and seq_load_balancing_loss
 within 1e-5 over 20 iterations at pp 2 with virtual stages (the depths on the last stage, with their
-copy of the untied word embedding), tp 2 with sp, ep 2, cp 2, dp 2 with the distributed optimizer,
-with packed documents and per-token losses; a checkpoint saved at one layout resumes at another on
-its curve."""
+copy of the untied word embedding; and in ZB-V's V, where that stage is on pipeline rank 0), tp 2
+with sp, ep 2, cp 2, dp 2 with the distributed optimizer, with packed documents and per-token
+losses; a checkpoint saved at one layout resumes at another on its curve."""
 
 import pytest
 
@@ -16,7 +16,17 @@ from harness import layouts
 MTP = [*MLA, *DROPOUT, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 KEYS = ("lm_loss", "mtp_1 loss", "mtp_2 loss", "seq_load_balancing_loss")
 LAYOUTS = layouts.rows(
-    ["pp2_virtual", "tp2_sp", "ep2", "cp2", "dp2_zero1", "pp2_tp2_sp", "tied_pp2"],
+    [
+        "pp2_virtual",
+        "tp2_sp",
+        "ep2",
+        "cp2",
+        "dp2_zero1",
+        "pp2_tp2_sp",
+        "tied_pp2",
+        # the depths on the last stage, which the V puts on pipeline rank 0
+        "pp2_zero_bubble_v",
+    ],
     fast=("pp2_virtual",),
 )
 
