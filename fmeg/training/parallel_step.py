@@ -10,6 +10,7 @@ what a single rank would hold.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -46,8 +47,16 @@ def shard_params(full: Any, config: gpt.GPTConfig, layout: Layout, mesh: Mesh) -
 
 
 def rank_schedule(layout: Layout, microbatches: int, pp_rank: int):
-    full = schedules.by_name(layout.schedule, layout.pp, microbatches, layout.chunks)
-    return schedules.with_communication(full)[pp_rank]
+    """This rank's actions, communication included (the same every iteration of a batch size)."""
+    return list(_full_schedule(layout.schedule, layout.pp, microbatches, layout.chunks)[pp_rank])
+
+
+@functools.lru_cache(maxsize=8)
+def _full_schedule(name: str, pp: int, microbatches: int, chunks: int) -> tuple:
+    # generated once: ZB-V's list scheduler and its simulation take a fraction of a second at
+    # hundreds of microbatches
+    full = schedules.with_communication(schedules.by_name(name, pp, microbatches, chunks))
+    return tuple(tuple(actions) for actions in full)
 
 
 def evaluate(

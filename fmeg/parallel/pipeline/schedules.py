@@ -133,10 +133,26 @@ def zero_bubble_v(pp: int, microbatches: int) -> Schedule:
     """ZB-V (Qi et al. 2024, section 6): two chunks per rank in a V (actions.v_shape), the backward
     split into B and W, placed by a unit-time list scheduler: a rank runs a ready B first (the
     later stage's when both are ready), then a ready F (the later stage's first) if its memory
-    allows, else its oldest pending W. A microbatch's first-chunk F reserves room for its
-    second-chunk activation too, and a rank holds at most 2 pp chunk activations (1F1B's peak: pp
-    microbatches of a whole rank's layers), freed at W."""
+    allows, else its oldest pending W. A rank holds at most 2 pp chunk activations (1F1B's peak:
+    pp microbatches of a whole rank's layers), freed at W. A microbatch's first-chunk F reserves
+    room for its second-chunk activation too (which cannot deadlock); reserving one unit less
+    often finds a shorter order within the same peak, so both are simulated (F = B = W) and the
+    shorter one within 2 pp activations is taken."""
+    from fmeg.parallel.pipeline.simulate import simulate
+
     _check(pp, microbatches)
+    safe = _zero_bubble_v_list(pp, microbatches, reserve=2)
+    bolder = _zero_bubble_v_list(pp, microbatches, reserve=1)
+    if bolder is None:
+        return safe
+    timelines = [simulate(s) for s in (safe, bolder)]
+    fits = max(timelines[1].peak_activations) <= 2 * pp
+    return bolder if fits and timelines[1].total < timelines[0].total else safe
+
+
+def _zero_bubble_v_list(pp: int, microbatches: int, reserve: int) -> Schedule | None:
+    """The list scheduler of zero_bubble_v, a first-chunk F admitted while the rank's held and
+    owed activations plus `reserve` fit in 2 pp; None if it stalls (reserve 1 can)."""
     stages = 2 * pp
     # (kind, stage, microbatch) -> the time slot after which it is done
     done: dict[tuple[str, int, int], int] = {}
@@ -156,22 +172,28 @@ def zero_bubble_v(pp: int, microbatches: int) -> Schedule:
             if b < count["F"][s] and finished(grad_in, t):
                 pending[r].append(Action(s, "W", b))
                 return Action(s, "B", b)
-        held = 2 * count["F"][first] - count["W"][first] - count["W"][second]
+        # held, and owed: the second-chunk activations of the microbatches past the first chunk
+        committed = 2 * count["F"][first] - count["W"][first] - count["W"][second]
         for s in (second, first):
             f = count["F"][s]
             x_in = s == 0 or finished(("F", s - 1, f), t)
-            if f < microbatches and x_in and (s == second or held + 2 <= stages):
+            if f < microbatches and x_in and (s == second or committed + reserve <= stages):
                 return Action(s, "F", f)
         return pending[r].pop(0) if pending[r] else None
 
     t = 0
     while any(len(a) < 6 * microbatches for a in schedule):
+        idle = True
         for r in range(pp):
             action = next_action(r, t)
             if action is not None:
+                idle = False
                 count[action.kind][action.stage] += 1
                 schedule[r].append(action)
                 done[(action.kind, action.stage, action.microbatch)] = t + 1
+        # nothing ran and nothing is under way: stalled
+        if idle and all(end <= t for end in done.values()):
+            return None
         t += 1
     return schedule
 
