@@ -23,6 +23,8 @@ class MatrixFlat:
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
     # whether the matrix step keeps a state per matrix at its home rank
     keeps_matrix_state: ClassVar[bool] = False
+    # the flat buffers the matrix leaves use (the scalar leaves use the scalar optimizer's kinds)
+    matrix_kinds: ClassVar[tuple[str, ...]] = ("mu",)
 
     def group(self, path: str, leaf: torch.Tensor) -> Any:
         if self.matrices.is_matrix(without_stage(path), leaf):

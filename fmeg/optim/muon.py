@@ -167,6 +167,11 @@ class MuonFlat(MatrixFlat):
         inner = getattr(self.scalar, "kinds", ("mu", "nu"))
         return ("mu", "nu") if self.settings.adaptive or "nu" in inner else ("mu",)
 
+    @property
+    def matrix_kinds(self) -> tuple[str, ...]:
+        """Muon's momentum; adaptive Muon's second moment too."""
+        return ("mu", "nu") if self.settings.adaptive else ("mu",)
+
     def prepare_(
         self, mu: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None
     ) -> torch.Tensor:

@@ -191,7 +191,10 @@ class ExpertSplitState(Parts):
         return state
 
     def _merged(self, dense: dict, experts: dict) -> dict:
-        # flat slices: the experts' under a name of their own
+        # flat slices (or the compact nu of the matrix optimizers): the experts' under a name of
+        # their own
+        if "compact" in dense:
+            return {"compact": dense["compact"], "expert_compact": experts["compact"]}
         if self.zero:
             return {"shard": dense["shard"], "expert_shard": experts["shard"]}
         return {s: merge(dense[s], experts[s]) for s in dense}

@@ -31,6 +31,7 @@ owned elements (the "slice"), its chunks in unit order:
     main     fp32 master weights      whole      slice           slice
         slice (absent in fp32)
     mu, nu   fp32 Adam moments        whole      slice           slice         slice
+             (nu of the matrix optimizers: the non-matrix leaves' elements only, one after another)
 
 state.params are views of the weights, or with optim_grads_params of per-unit buffers that
 ShardedParams fills inside state.use(). Persistent bytes per parameter at bf16: 18 (2 + 4 + 4 + 8),
@@ -184,9 +185,13 @@ class FlatState:
         self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device, dtype=moment_dtypes[0])
-        # SGD, Lion and Muon over Lion keep one buffer per parameter
-        self.nu = None
-        if "nu" in self.kinds:
+        # SGD, Lion and Muon over Lion keep one buffer per parameter; Muon's and SOAP's matrices
+        # need no second moment (adaptive Muon's do): nu then holds the other leaves' only, laid
+        # out once their pieces are known (_index_the_step)
+        self.nu, self._nu_runs, self._nu_dtype = None, None, moment_dtypes[1]
+        matrix_kinds = getattr(self.optimizer.flat, "matrix_kinds", ("mu", "nu"))
+        self._compact_nu = "nu" in self.kinds and "nu" not in matrix_kinds
+        if "nu" in self.kinds and not self._compact_nu:
             self.nu = torch.zeros(owned, device=device, dtype=moment_dtypes[1])
 
     def _index_the_step(self, params: dict[int, Any], counted: Callable, device: Any) -> None:
@@ -219,13 +224,35 @@ class FlatState:
         )
         self._has_matrices = bool(self._matrices.leaves)
         self._groups.pop("muon", None)
+        nu_at = self._lay_out_compact_nu(pieces, device) if self._compact_nu else None
         moments = (self.mu, self.nu if self.nu is not None else self.mu)
+
+        def view(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            if nu_at is not None and t is self.nu:
+                return t[nu_at[a] : nu_at[a] + b - a]
+            return t[a:b]
+
         # made once: the step slices nothing
         self._adam_views = {
-            group: [[t[a:b] for a, b in runs] for t in (master, owned_grad, *moments)]
+            group: [[view(t, a, b) for a, b in runs] for t in (master, owned_grad, *moments)]
             for group, runs in self._groups.items()
         }
         self._adam_steps = {group: [self._step] * len(runs) for group, runs in self._groups.items()}
+
+    def _lay_out_compact_nu(self, pieces: list, device: Any) -> dict[int, int]:
+        """nu for the leaves outside the matrix group only, their owned pieces one after another;
+        returns {owned start of a piece: its position in nu} (the scalar groups' runs start at
+        pieces and are contiguous in it) and sets the checkpoint runs."""
+        at, runs, size = {}, [], 0
+        for path, leaf, a, b, flat_start in pieces:
+            if self.optimizer.flat.group(path, leaf) == "muon":
+                continue
+            at[a] = size
+            runs.append((flat_start, flat_start + b - a, size))
+            size += b - a
+        self.nu = torch.zeros(size, device=device, dtype=self._nu_dtype)
+        self._nu_runs = runs
+        return at
 
     def _owned(self, buffer: torch.Tensor) -> Any:
         """This rank's owned elements of a buffer laid out whole (an OwnedView of it; with one unit
@@ -353,7 +380,11 @@ class FlatState:
         """{"adam": AdamState(count, mu, nu), "main"?: ...}: trees of views, or {"shard": slice}
         with ZeRO-1."""
         as_tree = (lambda t: {"shard": t}) if self.zero else self.flat.views
-        nu = None if self.nu is None else as_tree(self.nu)
+        if self._compact_nu:
+            # the matrix optimizers' nu: a flat buffer of the other leaves' moments only
+            nu = {"compact": self.nu}
+        else:
+            nu = None if self.nu is None else as_tree(self.nu)
         name = getattr(self.optimizer.flat, "name", "adam")
         state = {name: optim.AdamState(self.count, as_tree(self.mu), nu)}
         if self.main is not None:
@@ -421,7 +452,7 @@ class FlatState:
             "mu": (self.mu, owned),
         }
         if self.nu is not None:
-            out["nu"] = (self.nu, owned)
+            out["nu"] = (self.nu, self._nu_runs if self._compact_nu else owned)
         if self.main is not None:
             out["main"] = (self.main, owned)
         return out
@@ -510,7 +541,7 @@ class FlatState:
                 self.optimizer.flat,
                 self.master,
                 self.mu,
-                self.nu,
+                None if self._compact_nu else self.nu,
                 self._owned_grad,
                 grad_scale,
                 lr=lr,

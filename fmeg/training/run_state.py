@@ -103,8 +103,10 @@ def read_state(
     for p, part in enumerate(state.parts) if cfg.checkpoint.fully_parallel_load else ():
         group = REPLICA_GROUPS[p]
         n, r = mesh.size(group), mesh.coord(group)
-        for kind, (buffer, _) in part.buffers().items():
-            if n > 1 and kind in kinds and kind not in part.sliced_kinds:
+        for kind, (buffer, runs) in part.buffers().items():
+            # a buffer laid out as the whole flat buffer (not a compact nu)
+            whole = runs == [(0, buffer.numel(), 0)]
+            if n > 1 and kind in kinds and kind not in part.sliced_kinds and whole:
                 size = buffer.numel() // n
                 ranges[(p, kind)] = (r * size, (r + 1) * size)
                 gathers.append((buffer, r, size, mesh.group(group)))

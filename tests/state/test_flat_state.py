@@ -121,3 +121,37 @@ def test_both_states_implement_the_one_protocol_and_share_what_loops_over_parts(
     assert looped and not looped & set(vars(ExpertSplitState)), looped & set(vars(ExpertSplitState))
     _, state, _ = state_with_grads(1)
     assert isinstance(state, TrainingState)
+
+
+@pytest.mark.parametrize("sharding, dp", [("no_shard", 1), ("optim", 2)])
+@pytest.mark.parametrize("name", ["muon", "soap", "adaptive_muon"])
+def test_the_matrix_optimizers_keep_a_second_moment_for_the_other_leaves_only(name, sharding, dp):
+    """Muon's and SOAP's matrices take no second moment from the flat buffers (adaptive Muon's
+    do): nu holds the scalar optimizer's leaves' owned elements, 4 bytes per matrix element
+    fewer."""
+    from fmeg.config.optimizer_flags import OptimizerConfig
+    from fmeg.optim.muon import MuonSettings
+
+    c, layout = config(2), Layout(dp=dp, sharding=sharding)
+    mesh = Mesh.build(0, dp, lambda ranks: None)
+    params = shard_params(gpt.init(c, 0), c, layout, mesh)
+    adaptive = name == "adaptive_muon"
+    chosen = OptimizerConfig(
+        name="muon" if adaptive else name,
+        muon=MuonSettings(adaptive=(0.95, 1e-8) if adaptive else None),
+    )
+    state = init_state(params, c, layout, mesh, compute_dtype=torch.float32, optimizer=chosen)
+    adam = init_state(params, c, layout, mesh, compute_dtype=torch.float32)
+    group = state.optimizer.flat.group
+    pieces = state._owned_pieces(params)
+    matrix = sum(b - a for path, leaf, a, b, _ in pieces if group(path, leaf) == "muon")
+    assert matrix > 0.8 * state.size
+    if adaptive:
+        assert state.nu.numel() == state.size
+        return
+    assert state.nu.numel() == state.size - matrix
+    if name == "muon":  # SOAP keeps its factors and bases beside
+        assert adam.persistent_bytes() - state.persistent_bytes() == 4 * matrix
+    # the checkpoint's runs cover exactly the scalar leaves' owned elements
+    _, runs = state.buffers()["nu"]
+    assert sum(hi - lo for lo, hi, _ in runs) == state.nu.numel()
