@@ -140,13 +140,19 @@ def rank_groups(
             f"the distributed optimizer's instances ({dp_outer}) must divide dp x cp = {dp} x {cp}"
         )
     groups.update(_hybrid_groups(groups["dp_cp"], dp_outer, "dp_cp"))
-    # the experts' instances split expert_dp alike (megatron-core's intra- and inter-partial expert
-    # data-parallel groups); a grid they do not divide has none (the flags' check refuses it)
-    if expert_dp % dp_outer == 0:
-        groups.update(_hybrid_groups(groups["expert_dp"], dp_outer, "expert_dp"))
+    groups.update(_expert_hybrid_groups(groups["expert_dp"], dp_outer))
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in groups["pp"]]
     groups["position_embedding"] = [[g[0]] for g in groups["pp"]]
     return groups
+
+
+def _expert_hybrid_groups(expert_dp: list[list[int]], instances: int) -> dict:
+    """The experts' instances split expert_dp as the decoder's split dp_cp (megatron-core's intra-
+    and inter-partial expert data-parallel groups); a grid they do not divide has none (the flags'
+    check refuses it)."""
+    if len(expert_dp[0]) % instances:
+        return {}
+    return _hybrid_groups(expert_dp, instances, "expert_dp")
 
 
 def _hybrid_groups(data: list[list[int]], instances: int, name: str) -> dict[str, list[list[int]]]:

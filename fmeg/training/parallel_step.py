@@ -355,7 +355,6 @@ def train_iteration(
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
     loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)
-    loss = to_last_rank(loss, layout, mesh)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -473,7 +472,8 @@ def mean_gradients(
     per_token: bool,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """(the data-parallel loss, this rank's owned gradient slices in fp32) as the optimizer takes
-    them: unscaled, and with per-token losses divided by the global batch's tokens."""
+    them: unscaled, and with per-token losses divided by the global batch's tokens; the loss on the
+    last pipeline rank (to_last_rank)."""
     data_group = mesh.group("dp_cp")
     # each cp rank's loss is its tokens' share: summed over cp
     if data_group is not None and loss is not None:
@@ -489,4 +489,4 @@ def mean_gradients(
         loss = None if loss is None else loss * factor
     if loss_scale != 1.0:
         torch._foreach_div_(grads, loss_scale)
-    return loss, grads
+    return to_last_rank(loss, layout, mesh), grads

@@ -27,19 +27,11 @@ CONFIGS = {
         num_kv_heads=2,
         ffn_hidden_size=24,
     ),
-    # gated experts on every layer: the grouped GEMMs' weights are deferred too
-    "llama_experts": gpt.GPTConfig.llama(
-        vocab_size=48,
-        max_seq_len=8,
-        num_layers=2,
-        hidden_size=16,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=24,
-        num_experts=4,
-        moe_router_topk=2,
-    ),
 }
+
+
+# gated experts on every layer: the grouped GEMMs' weights are deferred too
+CONFIGS["llama_experts"] = CONFIGS["llama_gated"].replace(num_experts=4, moe_router_topk=2)
 
 
 def fp8_parallel(config, recipe):
