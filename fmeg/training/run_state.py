@@ -238,9 +238,10 @@ def _restore_megatron(
     cfg, session, found: Path, load: str
 ) -> tuple[FlatState, policies.Progress, list[str]]:
     """The weights of a Megatron-LM torch_dist checkpoint at this layout, with its iteration and
-    consumed samples, and, when it holds its distributed optimizer's state fully reshardable and
-    this run steps Adam, Adam's moments, fp32 master weights and step count (the schedules go on
-    from its iteration); otherwise the optimizer and schedules start fresh, as --no-load-optim."""
+    consumed samples, and, when it holds its distributed optimizer's state (fully or dp
+    reshardable) and this run steps Adam, Adam's moments, fp32 master weights and step count (the
+    schedules go on from its iteration); otherwise the optimizer and schedules start fresh, as
+    --no-load-optim."""
     ck = cfg.checkpoint
     with megatron.MegatronCheckpoint.open(found, cfg.model) as ckpt:
         ckpt.check(cfg.model)
@@ -255,19 +256,21 @@ def _restore_megatron(
             in_samples=cfg.training.schedules_in_samples,
             scaler=cfg.precision.scaler,
             path=f"{found}, {ckpt.describe()}",
+            # (without it the note is the fresh optimizer's)
+            layout_note=f"Adam's state at step {ckpt.optimizer_step()}, saved {ckpt.sharding()}",
         )
         state = new_state(cfg, session)
         read_state(ckpt, state, cfg, session.mesh, optimizer=optimizer, agree=session.first_problem)
+        why = ckpt.optimizer_unread()
     if not optimizer:
         state.fresh_optimizer()
     state.scaler = plan.scaler
     said = [plan.description]
     if wanted and not optimizer:
         said.append(
-            f"warning: --load {load}: the checkpoint holds no optimizer state fmeg reads (Megatron "
-            "writes it per parameter with --dist-ckpt-optim-fully-reshardable: resume it once in "
-            "Megatron-LM with that flag and --save to rewrite it so); the optimizer and the LR "
-            "schedule start fresh, as with --no-load-optim"
+            f"warning: --load {load}: {why} (Megatron-LM rewrites it per parameter when it "
+            "resumes once with --dist-ckpt-optim-fully-reshardable and --save); the optimizer and "
+            "the LR schedule start fresh, as with --no-load-optim"
         )
     return state, plan.progress, said
 

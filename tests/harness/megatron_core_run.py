@@ -12,11 +12,14 @@ torch.distributed.run):
         the same GPTModel saved as Megatron-LM saves --ckpt-format torch: each rank's
         state_dict_for_save_checkpoint() with the args and iteration, torch.save'd into
         ROOT/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt
-    train ROOT FAMILY TP PP EP ITERATIONS
+    train ROOT FAMILY TP PP EP ITERATIONS [SHARDINGS]
         its GPTModel trained ITERATIONS steps by megatron-core's DistributedDataParallel and
         distributed optimizer (Adam, fp32, lr 1e-3, clip 1.0, on batches(i)), saved as
-        Megatron-LM saves with --dist-ckpt-optim-fully-reshardable; the losses to ROOT/losses.json
-    continue DIR FAMILY ITERATIONS OUT
+        Megatron-LM saves, the optimizer's state laid out fully_reshardable (as with
+        --dist-ckpt-optim-fully-reshardable; the default here) or dp_reshardable (Megatron-LM's
+        default), or both ("fully_reshardable,dp_reshardable": ROOT/<sharding>/iter_NNNNNNN);
+        the losses to ROOT/losses.json
+    continue DIR FAMILY ITERATIONS OUT [SHARDING]
         one rank: model and optimizer loaded from DIR by megatron-core, each parameter's Adam state
         ({key: tensor} of optimizer.state.*) and the steps written to OUT (its steps taken before
         the ITERATIONS more on the batches after DIR's iteration, whose losses OUT holds too)
@@ -340,40 +343,54 @@ def step(ddp, optimizer, i: int) -> float:
     return loss.item()
 
 
-def sharded(m, optimizer, is_loading: bool = False) -> dict:
-    """The checkpoint's state dict as Megatron-LM's save (and load) builds it (unwrapped model)."""
+def sharded(m, optimizer, is_loading: bool = False, sharding: str = "fully_reshardable") -> dict:
+    """The checkpoint's state dict as Megatron-LM's save (and load) builds it (unwrapped model),
+    the distributed optimizer's state laid out as `sharding` says (fully_reshardable as with
+    --dist-ckpt-optim-fully-reshardable, dp_reshardable as by default)."""
     model_sd = m.sharded_state_dict()
     state = {"model": model_sd}
     state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
     )
     return state
 
 
-def train(root: str, family: str, tp: int, pp: int, ep: int, iterations: int) -> None:
+def train(
+    root: str, family: str, tp: int, pp: int, ep: int, iterations: int, shardings: str
+) -> None:
+    """Train `iterations` steps and save as Megatron-LM does, the optimizer's state laid out as
+    each of the comma-separated `shardings` says: one in ROOT, several in ROOT/<sharding> each."""
     from megatron.core import dist_checkpointing
 
     m, ddp, optimizer = trainer(family, tp, pp, ep)
     losses = [step(ddp, optimizer, i) for i in range(iterations)]
-    directory = os.path.join(root, f"iter_{iterations:07d}")
-    os.makedirs(directory, exist_ok=True)
-    state = sharded(m, optimizer)
-    state.update(
-        args=megatron_args(family, tp, pp, ep, iterations),
-        checkpoint_version=3.0,
-        iteration=iterations,
-        num_floating_point_operations_so_far=0,
-    )
-    dist_checkpointing.save(state, directory)
-    dist.barrier()
+    names = shardings.split(",")
+    for sharding in names:
+        top = root if len(names) == 1 else os.path.join(root, sharding)
+        directory = os.path.join(top, f"iter_{iterations:07d}")
+        os.makedirs(directory, exist_ok=True)
+        state = sharded(m, optimizer, sharding=sharding)
+        state.update(
+            args=megatron_args(family, tp, pp, ep, iterations),
+            checkpoint_version=3.0,
+            iteration=iterations,
+            num_floating_point_operations_so_far=0,
+        )
+        # what Megatron-LM's save_checkpoint records beside it
+        content = {"distrib_optim_sharding_type": sharding}
+        dist_checkpointing.save(state, directory, content_metadata=content)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(top, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iterations))
     if dist.get_rank() == 0:
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(iterations))
         with open(os.path.join(root, "losses.json"), "w") as f:
             json.dump(losses, f)
 
 
-def continue_(directory: str, family: str, iterations: str, out: str) -> None:
+def continue_(
+    directory: str, family: str, iterations: str, out: str, sharding: str = "fully_reshardable"
+) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -389,7 +406,7 @@ def continue_(directory: str, family: str, iterations: str, out: str) -> None:
                     "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p),
                 }
-    loaded = dist_checkpointing.load(sharded(m, optimizer, is_loading=True), directory)
+    loaded = dist_checkpointing.load(sharded(m, optimizer, True, sharding), directory)
     m.load_state_dict(loaded["model"], strict=False)
     optimizer.load_state_dict(loaded["optimizer"])
     # without Apex or TE its load gives every parameter the same step tensor, which torch's Adam
@@ -431,8 +448,9 @@ def main() -> None:
         root, family, tp, pp, iteration = rest
         save_legacy(root, family, int(tp), int(pp), int(iteration))
     elif mode == "train":
-        root, family, tp, pp, ep, iterations = rest
-        train(root, family, int(tp), int(pp), int(ep), int(iterations))
+        root, family, tp, pp, ep, iterations, *sharding = rest
+        sharding = sharding[0] if sharding else "fully_reshardable"
+        train(root, family, int(tp), int(pp), int(ep), int(iterations), sharding)
     elif mode == "continue":
         continue_(*rest)
     else:

@@ -105,7 +105,10 @@ torch.Tensor.type = _typed
 
 def _without_step(set_states):
     """megatron-core without Apex or TE keeps torch's per-parameter "step" in Adam's state, which
-    its fully reshardable load does not hold (the param groups carry it): leave it as it is."""
+    its fully reshardable load does not hold (the param groups carry it): leave it as it is. Its
+    dp_reshardable load copies into fp32 parameters' shards (views of leaves that require grad)
+    outside no_grad, which autograd refuses: the copy runs under no_grad, as its fully reshardable
+    load's does."""
 
     @functools.wraps(set_states)
     def inner(self, model_param, tensors):
@@ -114,7 +117,8 @@ def _without_step(set_states):
         state = self.optimizer.state[main_param]
         step = state.pop("step", None)
         try:
-            set_states(self, model_param, tensors)
+            with torch.no_grad():
+                set_states(self, model_param, tensors)
         finally:
             if step is not None:
                 state["step"] = step

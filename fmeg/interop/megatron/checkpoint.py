@@ -32,7 +32,7 @@ import torch
 from fmeg import tree
 from fmeg.checkpoint import CheckpointError, Request
 from fmeg.checkpoint.boxes import Box
-from fmeg.interop.megatron import gpt_keys, legacy, model_args
+from fmeg.interop.megatron import bucket_state, gpt_keys, legacy, model_args
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
 from fmeg.interop.megatron.torch_dist import TorchDistDir
 
@@ -44,6 +44,19 @@ OPTIMIZER_KEYS = {
     "nu": "optimizer.state.exp_avg_sq.",
     "main": "optimizer.state.param.",
 }
+
+
+# the first model-parallel rank's distributed optimizer (its param groups) when dp_reshardable
+_OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+
+
+def _param_groups(saved: Any) -> list | None:
+    """The param groups of a saved distributed optimizer's state (a chained optimizer's list of
+    them: the first's)."""
+    for state in saved if isinstance(saved, list) else [saved]:
+        if isinstance(state, dict) and isinstance(state.get("param_groups"), list):
+            return state["param_groups"]
+    return None
 
 
 def is_torch_dist(path: Path) -> bool:
@@ -88,6 +101,10 @@ class MegatronCheckpoint:
     def __init__(self, path: Path, dist: TorchDistDir, common: dict, config: Any):
         self.path, self.dist, self.common, self.config = path, dist, common, config
         self.args = common.get("args")
+        # why a dp_reshardable optimizer state could not be placed, once tried
+        self.unplaced: str | None = None
+        # what was read of the saved optimizer's objects
+        self._saved: dict[str, Any] = {}
         self.shapes = {p: tuple(t.shape) for p, t in tree.items(_meta_init(config))}
         arg = lambda name, default=0: getattr(self.args, name, default) or default  # noqa: E731
         self.meta = {
@@ -151,22 +168,66 @@ class MegatronCheckpoint:
         if name == "adam/count":
             return self.optimizer_step() is not None
         src = self._source(name)
+        if src is not None and not name.startswith("params/"):
+            self._decode_buckets()
         return src is not None and any(self.dist.has(k) for k in src.keys)
 
     def dtype(self, name: str) -> torch.dtype:
         src = self._source(name)
         return next(self.dist.dtype(k) for k in src.keys if self.dist.has(k))
 
+    def sharding(self) -> str | None:
+        """How the distributed optimizer's state is laid out (fully_reshardable, dp_reshardable,
+        ...), as the save recorded it, or None."""
+        content = self.common.get("content_metadata") or {}
+        saved = content.get("distrib_optim_sharding_type") if isinstance(content, dict) else None
+        optimizer = self.common.get("optimizer")
+        if saved is None and isinstance(optimizer, dict):
+            saved = optimizer.get("param_state_sharding_type")
+        return saved if isinstance(saved, str) else None
+
     def optimizer_step(self) -> int | None:
-        """The distributed optimizer's step (its param groups' in common.pt), or None."""
+        """The distributed optimizer's step (its param groups': in common.pt, or in the first
+        model-parallel rank's saved object when dp_reshardable), or None."""
         groups = (self.common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+        if groups is None and self.sharding() == "dp_reshardable":
+            if "groups" not in self._saved:
+                self._saved["groups"] = _param_groups(self.dist.read_object(_OPTIMIZER_OBJECT))
+            groups = self._saved["groups"]
         steps = [g.get("step") for g in groups or () if isinstance(g, dict)]
         steps = [int(s) for s in steps if s is not None]
         return max(steps) if steps else None
 
     def holds_optimizer_state(self) -> bool:
-        """Whether the checkpoint holds the moments fmeg reads (saved fully reshardable)."""
+        """Whether the checkpoint holds the moments fmeg reads (saved fully or dp reshardable;
+        optimizer_unread() says why not)."""
         return self.optimizer_step() is not None and self.has("mu/final_norm.weight")
+
+    def optimizer_unread(self) -> str:
+        """Why the checkpoint's optimizer state is not read, in a few words."""
+        if self.unplaced is not None:
+            return f"the checkpoint's dp_reshardable optimizer state is not placed: {self.unplaced}"
+        if self.sharding() in (None, "fully_reshardable", "dp_reshardable"):
+            return "the checkpoint holds no optimizer state fmeg reads"
+        return (
+            f"the checkpoint's optimizer state is saved {self.sharding()}, which fmeg does not read"
+        )
+
+    def _decode_buckets(self) -> None:
+        """Answer the optimizer's keys from dp_reshardable buckets, once (unplaced says why
+        not)."""
+        if self.sharding() != "dp_reshardable" or self.unplaced is not None:
+            return
+        if isinstance(self.dist, bucket_state.BucketState):
+            return
+        try:
+            self.dist = bucket_state.BucketState.decode(
+                self.dist, self.args, self.config.activation == "swiglu"
+            )
+        except bucket_state.Unplaced as e:
+            self.unplaced = str(e)
+        except MegatronCheckpointError as e:
+            raise CheckpointError(str(e)) from None
 
     @property
     def bytes_read(self) -> int:

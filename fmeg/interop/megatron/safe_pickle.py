@@ -229,13 +229,37 @@ def read_common(path: Path) -> dict:
         raise MegatronCheckpointError(
             f"{path}: missing; a Megatron torch_dist iteration holds its args and iteration there"
         )
+    common = _unpickled(path, path)
+    if not isinstance(common, dict):
+        raise MegatronCheckpointError(
+            f"{path}: holds a {type(common).__name__}, not Megatron's common state dict"
+        )
+    common = {key: _namespace(value) for key, value in common.items()}
+    args = common.get("args")
+    if args is not None and not isinstance(args, argparse.Namespace):
+        raise MegatronCheckpointError(
+            f"{path}: its args are {args!r:.80}, not Megatron's argument Namespace; nothing was "
+            "run (a damaged or crafted file)"
+        )
+    return common
+
+
+def read_object(raw: bytes, where: str) -> Any:
+    """A torch.save'd object in a distributed checkpoint (Megatron's ShardedObject: its distributed
+    optimizer's param groups, its buckets' sizes), read as common.pt is: every class inert."""
+    return _unpickled(io.BytesIO(raw), where)
+
+
+def _unpickled(source: Any, where: Any) -> Any:
+    """The object a torch.save archive (a path or a file object) holds, through the inert
+    unpickler; a MegatronCheckpointError naming `where` when it does not load."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source) as archive:
             data, storage = _archive_reader(archive)
-            common = _CommonUnpickler(io.BytesIO(data), storage).load()
+            return _CommonUnpickler(io.BytesIO(data), storage).load()
     except pickle.UnpicklingError as e:
         raise MegatronCheckpointError(
-            f"{path}: refused, it {e}; nothing was run (a damaged or crafted file)"
+            f"{where}: refused, it {e}; nothing was run (a damaged or crafted file)"
         )
     except (
         OSError,
@@ -251,20 +275,8 @@ def read_common(path: Path) -> dict:
         MemoryError,
     ) as e:
         raise MegatronCheckpointError(
-            f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is damaged"
+            f"{where}: unreadable ({type(e).__name__}: {str(e)[:200]}); the file is damaged"
         )
-    if not isinstance(common, dict):
-        raise MegatronCheckpointError(
-            f"{path}: holds a {type(common).__name__}, not Megatron's common state dict"
-        )
-    common = {key: _namespace(value) for key, value in common.items()}
-    args = common.get("args")
-    if args is not None and not isinstance(args, argparse.Namespace):
-        raise MegatronCheckpointError(
-            f"{path}: its args are {args!r:.80}, not Megatron's argument Namespace; nothing was "
-            "run (a damaged or crafted file)"
-        )
-    return common
 
 
 _STORAGE_DTYPES = {

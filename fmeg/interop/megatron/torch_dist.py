@@ -24,6 +24,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from fmeg.checkpoint.boxes import Box
 from fmeg.interop.megatron.safe_pickle import (
     MegatronCheckpointError,
     read_dcp_metadata,
+    read_object,
     saved_tensor,
 )
 
@@ -49,9 +51,13 @@ class TorchDistDir:
         self.path = Path(path)
         metadata = read_dcp_metadata(self.path / ".metadata")
         where = {}
+        # Megatron's ShardedObjects (torch.save'd bytes): "<key>/shard_<offset>_<count>"
+        self.objects: dict[str, Any] = {}
         for index, info in metadata.storage_data.items():
             if index.offset is not None:
                 where[(index.fqn, tuple(index.offset))] = info
+            else:
+                self.objects[index.fqn] = info
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self.chunks: dict[str, list[Chunk]] = {}
         for key, md in metadata.state_dict_metadata.items():
@@ -88,6 +94,15 @@ class TorchDistDir:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key][1]
+
+    def read_object(self, key: str) -> Any:
+        """A ShardedObject's value (through the inert unpickler), or None where none is saved."""
+        info = self.objects.get(key)
+        if info is None:
+            return None
+        chunk = Chunk(key, Box((0,), (info.length,)), info.relative_path, info.offset, info.length)
+        raw = self._pread(chunk, info.length, info.offset)
+        return read_object(raw, f"{self.path / info.relative_path} ({key})")
 
     def covers(self, key: str, box: Box) -> bool:
         """Whether the saved chunks of key hold all of box (a sparse stacked tensor: MoE and dense

@@ -1,10 +1,10 @@
 """Megatron-LM's distributed-optimizer state in: a run of megatron-core itself (its GPTModel,
 DistributedDataParallel and DistributedOptimizer on CPU with gloo, at dp 2: tests/harness/
-megatron_core_run.py train), saved as Megatron-LM saves with --dist-ckpt-optim-fully-reshardable,
-loads into fmeg with Adam's moments, fp32 master weights and step, bitwise as megatron-core's own
-load restores them, and fmeg's continuation at tp 1 and at tp 2 gives megatron-core's own
-continuation's losses within 1e-5. Without that state (Megatron's default dp_reshardable layout)
-the optimizer starts fresh, as with --no-load-optim, and says so."""
+megatron_core_run.py train), saved as Megatron-LM saves by default (dp_reshardable: flat buckets)
+and with --dist-ckpt-optim-fully-reshardable, loads into fmeg with Adam's moments, fp32 master
+weights and step, bitwise as megatron-core's own load restores them, and fmeg's continuation at
+tp 1 and at tp 2 gives megatron-core's own continuation's losses within 1e-5. A tp 2 x dp 2 run
+of the gated, untied llama saved both ways reads the same state from both."""
 
 import sys
 
@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("megatron.core.dist_checkpointing")
 
 from fmeg import tree  # noqa: E402
-from fmeg.interop.megatron import MegatronCheckpoint, gpt_keys  # noqa: E402
+from fmeg.interop.megatron import MegatronCheckpoint, bucket_state, gpt_keys  # noqa: E402
 from fmeg.models import gpt  # noqa: E402
 from fmeg.parallel.layout import Layout  # noqa: E402
 from fmeg.parallel.mesh import Mesh  # noqa: E402
@@ -53,8 +53,8 @@ CONFIG = gpt.GPTConfig(
 class RunConfig:
     """What read_state reads of a RunConfig."""
 
-    def __init__(self, layout):
-        self.model, self.layout = CONFIG, layout
+    def __init__(self, layout, config=CONFIG):
+        self.model, self.layout = config, layout
         self.checkpoint = type("C", (), {"fully_parallel_load": False})()
 
 
@@ -64,22 +64,23 @@ def torchrun(nproc: int, *args: str) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
 
-@pytest.fixture(scope="module")
-def megatron(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dp_reshardable", "fully_reshardable"])
+def megatron(tmp_path_factory, request):
     """(the checkpoint's directory, megatron-core's own state after loading it, its losses of
-    the MORE iterations after it)."""
+    the MORE iterations after it), the optimizer's state saved as request.param lays it out."""
     root = tmp_path_factory.mktemp("megatron")
-    torchrun(2, "train", str(root / "ck"), "gpt2", "1", "1", "1", str(SAVED_AT))
+    torchrun(2, "train", str(root / "ck"), "gpt2", "1", "1", "1", str(SAVED_AT), request.param)
     directory = root / "ck" / f"iter_{SAVED_AT:07d}"
     out = root / "continued.pt"
-    torchrun(1, "continue", str(directory), "gpt2", str(MORE), str(out))
+    torchrun(1, "continue", str(directory), "gpt2", str(MORE), str(out), request.param)
     return directory, torch.load(out, weights_only=True)
 
 
-def loaded(mesh, layout, directory):
-    state = init_state(local_shapes(CONFIG, layout, mesh), CONFIG, layout, mesh, device="cpu")
-    with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
-        read_state(ckpt, state, RunConfig(layout), mesh, optimizer=True)
+def loaded(mesh, layout, directory, config=CONFIG):
+    state = init_state(local_shapes(config, layout, mesh), config, layout, mesh, device="cpu")
+    with MegatronCheckpoint.open(directory, config) as ckpt:
+        assert ckpt.holds_optimizer_state(), ckpt.optimizer_unread()
+        read_state(ckpt, state, RunConfig(layout, config), mesh, optimizer=True)
     return state
 
 
@@ -127,6 +128,81 @@ def test_fmeg_continues_as_megatron_core_continues(megatron, tp):
     assert len(got) == len(want) == MORE
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def test_the_runner_resumes_megatrons_adam_state(megatron, tmp_path):
+    """`--load` of Megatron's directory under recipes.gpt_pretrain, its flags those of the run:
+    Adam's state is taken (the start line says from which layout), no warning."""
+    directory, _ = megatron
+    flags = [*GPT2_FLAGS, "--vocab-size", "128", "--train-iters", str(SAVED_AT + 1)]
+    run = run_group(
+        [sys.executable, "-m", "recipes.gpt_pretrain", *flags, "--load", str(directory.parent)]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = "dp_reshardable" if "dp_reshardable" in _sharding(directory) else "fully_reshardable"
+    assert f"Adam's state at step {SAVED_AT}, saved {saved})" in run.stdout, run.stdout[-2000:]
+    assert "warning" not in run.stdout + run.stderr.replace("UserWarning", "")
+
+
+def _sharding(directory) -> str:
+    with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
+        return ckpt.sharding()
+
+
+def test_buckets_that_cannot_be_placed_are_named(megatron, monkeypatch):
+    """A dp_reshardable state whose parameters are not placed (a model this reader does not lay
+    out, or an order the buckets do not hold) is not read, and says why in a few words."""
+    directory, _ = megatron
+    if _sharding(directory) != "dp_reshardable":
+        pytest.skip("the per-parameter state needs no placing")
+    with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
+        ckpt.args.mtp_num_layers = 1
+        assert not ckpt.holds_optimizer_state()
+        assert "not placed: its model uses --mtp-num-layers" in ckpt.optimizer_unread()
+    for name, order in bucket_state.LAYER_ORDERS.items():
+        monkeypatch.setitem(bucket_state.LAYER_ORDERS, name, order[::-1])
+    with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
+        assert not ckpt.holds_optimizer_state()
+        assert "match neither the transformer_engine nor the local layer spec's" in (
+            ckpt.optimizer_unread()
+        )
+
+
+# the harness's llama: gated MLP, RMSNorm, untied output, no biases
+LLAMA = CONFIG.replace(
+    num_layers=4,
+    num_kv_heads=2,
+    ffn_hidden_size=96,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+    rope_theta=10000.0,
+)
+
+
+@pytest.mark.slow  # 40 s: megatron-core trains on 4 ranks and saves twice
+def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path):
+    """megatron-core's llama at tp 2 x dp 2 saved dp_reshardable (two model-parallel ranks'
+    buckets, each gated fc1 [gate_r; up_r]) and fully_reshardable from the same state: fmeg reads
+    every box of mu, nu and the master weights the same from both, at tp 1 and at tp 2."""
+    shardings = ("dp_reshardable", "fully_reshardable")
+    torchrun(4, "train", str(tmp_path), "llama", "2", "1", "1", str(SAVED_AT), ",".join(shardings))
+    for layout, world in ((Layout(), 1), (Layout(tp=2), 2)):
+
+        def read_both(mesh, layout):
+            return [
+                loaded(mesh, layout, tmp_path / s / f"iter_{SAVED_AT:07d}", LLAMA)
+                for s in shardings
+            ]
+
+        for buckets, whole in run_threads(world, read_both, layout, tp=layout.tp):
+            assert int(buckets.count) == int(whole.count) == SAVED_AT
+            # the flat buffers: every leaf's moments and weights (fp32: the master)
+            for kind in ("mu", "nu", "weights"):
+                a, b = getattr(buckets, kind), getattr(whole, kind)
+                assert a.abs().sum() > 0 and torch.equal(a, b), (layout, kind)
 
 
 GPT2_FLAGS = [
