@@ -17,7 +17,8 @@ torch.distributed.run):
         distributed optimizer (Adam, fp32, lr 1e-3, clip 1.0, on batches(i)), saved as
         Megatron-LM saves, the optimizer's state laid out fully_reshardable (as with
         --dist-ckpt-optim-fully-reshardable; the default here) or dp_reshardable (Megatron-LM's
-        default), or both ("fully_reshardable,dp_reshardable": ROOT/<sharding>/iter_NNNNNNN);
+        default), legacy (--ckpt-format torch, with distrib_optim.pt), or several
+        ("fully_reshardable,dp_reshardable": ROOT/<sharding>/iter_NNNNNNN each);
         the losses to ROOT/losses.json
     continue DIR FAMILY ITERATIONS OUT [SHARDING]
         one rank: model and optimizer loaded from DIR by megatron-core, each parameter's Adam state
@@ -232,6 +233,8 @@ def megatron_args(family: str, tp: int, pp: int, ep: int, iteration: int) -> arg
     # the tests' ranks: ep is data parallel
     args.expert_model_parallel_size, args.world_size = (ep, tp * pp * ep)
     args.data_parallel_size = ep
+    if os.environ.get("BUCKET_SIZE"):
+        args.overlap_grad_reduce, args.ddp_bucket_size = True, int(os.environ["BUCKET_SIZE"])
     args.consumed_train_samples, args.consumed_valid_samples, args.iteration = (
         iteration * 8,
         0,
@@ -319,9 +322,13 @@ def trainer(family: str, tp: int, pp: int, ep: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     m = model(family, tp, pp, ep).train()
-    ddp = DistributedDataParallel(
-        m.config, DistributedDataParallelConfig(use_distributed_optimizer=True), m
+    # BUCKET_SIZE=N: gradients reduced in buckets of N elements as they are ready
+    # (--overlap-grad-reduce --ddp-bucket-size N)
+    bucket = int(os.environ.get("BUCKET_SIZE", 0)) or None
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None, bucket_size=bucket
     )
+    ddp = DistributedDataParallel(m.config, ddp_config, m)
     config = OptimizerConfig(
         optimizer="adam", lr=LR, min_lr=LR, use_distributed_optimizer=True, clip_grad=1.0
     )
@@ -369,6 +376,12 @@ def train(
         top = root if len(names) == 1 else os.path.join(root, sharding)
         directory = os.path.join(top, f"iter_{iterations:07d}")
         os.makedirs(directory, exist_ok=True)
+        if sharding == "legacy":
+            _save_trained_legacy(directory, m, optimizer, family, tp, pp, iterations)
+            if dist.get_rank() == 0:
+                with open(os.path.join(top, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(iterations))
+            continue
         state = sharded(m, optimizer, sharding=sharding)
         state.update(
             args=megatron_args(family, tp, pp, ep, iterations),
@@ -386,6 +399,30 @@ def train(
     if dist.get_rank() == 0:
         with open(os.path.join(root, "losses.json"), "w") as f:
             json.dump(losses, f)
+
+
+def _save_trained_legacy(directory, m, optimizer, family, tp, pp, iterations) -> None:
+    """As Megatron-LM's --ckpt-format torch saves a distributed-optimizer run: each model-parallel
+    rank's model_optim_rng.pt (its model, the optimizer's state dict, args, iteration) written by
+    data-parallel rank 0, and beside it distrib_optim.pt, the parameter state gathered there."""
+    from megatron.core import parallel_state
+
+    t = parallel_state.get_tensor_model_parallel_rank()
+    p = parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+    os.makedirs(os.path.join(directory, name), exist_ok=True)
+    first = parallel_state.get_data_parallel_rank() == 0
+    state = {
+        "model": m.state_dict_for_save_checkpoint(),
+        "optimizer": optimizer.state_dict(),
+        "args": megatron_args(family, tp, pp, 1, iterations),
+        "checkpoint_version": 3.0,
+        "iteration": iterations,
+    }
+    if first:
+        torch.save(state, os.path.join(directory, name, "model_optim_rng.pt"))
+    optimizer.save_parameter_state(os.path.join(directory, name, "distrib_optim.pt"))
+    dist.barrier()
 
 
 def continue_(

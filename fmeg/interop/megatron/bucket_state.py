@@ -93,6 +93,8 @@ class Param:
 
     key: str
     boxes: tuple[Box, ...]
+    # a tied embedding's copy at either end of a pipeline: a bucket of its own
+    shared: bool = False
 
     @property
     def numel(self) -> int:
@@ -109,7 +111,9 @@ class BucketState:
     @classmethod
     def decode(cls, dist: Any, args: Any, gated: bool) -> "BucketState":
         """Place every bucket's parameters (Unplaced where they cannot be)."""
-        buckets = _buckets(dist)
+        # a legacy directory's distrib_optim.pt files: one stream per buffer, buckets unmarked
+        streams = getattr(dist, "streams", None)
+        buckets = streams if streams is not None else _buckets(dist)
         if not buckets:
             raise Unplaced("it holds no distributed-optimizer buckets")
         set_flags = [f for f in _UNPLACED_FLAGS if getattr(args, f, None)]
@@ -128,7 +132,11 @@ class BucketState:
             tried = []
             for name in orders:
                 params = rank_params(dist, args, LAYER_ORDERS[name], t, p, chunk, gated)
-                placed = _placed(params, sizes)
+                placed = (
+                    _streamed(params, *sizes, _bucket_size(args))
+                    if streams is not None
+                    else _placed(params, sizes)
+                )
                 if placed is not None and _agrees(dist, placed):
                     break
                 tried.append(name)
@@ -260,6 +268,9 @@ def rank_params(
     params = []
     if first:
         params += [held(names, split, None) for names, split in _PRE]
+        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+        if tied and pp > 1 and params[0] is not None:
+            params[0] = Param(params[0].key, params[0].boxes, shared=True)
     for layer in _layers(args, p, chunk):
         params += [held(names, split, layer) for names, split in order]
     if last:
@@ -270,7 +281,7 @@ def rank_params(
         elif pp > 1:
             # the last stage's copy of a tied embedding: a parameter of its own there
             embedding = held((_EMBEDDING,), 0, None)
-            params.append(embedding and Param(_OUTPUT, embedding.boxes))
+            params.append(embedding and Param(_OUTPUT, embedding.boxes, shared=True))
     return [x for x in params if x is not None]
 
 
@@ -320,6 +331,36 @@ def _placed(params: list[Param], sizes: list[tuple[str, int]]) -> list | None:
     if bucket != len(sizes) - 1 or cursor != sizes[bucket][1]:
         return None
     return out
+
+
+def _bucket_size(args: Any) -> int | None:
+    """The elements at which megatron-core's DDP closes a bucket, as Megatron-LM configures it
+    (none without --overlap-grad-reduce)."""
+    if not getattr(args, "overlap_grad_reduce", False):
+        return None
+    if getattr(args, "ddp_bucket_size", None):
+        return int(args.ddp_bucket_size)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def _streamed(params: list[Param], prefix: str, total: int, bucket_size: int | None) -> list | None:
+    """As _placed, for the buckets of one buffer concatenated without their padding (a legacy
+    distrib_optim.pt): they close where megatron-core's DDP closes them, at `bucket_size`
+    elements and around a tied embedding's copy."""
+    out, offset, cursor, count = [], 0, 0, 0
+    for param in reversed(params):
+        start = -(-cursor // 64) * 64
+        if param.shared and count:
+            offset, start, count = offset + start, 0, 0
+        at = offset + start
+        for box in param.boxes:
+            out.append((param.key, Piece(box, prefix, at)))
+            at += box.numel
+        cursor, count = start + param.numel, count + 1
+        if param.shared or (bucket_size is not None and cursor >= bucket_size):
+            offset, cursor, count = offset + cursor, 0, 0
+    return out if offset + cursor == total else None
 
 
 def _agrees(dist: Any, placed: list[tuple[str, Piece]]) -> bool:

@@ -13,9 +13,10 @@ It answers the calls fmeg's resume makes of fmeg.checkpoint.Checkpoint (path, me
 read, bytes_read): the model's weights are "params/<fmeg path>", found through gpt_keys; the
 iteration and the consumed samples come from common.pt. The distributed optimizer's state saved
 fully reshardable (--dist-ckpt-optim-fully-reshardable: each parameter's Adam moments and fp32
-master as tensors of the parameter's global shape) is "mu/", "nu/" and "main/<fmeg path>", its
-step "adam/count" (common.pt's param groups); has() says whether the checkpoint holds it. A
-vocabulary table's rows past
+master as tensors of the parameter's global shape), or in flat buckets (Megatron's default
+dp_reshardable; a legacy directory's distrib_optim.pt) placed by bucket_state, is "mu/", "nu/"
+and "main/<fmeg path>", its step "adam/count" (the saved param groups); has() says whether the
+checkpoint holds it. A vocabulary table's rows past
 the vocabulary are padding, zeros as fmeg keeps them, whatever rows Megatron padded it to (it pads
 for its tp) and whatever they held.
 """
@@ -46,6 +47,8 @@ OPTIMIZER_KEYS = {
 }
 
 
+# the layouts of the distributed optimizer's state whose parameters bucket_state places
+BUCKETED = ("dp_reshardable", "distrib_optim.pt")
 # the first model-parallel rank's distributed optimizer (its param groups) when dp_reshardable
 _OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 
@@ -179,6 +182,9 @@ class MegatronCheckpoint:
     def sharding(self) -> str | None:
         """How the distributed optimizer's state is laid out (fully_reshardable, dp_reshardable,
         ...), as the save recorded it, or None."""
+        if getattr(self.dist, "streams", None):
+            # a legacy directory's distributed optimizer, gathered beside each rank's file
+            return "distrib_optim.pt"
         content = self.common.get("content_metadata") or {}
         saved = content.get("distrib_optim_sharding_type") if isinstance(content, dict) else None
         optimizer = self.common.get("optimizer")
@@ -206,8 +212,11 @@ class MegatronCheckpoint:
     def optimizer_unread(self) -> str:
         """Why the checkpoint's optimizer state is not read, in a few words."""
         if self.unplaced is not None:
-            return f"the checkpoint's dp_reshardable optimizer state is not placed: {self.unplaced}"
-        if self.sharding() in (None, "fully_reshardable", "dp_reshardable"):
+            return (
+                f"the checkpoint's optimizer state ({self.sharding()}) is not placed: "
+                f"{self.unplaced}"
+            )
+        if self.sharding() in (None, "fully_reshardable", *BUCKETED):
             return "the checkpoint holds no optimizer state fmeg reads"
         return (
             f"the checkpoint's optimizer state is saved {self.sharding()}, which fmeg does not read"
@@ -216,7 +225,7 @@ class MegatronCheckpoint:
     def _decode_buckets(self) -> None:
         """Answer the optimizer's keys from dp_reshardable buckets, once (unplaced says why
         not)."""
-        if self.sharding() != "dp_reshardable" or self.unplaced is not None:
+        if self.sharding() not in BUCKETED or self.unplaced is not None:
             return
         if isinstance(self.dist, bucket_state.BucketState):
             return

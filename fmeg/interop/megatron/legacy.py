@@ -10,8 +10,11 @@ rank's state dict names its layers from 0 within its pipeline stage and holds it
 slice of each split tensor: the global tensor stacks the stages' layers in order and concatenates
 the slices along the dimension Megatron splits (rows of the column-parallel linears and the
 vocabulary tables, columns of the row-parallel ones), a gated fc1's slices [gate_r; up_r] put back
-as [gate; up]. Models with experts and virtual pipeline stages are refused in one line; the
-optimizer state in these files is not read (its parameters are named by position only).
+as [gate; up]. Models with experts and virtual pipeline stages are refused in one line. A
+distributed optimizer's parameter state, beside each rank's file in distrib_optim.pt (per gradient
+buffer, its buckets' param, exp_avg and exp_avg_sq concatenated without their padding), is held as
+one flat tensor per buffer, "optimizer.distributed.dp_group_idx_R.gbuf_idx_G.stream.<state>" (R = tp
+rank + tp x pp rank), that bucket_state places the parameters in.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fmeg.checkpoint.boxes import Box
 from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
 
 FILE = "model_optim_rng.pt"
+OPTIMIZER_FILE = "distrib_optim.pt"
 RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the dimension tensor parallelism splits, by the tail of Megatron's name
@@ -97,6 +101,30 @@ class LegacyTorchDir:
                     " are not read: convert the checkpoint to torch_dist with Megatron)"
                 )
         self.tensors = self._assemble(states, tp, pp, gated)
+        # {(model-parallel rank, buffer): (its tensors' key prefix, their elements)}
+        self.streams: dict[tuple[int, int], tuple[str, int]] = {}
+        for (t, p), f in files.items():
+            if (f.parent / OPTIMIZER_FILE).is_file():
+                self._add_streams(f.parent / OPTIMIZER_FILE, t + tp * p)
+
+    def _add_streams(self, path: Path, domain: int) -> None:
+        """A distrib_optim.pt's buffers as flat tensors (a chained optimizer's list: the
+        first's)."""
+        saved = read_common(path)
+        if not saved.get("buckets_coalesced"):
+            raise MegatronCheckpointError(
+                f"{path}: an older layout of the distributed optimizer's state (buckets not "
+                "coalesced); resume it once in Megatron-LM and save to rewrite it"
+            )
+        for buffer, by_dtype in saved.items():
+            if not isinstance(buffer, int) or not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+                continue
+            state = next(iter(by_dtype.values()))
+            prefix = f"optimizer.distributed.dp_group_idx_{domain}.gbuf_idx_{buffer}.stream"
+            for name, values in state.items():
+                if isinstance(values, torch.Tensor):
+                    self.tensors[f"{prefix}.{name}"] = values
+            self.streams[(domain, buffer)] = (prefix, int(state["param"].numel()))
 
     def _assemble(self, states: dict, tp: int, pp: int, gated: bool) -> dict[str, torch.Tensor]:
         by_key: dict[str, list[torch.Tensor]] = {}

@@ -19,7 +19,7 @@ from fmeg.models import gpt  # noqa: E402
 from fmeg.parallel.layout import Layout  # noqa: E402
 from fmeg.parallel.mesh import Mesh  # noqa: E402
 from fmeg.parallel.spmd import run_threads  # noqa: E402
-from fmeg.training.checkpoint_state import placements, regions  # noqa: E402
+from fmeg.training.checkpoint_state import placements, read_params, regions  # noqa: E402
 from fmeg.training.parallel_step import init_state, local_shapes, train_iteration  # noqa: E402
 from fmeg.training.run_state import read_state  # noqa: E402
 from fmeg.training.step_settings import StepSettings  # noqa: E402
@@ -182,27 +182,47 @@ LLAMA = CONFIG.replace(
 )
 
 
-@pytest.mark.slow  # 40 s: megatron-core trains on 4 ranks and saves twice
-def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path):
+@pytest.mark.slow  # 35 s each: megatron-core trains on 4 ranks and saves three ways
+@pytest.mark.parametrize("bucket_size", [None, 20000], ids=["one-bucket", "buckets-of-20000"])
+def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path, monkeypatch, bucket_size):
     """megatron-core's llama at tp 2 x dp 2 saved dp_reshardable (two model-parallel ranks'
-    buckets, each gated fc1 [gate_r; up_r]) and fully_reshardable from the same state: fmeg reads
-    every box of mu, nu and the master weights the same from both, at tp 1 and at tp 2."""
-    shardings = ("dp_reshardable", "fully_reshardable")
+    buckets, each gated fc1 [gate_r; up_r]) and as --ckpt-format torch with distrib_optim.pt (the
+    buckets gathered, their padding dropped), from the same state: fmeg reads every box of mu, nu
+    and the master weights the same from both, at tp 1 and at tp 2, the masters its weights. In
+    one bucket, the same as its fully_reshardable save. With --overlap-grad-reduce
+    --ddp-bucket-size 20000 each rank's state spans four buckets (there megatron-core 0.16's
+    fully_reshardable save writes master weights that are not its weights: not compared)."""
+    if bucket_size is not None:
+        monkeypatch.setenv("BUCKET_SIZE", str(bucket_size))
+    shardings = ("dp_reshardable", "legacy", "fully_reshardable")
     torchrun(4, "train", str(tmp_path), "llama", "2", "1", "1", str(SAVED_AT), ",".join(shardings))
+    compared = shardings if bucket_size is None else shardings[:2]
     for layout, world in ((Layout(), 1), (Layout(tp=2), 2)):
 
-        def read_both(mesh, layout):
+        def read_each(mesh, layout):
             return [
-                loaded(mesh, layout, tmp_path / s / f"iter_{SAVED_AT:07d}", LLAMA)
-                for s in shardings
+                loaded(mesh, layout, tmp_path / s / f"iter_{SAVED_AT:07d}", LLAMA) for s in compared
             ]
 
-        for buckets, whole in run_threads(world, read_both, layout, tp=layout.tp):
-            assert int(buckets.count) == int(whole.count) == SAVED_AT
-            # the flat buffers: every leaf's moments and weights (fp32: the master)
-            for kind in ("mu", "nu", "weights"):
-                a, b = getattr(buckets, kind), getattr(whole, kind)
-                assert a.abs().sum() > 0 and torch.equal(a, b), (layout, kind)
+        for first, *others in run_threads(world, read_each, layout, tp=layout.tp):
+            assert int(first.count) == SAVED_AT
+            for state, name in zip(others, compared[1:]):
+                assert int(state.count) == SAVED_AT
+                # the flat buffers: every leaf's moments and master weights
+                for kind in ("mu", "nu", "weights"):
+                    a, b = getattr(state, kind), getattr(first, kind)
+                    assert a.abs().sum() > 0 and torch.equal(a, b), (name, layout, kind)
+    # fp32: the masters read from the buckets are the model's weights, every element
+    for name in shardings[:2]:
+        with MegatronCheckpoint.open(tmp_path / name / f"iter_{SAVED_AT:07d}", LLAMA) as ckpt:
+            assert ckpt.holds_optimizer_state()
+            weights, main = (
+                dict(tree.items(read_params(ckpt, LLAMA, Layout(), Mesh.single(), kind=k)[0]))
+                for k in ("params", "main")
+            )
+        assert weights.keys() == main.keys()
+        for path, w in weights.items():
+            assert torch.equal(main[path], w), (name, path)
 
 
 GPT2_FLAGS = [
