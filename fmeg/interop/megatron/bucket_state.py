@@ -15,90 +15,43 @@ after it, registered after attention's output projection. Each order is placed a
 the checkpoint's weights (the fp32 master "param" at a parameter's first row equals the model's
 weight there, in the weight's dtype); the one that holds for every parameter is read, so each state
 key answers as fully_reshardable's does: the parameter's global (layer-stacked) tensor by box.
+With experts, a layer's MLP registers its router, its local experts (each expert's fc1 and fc2)
+and its shared experts; where the experts are parallel (ep > 1, or their own tp) they have
+buffers of their own: Megatron's chained optimizer saves the dense ones under "chained_0." and
+the experts' under "chained_1.", whose dp_group_idx is the rank among the experts' tp x ep x pp.
+A legacy directory's distrib_optim.pt holds each buffer's buckets concatenated without their
+padding: there buckets close where megatron-core's DDP closes them (_streamed).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fmeg.checkpoint.boxes import Box
+from fmeg.interop.megatron.bucket_layout import (
+    EMBEDDING,
+    LAYER_ORDERS,
+    OUTPUT,
+    UNPLACED_FLAGS,
+    Piece,
+    Unplaced,
+    bucket_size_of,
+    owner_of,
+    placed_in,
+    rank_params,
+    streamed_in,
+)
 
 PREFIX = "optimizer.state."
 STATES = ("param", "exp_avg", "exp_avg_sq")
+# a chained optimizer's (dense, then experts') keys start "chained_<index>."
 _BUCKET = re.compile(
-    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
-    r"\.bucket_idx_(\d+)\.(\w+)"
+    r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+    r"\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)"
 )
-_D = "decoder.layers."
-# a layer's parameters: (names the checkpoint may hold, one of them; tensor-parallel split dim)
-_LN1 = ((_D + "self_attention.linear_qkv.layer_norm_weight", _D + "input_layernorm.weight"), None)
-_LN1_B = ((_D + "self_attention.linear_qkv.layer_norm_bias", _D + "input_layernorm.bias"), None)
-_PROJ = [
-    ((_D + "self_attention.linear_proj.weight",), 1),
-    ((_D + "self_attention.linear_proj.bias",), None),
-]
-_QKV = [
-    ((_D + "self_attention.linear_qkv.weight",), 0),
-    ((_D + "self_attention.linear_qkv.bias",), 0),
-]
-_QK_NORMS = [
-    ((_D + f"self_attention.{n}_layernorm.{w}",), None) for n in "qk" for w in ("weight", "bias")
-]
-_LN2 = ((_D + "mlp.linear_fc1.layer_norm_weight", _D + "pre_mlp_layernorm.weight"), None)
-_LN2_B = ((_D + "mlp.linear_fc1.layer_norm_bias", _D + "pre_mlp_layernorm.bias"), None)
-_FC1 = [((_D + "mlp.linear_fc1.weight",), 0), ((_D + "mlp.linear_fc1.bias",), 0)]
-_FC2 = [((_D + "mlp.linear_fc2.weight",), 1), ((_D + "mlp.linear_fc2.bias",), None)]
-LAYER_ORDERS = {
-    "local": [_LN1, _LN1_B, *_PROJ, *_QKV, *_QK_NORMS, _LN2, _LN2_B, *_FC1, *_FC2],
-    "transformer_engine": [*_PROJ, _LN1, _LN1_B, *_QKV, *_QK_NORMS, _LN2, _LN2_B, *_FC1, *_FC2],
-}
-_EMBEDDING = "embedding.word_embeddings.weight"
-_PRE = [((_EMBEDDING,), 0), (("embedding.position_embeddings.weight",), None)]
-_POST = [(("decoder.final_layernorm.weight",), None), (("decoder.final_layernorm.bias",), None)]
-_OUTPUT = "output_layer.weight"
-_GATED_FC1 = {_D + "mlp.linear_fc1.weight", _D + "mlp.linear_fc1.bias"}
-# Megatron-LM's flags this reader does not place the parameters of (their layer split or modules)
-_UNPLACED_FLAGS = (
-    "num_experts",
-    "mtp_num_layers",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-    "pipeline_model_parallel_layout",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-)
-
-
-class Unplaced(ValueError):
-    """The state's parameters cannot be placed; the message says why, in a few words."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Part of a rank's parameter: `box` of the model's global tensor, `numel` elements of the
-    bucket tensors `bucket`.<state> from `start`."""
-
-    box: Box
-    bucket: str
-    start: int
-
-
-@dataclass(frozen=True)
-class Param:
-    """One model-parallel rank's parameter: its key and its boxes, in its own element order."""
-
-    key: str
-    boxes: tuple[Box, ...]
-    # a tied embedding's copy at either end of a pipeline: a bucket of its own
-    shared: bool = False
-
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.boxes)
 
 
 class BucketState:
@@ -116,34 +69,30 @@ class BucketState:
         buckets = streams if streams is not None else _buckets(dist)
         if not buckets:
             raise Unplaced("it holds no distributed-optimizer buckets")
-        set_flags = [f for f in _UNPLACED_FLAGS if getattr(args, f, None)]
+        set_flags = [f for f in UNPLACED_FLAGS if getattr(args, f, None)]
         if set_flags:
             raise Unplaced(f"its model uses --{set_flags[0].replace('_', '-')}")
-        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         impl = getattr(args, "transformer_impl", "transformer_engine")
         orders = sorted(LAYER_ORDERS, key=lambda name: name != impl)
         pieces: dict[str, list[Piece]] = {}
-        for (domain, chunk), sizes in sorted(buckets.items()):
-            t, p = domain % tp, domain // tp
-            if p >= pp or chunk >= vp:
-                raise Unplaced(f"it holds buckets of dp_group_idx_{domain}, gbuf_idx_{chunk}")
+        for (optimizer, domain, chunk), sizes in sorted(buckets.items(), key=_none_first):
+            owner = owner_of(args, optimizer, domain, chunk)
             tried = []
             for name in orders:
-                params = rank_params(dist, args, LAYER_ORDERS[name], t, p, chunk, gated)
+                params = rank_params(dist, args, LAYER_ORDERS[name], owner, gated)
                 placed = (
-                    _streamed(params, *sizes, _bucket_size(args))
+                    streamed_in(params, *sizes, bucket_size_of(args))
                     if streams is not None
-                    else _placed(params, sizes)
+                    else placed_in(params, sizes)
                 )
                 if placed is not None and _agrees(dist, placed):
                     break
                 tried.append(name)
             else:
                 raise Unplaced(
-                    f"dp_group_idx_{domain}'s buckets match neither the {' nor the '.join(tried)} "
-                    "layer spec's parameter order"
+                    f"the buckets of dp_group_idx_{domain}"
+                    + ("" if optimizer is None else f" of chained_{optimizer}")
+                    + f" match neither the {' nor the '.join(tried)} layer spec's parameter order"
                 )
             for key, piece in placed:
                 # what tensor ranks hold alike (norms, row-parallel biases): the first's
@@ -217,150 +166,28 @@ class BucketState:
                 out[part.within(box)].copy_(values[part.within(piece.box)])
 
 
-def _buckets(dist: Any) -> dict[tuple[int, int], list[tuple[str, int]]]:
-    """{(dp_group_idx, gbuf_idx): [(bucket key prefix, its unpadded elements)] by bucket index}."""
-    found: dict[tuple[int, int], dict[int, tuple[str, int]]] = {}
-    dtypes: dict[tuple[int, int], set[str]] = {}
+def _buckets(dist: Any) -> dict[tuple, list[tuple[str, int]]]:
+    """{(chained optimizer or None, dp_group_idx, gbuf_idx): [(bucket key prefix, its unpadded
+    elements)] by bucket index}."""
+    found: dict[tuple, dict[int, tuple[str, int]]] = {}
+    dtypes: dict[tuple, set[str]] = {}
     for key in dist.tensors:
         m = _BUCKET.fullmatch(key)
-        if m is None or m.group(5) != "param":
+        if m is None or m.group(6) != "param":
             continue
-        domain, chunk, bucket = int(m.group(1)), int(m.group(2)), int(m.group(4))
-        dtypes.setdefault((domain, chunk), set()).add(m.group(3))
-        found.setdefault((domain, chunk), {})[bucket] = (key[: -len(".param")], dist.shape(key)[0])
+        optimizer = None if m.group(1) is None else int(m.group(1))
+        where = (optimizer, int(m.group(2)), int(m.group(3)))
+        dtypes.setdefault(where, set()).add(m.group(4))
+        found.setdefault(where, {})[int(m.group(5))] = (key[: -len(".param")], dist.shape(key)[0])
     for where, kinds in dtypes.items():
         if len(kinds) > 1:
-            raise Unplaced(f"dp_group_idx_{where[0]} has buffers of {len(kinds)} dtypes")
+            raise Unplaced(f"dp_group_idx_{where[1]} has buffers of {len(kinds)} dtypes")
     return {k: [v[i] for i in sorted(v)] for k, v in found.items()}
 
 
-def _layers(args: Any, p: int, chunk: int) -> range:
-    """The global layer indices of pipeline rank p's model chunk (Megatron's even split)."""
-    layers = int(args.num_layers)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    if layers % (pp * vp):
-        raise Unplaced(f"its {layers} layers do not split evenly over {pp * vp} stages")
-    per = layers // (pp * vp)
-    first = chunk * (layers // vp) + p * per
-    return range(first, first + per)
-
-
-def rank_params(
-    dist: Any, args: Any, order: list, t: int, p: int, chunk: int, gated: bool
-) -> list[Param]:
-    """Tensor rank t's parameters on pipeline rank p's model chunk, in registration order: those of
-    `order` for each layer, the embeddings first and the final norm and output layer last where
-    the chunk holds them; each the boxes of its key's global tensor it holds."""
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    first, last = p == 0 and chunk == 0, p == pp - 1 and chunk == vp - 1
-
-    def held(names: tuple[str, ...], split: int | None, layer: int | None) -> Param | None:
-        key = next((k for k in names if dist.has(k)), None)
-        if key is None:
-            return None
-        shape = dist.shape(key)[0 if layer is None else 1 :]
-        gate = gated and key in _GATED_FC1
-        return Param(key, _local_boxes(shape, split, t, tp, layer, gate))
-
-    params = []
-    if first:
-        params += [held(names, split, None) for names, split in _PRE]
-        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-        if tied and pp > 1 and params[0] is not None:
-            params[0] = Param(params[0].key, params[0].boxes, shared=True)
-    for layer in _layers(args, p, chunk):
-        params += [held(names, split, layer) for names, split in order]
-    if last:
-        params += [held(names, split, None) for names, split in _POST]
-        tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-        if not tied:
-            params.append(held((_OUTPUT,), 0, None))
-        elif pp > 1:
-            # the last stage's copy of a tied embedding: a parameter of its own there
-            embedding = held((_EMBEDDING,), 0, None)
-            params.append(embedding and Param(_OUTPUT, embedding.boxes, shared=True))
-    return [x for x in params if x is not None]
-
-
-def _local_boxes(
-    shape: tuple[int, ...], split: int | None, t: int, tp: int, layer: int | None, gate: bool
-) -> tuple[Box, ...]:
-    """Rank t's boxes of a tensor of `shape` (one layer's) split `split` over tp ranks: one, or a
-    gated fc1's gate part then its up part, in its stacked global tensor."""
-    lead = () if layer is None else (layer,)
-    ones = (1,) * len(lead)
-    if split is None:
-        return (Box((*lead, *(0,) * len(shape)), (*ones, *shape)),)
-    halves = 2 if gate else 1
-    part = shape[split] // halves
-    if part % tp:
-        raise Unplaced(f"a dimension of {shape[split]} does not split over tp {tp}")
-    local = part // tp
-    boxes = []
-    for h in range(halves):
-        offset = [0] * len(shape)
-        offset[split] = h * part + t * local
-        size = list(shape)
-        size[split] = local
-        boxes.append(Box((*lead, *offset), (*ones, *size)))
-    return tuple(boxes)
-
-
-def _placed(params: list[Param], sizes: list[tuple[str, int]]) -> list | None:
-    """[(model key, Piece)] of params laid out backwards from each bucket's start, each parameter
-    at a multiple of 64 elements, a new bucket once the current one's elements are used; None
-    where they do not fill the buckets exactly."""
-    out, bucket, cursor = [], 0, 0
-    for param in reversed(params):
-        start = -(-cursor // 64) * 64
-        if start >= sizes[bucket][1]:
-            bucket, start = bucket + 1, 0
-            if bucket == len(sizes):
-                return None
-        prefix, size = sizes[bucket]
-        if start + param.numel > size:
-            return None
-        at = start
-        for box in param.boxes:
-            out.append((param.key, Piece(box, prefix, at)))
-            at += box.numel
-        cursor = start + param.numel
-    if bucket != len(sizes) - 1 or cursor != sizes[bucket][1]:
-        return None
-    return out
-
-
-def _bucket_size(args: Any) -> int | None:
-    """The elements at which megatron-core's DDP closes a bucket, as Megatron-LM configures it
-    (none without --overlap-grad-reduce)."""
-    if not getattr(args, "overlap_grad_reduce", False):
-        return None
-    if getattr(args, "ddp_bucket_size", None):
-        return int(args.ddp_bucket_size)
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
-    return max(40_000_000, 1_000_000 * dp)
-
-
-def _streamed(params: list[Param], prefix: str, total: int, bucket_size: int | None) -> list | None:
-    """As _placed, for the buckets of one buffer concatenated without their padding (a legacy
-    distrib_optim.pt): they close where megatron-core's DDP closes them, at `bucket_size`
-    elements and around a tied embedding's copy."""
-    out, offset, cursor, count = [], 0, 0, 0
-    for param in reversed(params):
-        start = -(-cursor // 64) * 64
-        if param.shared and count:
-            offset, start, count = offset + start, 0, 0
-        at = offset + start
-        for box in param.boxes:
-            out.append((param.key, Piece(box, prefix, at)))
-            at += box.numel
-        cursor, count = start + param.numel, count + 1
-        if param.shared or (bucket_size is not None and cursor >= bucket_size):
-            offset, cursor, count = offset + cursor, 0, 0
-    return out if offset + cursor == total else None
+def _none_first(item: tuple) -> tuple:
+    (optimizer, domain, chunk), _ = item
+    return (-1 if optimizer is None else optimizer, domain, chunk)
 
 
 def _agrees(dist: Any, placed: list[tuple[str, Piece]]) -> bool:
@@ -384,4 +211,4 @@ def _agrees(dist: Any, placed: list[tuple[str, Piece]]) -> bool:
 
 
 def _shape(dist: Any, key: str) -> tuple[int, ...]:
-    return dist.shape(key if dist.has(key) or key != _OUTPUT else _EMBEDDING)
+    return dist.shape(key if dist.has(key) or key != OUTPUT else EMBEDDING)

@@ -49,16 +49,27 @@ OPTIMIZER_KEYS = {
 
 # the layouts of the distributed optimizer's state whose parameters bucket_state places
 BUCKETED = ("dp_reshardable", "distrib_optim.pt")
-# the first model-parallel rank's distributed optimizer (its param groups) when dp_reshardable
-_OPTIMIZER_OBJECT = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+# the first model-parallel rank's distributed optimizer (its param groups) when dp_reshardable,
+# alone or the first of a chained optimizer (dense and experts)
+_OPTIMIZER_OBJECTS = [
+    f"{chained}optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    for chained in ("", "chained_0.")
+]
 
 
 def _param_groups(saved: Any) -> list | None:
-    """The param groups of a saved distributed optimizer's state (a chained optimizer's list of
-    them: the first's)."""
-    for state in saved if isinstance(saved, list) else [saved]:
-        if isinstance(state, dict) and isinstance(state.get("param_groups"), list):
-            return state["param_groups"]
+    """The param groups of a saved distributed optimizer's state: {"param_groups": ...}, or under
+    "optimizer", or a chained optimizer's list or {index: state} of them (the first's)."""
+    if isinstance(saved, dict) and isinstance(saved.get("param_groups"), list):
+        return saved["param_groups"]
+    if isinstance(saved, dict) and "optimizer" in saved:
+        return _param_groups(saved["optimizer"])
+    if isinstance(saved, dict) and saved and all(isinstance(k, int) for k in saved):
+        saved = [saved[k] for k in sorted(saved)]
+    for state in saved if isinstance(saved, list) else []:
+        groups = _param_groups(state)
+        if groups is not None:
+            return groups
     return None
 
 
@@ -165,7 +176,11 @@ class MegatronCheckpoint:
         if src is None or kind not in OPTIMIZER_KEYS:
             return None
         prefix = OPTIMIZER_KEYS[kind]
-        return dataclasses.replace(src, keys=tuple(prefix + k for k in src.keys))
+        # a chained optimizer's state saved without Megatron-LM's chained_optim_avoid_prefix
+        # (older saves): its dense and experts' keys under chained_0. and chained_1.
+        chained = ("",) if not prefix else ("", "chained_0.", "chained_1.")
+        keys = tuple(c + prefix + k for k in src.keys for c in chained)
+        return dataclasses.replace(src, keys=keys)
 
     def has(self, name: str) -> bool:
         if name == "adam/count":
@@ -195,10 +210,11 @@ class MegatronCheckpoint:
     def optimizer_step(self) -> int | None:
         """The distributed optimizer's step (its param groups': in common.pt, or in the first
         model-parallel rank's saved object when dp_reshardable), or None."""
-        groups = (self.common.get("optimizer") or {}).get("optimizer", {}).get("param_groups")
+        groups = _param_groups(self.common.get("optimizer"))
         if groups is None and self.sharding() == "dp_reshardable":
             if "groups" not in self._saved:
-                self._saved["groups"] = _param_groups(self.dist.read_object(_OPTIMIZER_OBJECT))
+                saved = (self.dist.read_object(k) for k in _OPTIMIZER_OBJECTS)
+                self._saved["groups"] = _param_groups(next((x for x in saved if x), None))
             groups = self._saved["groups"]
         steps = [g.get("step") for g in groups or () if isinstance(g, dict)]
         steps = [int(s) for s in steps if s is not None]

@@ -101,8 +101,9 @@ class LegacyTorchDir:
                     " are not read: convert the checkpoint to torch_dist with Megatron)"
                 )
         self.tensors = self._assemble(states, tp, pp, gated)
-        # {(model-parallel rank, buffer): (its tensors' key prefix, their elements)}
-        self.streams: dict[tuple[int, int], tuple[str, int]] = {}
+        # {(None: no chained optimizer, model-parallel rank, buffer): (its tensors' key prefix,
+        # their elements)}
+        self.streams: dict[tuple, tuple[str, int]] = {}
         for (t, p), f in files.items():
             if (f.parent / OPTIMIZER_FILE).is_file():
                 self._add_streams(f.parent / OPTIMIZER_FILE, t + tp * p)
@@ -124,7 +125,7 @@ class LegacyTorchDir:
             for name, values in state.items():
                 if isinstance(values, torch.Tensor):
                     self.tensors[f"{prefix}.{name}"] = values
-            self.streams[(domain, buffer)] = (prefix, int(state["param"].numel()))
+            self.streams[(None, domain, buffer)] = (prefix, int(state["param"].numel()))
 
     def _assemble(self, states: dict, tp: int, pp: int, gated: bool) -> dict[str, torch.Tensor]:
         by_key: dict[str, list[torch.Tensor]] = {}

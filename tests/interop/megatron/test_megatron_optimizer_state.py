@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("megatron.core.dist_checkpointing")
 
 from fmeg import tree  # noqa: E402
-from fmeg.interop.megatron import MegatronCheckpoint, bucket_state, gpt_keys  # noqa: E402
+from fmeg.interop.megatron import MegatronCheckpoint, bucket_layout, gpt_keys  # noqa: E402
 from fmeg.models import gpt  # noqa: E402
 from fmeg.parallel.layout import Layout  # noqa: E402
 from fmeg.parallel.mesh import Mesh  # noqa: E402
@@ -159,8 +159,8 @@ def test_buckets_that_cannot_be_placed_are_named(megatron, monkeypatch):
         ckpt.args.mtp_num_layers = 1
         assert not ckpt.holds_optimizer_state()
         assert "not placed: its model uses --mtp-num-layers" in ckpt.optimizer_unread()
-    for name, order in bucket_state.LAYER_ORDERS.items():
-        monkeypatch.setitem(bucket_state.LAYER_ORDERS, name, order[::-1])
+    for name, order in bucket_layout.LAYER_ORDERS.items():
+        monkeypatch.setitem(bucket_layout.LAYER_ORDERS, name, order[::-1])
     with MegatronCheckpoint.open(directory, CONFIG) as ckpt:
         assert not ckpt.holds_optimizer_state()
         assert "match neither the transformer_engine nor the local layer spec's" in (
@@ -223,6 +223,39 @@ def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path, monkey
         assert weights.keys() == main.keys()
         for path, w in weights.items():
             assert torch.equal(main[path], w), (name, path)
+
+
+# the harness's gpt2_moe: 4 experts with biases, a biased router
+MOE = CONFIG.replace(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_bias=True)
+
+
+@pytest.mark.slow  # 30 s: megatron-core trains on 2 ranks and saves twice
+def test_experts_buckets_hold_what_the_per_parameter_state_holds(tmp_path):
+    """megatron-core's mixture of experts at ep 2 (its chained optimizer: the dense parameters'
+    buckets and each expert rank's, under chained_0. and chained_1.) saved dp_reshardable and
+    fully_reshardable (older saves' prefixed keys) from the same state: fmeg reads every box of
+    mu, nu and the master weights the same from both, on one rank and at ep 2."""
+    shardings = ("dp_reshardable", "fully_reshardable")
+    torchrun(
+        2, "train", str(tmp_path), "gpt2_moe", "1", "1", "2", str(SAVED_AT), ",".join(shardings)
+    )
+    kinds = ("mu", "nu", "params")
+    for layout, world in ((Layout(), 1), (Layout(dp=2, ep=2), 2)):
+
+        def boxes_of_each(mesh, layout):
+            out = []
+            for name in shardings:
+                state = loaded(mesh, layout, tmp_path / name / f"iter_{SAVED_AT:07d}", MOE)
+                assert int(getattr(state, "dense", state).count) == SAVED_AT
+                found = regions(state, placements(state, MOE, layout, mesh), kinds)
+                out.append({(r.kind, r.placement.name, r.box): r.view.clone() for r in found})
+            return out
+
+        for buckets, whole in run_threads(world, boxes_of_each, layout, ep=layout.ep):
+            assert buckets.keys() == whole.keys() and len(buckets) > 0
+            assert any("experts" in name for _, name, _ in buckets)
+            for where, t in buckets.items():
+                assert torch.equal(t, whole[where]), (layout, where)
 
 
 GPT2_FLAGS = [
