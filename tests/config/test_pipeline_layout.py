@@ -6,7 +6,7 @@ line naming why."""
 import pytest
 
 from fmeg.config.arguments import parse_args
-from fmeg.config.pipeline_layout import expand, stages
+from fmeg.parallel.pipeline.stage_layers import expand, stages
 from fmeg.config.validation import validate
 
 

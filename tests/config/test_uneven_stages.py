@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmeg.config.arguments import parse_args
-from fmeg.config.pipeline_layout import flag_stage_layers, layout_stage_layers
+from fmeg.parallel.pipeline.stage_layers import flag_stage_layers, layout_stage_layers
 from fmeg.config.validation import validate
 
 pytest.importorskip("megatron.core.transformer.transformer_layer")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fmeg.checkpoint.boxes import Box
+from fmeg.parallel.pipeline.stage_layers import flag_stage_layers, layout_stage_layers
 
 _D = "decoder.layers."
 # a layer's parameters: (names the checkpoint may hold, one of them; tensor-parallel split dim)
@@ -80,15 +81,8 @@ _GATED_FC1 = {
     for m in ("", "experts.experts.", "shared_experts.")
     for w in ("weight", "bias")
 }
-# Megatron-LM's flags this reader does not place the parameters of (their layer split or modules)
-UNPLACED_FLAGS = (
-    "mtp_num_layers",
-    "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers",
-    "pipeline_model_parallel_layout",
-    "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-)
+# Megatron-LM's flags whose modules this reader does not place
+UNPLACED_FLAGS = ("mtp_num_layers",)
 
 
 class Unplaced(ValueError):
@@ -159,15 +153,36 @@ def owner_of(args: Any, optimizer: int | None, domain: int, chunk: int) -> Owner
 
 
 def _layers(args: Any, p: int, chunk: int) -> range:
-    """The global layer indices of pipeline rank p's model chunk (Megatron's even split)."""
+    """The global layer indices of pipeline rank p's model chunk, as Megatron splits them: its
+    layout string, its uneven-split flags, or evenly."""
     layers = int(args.num_layers)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    if layers % (pp * vp):
-        raise Unplaced(f"its {layers} layers do not split evenly over {pp * vp} stages")
-    per = layers // (pp * vp)
-    first = chunk * (layers // vp) + p * per
-    return range(first, first + per)
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    try:
+        if isinstance(layout, str) and layout:
+            counts = layout_stage_layers(layout, layers, 0, pp)
+        else:
+            counts = flag_stage_layers(
+                layers,
+                pp,
+                vp,
+                get("decoder_first_pipeline_num_layers"),
+                get("decoder_last_pipeline_num_layers"),
+                bool(get("account_for_embedding_in_pipeline_split")),
+                bool(get("account_for_loss_in_pipeline_split")),
+            )
+    except ValueError as e:
+        raise Unplaced(f"its layers' pipeline split is not read ({e})") from None
+    if layout is not None and not isinstance(layout, str):
+        raise Unplaced("its --pipeline-model-parallel-layout is saved as an object")
+    if len(counts) != pp * vp:
+        raise Unplaced(f"its {len(counts)} pipeline stages are not pp {pp} x vp {vp}")
+    # forward order: every rank's first virtual stage, then their second...
+    stage = chunk * pp + p
+    first = sum(counts[:stage])
+    return range(first, first + counts[stage])
 
 
 def rank_params(dist: Any, args: Any, order: list, owner: Owner, gated: bool) -> list[Param]:

@@ -15,7 +15,6 @@ pytest.importorskip("megatron.core.dist_checkpointing")
 
 from fmeg import tree  # noqa: E402
 from fmeg.interop.megatron import MegatronCheckpoint, bucket_layout, gpt_keys  # noqa: E402
-from fmeg.models import gpt  # noqa: E402
 from fmeg.parallel.layout import Layout  # noqa: E402
 from fmeg.parallel.mesh import Mesh  # noqa: E402
 from fmeg.parallel.spmd import run_threads  # noqa: E402
@@ -23,6 +22,7 @@ from fmeg.training.checkpoint_state import placements, read_params, regions  # n
 from fmeg.training.parallel_step import init_state, local_shapes, train_iteration  # noqa: E402
 from fmeg.training.run_state import read_state  # noqa: E402
 from fmeg.training.step_settings import StepSettings  # noqa: E402
+from harness.megatron_families import CONFIGS  # noqa: E402
 from harness.paths import TESTS  # noqa: E402
 from harness.runner import run_group  # noqa: E402
 
@@ -31,23 +31,10 @@ from megatron_core_run import LR, batches  # noqa: E402
 
 PROGRAM = str(TESTS / "harness" / "megatron_core_run.py")
 SAVED_AT, MORE = 4, 3
-# the harness's gpt2: Megatron's whole vocabulary of 128 (no padding rows, so that both softmaxes
-# see the same logits)
-CONFIG = gpt.GPTConfig(
-    vocab_size=128,
-    padded_vocab_size=128,
-    max_seq_len=32,
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    ffn_hidden_size=256,
-    norm="layernorm",
-    activation="gelu",
-    position="learned",
-    bias=True,
-    tie_embeddings=True,
-    norm_eps=1e-5,
-)
+# the harness's models with Megatron's whole vocabulary of 128 (no padding rows, so that both
+# softmaxes see the same logits): gpt2 (tied, biases), llama (gated MLP, RMSNorm, untied, no
+# biases), gpt2_moe (4 experts with biases, a biased router)
+CONFIG, LLAMA, MOE = (CONFIGS[f].replace(vocab_size=128) for f in ("gpt2", "llama", "gpt2_moe"))
 
 
 class RunConfig:
@@ -168,20 +155,6 @@ def test_buckets_that_cannot_be_placed_are_named(megatron, monkeypatch):
         )
 
 
-# the harness's llama: gated MLP, RMSNorm, untied output, no biases
-LLAMA = CONFIG.replace(
-    num_layers=4,
-    num_kv_heads=2,
-    ffn_hidden_size=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
-    rope_theta=10000.0,
-)
-
-
 @pytest.mark.slow  # 35 s each: megatron-core trains on 4 ranks and saves three ways
 @pytest.mark.parametrize("bucket_size", [None, 20000], ids=["one-bucket", "buckets-of-20000"])
 def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path, monkeypatch, bucket_size):
@@ -223,10 +196,6 @@ def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path, monkey
         assert weights.keys() == main.keys()
         for path, w in weights.items():
             assert torch.equal(main[path], w), (name, path)
-
-
-# the harness's gpt2_moe: 4 experts with biases, a biased router
-MOE = CONFIG.replace(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_bias=True)
 
 
 @pytest.mark.slow  # 30 s: megatron-core trains on 2 ranks and saves twice
