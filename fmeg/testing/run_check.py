@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fmeg.config import layout_check
+from fmeg.testing.processes import run_in_own_group
 
 # the metrics compared, beside the other losses a record holds
 COMPARED = ("lm_loss", "grad_norm")
@@ -94,28 +93,16 @@ def _run(row: layout_check.Row, tmp: Path, timeout: float) -> dict | str:
         else [sys.executable]
     )
     argv = [*launcher, "-m", "recipes.gpt_pretrain", *row.argv, "--log-dir", str(log_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        proc = run_in_own_group(argv, timeout, env={"OMP_NUM_THREADS": "1"})
     except subprocess.TimeoutExpired:
         return f"no result within --timeout {timeout:g} s"
-    finally:
-        # the whole group: torchrun's workers included
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
     if proc.returncode != 0:
-        last = [line for line in (stderr or stdout).splitlines() if line.strip()]
+        last = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
         return f"exit {proc.returncode}: {last[-1][:200] if last else 'no output'}"
     metrics = log_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    state = re.search(r"persistent state per rank \(MB\): (.*)", stdout)
+    state = re.search(r"persistent state per rank \(MB\): (.*)", proc.stdout)
     return {
         "records": [r for r in records if "lm_loss" in r],
         "state_mb": tuple(float(x) for x in re.findall(r"r\d+ ([\d.]+)", state[1]))

@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
+from fmeg.testing.processes import run_in_own_group
+
 COMMON = [
     "--train-iters",
     "20",
@@ -44,26 +46,10 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 def run_group(
     argv: list[str], timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """subprocess.run in a session of its own: on a timeout or any failure the whole process group
-    (torchrun and its workers) is killed, so no worker outlives its test. The timeout is sized for a
-    loaded 2-core machine; env: variables set beside this process's."""
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=None if env is None else {**os.environ, **env},
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    """fmeg.testing's run_in_own_group: on a timeout or any failure the whole process group
+    (torchrun and its workers) is killed, so no worker outlives its test. The timeout is sized for
+    a loaded 2-core machine; env: variables set beside this process's."""
+    return run_in_own_group(argv, timeout, env)
 
 
 def run_recipe(tmp_path, name, nproc, flags, common=COMMON) -> tuple[list[dict], str]:
