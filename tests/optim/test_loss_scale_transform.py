@@ -56,5 +56,8 @@ def test_the_pytree_loss_scaler_skips_and_steps_as_the_runner_does():
     assert skips[0] and any(skips[first_step:]), skips
     assert int(opt_state.inner[1][0].count) == skips.count(False)
     runner = tree.flatten(state.params[0])
+    # the two forms sum the gradients in different orders: where an element's gradient is near
+    # zero Adam magnifies the last-bit difference (seen: one element of 4096 off by 1.9e-6 on an
+    # AVX-512 CPU), far below the lr-sized steps a wrong skip or scale would make
     for name, value in tree.flatten(params).items():
-        torch.testing.assert_close(runner[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(runner[name], value, rtol=1e-5, atol=1e-5, msg=name)
