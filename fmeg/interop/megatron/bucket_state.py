@@ -75,6 +75,7 @@ class BucketState:
         impl = getattr(args, "transformer_impl", "transformer_engine")
         orders = sorted(LAYER_ORDERS, key=lambda name: name != impl)
         pieces: dict[str, list[Piece]] = {}
+        boxes: dict[str, set[Box]] = {}
         for (optimizer, domain, chunk), sizes in sorted(buckets.items(), key=_none_first):
             owner = owner_of(args, optimizer, domain, chunk)
             tried = []
@@ -96,7 +97,8 @@ class BucketState:
                 )
             for key, piece in placed:
                 # what tensor ranks hold alike (norms, row-parallel biases): the first's
-                if all(piece.box != p.box for p in pieces.get(key, ())):
+                if piece.box not in boxes.setdefault(key, set()):
+                    boxes[key].add(piece.box)
                     pieces.setdefault(key, []).append(piece)
         shapes = {key: _shape(dist, key) for key in pieces}
         return cls(dist, pieces, shapes)
