@@ -10,6 +10,11 @@ for each fmeg layout, each rank's weights are read as --load reads them
 process: the bytes the process read for that rank (/proc/self/io rchar: every read and pread,
 .metadata and common.pt included) against the bytes of the weights the rank holds, and against the
 bytes a rank would read if it loaded every file it needs whole.
+
+A second table does the same for the distributed optimizer's Adam state (moments and fp32 master
+weights) that megatron-core saves, after 2 training steps at tp 2 x dp 2, in its default
+dp_reshardable layout (flat buckets per model-parallel rank, no names): what each rank reads to
+place the parameters (its master weights checked against the weights) and its shards of the three.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def main() -> None:
     from fmeg.checkpoint import latest
     from fmeg.data.tokenizers import padded_vocab_size
     from fmeg.interop.megatron import MegatronCheckpoint, saved_args
-    from fmeg.interop.megatron.model_args import config_from_args
+    from fmeg.config.checkpoint_args import megatron_model
     from fmeg.parallel.mesh import Mesh
     from fmeg.training.checkpoint_state import read_params
     from fmeg.parallel.layout import Layout
@@ -73,7 +78,7 @@ def main() -> None:
             f"megatron-core's checkpoint at tp {tp} x pp {pp}: {size / 2**20:,.1f} MiB in "
             f"{len(list(path.glob('*.distcp')))} files; torch {torch.__version__}"
         )
-        base = config_from_args(saved_args(path), 128)
+        base = megatron_model(saved_args(path), 128)
         # once unmeasured: the imports a first read makes
         with MegatronCheckpoint.open(path, base) as ckpt:
             read_params(ckpt, base, Layout(), Mesh.single())
@@ -109,5 +114,58 @@ def main() -> None:
             )
 
 
+def optimizer_state() -> None:
+    """Each fmeg layout's reads of megatron-core's dp_reshardable Adam state, per rank."""
+    from fmeg.checkpoint import latest
+    from fmeg.data.tokenizers import padded_vocab_size
+    from fmeg.interop.megatron import MegatronCheckpoint, saved_args
+    from fmeg.config.checkpoint_args import megatron_model
+    from fmeg.parallel.layout import Layout
+    from fmeg.parallel.mesh import Mesh
+    from fmeg.training.checkpoint_state import read_params
+    from fmeg import tree
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        harness = str(ROOT / "tests" / "harness" / "megatron_core_run.py")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        subprocess.run(
+            [*launcher, "--nproc-per-node=4", harness, "train", tmp, "llama_bench", "2", "1", "1"]
+            + ["2", "dp_reshardable"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        path = latest(tmp)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        print(f"\nmegatron-core's checkpoint with Adam state, tp 2 x dp 2: {size / 2**20:,.1f} MiB")
+        base = megatron_model(saved_args(path), 128)
+        print(
+            "| fmeg layout | read / held per rank (max, mean) | MiB of mu, nu, main held (mean) |"
+        )
+        print("|---|---|---|")
+        for tp_, pp_, dp in [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1)]:
+            layout = Layout(tp=tp_, pp=pp_, dp=dp)
+            config = base.replace(padded_vocab_size=padded_vocab_size(base.vocab_size, tp_, 128))
+            ratios, held = [], []
+            for rank in range(tp_ * pp_ * dp):
+                mesh = Mesh.build(rank, tp_ * pp_ * dp, lambda ranks: None, tp=tp_, pp=pp_)
+                before = rchar()
+                mine = 0
+                with MegatronCheckpoint.open(path, config) as ckpt:
+                    assert ckpt.holds_optimizer_state(), ckpt.optimizer_unread()
+                    for kind in ("mu", "nu", "main"):
+                        for stage in read_params(ckpt, config, layout, mesh, kind=kind).values():
+                            mine += sum(t.numel() * 4 for _, t in tree.items(stage))
+                ratios.append((rchar() - before) / mine)
+                held.append(mine)
+            print(
+                f"| tp {tp_} x pp {pp_} x dp {dp} | {max(ratios):.3f}, "
+                f"{statistics.mean(ratios):.3f} | {statistics.mean(held) / 2**20:,.1f} |",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     main()
+    optimizer_state()

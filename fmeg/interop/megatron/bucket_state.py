@@ -25,12 +25,14 @@ padding: there buckets close where megatron-core's DDP closes them (_streamed).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
 from fmeg.checkpoint.boxes import Box
+from fmeg.interop.megatron.torch_dist import rows_needed
 from fmeg.interop.megatron.bucket_layout import (
     EMBEDDING,
     LAYER_ORDERS,
@@ -155,17 +157,23 @@ class BucketState:
                     ranges.setdefault((piece, state), []).append((part, box, out))
         self.dist.read(plain)
         flat, reads = {}, []
-        for piece, state in ranges:
-            values = torch.empty(piece.box.numel, dtype=self.dist.dtype(f"{piece.bucket}.{state}"))
-            flat[(piece, state)] = values
-            reads.append(
-                (f"{piece.bucket}.{state}", Box((piece.start,), (piece.box.numel,)), values)
+        for (piece, state), parts in ranges.items():
+            # of the piece, only the run of whole rows (contiguous in the bucket) its parts need
+            region = rows_needed(piece.box, [part for part, _, _ in parts])
+            first = sum(
+                (o - po) * math.prod(piece.box.shape[d + 1 :])
+                for d, (o, po) in enumerate(zip(region.offset, piece.box.offset))
             )
+            values = torch.empty(region.numel, dtype=self.dist.dtype(f"{piece.bucket}.{state}"))
+            flat[(piece, state)] = (region, values)
+            at = Box((piece.start + first,), (region.numel,))
+            reads.append((f"{piece.bucket}.{state}", at, values))
         self.dist.read(reads)
         for (piece, state), parts in ranges.items():
-            values = flat[(piece, state)].reshape(piece.box.shape)
+            region, values = flat[(piece, state)]
+            values = values.reshape(region.shape)
             for part, box, out in parts:
-                out[part.within(box)].copy_(values[part.within(piece.box)])
+                out[part.within(box)].copy_(values[part.within(region)])
 
 
 def _buckets(dist: Any) -> dict[tuple, list[tuple[str, int]]]:
