@@ -32,6 +32,19 @@ SAVED = (2, 2)  # Megatron's tp, pp
 TARGETS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 4, 1), (1, 1, 2)]
 
 
+def megatron_core(nproc: int, *args: str) -> None:
+    """tests/harness/megatron_core_run.py on nproc gloo ranks (megatron-core itself)."""
+    harness = str(ROOT / "tests" / "harness" / "megatron_core_run.py")
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + [f"--nproc-per-node={nproc}", harness, *args],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def rchar() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
@@ -51,27 +64,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         tp, pp = SAVED
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={tp * pp}",
-                str(ROOT / "tests" / "harness" / "megatron_core_run.py"),
-                "save",
-                tmp,
-                "llama_bench",
-                str(tp),
-                str(pp),
-                "1",
-                "100",
-            ],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        megatron_core(tp * pp, "save", tmp, "llama_bench", str(tp), str(pp), "1", "100")
         path = latest(tmp)
         size = sum(f.stat().st_size for f in path.iterdir())
         print(
@@ -126,16 +119,7 @@ def optimizer_state() -> None:
     from fmeg import tree
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        harness = str(ROOT / "tests" / "harness" / "megatron_core_run.py")
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        subprocess.run(
-            [*launcher, "--nproc-per-node=4", harness, "train", tmp, "llama_bench", "2", "1", "1"]
-            + ["2", "dp_reshardable"],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        megatron_core(4, "train", tmp, "llama_bench", "2", "1", "1", "2", "dp_reshardable")
         path = latest(tmp)
         size = sum(f.stat().st_size for f in path.iterdir())
         print(f"\nmegatron-core's checkpoint with Adam state, tp 2 x dp 2: {size / 2**20:,.1f} MiB")
