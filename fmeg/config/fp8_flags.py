@@ -158,6 +158,7 @@ def problems(a: argparse.Namespace, config) -> list[str]:
                     f"rank's share of {what} ({size // tp}) must be a multiple of the {block}-"
                     "element block, or a block would straddle two ranks; change the sizes or tp"
                 )
+    out.extend(_expert_blocks(a, config, block))
     chunk = a.seq_length // (2 * cp)
     if cp > 1 and chunk % block:
         out.append(
@@ -166,3 +167,29 @@ def problems(a: argparse.Namespace, config) -> list[str]:
             "weight gradient; change --seq-length or cp"
         )
     return out
+
+
+def _expert_blocks(a: argparse.Namespace, config, block: int) -> list[str]:
+    """Block recipes' experts: each (expert, microbatch) group of rows must reach one rank (the
+    weight gradient's blocks run along its rows), and an expert tensor-parallel share of the
+    experts' hidden size must be whole blocks."""
+    if getattr(config, "experts", None) is None:
+        return []
+    tp, cp, ep = a.tensor_model_parallel_size, a.context_parallel_size, a.expert_model_parallel_size
+    etp = a.expert_tensor_parallel_size or tp
+    recipe = f"--fp8-recipe {a.fp8_recipe} with experts"
+    if cp > 1 or (a.sequence_parallel and tp > 1 and (etp * ep) % tp):
+        return [
+            f"{recipe}: at this layout one microbatch's rows for an expert reach two ranks, and "
+            f"the weight gradient's {block}-row blocks would straddle them (context parallelism, "
+            "or tokens split over tp that the experts do not exchange); give "
+            "--fp8-recipe tensorwise or delayed"
+        ]
+    ffn = config.experts.ffn_hidden_size or config.ffn_hidden_size
+    if etp > 1 and (ffn // etp) % block:
+        return [
+            f"{recipe} at an expert tensor-parallel size of {etp}: each rank's share of the "
+            f"experts' hidden size ({ffn // etp}) must be a multiple of the {block}-element block; "
+            "change --moe-ffn-hidden-size or --expert-tensor-parallel-size"
+        ]
+    return []

@@ -25,16 +25,27 @@ from fmeg.fp8.recipe import E4M3, Fp8Recipe
 
 # the FP8 linears of a layer, each a row of the state (a layer uses those it has)
 SITES = ("qkv", "proj", "fc1", "fc2", "q_up", "kv_up")
+# each expert's grouped linears: rows after every layer's SITES, per (layer, expert)
+EXPERT_SITES = ("fc1", "fc2")
 OPERANDS = ("x", "w", "g")
 
 
 class DelayedState:
     """history [history_len, sites, 3] and scale [sites, 3] (fp32; x, w, g per site), alike on
-    every rank. Compared and hashed by identity: the layer functions that read it are cached by
-    their settings."""
+    every rank; sites: every layer's SITES, then each layer's experts' EXPERT_SITES (num_experts:
+    the experts of a layer with experts, 0 for none). Compared and hashed by identity: the layer
+    functions that read it are cached by their settings."""
 
-    def __init__(self, num_layers: int, history_len: int, device=None, grad_factor: int = 1):
-        sites = num_layers * len(SITES)
+    def __init__(
+        self,
+        num_layers: int,
+        history_len: int,
+        device=None,
+        grad_factor: int = 1,
+        num_experts: int = 0,
+    ):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        sites = num_layers * (len(SITES) + num_experts * len(EXPERT_SITES))
         self.history = torch.zeros(history_len, sites, len(OPERANDS), device=device)
         self.scale = torch.ones(sites, len(OPERANDS), device=device)
         # the runner seeds each microbatch's backward with 1 / its rank's microbatches, so the
@@ -45,6 +56,14 @@ class DelayedState:
     def row(self, layer: int, site: str) -> int:
         return layer * len(SITES) + SITES.index(site)
 
+    def expert_row(self, layer: int, expert: int, site: str) -> int:
+        dense = self.num_layers * len(SITES)
+        return (
+            dense
+            + (layer * self.num_experts + expert) * len(EXPERT_SITES)
+            + (EXPERT_SITES.index(site))
+        )
+
     def record(self, row: int, operand: int, amax: torch.Tensor) -> None:
         """Row 0 of the history takes the max of what it holds and amax. Written through .data:
         the linear's backward records g's amax inside torch.func transforms too, where the state is
@@ -52,6 +71,17 @@ class DelayedState:
         slot = self.history.data[0, row, operand]
         amax = amax.detach().to(slot.dtype) / (self.grad_factor if operand == 2 else 1)
         slot.copy_(torch.maximum(slot, amax))
+
+    def record_rows(self, rows: torch.Tensor, operand: int, amax: torch.Tensor) -> None:
+        """record for several rows at once (an amax [len(rows)] each: the experts')."""
+        amax = amax.detach().to(self.history.dtype) / (self.grad_factor if operand == 2 else 1)
+        slots = self.history.data[0, :, operand]
+        slots.scatter_reduce_(0, rows, amax, "amax")
+
+    def scales_of(self, rows: torch.Tensor, operand: int) -> torch.Tensor:
+        """scale_of for several rows at once."""
+        scale = self.scale[rows, operand]
+        return scale / self.grad_factor if operand == 2 else scale
 
     def scale_of(self, row: int, operand: int) -> torch.Tensor:
         """The scale this layout applies (g's: one device's over grad_factor)."""

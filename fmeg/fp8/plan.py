@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fmeg.fp8.grouped import EXPERT_RECIPES, Fp8Experts
 from fmeg.fp8.linear import Fp8Gemms
 from fmeg.fp8.recipe import Fp8Recipe
 
@@ -24,6 +25,31 @@ class Fp8Layer:
         """The Fp8Gemms of the layer's linear `site` (fmeg.fp8.delayed.SITES)."""
         delayed = (self.state, self.state.row(self.index, site)) if self.state else None
         return Fp8Gemms(self.recipe, x_groups, w_groups, g_groups, delayed)
+
+    def experts(
+        self, site: str, first: int, held: int, sources: int, amax_groups=(), split_groups=()
+    ) -> Fp8Experts | None:
+        """The Fp8Experts of the layer's experts' grouped linear `site` (fc1 or fc2) for the held
+        experts numbered from first, or None where the recipe keeps experts in the compute dtype."""
+        if self.recipe.recipe not in EXPERT_RECIPES:
+            return None
+        delayed = (
+            (
+                self.state,
+                tuple(self.state.expert_row(self.index, first + e, site) for e in range(held)),
+            )
+            if self.state
+            else None
+        )
+        return Fp8Experts(
+            self.recipe,
+            sources,
+            tuple(amax_groups),
+            tuple(split_groups),
+            split_in=site == "fc2",
+            split_out=site == "fc1",
+            delayed=delayed,
+        )
 
 
 @dataclass(frozen=True)
@@ -64,10 +90,13 @@ class Fp8Plan:
             if len(fp8) > 1
             else f"layer {fp8[0]}"
         )
+        experts = self.recipe.recipe in EXPERT_RECIPES
         return (
             f"FP8 {self.recipe.label} in {where} of {self.num_layers}: their qkv, projection and "
-            "MLP GEMMs (embedding, output layer, router, experts, attention and norms in the "
-            "compute dtype)"
+            + ("MLP GEMMs and the experts' grouped GEMMs " if experts else "MLP GEMMs ")
+            + "(embedding, output layer, router, "
+            + ("" if experts else "experts, ")
+            + "attention and norms in the compute dtype)"
         )
 
 
@@ -91,4 +120,9 @@ def fp8_start_line(plan: Fp8Plan, device, sharding: str | None, eager: bool = Fa
         if eager
         else ""
     )
-    return f"{plan.label()}; GEMMs on {device} through {where}{gathered}{uncompiled}"
+    experts = (
+        ", the experts' as dequantized FP8 operands multiplied in fp32"
+        if plan.recipe.recipe in EXPERT_RECIPES
+        else ""
+    )
+    return f"{plan.label()}; GEMMs on {device} through {where}{experts}{gathered}{uncompiled}"

@@ -42,6 +42,7 @@ import torch
 
 from fmeg import ops
 from fmeg.models.mlp import dense_mlp
+from fmeg.fp8.grouped import EXPERT_RECIPES, fp8_grouped_linear
 from fmeg.ops import moe as moe_ops
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
@@ -590,12 +591,14 @@ def moe_mlp(
             "(--expert-tensor-parallel-size 1)"
         )
 
+    grouped = fp8_experts(tp, expert_tp)
+
     def experts_and_shared(q: Params, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if alltoall:
-            y = alltoall_experts(q["experts"], x, probs, experts, ep, expert_activation)
+            y = alltoall_experts(q["experts"], x, probs, experts, ep, expert_activation, grouped)
         else:
             y = allgather_experts(
-                q["experts"], x, probs, experts, dispatch, ep.rank, expert_tp, expert_activation
+                q["experts"], x, probs, experts, dispatch, ep, expert_tp, expert_activation, grouped
             )
         if "shared" not in q:
             return y
@@ -612,20 +615,44 @@ def moe_mlp(
     return experts_and_shared(held, x_BSH, probs)
 
 
+def fp8_experts(tp: TensorParallel, expert_tp: tuple):
+    """expert_rows' grouped(site, rows, weight, counts, expert_of_row, source_of_row) for this
+    layer's FP8 recipe (fmeg.fp8.grouped), or None (the compute dtype)."""
+    if tp.fp8 is None or tp.fp8.recipe.recipe not in EXPERT_RECIPES:
+        return None
+    ep, fp8 = tp.experts, tp.fp8
+
+    def grouped(site, rows, weight, counts, expert_of_row, source_of_row):
+        held = weight.shape[0]
+        spec = fp8.experts(
+            site, ep.rank * held, held, ep.num_sources, (ep.amax_group,), (expert_tp[0],)
+        )
+        return fp8_grouped_linear(rows, weight, counts, expert_of_row, source_of_row, spec)
+
+    return grouped
+
+
+def _sources(ep, members: int, device) -> torch.Tensor:
+    """The microbatch id of each of the dispatch group's members."""
+    ids = ep.sources if len(ep.sources) == members else (ep.microbatch,) * members
+    return torch.tensor(ids, device=device)
+
+
 def allgather_experts(
     p: Params,
     x_BSH: torch.Tensor,
     probs: torch.Tensor,
     experts: torch.Tensor,
     dispatch,
-    ep_rank: int,
+    ep,
     expert_tp: tuple,
     activation,
+    grouped=None,
 ) -> torch.Tensor:
     """Megatron's allgather dispatcher: every rank's tokens gathered over the dispatch group (None:
     the tokens here, or all tokens replicated over tp without sequence parallelism), each rank's
     experts (its F-slice of them) run on all of them, and a reduce-scatter returns each rank the sum
-    for its own tokens."""
+    for its own tokens. grouped: FP8 grouped GEMMs (fp8_experts), told each token's microbatch."""
     tp_group, tp_rank, tp_size = expert_tp
     replicated = dispatch is None and tp_size > 1
     if dispatch is not None:
@@ -638,6 +665,12 @@ def allgather_experts(
     else:
         x_all = x_BSH
     b, s, h = x_all.shape
+    source = None
+    if grouped is not None:
+        # the gathered sequence is each dispatch member's piece in turn
+        members = 1 if dispatch is None else dispatch.size
+        piece = (torch.arange(b * s, device=x_all.device) % s) // (s // members)
+        source = _sources(ep, members, x_all.device)[piece]
     fc1, fc2 = p["fc1"], p["fc2"]
     bias = fc2.get("bias")
     # added by one rank (the reduction sums the F-slices' partials)
@@ -652,7 +685,9 @@ def allgather_experts(
         activation,
         fc1.get("bias"),
         bias,
-        first_expert=ep_rank * fc1["weight"].shape[0],
+        first_expert=ep.rank * fc1["weight"].shape[0],
+        grouped=grouped,
+        source_of_token=source,
     )
     y = y.reshape(b, s, h)
     if dispatch is not None:
@@ -661,7 +696,13 @@ def allgather_experts(
 
 
 def alltoall_experts(
-    p: Params, x_BSH: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, ep, activation
+    p: Params,
+    x_BSH: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    ep,
+    activation,
+    grouped=None,
 ) -> torch.Tensor:
     """Megatron's alltoall dispatcher (experts not split over tp): each (token, expert) assignment
     here travels to the ep rank holding its expert, by one uneven all-to-all over ep.group, and its
@@ -682,6 +723,8 @@ def alltoall_experts(
             activation,
             fc1.get("bias"),
             fc2.get("bias"),
+            grouped=grouped,
+            source_of_token=None if grouped is None else _sources(ep, 1, x_BSH.device),
         ).reshape(b, s, h)
     me, size = ep.rank, ep.size
     # by expert, so by the rank that holds it
@@ -699,6 +742,7 @@ def alltoall_experts(
     )
     expert_of = torch.arange(held, device=rows.device).repeat(size).repeat_interleave(arrived)
     regroup = torch.argsort(expert_of, stable=True)
+    source = _sources(ep, size, rows.device).repeat_interleave(held).repeat_interleave(arrived)
     y = moe_ops.expert_rows(
         rows[regroup],
         expert_of[regroup],
@@ -708,6 +752,8 @@ def alltoall_experts(
         activation,
         fc1.get("bias"),
         fc2.get("bias"),
+        grouped,
+        source[regroup],
     )
     y = C.all_to_all_rows(y[torch.argsort(regroup)], ep.group, recv, send)
     weight = probs.reshape(-1)[order].to(y.dtype)

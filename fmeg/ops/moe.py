@@ -221,11 +221,13 @@ def expert_mlp(
     fc1_bias: torch.Tensor | None = None,
     fc2_bias: torch.Tensor | None = None,
     first_expert: int = 0,
+    grouped=None,
+    source_of_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over each token's k experts of prob * fc2(act(fc1(x))) -> [T, H], for the experts held in
     the weights (fc1 [E', F, H] or [E', 2, F, H] for gated, fc2 [E', H, F]; E' experts numbered from
     first_expert); assignments to other experts contribute nothing. activation(h [.., F] or [..,
-    2F]) -> [.., F]."""
+    2F]) -> [.., F]. grouped, source_of_token: as expert_rows takes them, per token."""
     held = fc1.shape[0]
     local = experts_TK - first_expert
     mine = (local >= 0) & (local < held)
@@ -235,7 +237,10 @@ def expert_mlp(
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=held + 1)[:held]
     token = order // experts_TK.shape[1]
-    y = expert_rows(x_TH[token], key[order], counts, fc1, fc2, activation, fc1_bias, fc2_bias)
+    source = None if source_of_token is None else source_of_token[token]
+    y = expert_rows(
+        x_TH[token], key[order], counts, fc1, fc2, activation, fc1_bias, fc2_bias, grouped, source
+    )
     weight = (probs_TK * mine).flatten()[order].to(y.dtype)
     return (
         torch.zeros_like(x_TH, dtype=y.dtype)
@@ -253,16 +258,28 @@ def expert_rows(
     activation,
     fc1_bias: torch.Tensor | None = None,
     fc2_bias: torch.Tensor | None = None,
+    grouped=None,
+    source_of_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fc2(act(fc1(row))) of each row's expert -> [N, H], for rows sorted by expert (expert_of_row;
     rows after the counts' blocks belong to none of the E' experts held and give zeros, their
-    expert_of_row E')."""
+    expert_of_row E'). grouped(site, rows, weight, counts, expert_of_row, source_of_row) replaces
+    grouped_linear (site: "fc1" or "fc2"; fmeg.fp8.grouped's FP8 GEMMs), source_of_row: each
+    row's microbatch id (None: 0 for all)."""
     held = fc1.shape[0]
-    h = grouped_linear(rows_NH, fc1, counts_E)
+    if grouped is None:
+        linear = lambda site, rows, w: grouped_linear(rows, w, counts_E)  # noqa: E731
+    else:
+        source = expert_of_row.new_zeros(()) if source_of_row is None else source_of_row
+        source = source.expand_as(expert_of_row)
+        linear = lambda site, rows, w: grouped(  # noqa: E731
+            site, rows, w, counts_E, expert_of_row, source
+        )
+    h = linear("fc1", rows_NH, fc1)
     if fc1_bias is not None:
         h = h + _per_row(fc1_bias.flatten(1), expert_of_row, held)
     h = activation(h)
-    y = grouped_linear(h, fc2, counts_E)
+    y = linear("fc2", h, fc2)
     if fc2_bias is not None:
         y = y + _per_row(fc2_bias, expert_of_row, held)
     return y
@@ -282,16 +299,18 @@ def grouped_linear(
     weight [E, 2, F, H] (gate rows, then up rows) is read as [E, 2F, H]."""
     if forward_deferrable():
         return DeferrableGroupedLinear.apply(rows_NH, weight_EFH, counts_E)
-    return _grouped_linear(rows_NH, _flat(weight_EFH), counts_E)
+    return grouped_matmul(rows_NH, _flat(weight_EFH), counts_E)
 
 
 def _flat(weight: torch.Tensor) -> torch.Tensor:
     return weight.flatten(1, -2) if weight.dim() == 4 else weight
 
 
-def _grouped_linear(
+def grouped_matmul(
     rows_NH: torch.Tensor, weight_EFH: torch.Tensor, counts_E: torch.Tensor
 ) -> torch.Tensor:
+    """grouped_linear's product for a flat weight [E, F, H], without a deferrable weight gradient
+    (fmeg.fp8.grouped multiplies its dequantized operands with it)."""
     n, e = rows_NH.shape[0], weight_EFH.shape[0]
     # an expert-parallel shard can hold none of a small model's experts
     if e == 0:
@@ -323,11 +342,11 @@ def _grouped_linear(
     return torch.cat([*parts, rest])
 
 
-def _grouped_weight_grad(
+def grouped_weight_grad(
     grad_NF: torch.Tensor, rows_NH: torch.Tensor, counts_E: torch.Tensor, shape: torch.Size
 ) -> torch.Tensor:
     """Each expert's weight gradient [E, F, H]: its rows' grad.T @ rows, as autograd computes it
-    for _grouped_linear (the same kernel, so the same bits)."""
+    for grouped_matmul (the same kernel, so the same bits)."""
     if shape[0] == 0:
         return grad_NF.new_zeros(shape)
     ends = counts_E.cumsum(0)
@@ -346,7 +365,7 @@ class DeferrableGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(rows, weight, counts):
-        return _grouped_linear(rows, _flat(weight), counts)
+        return grouped_matmul(rows, _flat(weight), counts)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -356,12 +375,12 @@ class DeferrableGroupedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         rows, weight, counts = ctx.saved_tensors
         w = _flat(weight)
-        drows = _grouped_linear(grad, w.transpose(-1, -2), counts)
+        drows = grouped_matmul(grad, w.transpose(-1, -2), counts)
         dw = None
         if ctx.needs_input_grad[1]:
 
             def compute(grad=grad, rows=rows) -> torch.Tensor:
-                return _grouped_weight_grad(grad, rows, counts, w.shape).reshape(weight.shape)
+                return grouped_weight_grad(grad, rows, counts, w.shape).reshape(weight.shape)
 
             if not defer(weight, compute):
                 dw = compute()

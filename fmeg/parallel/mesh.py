@@ -193,6 +193,11 @@ class Mesh:
         members = group_of(self.groups[name], self.rank)
         return members.index(self.rank) if members else 0
 
+    def coord_of(self, name: str, rank: int) -> int:
+        """Rank `rank`'s index inside its group `name`."""
+        members = group_of(self.groups[name], rank)
+        return members.index(rank) if members else 0
+
     def group(self, name: str) -> Any:
         """The communicator of this rank's group `name`, or None if the group has one rank."""
         return self.comms.get(name)

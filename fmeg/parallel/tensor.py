@@ -55,6 +55,14 @@ class ExpertParallel:
     tp_size: int | None = None
     # the ranks whose tokens global_aux_loss counts (megatron-core's tp-dp-cp group)
     balance_group: Any = None
+    # for FP8 experts (fmeg.fp8.grouped): the microbatch (data-parallel index) of each rank that
+    # tokens are dispatched over (group's, or tp's when the experts are not laid out apart; ()
+    # reads as one microbatch), this rank's, how many there are, and the ranks holding the same
+    # experts whose amaxes join when one microbatch's rows for an expert reach several of them
+    sources: tuple[int, ...] = ()
+    microbatch: int = 0
+    num_sources: int = 1
+    amax_group: Any = None
 
 
 NO_EP = ExpertParallel()

@@ -64,7 +64,10 @@ def layout_curve(
     mine = [shard_batch(mb, context) for mb in microbatches[rank::dp]]
     if fp8 is not None and fp8.recipe.recipe == "delayed":
         layers = config.num_layers + config.mtp_depth
-        delayed = DelayedState(layers, fp8.recipe.history_len, grad_factor=layout.dp)
+        experts = config.experts.num_experts if config.experts else 0
+        delayed = DelayedState(
+            layers, fp8.recipe.history_len, grad_factor=layout.dp, num_experts=experts
+        )
         fp8 = dataclasses.replace(fp8, state=delayed)
     settings = StepSettings(lr=lr, weight_decay=0.01, clip_grad=1.0, fp8=fp8)
     losses, norms = [], []

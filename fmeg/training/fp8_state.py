@@ -9,7 +9,7 @@ from fmeg import checkpoint
 from fmeg.checkpoint.boxes import Box
 from fmeg.checkpoint.load import Request
 from fmeg.checkpoint.save import Piece
-from fmeg.fp8.delayed import DelayedState
+from fmeg.fp8.delayed import SITES, DelayedState
 from fmeg.state.flat import FlatState
 
 
@@ -24,6 +24,7 @@ def with_fp8_state(state: FlatState, cfg, session) -> FlatState:
             plan.recipe.history_len,
             session.device,
             1 if cfg.training.per_token_loss else cfg.layout.dp,
+            cfg.model.experts.num_experts if cfg.model.experts else 0,
         )
         if plan is not None and plan.recipe.recipe == "delayed"
         else None
@@ -49,18 +50,27 @@ def fp8_pieces(state) -> list:
 
 def read_fp8(ckpt, state) -> None:
     """The saved amax history and scales into state.fp8, when the checkpoint has them (else they
-    start fresh, as a run without delayed scaling left none); a history of another length is
-    refused in one line."""
+    start fresh, as a run without delayed scaling left none); a history of another length, or
+    another model's rows, is refused in one line. A state saved before the experts had rows
+    gives the layers theirs, and the experts' start fresh."""
     if getattr(state, "fp8", None) is None or not ckpt.has("fp8/history"):
         return
     saved, mine = ckpt.shape("fp8/history"), tuple(state.fp8.history.shape)
-    if tuple(saved) != mine:
+    if saved[0] != mine[0]:
         raise checkpoint.CheckpointError(
             f"{ckpt.path}: its FP8 amax history is {saved[0]} iterations long and this run's "
             f"--fp8-amax-history-len is {mine[0]}; give --fp8-amax-history-len {saved[0]}"
         )
+    dense = state.fp8.num_layers * len(SITES)
+    if saved[1] != mine[1] and saved[1] != dense:
+        raise checkpoint.CheckpointError(
+            f"{ckpt.path}: its FP8 amax history has {saved[1]} rows and this model's {mine[1]}: "
+            "it was saved by a model with other layers or experts"
+        )
     for name in FP8_PIECES:
         t = getattr(state.fp8, name)
-        out = torch.empty(t.shape, dtype=t.dtype)
-        ckpt.read([Request(f"fp8/{name}", Box((0,) * t.dim(), tuple(t.shape)), out)])
-        t.copy_(out)
+        # saved before the experts' rows existed: theirs start fresh
+        shape = (*t.shape[:-2], saved[1], t.shape[-1])
+        out = torch.empty(shape, dtype=t.dtype)
+        ckpt.read([Request(f"fp8/{name}", Box((0,) * t.dim(), shape), out)])
+        t[..., : saved[1], :].copy_(out)

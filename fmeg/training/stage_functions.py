@@ -10,7 +10,7 @@ from fmeg.models import gpt
 from fmeg.models import gpt_pipeline as gp
 from fmeg.parallel.context import ContextParallel
 from fmeg.parallel.layout import Layout
-from fmeg.parallel.mesh import Mesh
+from fmeg.parallel.mesh import Mesh, group_of
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 
 
@@ -29,7 +29,9 @@ def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParalle
         if layout.experts_apart
         else NO_EP
     )
-    experts = dataclasses.replace(experts, balance_group=mesh.group("tp_dp_cp"))
+    experts = dataclasses.replace(
+        experts, balance_group=mesh.group("tp_dp_cp"), **_expert_sources(layout, mesh)
+    )
     return TensorParallel(
         mesh.group("tp"),
         layout.sequence_parallel,
@@ -39,6 +41,21 @@ def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParalle
         ),
         fp8_plan=fp8,
     )
+
+
+def _expert_sources(layout: Layout, mesh: Mesh) -> dict[str, Any]:
+    """ExpertParallel's FP8 fields: the microbatch of each rank tokens are dispatched over (the
+    experts' tp x ep group, or tp's), and whether the ranks splitting one microbatch (tp x cp) all
+    send to one holder of an expert; if not, the experts' amaxes join over expert_dp."""
+    members = group_of(mesh.groups["tp_ep" if layout.experts_apart else "tp"], mesh.rank)
+    members = members or [mesh.rank]
+    peers = group_of(mesh.groups["tp_cp"], mesh.rank) or [mesh.rank]
+    return {
+        "sources": tuple(mesh.coord_of("dp", r) for r in members),
+        "microbatch": mesh.coord("dp"),
+        "num_sources": layout.dp,
+        "amax_group": None if set(peers) <= set(members) else mesh.group("expert_dp"),
+    }
 
 
 def stage_compilation(

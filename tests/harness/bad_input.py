@@ -241,6 +241,12 @@ BAD = [
         "--fp8-recipe blockwise at --tensor-model-parallel-size 2: each rank's share of",
     ),
     (
+        {"WORLD_SIZE": "2"},
+        ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--num-experts", "4"]
+        + ["--context-parallel-size", "2"],
+        "--fp8-recipe mxfp8 with experts: at this layout one microbatch's rows for an expert",
+    ),
+    (
         {"WORLD_SIZE": "1"},
         ["--use-torch-fsdp2", "--use-megatron-fsdp"],
         "--use-megatron-fsdp and --use-torch-fsdp2 are two implementations of one thing; give one",
