@@ -51,8 +51,8 @@ class Fp8Flags:
     )
     fp8_param_gather: bool = switch(
         "--fp8-param-gather",
-        help="gather FP8 weights under ZeRO / FSDP: accepted; fmeg still gathers the compute "
-        "dtype (the same numbers, more bytes), as the start line says",
+        help="the distributed optimizer all-gathers the FP8 linears' weights as FP8 bytes "
+        "(Megatron-FSDP's gathers stay in the compute dtype, as the start line says)",
     )
     first_last_layers_bf16: bool = switch(
         "--first-last-layers-bf16", help="keep the first and last layers out of FP8"
@@ -105,6 +105,7 @@ def plan(a: argparse.Namespace) -> Fp8Plan | None:
         a.num_layers,
         a.num_layers_at_start_in_bf16 if keep else 0,
         a.num_layers_at_end_in_bf16 if keep else 0,
+        param_gather=a.fp8_param_gather,
     )
 
 

@@ -52,6 +52,9 @@ class DelayedState:
         # gradients inside the backward are dp times one device's: g's amax is recorded, and its
         # scale applied, in one device's units (exactly, for dp a power of two)
         self.grad_factor = grad_factor
+        # rows whose weight amax --fp8-param-gather records from the owned chunks (their
+        # linears' forward does not: it sees the dequantized weight)
+        self.weights_recorded: frozenset[int] = frozenset()
 
     def row(self, layer: int, site: str) -> int:
         return layer * len(SITES) + SITES.index(site)

@@ -93,9 +93,8 @@ def _weight_scales(w: torch.Tensor, spec: Fp8Experts) -> torch.Tensor:
     if spec.delayed is not None:
         state, state_rows = spec.delayed
         index = torch.tensor(state_rows, device=w.device, dtype=torch.long)
-        amax = w.detach().abs().flatten(1).amax(dim=1).float() if w.numel() else None
-        if amax is not None:
-            state.record_rows(index, 1, amax)
+        if w.numel() and not state.weights_recorded.issuperset(state_rows):
+            state.record_rows(index, 1, w.detach().abs().flatten(1).amax(dim=1).float())
         return state.scales_of(index, 1)
     amax = _all_max(w.detach().abs().flatten(1).amax(dim=1).float(), spec.split_groups)
     return amax_to_scale(amax, E4M3)

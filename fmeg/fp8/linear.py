@@ -115,7 +115,8 @@ def _delayed(t: torch.Tensor, gemms: Fp8Gemms, operand: int, dtype: torch.dtype)
     """t quantized with the state's scale for this operand (from earlier iterations), its amax
     recorded for the next."""
     state, row = gemms.delayed
-    state.record(row, operand, tensor_amax(t))
+    if operand != 1 or row not in state.weights_recorded:
+        state.record(row, operand, tensor_amax(t))
     return quantize_with_scale(t, state.scale_of(row, operand), dtype)
 
 

@@ -60,6 +60,8 @@ class Fp8Plan:
     bf16_at_end: int = 0
     # delayed scaling's fmeg.fp8.delayed.DelayedState (the runner's), or None
     state: Any = None
+    # --fp8-param-gather: the distributed optimizer gathers the FP8 linears' weights as FP8 bytes
+    param_gather: bool = False
 
     def covers(self, index: int) -> bool:
         """Whether layer `index` (0-based; num_layers + k: the k-th multi-token prediction layer,
@@ -110,11 +112,14 @@ def fp8_start_line(plan: Fp8Plan, device, sharding: str | None, eager: bool = Fa
         else "dequantized FP8 operands multiplied in fp32 (no _scaled_mm kernel for its scales "
         "here)"
     )
-    gathered = (
-        "; weights gathered in the compute dtype (FP8 gathers not yet: the same numbers)"
-        if sharding != "no_shard"
-        else ""
-    )
+    gathered = ""
+    if plan.param_gather:
+        gathered = {
+            "optim": "; the distributed optimizer all-gathers the FP8 weights as FP8 bytes",
+            "optim_grads": "; the distributed optimizer all-gathers the FP8 weights as FP8 bytes",
+            "optim_grads_params": "; Megatron-FSDP gathers the weights in the compute dtype "
+            "(FP8 gathers not yet: the same numbers)",
+        }.get(sharding, "; --fp8-param-gather: no weights are gathered at this layout")
     uncompiled = (
         "; the stages run eagerly: delayed scaling compiles only with one graph per stage and pp 1"
         if eager

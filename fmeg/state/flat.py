@@ -106,6 +106,7 @@ class FlatState:
         reshard_after_forward: str = "true",
         gather: LeafGather | None = None,
         replica_group: Any = None,
+        fp32_master: bool = False,
     ):
         """params: this rank's fp32 {stage: tree}, or its shapes (meta tensors: the weights are then
         zeros until assign() fills them, a unit at a time, or a checkpoint is read); counted(path,
@@ -119,7 +120,8 @@ class FlatState:
         backward, "auto" keeps the embedding and the head (torch's fully_shard default: its root
         module's); gather: each matrix leaf's local block to the whole leaf and back (the matrix
         optimizers', fmeg.state.matrix_step; default: leaves are whole here); replica_group: the
-        ranks holding the same slices (hybrid sharding's instances; None: none)."""
+        ranks holding the same slices (hybrid sharding's instances; None: none); fp32_master: a
+        master buffer even when computing in fp32 (the compute weights then may differ from it)."""
         if sharding not in SHARDINGS:
             raise ValueError(f"FlatState: sharding {sharding!r}, expected one of {SHARDINGS}")
         self.sharding = sharding
@@ -147,7 +149,7 @@ class FlatState:
             for (path, leaf), start in zip(tree.items(params), self.flat.starts)
         }
         device = tree.tree_leaves(params)[0].device if device is None else torch.device(device)
-        self._allocate(device, compute_dtype, grad_dtype, moment_dtypes)
+        self._allocate(device, compute_dtype, grad_dtype, moment_dtypes, fp32_master)
         self.assign(params)
         self.count, self.steps = torch.zeros((), dtype=torch.int64), 0
         # the fused kernel's step count, on the device
@@ -166,6 +168,8 @@ class FlatState:
             else None
         )
         self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
+        # --fp8-param-gather's fmeg.fp8.param_gather.Fp8ParamGather (the runner sets it)
+        self.fp8_gather = None
         self._index_the_step(params, counted, device)
 
     def _allocate(
@@ -174,6 +178,7 @@ class FlatState:
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
         moment_dtypes: tuple[torch.dtype, torch.dtype],
+        fp32_master: bool = False,
     ) -> None:
         """The buffers, once: whole or this rank's slice as the sharding says."""
         owned = self.size
@@ -181,7 +186,7 @@ class FlatState:
         self.weights = torch.zeros(weights, device=device, dtype=compute_dtype)
         grad = owned if self.shard_grads else self.flat.padded
         self.grad = torch.zeros(grad, device=device, dtype=grad_dtype)
-        mixed = compute_dtype != torch.float32
+        mixed = compute_dtype != torch.float32 or fp32_master
         self.main = torch.zeros(owned, device=device) if mixed else None
         self.grad32 = torch.zeros(owned, device=device) if grad_dtype != torch.float32 else None
         self.mu = torch.zeros(owned, device=device, dtype=moment_dtypes[0])
@@ -370,6 +375,11 @@ class FlatState:
         ]
 
     @property
+    def leaf_ranges(self) -> dict[str, tuple[int, int]]:
+        """{"stage.path": (its first element in the flat buffers, its number of elements)}."""
+        return self._where
+
+    @property
     def master(self) -> torch.Tensor:
         """The fp32 weights the optimizer updates: main, or (fp32 compute) the owned part of
         weights."""
@@ -555,6 +565,8 @@ class FlatState:
         if self.gathered is not None:
             if self.main is not None:
                 self.weights.copy_(self.main)
+        elif self.zero and dp_group is not None and self.fp8_gather is not None:
+            self.fp8_gather.refresh(self.master, self.weights, dp_group)
         elif self.zero and dp_group is not None:
             master, handles = self.master, []
             for u, first in enumerate(self.flat.chunk_starts):

@@ -10,6 +10,9 @@ from fmeg.checkpoint.boxes import Box
 from fmeg.checkpoint.load import Request
 from fmeg.checkpoint.save import Piece
 from fmeg.fp8.delayed import SITES, DelayedState
+from fmeg.fp8.grouped import EXPERT_RECIPES
+from fmeg.fp8.param_gather import Fp8ParamGather, Fp8Piece
+from fmeg.models import gpt_pipeline as gp
 from fmeg.state.flat import FlatState
 
 
@@ -29,7 +32,85 @@ def with_fp8_state(state: FlatState, cfg, session) -> FlatState:
         if plan is not None and plan.recipe.recipe == "delayed"
         else None
     )
+    if plan is not None and plan.param_gather and gathers_fp8(cfg.layout):
+        attach_fp8_gather(state, cfg, session)
     return state
+
+
+# the FP8 linears' weights by their path's end, and their linear (fmeg.fp8.delayed.SITES)
+WEIGHT_SITES = {
+    "attn.qkv.weight": "qkv",
+    "attn.proj.weight": "proj",
+    "mlp.fc1.weight": "fc1",
+    "mlp.fc2.weight": "fc2",
+    "mlp.shared.fc1.weight": "fc1",
+    "mlp.shared.fc2.weight": "fc2",
+    "mlp.experts.fc1.weight": "fc1",
+    "mlp.experts.fc2.weight": "fc2",
+}
+
+
+def gathers_fp8(layout) -> bool:
+    """--fp8-param-gather moves FP8 bytes where the distributed optimizer all-gathers whole
+    weights after its step (Megatron's case); Megatron-FSDP's gathers stay in the compute dtype."""
+    return layout.sharding in ("optim", "optim_grads")
+
+
+def fp8_weight_pieces(part, cfg, plan, delayed, ep_rank: int) -> list[Fp8Piece]:
+    """The flat ranges of part's FP8 weights, each with one scale: a dense linear's weight, or
+    one expert's matrix of an experts' weight (fmeg.fp8.grouped)."""
+    pieces = []
+    for (path, (start, numel)), shape in zip(part.leaf_ranges.items(), part.flat.shapes):
+        names = path.split(".")
+        site = next((v for k, v in WEIGHT_SITES.items() if path.endswith("." + k)), None)
+        if site is None or names[1] != "layers":
+            continue
+        layer = gp.stage_layers(cfg.model, int(names[0]), cfg.layout.stages)[int(names[2])]
+        if not plan.covers(layer):
+            continue
+        if ".mlp.experts." not in path:
+            row = delayed.row(layer, site) if delayed else None
+            pieces.append(Fp8Piece(start, numel, row))
+            continue
+        if plan.recipe.recipe not in EXPERT_RECIPES:
+            continue
+        held, each = shape[0], numel // max(shape[0], 1)
+        for e in range(held):
+            row = delayed.expert_row(layer, ep_rank * held + e, site) if delayed else None
+            pieces.append(Fp8Piece(start + e * each, each, row))
+    return pieces
+
+
+def attach_fp8_gather(state, cfg, session) -> None:
+    """Each part of state gathers its FP8 weights as FP8 bytes (fmeg.fp8.param_gather); delayed
+    scaling's weight amaxes are then recorded from the owned chunks, not in the forward."""
+    plan, mesh, delayed = cfg.precision.fp8, session.mesh, state.fp8
+    for part in state.parts:
+        experts = part is getattr(state, "experts", None)
+        pieces = fp8_weight_pieces(part, cfg, plan, delayed, mesh.coord("ep") if experts else 0)
+        names = ("expert_dp_shard", "expert_tp") if experts else ("dp_cp_shard", "tp")
+        part.fp8_gather = Fp8ParamGather(
+            pieces,
+            part.flat.units,
+            part.flat.chunk_starts,
+            part.dp,
+            part.dp_rank,
+            part.weights.dtype,
+            plan.recipe,
+            tuple(mesh.group(n) for n in names),
+            part.weights.device,
+            delayed,
+        )
+        if delayed is not None:
+            rows = {p.row for p in pieces}
+            delayed.weights_recorded = delayed.weights_recorded | frozenset(rows)
+
+
+def record_fp8_weights(state) -> None:
+    """Delayed scaling with --fp8-param-gather: this step's weight amaxes, from the owned chunks."""
+    for part in getattr(state, "parts", ()):
+        if getattr(part, "fp8_gather", None) is not None:
+            part.fp8_gather.record(part.master)
 
 
 FP8_PIECES = ("history", "scale")

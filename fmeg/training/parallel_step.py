@@ -27,6 +27,7 @@ from fmeg.parallel.pipeline.segments import subtree
 from fmeg.parallel.sharding import partition_of, shard
 from fmeg.config.optimizer_flags import OptimizerConfig
 from fmeg.state.flat import FlatState
+from fmeg.training.fp8_state import record_fp8_weights
 from fmeg.training.step_settings import StepSettings
 from fmeg.fp8 import delayed
 from fmeg.training import optimizers, step_hooks
@@ -184,6 +185,7 @@ def init_state(
     reshard_after_forward: str = "true",
     moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     scaler: loss_scale.LossScale | None = None,
+    fp32_master: bool = False,
 ) -> FlatState:
     """This rank's training state from its fp32 params ({stage: tree}, or their shapes as meta
     tensors with the device to hold the state on: state.assign() or a checkpoint then fills it): the
@@ -193,7 +195,8 @@ def init_state(
     reduced in grad_dtype (bf16: Megatron's --grad-reduce-in-bf16), Adam's moments stored in
     moment_dtypes (Megatron's precision-aware optimizer: bf16, stepped in fp32), the loss scaled by
     scaler's scale (fp16: the optimizer wrapped by optim.with_loss_scale). Under expert parallelism
-    the experts' leaves have a state of their own (fmeg.state.experts)."""
+    the experts' leaves have a state of their own (fmeg.state.experts). fp32_master: an fp32
+    master apart from fp32 compute weights (--fp8-param-gather's weights are FP8 numbers)."""
     tx = optimizers.build(optimizer, config, embedding_or_output(layout), moment_dtypes)
     options = dict(
         compute_dtype=compute_dtype,
@@ -202,6 +205,7 @@ def init_state(
         reshard_after_forward=reshard_after_forward,
         optimizer=optim.with_loss_scale(tx, scaler) if scaler else tx,
         gather=optimizers.TensorParallelLeaves(layout, mesh, optimizer.blockwise),
+        fp32_master=fp32_master,
     )
     if layout.experts_apart:
         from fmeg.state.experts import ExpertSplitState
@@ -348,6 +352,8 @@ def train_iteration(
         state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8
     )
     reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
+    # --fp8-param-gather with delayed scaling: the weights' amaxes from the owned chunks
+    record_fp8_weights(state)
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )

@@ -412,6 +412,8 @@ def test_llama3_8b_script_with_its_fp8_flags_trains_saves_and_resumes(tmp_path):
         stdout
     )
     assert "amax history of 1024 iterations (max, margin 0)) in layers 0-3 of 4" in stdout
+    # --fp8-param-gather with the distributed optimizer
+    assert "all-gathers the FP8 weights as FP8 bytes" in stdout
     train = [r for r in records + resumed if "lm_loss" in r]
     assert [r["iteration"] for r in train] == list(range(1, 13)) and "resumed from" in stdout2
     assert all(math.isfinite(r["lm_loss"]) for r in train)
