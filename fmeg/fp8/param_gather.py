@@ -113,7 +113,7 @@ class Fp8ParamGather:
     ):
         """delayed: delayed scaling's DelayedState (its scales quantize; pieces name its rows)."""
         self.pieces, self.dtype, self.recipe, self.groups = pieces, dtype, recipe, groups
-        self.delayed = delayed
+        self.delayed, self.scale = delayed, None
         self.dp, self.chunk_starts = dp, chunk_starts
         size = torch.empty((), dtype=dtype).element_size()
         self.units = []
@@ -164,28 +164,51 @@ class Fp8ParamGather:
                 amax = group.all_reduce(amax, "max")
         return amax_to_scale(amax, E4M3)
 
+    def prepare(self, master: torch.Tensor) -> None:
+        """The pieces' scales for the weights master holds now (every rank of groups calls it:
+        tensor-wise scaling reduces over them); pack and unpack use them until forget()."""
+        self.scale = self.scales(self._owned(master))
+
+    def forget(self) -> None:
+        """The weights are about to change: no scales until the next prepare()."""
+        self.scale = None
+
+    def pack(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
+        """This rank's bytes of unit (chunk: its owned elements in the compute dtype)."""
+        u, values = self.units[unit], chunk.float()
+        top = fp8_max(E4M3)
+        packed = torch.zeros(u.length, dtype=torch.uint8, device=chunk.device)
+        q = (values[u.mine8] * self.scale[u.mine_piece8]).clamp(-top, top).to(E4M3)
+        packed[: q.numel()] = q.view(torch.uint8)
+        rest = values[u.mine_other].to(self.dtype).view(torch.uint8)
+        offset = _aligned(q.numel(), self.dtype)
+        packed[offset : offset + rest.numel()] = rest
+        return packed
+
+    def unpack(self, unit: int, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Every rank's bytes of unit (pack's, all-gathered) written into out (the unit's flat
+        weights), the FP8 pieces dequantized."""
+        u = self.units[unit]
+        fp8 = gathered[u.byte8].view(E4M3).float() / self.scale[u.piece8]
+        out[u.at8] = fp8.to(self.dtype)
+        out[u.at_other] = gathered.view(self.dtype)[u.other]
+
+    def bytes_of(self, unit: int) -> int:
+        """The bytes every rank gathers of unit."""
+        return self.units[unit].length * self.dp
+
     def refresh(self, master: torch.Tensor, weights: torch.Tensor, group: Any) -> None:
         """Every unit's chunks all-gathered over group into weights: FP8 pieces as FP8 bytes,
-        written dequantized."""
-        owned = self._owned(master)
-        scale = self.scales(owned)
-        top = fp8_max(E4M3)
-        gathered = []
-        for u, values in zip(self.units, owned):
-            packed = torch.zeros(u.length, dtype=torch.uint8, device=weights.device)
-            q = (values[u.mine8] * scale[u.mine_piece8]).clamp(-top, top).to(E4M3)
-            packed[: q.numel()] = q.view(torch.uint8)
-            rest = values[u.mine_other].to(self.dtype).view(torch.uint8)
-            offset = _aligned(q.numel(), self.dtype)
-            packed[offset : offset + rest.numel()] = rest
-            out = torch.empty(u.length * self.dp, dtype=torch.uint8, device=weights.device)
-            gathered.append((out, group.all_gather_into_async(out, packed)))
-        for u, (out, handle) in zip(self.units, gathered):
+        written dequantized (the distributed optimizer's refresh)."""
+        self.prepare(master)
+        pending = []
+        for i, chunk in enumerate(self._owned(master)):
+            out = torch.empty(self.bytes_of(i), dtype=torch.uint8, device=weights.device)
+            pending.append((out, group.all_gather_into_async(out, self.pack(i, chunk))))
+        for i, (out, handle) in enumerate(pending):
             handle.wait()
-            unit = weights[u.start : u.start + u.at8.numel() + u.at_other.numel()]
-            fp8 = out[u.byte8].view(E4M3).float() / scale[u.piece8]
-            unit[u.at8] = fp8.to(self.dtype)
-            unit[u.at_other] = out.view(self.dtype)[u.other]
+            u = self.units[i]
+            self.unpack(i, out, weights[u.start : u.start + u.at8.numel() + u.at_other.numel()])
 
 
 def _aligned(count: int, dtype: torch.dtype) -> int:

@@ -117,8 +117,7 @@ def fp8_start_line(plan: Fp8Plan, device, sharding: str | None, eager: bool = Fa
         gathered = {
             "optim": "; the distributed optimizer all-gathers the FP8 weights as FP8 bytes",
             "optim_grads": "; the distributed optimizer all-gathers the FP8 weights as FP8 bytes",
-            "optim_grads_params": "; Megatron-FSDP gathers the weights in the compute dtype "
-            "(FP8 gathers not yet: the same numbers)",
+            "optim_grads_params": "; Megatron-FSDP all-gathers the FP8 weights as FP8 bytes",
         }.get(sharding, "; --fp8-param-gather: no weights are gathered at this layout")
     uncompiled = (
         "; the stages run eagerly: delayed scaling compiles only with one graph per stage and pp 1"

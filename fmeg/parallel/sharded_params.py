@@ -91,6 +91,12 @@ class ShardedParams:
         self._order: list[tuple[str, bool]] = []
         # the unit used after each use, last iteration
         self._next: dict[tuple[str, bool], str] = {}
+        # --fp8-param-gather's fmeg.fp8.param_gather.Fp8ParamGather over these units (the runner
+        # sets it): use() gathers FP8 bytes while it holds scales; every unit's index in it
+        self.fp8 = None
+        self._index = {u: i for i, u in enumerate(self.units)}
+        # unit -> the bytes an FP8 gather is filling
+        self._packed: dict[str, torch.Tensor] = {}
 
     @functools.cache  # noqa: B019 - one entry per segment, for the object's life
     def units_of(self, stage: int, keys: tuple[str, ...] | None) -> list[str]:
@@ -139,9 +145,14 @@ class ShardedParams:
 
     @contextlib.contextmanager
     def everything(self) -> Iterator[None]:
-        """Every unit gathered (a norm of the weights, a checkpoint of whole weights)."""
+        """Every unit gathered in the compute dtype (a norm of the weights, a checkpoint of whole
+        weights): a prefetch in FP8 is dropped first."""
+        for unit in list(self._gathering):
+            self._wait(unit)
+            if not self._users[unit]:
+                self.buffers[unit].untyped_storage().resize_(0)
         for unit in self.units:
-            self._acquire(unit)
+            self._acquire(unit, exact=True)
         try:
             yield
         finally:
@@ -163,12 +174,12 @@ class ShardedParams:
             if not self._users[unit]:
                 self.buffers[unit].untyped_storage().resize_(0)
 
-    def _acquire(self, unit: str, backward: bool = False) -> None:
-        if self._order[-1:] != [(unit, backward)]:
+    def _acquire(self, unit: str, backward: bool = False, exact: bool = False) -> None:
+        if not exact and self._order[-1:] != [(unit, backward)]:
             self._order.append((unit, backward))
         if not self._users[unit]:
             if unit not in self._gathering:
-                self._start(unit)
+                self._start(unit, exact)
             self._wait(unit)
         self._users[unit] += 1
 
@@ -177,15 +188,24 @@ class ShardedParams:
         if not self._users[unit] and unit not in self._gathering:
             self.buffers[unit].untyped_storage().resize_(0)
 
-    def _start(self, unit: str) -> None:
-        """Give the unit's buffer storage and start all-gathering every rank's chunk into it."""
+    def _start(self, unit: str, exact: bool = False) -> None:
+        """Give the unit's buffer storage and start all-gathering every rank's chunk into it (in
+        FP8 bytes where self.fp8 holds scales, unless exact)."""
         a, b = self.units[unit]
         buffer, size = self.buffers[unit], (b - a) // self.dp
         buffer.untyped_storage().resize_((b - a) * buffer.element_size())
         mine = self.owned[self.chunks[unit] :][:size]
         self._versions[unit] = buffer._version
+        fp8 = self.fp8 if self.fp8 is not None and self.fp8.scale is not None else None
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
-            if self.group is None:
+            if fp8 is not None and not exact and self.group is not None:
+                index = self._index[unit]
+                out = torch.empty(fp8.bytes_of(index), dtype=torch.uint8, device=buffer.device)
+                self._packed[unit] = out
+                self._gathering[unit] = [
+                    self.group.all_gather_into_async(out, fp8.pack(index, mine))
+                ]
+            elif self.group is None:
                 if self.dp > 1:
                     raise RuntimeError(
                         f"ShardedParams: unit {unit} needs the other ranks' chunks and there is "
@@ -200,6 +220,11 @@ class ShardedParams:
         handles = self._gathering.pop(unit, ())
         for handle in handles:
             handle.wait()
+        packed = self._packed.pop(unit, None)
+        if packed is not None:
+            buffer = self.buffers[unit]
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+                self.fp8.unpack(self._index[unit], packed, buffer)
         if handles:
             # an asynchronous all_gather_into_tensor counts versions when it completes, after
             # _start has returned (torch 2.13, gloo): the version from before it, as in _start

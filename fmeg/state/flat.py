@@ -563,6 +563,8 @@ class FlatState:
         dp_group, one all-gather per unit; with sharded weights, the owned chunks only: units are
         gathered when used)."""
         if self.gathered is not None:
+            if self.fp8_gather is not None:
+                self.fp8_gather.forget()
             if self.main is not None:
                 self.weights.copy_(self.main)
         elif self.zero and dp_group is not None and self.fp8_gather is not None:

@@ -51,8 +51,14 @@ WEIGHT_SITES = {
 
 
 def gathers_fp8(layout) -> bool:
-    """--fp8-param-gather moves FP8 bytes where the distributed optimizer all-gathers whole
-    weights after its step (Megatron's case); Megatron-FSDP's gathers stay in the compute dtype."""
+    """--fp8-param-gather moves FP8 bytes where weights are all-gathered: by the distributed
+    optimizer after its step, or by Megatron-FSDP before each use."""
+    return layout.sharding in ("optim", "optim_grads", "optim_grads_params")
+
+
+def keeps_fp32_master(layout) -> bool:
+    """The distributed optimizer's gather writes FP8 numbers into the weights it steps from in
+    fp32: the master is kept apart (Megatron-FSDP gathers into buffers of their own)."""
     return layout.sharding in ("optim", "optim_grads")
 
 
@@ -101,16 +107,22 @@ def attach_fp8_gather(state, cfg, session) -> None:
             part.weights.device,
             delayed,
         )
+        if part.gathered is not None:
+            part.gathered.fp8 = part.fp8_gather
         if delayed is not None:
             rows = {p.row for p in pieces}
             delayed.weights_recorded = delayed.weights_recorded | frozenset(rows)
 
 
 def record_fp8_weights(state) -> None:
-    """Delayed scaling with --fp8-param-gather: this step's weight amaxes, from the owned chunks."""
+    """--fp8-param-gather at a step's start: delayed scaling's weight amaxes from the owned chunks;
+    under Megatron-FSDP the scales its gathers quantize with this step."""
     for part in getattr(state, "parts", ()):
-        if getattr(part, "fp8_gather", None) is not None:
-            part.fp8_gather.record(part.master)
+        gather = getattr(part, "fp8_gather", None)
+        if gather is not None:
+            gather.record(part.master)
+            if part.gathered is not None:
+                gather.prepare(part.master)
 
 
 FP8_PIECES = ("history", "scale")

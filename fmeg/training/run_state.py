@@ -29,7 +29,7 @@ from fmeg.interop import megatron
 from fmeg.models import gpt, saved_config
 from fmeg.optim import loss_scale
 from fmeg.training import policies
-from fmeg.training.fp8_state import fp8_pieces, gathers_fp8, read_fp8, with_fp8_state
+from fmeg.training.fp8_state import fp8_pieces, keeps_fp32_master, read_fp8, with_fp8_state
 from fmeg.training.checkpoint_state import (
     KINDS,
     REPLICA_GROUPS,
@@ -59,7 +59,7 @@ def _options(cfg, session) -> dict:
         "reshard_after_forward": cfg.runtime.reshard_after_forward,
         "moment_dtypes": cfg.precision.moment_dtypes,
         "fp32_master": bool(cfg.precision.fp8 and cfg.precision.fp8.param_gather)
-        and gathers_fp8(cfg.layout),
+        and keeps_fp32_master(cfg.layout),
         "scaler": cfg.precision.scaler,
     }
 

@@ -88,24 +88,35 @@ def wire_bytes(bounds, pieces, dp, dtype):
     return sent, sum(b - a for a, b in bounds) * size
 
 
+ZERO1 = ["--use-distributed-optimizer"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+TENSORWISE = ["--fp8-recipe", "tensorwise"]
+
+
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--fp8-format", "hybrid"],
+        pytest.param(ZERO1, id="zero1_delayed"),
+        pytest.param([*ZERO1, *TENSORWISE], marks=pytest.mark.slow, id="zero1_tensorwise"),
+        pytest.param([*ZERO1, "--bf16"], marks=pytest.mark.slow, id="zero1_bf16"),
+        pytest.param(FSDP, id="fsdp_delayed"),
+        pytest.param([*FSDP, *TENSORWISE], marks=pytest.mark.slow, id="fsdp_tensorwise"),
         pytest.param(
-            ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], marks=pytest.mark.slow
+            [*FSDP, "--bf16", "--log-params-norm"], marks=pytest.mark.slow, id="fsdp_bf16"
         ),
-        pytest.param(["--fp8-format", "hybrid", "--bf16"], marks=pytest.mark.slow),
     ],
-    ids=["delayed", "tensorwise", "delayed_bf16"],
 )
 def test_the_runners_curve_with_fp8_gathers_is_the_one_without(tmp_path, flags):
+    """The distributed optimizer's gather after the step and Megatron-FSDP's before each use
+    (their weights' norm, --log-params-norm, from a gather in the compute dtype)."""
     from harness.runner import run_recipe
 
-    base = [*flags, "--use-distributed-optimizer"]
+    base = ["--fp8-format", "hybrid", "--log-interval", "1", *flags]
     plain, _ = run_recipe(tmp_path, "plain", 2, base)
     fp8, stdout = run_recipe(tmp_path, "fp8", 2, [*base, "--fp8-param-gather"])
     assert "all-gathers the FP8 weights as FP8 bytes" in stdout
+    norms = [[r.get("params_norm") for r in records] for records in (plain, fp8)]
+    assert norms[0] == norms[1]
     losses = [[r["lm_loss"] for r in records if "lm_loss" in r] for records in (plain, fp8)]
     assert len(losses[0]) == 20 and losses[0] == losses[1]
 
