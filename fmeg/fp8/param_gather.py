@@ -42,56 +42,67 @@ class Fp8Piece:
 
 
 @dataclass(frozen=True)
+class _Runs:
+    """A rank's chunk as runs: FP8 runs [first, end) with their pieces and other runs [first,
+    end) (unit positions), and the FP8 runs' pieces and lengths as tensors."""
+
+    fp8: tuple[tuple[int, int, int], ...]
+    other: tuple[tuple[int, int], ...]
+    pieces: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def fp8_count(self) -> int:
+        return sum(e - f for f, e, _ in self.fp8)
+
+
+@dataclass(frozen=True)
 class _Unit:
     """One unit's byte layout: rank r sends its chunk's FP8 elements (one byte each), then, from a
     byte offset aligned to the compute dtype, its other elements; each rank sends `length`."""
 
     start: int
+    numel: int
     length: int
-    # gathered byte of each FP8 element, its unit position and its piece
-    byte8: torch.Tensor
-    at8: torch.Tensor
-    piece8: torch.Tensor
-    # gathered element (in the compute dtype's units) of each other element, its unit position
-    other: torch.Tensor
-    at_other: torch.Tensor
-    # this rank's chunk: which of its elements are FP8 (their pieces), which not
-    mine8: torch.Tensor
-    mine_piece8: torch.Tensor
-    mine_other: torch.Tensor
+    ranks: tuple[_Runs, ...]
+    # every rank's FP8 runs' pieces and lengths, rank after rank (unpack's)
+    pieces: torch.Tensor
+    lengths: torch.Tensor
+    split: tuple[int, ...]
 
 
-def _unit(a: int, b: int, dp: int, rank: int, piece_of: torch.Tensor, size: int) -> _Unit:
-    """piece_of: each element of [a, b)'s piece, -1 for elements of no FP8 piece."""
+def _chunk_runs(lo: int, hi: int, pieces: list[Fp8Piece], a: int, device) -> _Runs:
+    """The runs of flat elements [lo, hi), in unit positions (minus a)."""
+    fp8, other, at = [], [], lo
+    for i, p in sorted(enumerate(pieces), key=lambda ip: ip[1].start):
+        first, end = max(p.start, lo), min(p.start + p.numel, hi)
+        if first >= end:
+            continue
+        if first > at:
+            other.append((at - a, first - a))
+        fp8.append((first - a, end - a, i))
+        at = end
+    if at < hi:
+        other.append((at - a, hi - a))
+    index = torch.tensor([i for _, _, i in fp8], dtype=torch.long, device=device)
+    lengths = torch.tensor([e - f for f, e, _ in fp8], dtype=torch.long, device=device)
+    return _Runs(tuple(fp8), tuple(other), index, lengths)
+
+
+def _unit(a: int, b: int, dp: int, pieces: list[Fp8Piece], size: int, device) -> _Unit:
     chunk = (b - a) // dp
-    is8 = piece_of >= 0
-    per_rank = [is8[r * chunk : (r + 1) * chunk] for r in range(dp)]
-    counts = [int(m.sum()) for m in per_rank]
-    offsets = [-(-n // size) * size for n in counts]
-    # the same offsets as _aligned gives the sender
-    length = max(o + (chunk - n) * size for o, n in zip(offsets, counts))
-    length = -(-length // size) * size
-    byte8, at8, other, at_other = [], [], [], []
-    for r, mask in enumerate(per_rank):
-        fp8_at, other_at = mask.nonzero().flatten(), (~mask).nonzero().flatten()
-        byte8.append(r * length + torch.arange(counts[r]))
-        at8.append(r * chunk + fp8_at)
-        first = (r * length + offsets[r]) // size
-        other.append(first + torch.arange(chunk - counts[r]))
-        at_other.append(r * chunk + other_at)
-    mine = per_rank[rank]
-    at8_all = torch.cat(at8)
+    ranks = tuple(
+        _chunk_runs(a + r * chunk, a + (r + 1) * chunk, pieces, a, device) for r in range(dp)
+    )
+    length = max(_aligned(r.fp8_count, size) + (chunk - r.fp8_count) * size for r in ranks)
     return _Unit(
         a,
-        length,
-        torch.cat(byte8),
-        at8_all,
-        piece_of[at8_all],
-        torch.cat(other),
-        torch.cat(at_other),
-        mine.nonzero().flatten(),
-        piece_of[rank * chunk : (rank + 1) * chunk][mine],
-        (~mine).nonzero().flatten(),
+        b - a,
+        _aligned(length, size),
+        ranks,
+        torch.cat([r.pieces for r in ranks]),
+        torch.cat([r.lengths for r in ranks]),
+        tuple(e - f for r in ranks for f, e, _ in r.fp8),
     )
 
 
@@ -114,38 +125,28 @@ class Fp8ParamGather:
         """delayed: delayed scaling's DelayedState (its scales quantize; pieces name its rows)."""
         self.pieces, self.dtype, self.recipe, self.groups = pieces, dtype, recipe, groups
         self.delayed, self.scale = delayed, None
-        self.dp, self.chunk_starts = dp, chunk_starts
-        size = torch.empty((), dtype=dtype).element_size()
-        self.units = []
-        for a, b in units:
-            piece_of = torch.full((b - a,), -1, dtype=torch.long)
-            for i, p in enumerate(pieces):
-                lo, hi = max(p.start, a), min(p.start + p.numel, b)
-                if lo < hi:
-                    piece_of[lo - a : hi - a] = i
-            unit = _unit(a, b, dp, dp_rank, piece_of, size)
-            moved = {
-                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(unit).items()
-            }
-            self.units.append(_Unit(**moved))
+        self.dp, self.rank, self.chunk_starts = dp, dp_rank, chunk_starts
+        self.size = size = torch.empty((), dtype=dtype).element_size()
+        self.units = [_unit(a, b, dp, pieces, size, device) for a, b in units]
         self.rows = torch.tensor([p.row if p.row is not None else 0 for p in pieces], device=device)
         self.sent = sum(u.length * dp for u in self.units)
         self.unpacked = sum((b - a) * size for a, b in units)
 
     def _owned(self, master: torch.Tensor) -> list[torch.Tensor]:
-        """Each unit's owned chunk, as the compute weights hold it (rounded to the compute
-        dtype), in fp32."""
-        out = []
-        for u, first in zip(self.units, self.chunk_starts):
-            chunk = (u.other.numel() + u.at8.numel()) // self.dp
-            out.append(master[first : first + chunk].to(self.dtype).float())
-        return out
+        """Each unit's owned chunk as the compute weights hold it (in the compute dtype)."""
+        return [
+            master[first : first + u.numel // self.dp].to(self.dtype)
+            for u, first in zip(self.units, self.chunk_starts)
+        ]
 
     def _amaxes(self, owned: list[torch.Tensor]) -> torch.Tensor:
         """Each piece's amax over this rank's owned chunks."""
         amax = torch.zeros(len(self.pieces), device=self.rows.device)
         for u, values in zip(self.units, owned):
-            amax.scatter_reduce_(0, u.mine_piece8, values[u.mine8].abs(), "amax")
+            mine, base = u.ranks[self.rank], self.rank * (u.numel // self.dp)
+            if mine.fp8:
+                runs = [values[f - base : e - base].abs().amax() for f, e, _ in mine.fp8]
+                amax.scatter_reduce_(0, mine.pieces, torch.stack(runs).float(), "amax")
         return amax
 
     def record(self, master: torch.Tensor) -> None:
@@ -175,23 +176,41 @@ class Fp8ParamGather:
 
     def pack(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
         """This rank's bytes of unit (chunk: its owned elements in the compute dtype)."""
-        u, values = self.units[unit], chunk.float()
-        top = fp8_max(E4M3)
+        u = self.units[unit]
+        mine, base = u.ranks[self.rank], self.rank * (u.numel // self.dp)
         packed = torch.zeros(u.length, dtype=torch.uint8, device=chunk.device)
-        q = (values[u.mine8] * self.scale[u.mine_piece8]).clamp(-top, top).to(E4M3)
-        packed[: q.numel()] = q.view(torch.uint8)
-        rest = values[u.mine_other].to(self.dtype).view(torch.uint8)
-        offset = _aligned(q.numel(), self.dtype)
-        packed[offset : offset + rest.numel()] = rest
+        n8 = mine.fp8_count
+        if n8:
+            x = torch.cat([chunk[f - base : e - base] for f, e, _ in mine.fp8]).float()
+            scale = self.scale[mine.pieces].repeat_interleave(mine.lengths, output_size=n8)
+            top = fp8_max(E4M3)
+            packed[:n8] = (x * scale).clamp(-top, top).to(E4M3).view(torch.uint8)
+        if mine.other:
+            rest = torch.cat([chunk[f - base : e - base] for f, e in mine.other])
+            offset = _aligned(n8, self.size)
+            packed[offset : offset + rest.numel() * self.size] = rest.view(torch.uint8)
         return packed
 
     def unpack(self, unit: int, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Every rank's bytes of unit (pack's, all-gathered) written into out (the unit's flat
-        weights), the FP8 pieces dequantized."""
+        weights), the FP8 pieces dequantized: a few kernels per unit, whatever its runs."""
         u = self.units[unit]
-        fp8 = gathered[u.byte8].view(E4M3).float() / self.scale[u.piece8]
-        out[u.at8] = fp8.to(self.dtype)
-        out[u.at_other] = gathered.view(self.dtype)[u.other]
+        fp8_bytes, fp8_views, other_values, other_views = [], [], [], []
+        for r, runs in enumerate(u.ranks):
+            n8, sent = runs.fp8_count, gathered[r * u.length : (r + 1) * u.length]
+            fp8_bytes.append(sent[:n8])
+            fp8_views += [out[f:e] for f, e, _ in runs.fp8]
+            sizes = [e - f for f, e in runs.other]
+            rest = sent[_aligned(n8, self.size) :].view(self.dtype)[: sum(sizes)]
+            other_values += list(rest.split(sizes))
+            other_views += [out[f:e] for f, e in runs.other]
+        if fp8_views:
+            total = sum(u.split)
+            scale = self.scale[u.pieces].repeat_interleave(u.lengths, output_size=total)
+            values = torch.cat(fp8_bytes).view(E4M3).float() / scale
+            torch._foreach_copy_(fp8_views, list(values.to(self.dtype).split(u.split)))
+        if other_views:
+            torch._foreach_copy_(other_views, other_values)
 
     def bytes_of(self, unit: int) -> int:
         """The bytes every rank gathers of unit."""
@@ -208,10 +227,9 @@ class Fp8ParamGather:
         for i, (out, handle) in enumerate(pending):
             handle.wait()
             u = self.units[i]
-            self.unpack(i, out, weights[u.start : u.start + u.at8.numel() + u.at_other.numel()])
+            self.unpack(i, out, weights[u.start : u.start + u.numel])
 
 
-def _aligned(count: int, dtype: torch.dtype) -> int:
-    """count bytes rounded up to a whole element of dtype."""
-    size = torch.empty((), dtype=dtype).element_size()
+def _aligned(count: int, size: int) -> int:
+    """count bytes rounded up to a whole element of size bytes."""
     return -(-count // size) * size
