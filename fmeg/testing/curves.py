@@ -17,6 +17,8 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from fmeg.fp8.delayed import DelayedState
 from fmeg.fp8.plan import Fp8Plan
 from fmeg.models import gpt
@@ -112,6 +114,20 @@ def layout_curve_on(
         "grad_norms": per_rank[0]["grad_norms"],
         "bytes_per_parameter": [r["bytes_per_parameter"] for r in per_rank],
     }
+
+
+def random_microbatches(
+    config: gpt.GPTConfig, count: int, rows: int = 2, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """count microbatches of rows x config.max_seq_len uniform random tokens (labels: the next
+    token; every position counted), for a curve of a small model."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        t = torch.randint(0, config.vocab_size, (rows, config.max_seq_len + 1), generator=gen)
+        mask = torch.ones(rows, config.max_seq_len)
+        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask})
+    return out
 
 
 def largest_difference(got: dict, want: dict) -> float:

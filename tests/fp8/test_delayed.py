@@ -16,7 +16,7 @@ from fmeg.fp8.recipe import Fp8Recipe
 from fmeg.models import gpt
 from fmeg.parallel.layout import Layout
 from fmeg.parallel.spmd import run_threads
-from fmeg.testing.curves import mesh_sizes
+from fmeg.testing.curves import mesh_sizes, random_microbatches
 from fmeg.training.parallel_step import initialized_state, train_iteration
 from fmeg.training.step_settings import StepSettings
 
@@ -68,15 +68,6 @@ CONFIG = gpt.GPTConfig(
 )  # fmt: skip
 
 
-def microbatches(n: int = 4) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        t = torch.randint(0, 128, (2, 33), generator=gen)
-        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 32)})
-    return out
-
-
 def scales_after(mesh, layout, steps):
     """This rank's delayed-scaling scales after each of `steps` runner steps."""
     from fmeg.parallel.context import shard_batch
@@ -86,7 +77,10 @@ def scales_after(mesh, layout, steps):
     delayed = DelayedState(CONFIG.num_layers, 4, grad_factor=layout.dp)
     plan = Fp8Plan(Fp8Recipe("hybrid", "delayed", history_len=4, algo="max"), 2, state=delayed)
     context = model_parallel(layout, mesh).context
-    mine = [shard_batch(mb, context) for mb in microbatches()[mesh.coord("dp") :: layout.dp]]
+    mine = [
+        shard_batch(mb, context)
+        for mb in random_microbatches(CONFIG, 4)[mesh.coord("dp") :: layout.dp]
+    ]
     settings = StepSettings(lr=1e-2, weight_decay=0.01, clip_grad=1.0, fp8=plan)
     out = []
     for _ in range(steps):
@@ -169,7 +163,7 @@ def test_compiled_steps_keep_the_amaxes_eager_steps_keep():
         vocab_size=128, padded_vocab_size=128, max_seq_len=32, num_layers=2, hidden_size=64,
         num_heads=4,
     )  # fmt: skip
-    batch = microbatches(1)
+    batch = random_microbatches(config, 1)
     out = []
     for compile in (None, "inductor"):
         torch._dynamo.reset()

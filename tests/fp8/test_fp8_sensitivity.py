@@ -12,6 +12,7 @@ from fmeg.fp8.recipe import Fp8Recipe
 from fmeg.models import gpt
 from fmeg.parallel.layout import Layout
 from fmeg.parallel.mesh import Mesh
+from fmeg.testing.curves import random_microbatches
 from fmeg.training.parallel_step import initialized_state, train_iteration
 from fmeg.training.step_settings import StepSettings
 
@@ -19,15 +20,6 @@ CONFIG = gpt.GPTConfig(
     vocab_size=128, padded_vocab_size=128, max_seq_len=16, num_layers=2, hidden_size=64,
     num_heads=4,
 )  # fmt: skip
-
-
-def microbatches(n: int = 4) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        t = torch.randint(0, 128, (2, 17), generator=gen)
-        out.append({"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": torch.ones(2, 16)})
-    return out
 
 
 def curve(recipe: str | None, nudge: bool, steps: int = 20) -> list[float]:
@@ -45,7 +37,12 @@ def curve(recipe: str | None, nudge: bool, steps: int = 20) -> list[float]:
     losses = []
     for _ in range(steps):
         m = train_iteration(
-            state, microbatches(), config=CONFIG, layout=layout, mesh=mesh, settings=settings
+            state,
+            random_microbatches(CONFIG, 4),
+            config=CONFIG,
+            layout=layout,
+            mesh=mesh,
+            settings=settings,
         )
         losses.append(float(m["loss"]))
     return losses
