@@ -90,6 +90,9 @@ def unit_of(path: str) -> str:
 class FlatState:
     """The training-state protocol (fmeg.state.protocol) over one set of flat buffers."""
 
+    # --fp8-param-gather's fmeg.fp8.param_gather.Fp8ParamGather (the runner sets it)
+    fp8_gather = None
+
     def __init__(
         self,
         params: dict[int, Any],
@@ -168,8 +171,6 @@ class FlatState:
             else None
         )
         self.params = self.gathered.params if self.gathered else self.flat.views(self.weights)
-        # --fp8-param-gather's fmeg.fp8.param_gather.Fp8ParamGather (the runner sets it)
-        self.fp8_gather = None
         self._index_the_step(params, counted, device)
 
     def _allocate(

@@ -352,8 +352,6 @@ def train_iteration(
         state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8
     )
     reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
-    # --fp8-param-gather with delayed scaling: the weights' amaxes from the owned chunks
-    record_fp8_weights(state)
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )
@@ -451,6 +449,8 @@ def forward_backward(
         replicated=tied_paths(config, layout, params) if state.zero else frozenset(),
         divisor=layout.dp,
     )
+    # --fp8-param-gather: this step's weight amaxes and scales, from the owned chunks
+    record_fp8_weights(state)
     loss, _ = execute.execute(
         actions,
         fns,
