@@ -23,6 +23,10 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# every command a test starts (the session's one-rank reference curves too) computes with one
+# thread, as torchrun gives each worker: float32 reductions split by the thread count, so a one-rank
+# run with the machine's count and its resumed or multi-rank counterpart with one summed differently
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_sessionfinish(session, exitstatus):
