@@ -1,16 +1,18 @@
 """FP8 across the layout table (docs/fp8.md, "The layout"): with FP8 GEMMs and fp32 elsewhere
-(--fp8-format hybrid without --bf16) the loss curve at tp 2 + sp, pp 2 with virtual stages, cp 2,
-dp 2 with ZeRO-1 and with FSDP, and ZB-V (the FP8 weight gradients in W) stays within 1e-4 of one
-rank's FP8 curve over 20 iterations, for tensor-wise and delayed scaling (measured: at most 6.7e-5;
-fp32 alone: 1.1e-7), ep 2 of the model with experts (their grouped GEMMs in FP8 too) within
-1e-5; with a 16-iteration amax window (max) dp 2, FSDP, pp 2 and ZB-V are within 1e-5; with
---bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling run saved at dp 2 with
-ZeRO-1 resumes at tp 2 + sp on its curve.
+(--fp8-format hybrid without --bf16), for tensor-wise and delayed scaling over 20 iterations, the
+loss curve at pp 2 with virtual stages and at ZB-V (the FP8 weight gradients in W) is one rank's
+within 1e-5 (measured bitwise), at dp 2 with ZeRO-1 and with FSDP, tp 2 + sp and cp 2 within 1e-4
+of it (measured 2.3e-5 to 9.0e-5; fp32 alone: 1.1e-7 or less); ep 2 of the model with experts
+(their grouped GEMMs in FP8 too) within 1e-5; with a 16-iteration amax window (max) dp 2, FSDP, pp
+2 and ZB-V within 1e-5; with --bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling
+run saved at dp 2 with ZeRO-1 resumes at tp 2 + sp on its curve. Every run here, the one-rank
+references too, computes with one thread (tests/conftest.py), as torchrun's workers do.
 
-Why 1e-4 and not fp32's 1e-5: each layout's fp32 arithmetic differs from one rank's in the last bit
-(split sums, summation order), and FP8's rounding turns a last-bit difference of a value near a
-rounding boundary into 1/16 (e4m3) to 1/4 (e5m2) of it. tests/fp8 shows the scales themselves are
-one device's (and that without the reductions they are not)."""
+Why 1e-4 and not fp32's 1e-5 at dp, tp and cp: each of those layouts' fp32 arithmetic differs from
+one rank's in the last bit (split sums, the order gradients are summed in), and FP8's rounding turns
+a last-bit difference of a value near a rounding boundary into 1/16 (e4m3) to 1/4 (e5m2) of it.
+tests/fp8 shows the scales themselves are one device's (and that without the reductions they are
+not)."""
 
 import pytest
 
@@ -50,19 +52,27 @@ def single(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name, nproc, flags", layouts.rows(ROWS, fast=("dp2_zero1",)))
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+# pipeline stages compute what one rank computes, in the same order: their FP8 curves are one
+# rank's (measured bitwise) and held to fp32's 1e-5
+PIPELINE_ROWS = ("pp2_virtual", "pp2_zero_bubble_v")
+# delayed scaling at pp 2 in the default suite, the other rows under -m slow
+DENSE_ROWS = [
+    pytest.param(recipe, *row.values, id=f"{recipe}-{row.id}", marks=row.marks)
+    for recipe in ("tensorwise", "delayed")
+    for row in layouts.rows(ROWS, fast=("pp2_virtual",) if recipe == "delayed" else ())
+]
+
+
+@pytest.mark.parametrize("recipe, name, nproc, flags", DENSE_ROWS)
 def test_fp8_curves_stay_within_the_fp8_band_of_one_ranks(
     tmp_path, single, recipe, name, nproc, flags, capsys
 ):
-    if recipe == "tensorwise" and name == "dp2_zero1":
-        pytest.skip("runs under -m slow with the other rows")
     got, stdout = curve(tmp_path, name, nproc, [*RECIPES[recipe], *flags])
     assert f"FP8 {recipe} (hybrid: e4m3 forward, e5m2 gradients;" in stdout
     difference = largest(got, single(recipe, RECIPES[recipe]))
     with capsys.disabled():
         print(f"\nFP8 {recipe} at {name}: largest difference {difference:.2e}")
-    assert difference <= FP8_BAND
+    assert difference <= (1e-5 if name in PIPELINE_ROWS else FP8_BAND)
 
 
 @pytest.mark.slow
