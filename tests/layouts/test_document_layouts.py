@@ -43,7 +43,7 @@ LAYOUTS = layouts.rows(
         "tp2_pp2_recompute",
         "compiled",
     ],
-    fast=("tp2_sp", "cp2_p2p"),
+    fast=("cp2_p2p",),
 )
 
 
