@@ -1,10 +1,11 @@
 """FP8 across the layout table (docs/fp8.md, "The layout"): with FP8 GEMMs and fp32 elsewhere
 (--fp8-format hybrid without --bf16), for tensor-wise and delayed scaling over 20 iterations, the
-loss curve at pp 2 with virtual stages and at ZB-V (the FP8 weight gradients in W) is one rank's
-within 1e-5 (measured bitwise), at dp 2 with ZeRO-1 and with FSDP, tp 2 + sp and cp 2 within 1e-4
-of it (measured 2.3e-5 to 9.0e-5; fp32 alone: 1.1e-7 or less); ep 2 of the model with experts
-(their grouped GEMMs in FP8 too) within 1e-5; with a 16-iteration amax window (max) dp 2, FSDP, pp
-2 and ZB-V within 1e-5; with --bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling
+loss curve at pp 2 with virtual stages, at ZB-V (the FP8 weight gradients in W) and at dp 2 with
+ZeRO-1 and with FSDP at one microbatch a rank is one rank's within 1e-5 (measured bitwise), at dp 2
+with two microbatches a rank, tp 2 + sp and cp 2 within 1e-4 of it (measured 2.3e-5 to 9.0e-5;
+fp32 alone: 2.2e-7 or less); ep 2 of the model with experts (their grouped GEMMs in FP8 too)
+within 1e-5; with a 16-iteration amax window (max) dp 2, FSDP, pp 2 and ZB-V within 1e-5; with
+--bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling
 run saved at dp 2 with ZeRO-1 resumes at tp 2 + sp on its curve. Every run here, the one-rank
 references too, computes with one thread (tests/conftest.py), as torchrun's workers do.
 
@@ -73,6 +74,34 @@ def test_fp8_curves_stay_within_the_fp8_band_of_one_ranks(
     with capsys.disabled():
         print(f"\nFP8 {recipe} at {name}: largest difference {difference:.2e}")
     assert difference <= (1e-5 if name in PIPELINE_ROWS else FP8_BAND)
+
+
+# tensor-wise scaling with FSDP in the default suite, the others under -m slow
+ONE_MICROBATCH_ROWS = [
+    pytest.param(recipe, *row.values, id=f"{recipe}-{row.id}", marks=row.marks)
+    for recipe in ("tensorwise", "delayed")
+    for row in layouts.rows(
+        ["dp2_zero1", "dp2_fsdp"], fast=("dp2_fsdp",) if recipe == "tensorwise" else ()
+    )
+]
+
+
+@pytest.mark.parametrize("recipe, name, nproc, flags", ONE_MICROBATCH_ROWS)
+def test_one_microbatch_per_data_parallel_rank_keeps_one_ranks_fp8_curve(
+    tmp_path, single, recipe, name, nproc, flags, capsys
+):
+    """With one microbatch of 4 per rank, dp 2 sums each gradient as one rank sums its two
+    microbatches' (a + b either way), so fp32's arithmetic is one rank's, and so is FP8's: the
+    scales (amaxes reduced over dp for delayed scaling) and every quantized operand are one
+    device's, and the curve is one rank's (measured bitwise). With two microbatches per rank the
+    sums' order differs in the last bit and the curve keeps to the FP8 band above."""
+    one_microbatch = ["--micro-batch-size", "4"]
+    want = single(f"{recipe}_mbs4", [*RECIPES[recipe], *one_microbatch])
+    got, _ = curve(tmp_path, name, nproc, [*RECIPES[recipe], *flags, *one_microbatch])
+    difference = largest(got, want)
+    with capsys.disabled():
+        print(f"\nFP8 {recipe} at {name}, one microbatch a rank: {difference:.2e}")
+    assert difference <= 1e-5
 
 
 @pytest.mark.slow
