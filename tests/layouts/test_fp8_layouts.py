@@ -56,12 +56,19 @@ def single(tmp_path_factory):
 # pipeline stages compute what one rank computes, in the same order: their FP8 curves are one
 # rank's (measured bitwise) and held to fp32's 1e-5
 PIPELINE_ROWS = ("pp2_virtual", "pp2_zero_bubble_v")
-# delayed scaling at pp 2 in the default suite, the other rows under -m slow
-DENSE_ROWS = [
-    pytest.param(recipe, *row.values, id=f"{recipe}-{row.id}", marks=row.marks)
-    for recipe in ("tensorwise", "delayed")
-    for row in layouts.rows(ROWS, fast=("pp2_virtual",) if recipe == "delayed" else ())
-]
+
+
+def recipe_rows(names: list[str], fast: tuple[str, str]) -> list:
+    """pytest parameters (recipe, name, world size, flags) of the named rows for tensor-wise and
+    delayed scaling; fast: the (recipe, row) of the default suite, the others under -m slow."""
+    return [
+        pytest.param(recipe, *row.values, id=f"{recipe}-{row.id}", marks=row.marks)
+        for recipe in ("tensorwise", "delayed")
+        for row in layouts.rows(names, fast=(fast[1],) if recipe == fast[0] else ())
+    ]
+
+
+DENSE_ROWS = recipe_rows(ROWS, fast=("delayed", "pp2_virtual"))
 
 
 @pytest.mark.parametrize("recipe, name, nproc, flags", DENSE_ROWS)
@@ -76,14 +83,7 @@ def test_fp8_curves_stay_within_the_fp8_band_of_one_ranks(
     assert difference <= (1e-5 if name in PIPELINE_ROWS else FP8_BAND)
 
 
-# tensor-wise scaling with FSDP in the default suite, the others under -m slow
-ONE_MICROBATCH_ROWS = [
-    pytest.param(recipe, *row.values, id=f"{recipe}-{row.id}", marks=row.marks)
-    for recipe in ("tensorwise", "delayed")
-    for row in layouts.rows(
-        ["dp2_zero1", "dp2_fsdp"], fast=("dp2_fsdp",) if recipe == "tensorwise" else ()
-    )
-]
+ONE_MICROBATCH_ROWS = recipe_rows(["dp2_zero1", "dp2_fsdp"], fast=("tensorwise", "dp2_fsdp"))
 
 
 @pytest.mark.parametrize("recipe, name, nproc, flags", ONE_MICROBATCH_ROWS)
