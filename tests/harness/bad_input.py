@@ -28,10 +28,6 @@ def assert_one_line_exit_2_nothing_left(
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("FMEG_CACHE", str(tmp_path / ".cache"))
-    # fmeg.launch sets OMP_NUM_THREADS=1 when unset (torchrun's default); the runs of later tests
-    # must not inherit it from this process, or their reductions split differently from the
-    # session's reference curves
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     monkeypatch.chdir(tmp_path)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     err = io.StringIO()

@@ -5,9 +5,9 @@ ZeRO-1 and with FSDP at one microbatch a rank is one rank's within 1e-5 (measure
 with two microbatches a rank, tp 2 + sp and cp 2 within 1e-4 of it (measured 2.3e-5 to 9.0e-5;
 fp32 alone: 2.2e-7 or less); ep 2 of the model with experts (their grouped GEMMs in FP8 too)
 within 1e-5; with a 16-iteration amax window (max) dp 2, FSDP, pp 2 and ZB-V within 1e-5; with
---bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling
-run saved at dp 2 with ZeRO-1 resumes at tp 2 + sp on its curve. Every run here, the one-rank
-references too, computes with one thread (tests/conftest.py), as torchrun's workers do.
+--bf16 the FP8 band is at most 3 times bf16's own; a delayed-scaling run saved at dp 2 with ZeRO-1
+resumes at tp 2 + sp on its curve. Every run here, the one-rank references too, computes with one
+thread (tests/conftest.py), as torchrun's workers do.
 
 Why 1e-4 and not fp32's 1e-5 at dp, tp and cp: each of those layouts' fp32 arithmetic differs from
 one rank's in the last bit (split sums, the order gradients are summed in), and FP8's rounding turns
