@@ -229,14 +229,19 @@ def test_building_a_fully_sharded_state_never_holds_the_whole_model():
     per parameter each: the process's resident peak grows by their 16 bytes per parameter and a few
     layers, not by a whole model per rank (4 x 4 bytes per parameter more). Megatron's
     --init-model-with-meta-device, which fmeg always does."""
-    out = run_group([sys.executable, "-c", INIT_MEMORY], timeout=600)
+    # glibc raises its mmap threshold after each large free and then keeps freed tensors in its
+    # arenas, so the high-water mark also held whatever the four threads' arenas cached (it read
+    # 16.6 to 20.1 per parameter between runs); a fixed threshold returns every large tensor to the
+    # system when freed, and the mark reads what fmeg holds (16.57 in four runs here)
+    fixed_threshold = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    out = run_group([sys.executable, "-c", INIT_MEMORY], timeout=600, env=fixed_threshold)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["per_param"] == 4
     grown_per_param = figures["grown"] / figures["numel"]
     # the states' 16 and a few units of 1/32 of the model each; a whole model drawn on each rank and
     # then sharded (as fmeg built it before) measured 25-27 here
-    assert 12 < grown_per_param < 20, grown_per_param
+    assert 12 < grown_per_param < 18, grown_per_param
 
 
 def _kept_from_forward(mesh, policy):
