@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fmeg import ops
 from fmeg.inference.kv_cache import KVCache
-from fmeg.models import gpt
+from fmeg.models import gpt, self_attention
 from fmeg.models.gpt import GPTConfig, Params
 from fmeg.parallel import collectives as C
 from fmeg.parallel.tensor import NO_TP, TensorParallel, column_parallel_linear, mask_vocab_padding
@@ -67,14 +67,14 @@ def cached_attention(
     into the cache at slots start .. start + new - 1. window: the layer's sliding window (keys at
     most that many slots before the query); sinks (config.attention.softmax_type) in the softmax's
     denominator."""
-    q, k, v = gpt.project_qkv(p, x_BSH, config, rope, tp)
+    q, k, v = self_attention.project_qkv(p, x_BSH, config, rope, tp)
     end = start + x_BSH.shape[1]
     k_cache[:, :, start:end] = k
     v_cache[:, :, start:end] = v
     if window is not None:
         slots = torch.arange(start, end, device=mask.device)[:, None]
         mask = mask & (torch.arange(end, device=mask.device) >= slots - window)
-    sinks = gpt.attention_sinks(p, config, q)
+    sinks = self_attention.attention_sinks(p, config, q)
     if sinks is not None:
         out = ops.sink_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask, sinks=sinks)
     else:
@@ -85,7 +85,7 @@ def cached_attention(
             attn_mask=mask,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-    return gpt.project_out(p, out, tp)
+    return self_attention.project_out(p, out, tp)
 
 
 def stage_forward(
@@ -116,7 +116,7 @@ def stage_forward(
     positions, mask = positions_and_mask(cache, new)
     rope = None
     if config.position == "rope":
-        cos, sin = gpt.rope_tables(positions, config)
+        cos, sin = self_attention.rope_tables(positions, config)
         # [b, 1, new, d]: broadcast over heads
         rope = (cos[:, None], sin[:, None])
     if x is None:

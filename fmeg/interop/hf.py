@@ -23,7 +23,8 @@ import torch
 
 from fmeg import tree
 from fmeg.interop import hf_deepseek_v3, hf_dir, hf_gpt_oss
-from fmeg.models.gpt import GPTConfig, Params, fuse_qkv, repad_vocab, split_qkv
+from fmeg.models.gpt import GPTConfig, Params, repad_vocab
+from fmeg.models.self_attention import fuse_qkv, split_qkv
 from fmeg.models.moe import expert_ffn, moe_layers
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from fmeg.interop.hf_yarn import yarn_from_hf, yarn_to_hf
-from fmeg.models.gpt import GPTConfig, fuse_qkv, split_qkv
+from fmeg.models.gpt import GPTConfig
+from fmeg.models.self_attention import fuse_qkv, split_qkv
 
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 

@@ -23,25 +23,23 @@ Vocabulary padding is inert: rows V..Vp-1 of the tables are zero at init, never 
 softmax and get no gradient, so the padding (Megatron's depends on tp) changes no number.
 `repad_vocab` moves a tree from one padding to another.
 
-The qkv rows are grouped per key/value head g: its N/G query heads, then its key, then its value. A
-contiguous slice of rows is then a whole set of groups, which is what tensor parallelism needs; for
-the same reason apply reads head counts from the weights' shapes, so it runs unchanged on a shard.
+The qkv rows are grouped per key/value head (fmeg.models.self_attention), so a contiguous slice of
+rows is a whole set of groups, as tensor parallelism needs; apply reads head counts from the
+weights' shapes, so it runs unchanged on a shard. This file composes the layer, the embedding and
+the loss; init draws in fmeg.models.gpt_init, attention in self_attention, norms in norms.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
-import zlib
 from typing import Any
 
 import torch
-from einops import rearrange
 
 from fmeg import ops
 from fmeg.models import mla, moe
 from fmeg.models.mlp import dense_mlp
+from fmeg.models.self_attention import attention, rope_tables
 
 # part of gpt's interface: re-exported (the "X as X" form says so)
 from fmeg.models.config_rules import ACTIVATIONS as ACTIVATIONS
@@ -49,6 +47,10 @@ from fmeg.models.config_rules import GATED as GATED
 from fmeg.models.config_rules import NORMS as NORMS
 from fmeg.models.config_rules import POSITIONS as POSITIONS
 from fmeg.models.gpt_config import GPTConfig as GPTConfig
+from fmeg.models.gpt_init import init as init
+from fmeg.models.gpt_init import init_layer as init_layer
+from fmeg.models.gpt_init import init_mtp_layer as init_mtp_layer
+from fmeg.models.norms import norm as norm
 from fmeg.models.vocab import VOCAB_TABLES as VOCAB_TABLES
 from fmeg.models.vocab import pad_rows as pad_rows
 from fmeg.models.vocab import repad_vocab as repad_vocab
@@ -62,372 +64,11 @@ from fmeg.parallel.tensor import (
     hidden_dropout,
     mask_vocab_padding,
     replicated_param,
-    row_parallel_linear,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
 
 Params = dict[str, Any]
-
-# -------------------------------------------------------------------------------------------------
-# init: every leaf drawn on CPU in fp32 from its own generator, seeded by (seed, path), so a leaf
-# does not depend on which other leaves exist (a pipeline stage can build only its layers) or on the
-# machine.
-
-
-def leaf_seed(seed: int, path: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
-
-
-def _normal(shape: tuple[int, ...], std: float, seed: int, path: str) -> torch.Tensor:
-    # init's shapes only: nothing drawn
-    if torch.get_default_device().type == "meta":
-        return torch.empty(shape)
-    gen = torch.Generator().manual_seed(leaf_seed(seed, path))
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
-
-
-def _norm_params(c: GPTConfig, size: int | None = None) -> Params:
-    size = size or c.hidden_size
-    p = {"weight": torch.zeros(size) if c.norm_zero_centered else torch.ones(size)}
-    if c.norm == "layernorm":
-        p["bias"] = torch.zeros(size)
-    return p
-
-
-def _linear_params(shape: tuple[int, ...], std: float, bias: bool, seed: int, path: str) -> Params:
-    p = {"weight": _normal(shape, std, seed, f"{path}.weight")}
-    if bias:
-        p["bias"] = torch.zeros(shape[:-1])
-    return p
-
-
-def init_layer(config: GPTConfig, seed: int, index: int) -> Params:
-    """Parameters of layer `index`; output projections get Megatron's std / sqrt(2 * num_layers)."""
-    c, at = config, f"layers.{index}"
-    std, out_std = c.init_std, c.init_std / math.sqrt(2.0 * c.num_layers)
-    qkv_rows = c.num_kv_heads * (c.heads_per_group + 2) * c.head_dim
-    fc1_shape = (
-        (2, c.ffn_hidden_size, c.hidden_size)
-        if c.activation in GATED
-        else (c.ffn_hidden_size, c.hidden_size)
-    )
-    if c.attention.mla is not None:
-        attn = mla.init_attention(c, seed, f"{at}.attn", _normal, _linear_params, _norm_params)
-    else:
-        attn = {
-            "qkv": _linear_params(
-                (qkv_rows, c.hidden_size),
-                std,
-                c.bias or c.attention.qkv_bias,
-                seed,
-                f"{at}.attn.qkv",
-            ),
-            "proj": _linear_params(
-                (c.hidden_size, c.num_heads * c.head_dim), out_std, c.bias, seed, f"{at}.attn.proj"
-            ),
-        }
-    # drawn as megatron-core draws its softmax_offset: the weights' init method
-    if c.attention.softmax_type == "learnable":
-        attn["sinks"] = _normal((c.num_heads,), std, seed, f"{at}.attn.sinks")
-    # over each head's dimensions, shared by every head
-    if c.attention.qk_norm and c.attention.mla is None:
-        attn |= {"q_norm": _norm_params(c, c.head_dim), "k_norm": _norm_params(c, c.head_dim)}
-    if moe.moe_layers(c, mtp=True)[index]:
-        mlp_params = moe.init_moe(c, seed, f"{at}.mlp", _normal, _linear_params)
-    else:
-        mlp_params = {
-            "fc1": _linear_params(fc1_shape, std, c.bias, seed, f"{at}.mlp.fc1"),
-            "fc2": _linear_params(
-                (c.hidden_size, c.ffn_hidden_size), out_std, c.bias, seed, f"{at}.mlp.fc2"
-            ),
-        }
-    return {
-        "attn_norm": _norm_params(c),
-        "attn": attn,
-        "mlp_norm": _norm_params(c),
-        "mlp": mlp_params,
-    }
-
-
-def init_mtp_layer(config: GPTConfig, seed: int, k: int) -> Params:
-    """Multi-token prediction depth k + 1's parameters (fmeg.models.mtp): its norms, eh_proj [H, 2H]
-    (drawn as megatron-core draws it, std init_std) and a decoder layer numbered num_layers + k, of
-    the last layer's kind."""
-    c, at = config, f"mtp.{k}"
-    return {
-        "enorm": _norm_params(c),
-        "hnorm": _norm_params(c),
-        "eh_proj": _linear_params(
-            (c.hidden_size, 2 * c.hidden_size), c.init_std, False, seed, f"{at}.eh_proj"
-        ),
-        "layer": init_layer(c, seed, c.num_layers + k),
-        "final_norm": _norm_params(c),
-    }
-
-
-def _vocab_table(c: GPTConfig, seed: int, path: str) -> torch.Tensor:
-    """The real rows drawn as for an unpadded table, then zero padding rows."""
-    return pad_rows(
-        _normal((c.vocab_size, c.hidden_size), c.init_std, seed, path), c.padded_vocab_size
-    )
-
-
-def init(
-    config: GPTConfig,
-    seed: int,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: Any = "cpu",
-    only: str | None = None,
-) -> Params:
-    """Full (unsharded) parameters; bitwise the same for the same config and seed on any machine,
-    and the same real vocabulary rows whatever the padding. Under torch.device("meta") with
-    device="meta": the shapes alone, nothing drawn or stored. only: one unit ("embedding",
-    "layers.3", "final_norm", "output", "mtp") drawn, the others meta tensors (the model built a
-    unit at a time)."""
-    c = config
-
-    def unit(name: str) -> Any:
-        return torch.device("meta") if only not in (None, name) else contextlib.nullcontext()
-
-    with unit("embedding"):
-        params: Params = {
-            "embedding": {"word": {"weight": _vocab_table(c, seed, "embedding.word.weight")}}
-        }
-        if c.position == "learned":
-            params["embedding"]["position"] = {
-                "weight": _normal(
-                    (c.max_seq_len, c.hidden_size), c.init_std, seed, "embedding.position.weight"
-                )
-            }
-    params["layers"] = []
-    for i in range(c.num_layers):
-        with unit(f"layers.{i}"):
-            params["layers"].append(init_layer(c, seed, i))
-    with unit("final_norm"):
-        params["final_norm"] = _norm_params(c)
-    if c.mtp_depth:
-        with unit("mtp"):
-            params["mtp"] = [init_mtp_layer(c, seed, k) for k in range(c.mtp_depth)]
-    if not c.tie_embeddings:
-        with unit("output"):
-            params["output"] = {"weight": _vocab_table(c, seed, "output.weight")}
-    return torch.utils._pytree.tree_map(
-        lambda t: t if t.is_meta else t.to(device=device, dtype=dtype), params
-    )
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Separate q [N*D, ...], k and v [G*D, ...] (weights or biases) -> the grouped qkv layout."""
-    g = num_kv_heads
-    q, k, v = (rearrange(t, "(g rd) ... -> g rd ...", g=g) for t in (q, k, v))
-    return rearrange(torch.cat([q, k, v], dim=1), "g rd ... -> (g rd) ...")
-
-
-def split_qkv(
-    qkv: torch.Tensor, config: GPTConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of fuse_qkv: grouped qkv rows -> (q [N*D, ...], k [G*D, ...], v [G*D, ...])."""
-    d, per_group = config.head_dim, config.heads_per_group
-    grouped = rearrange(qkv, "(g rd) ... -> g rd ...", rd=(per_group + 2) * d)
-    q, k, v = grouped.split([per_group * d, d, d], dim=1)
-    return tuple(rearrange(t, "g rd ... -> (g rd) ...") for t in (q, k, v))
-
-
-# ------------------------------------------------------------------------------------------------
-# apply
-
-
-def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    weight, bias = replicated_param(p["weight"], tp), replicated_param(p.get("bias"), tp)
-    if config.norm_zero_centered:
-        weight = weight + 1.0
-    if config.norm == "rmsnorm":
-        return ops.rms_norm(x, weight, config.norm_eps)
-    return ops.layer_norm(x, weight, bias, config.norm_eps)
-
-
-def attention(
-    p: Params,
-    x_BSH: torch.Tensor,
-    config: GPTConfig,
-    rope: tuple | None,
-    tp: TensorParallel = NO_TP,
-    key: Any = None,
-    recompute: frozenset[str] = frozenset(),
-    documents: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Causal self-attention over the heads held in p (all of them, or a tensor-parallel shard);
-    with a key, attention dropout masks each probability by its global (batch, head, query, key)
-    position. recompute: Megatron's --recompute-modules this layer recomputes; "core_attn" keeps
-    only q, k and v of the attention core for backward, "mla_up_proj" only MLA's latents
-    (fmeg.models.mla). documents: the rows' packed documents as host cu_seqlens [b, s + 1]
-    (ops.document_attention), or None. window: this layer's sliding window (config.layer_window), or
-    None; with it or with sinks (config.attention.softmax_type) the core is written out
-    (sink_core)."""
-    q, k, v = project_qkv(p, x_BSH, config, rope, tp, "mla_up_proj" in recompute)
-    value_dim = v.shape[-1]
-    if value_dim != q.shape[-1] and (documents is not None or tp.context.size > 1):
-        # these cores take one head dimension
-        v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
-    offset = tp.rank * q.shape[1]
-    sinks = attention_sinks(p, config, q)
-    if window is not None or sinks is not None:
-        core = sink_core(config, tp.context, key, offset, window, documents)
-    # the sequence split over cp ranks
-    elif tp.context.size > 1:
-        core = context.core(
-            tp.context, config.attention.dropout, key, offset, config.num_heads, documents
-        )
-    elif documents is not None:
-        core = functools.partial(
-            ops.document_attention,
-            cu_seqlens=documents,
-            dropout_p=config.attention.dropout,
-            key=key,
-            head_offset=offset,
-            total_heads=config.num_heads,
-        )
-    else:
-        core = functools.partial(
-            ops.causal_attention,
-            dropout_p=config.attention.dropout,
-            key=key,
-            head_offset=offset,
-            total_heads=config.num_heads,
-        )
-    args = (q, k, v) if sinks is None else (q, k, v, sinks)
-    out = ops.recomputed(core, *args) if "core_attn" in recompute else core(*args)
-    return project_out(p, out[..., :value_dim], tp)
-
-
-def attention_sinks(p: Params, config: GPTConfig, q: torch.Tensor) -> torch.Tensor | None:
-    """The sink logits of the heads of q [b, N, s, d]: the learnable ones in p (this rank's, split
-    over tp as the heads are), zeros for off-by-one, None for the vanilla softmax."""
-    if config.attention.softmax_type == "off-by-one":
-        return torch.zeros(q.shape[1], device=q.device)
-    return p.get("sinks")
-
-
-def sink_core(
-    config: GPTConfig,
-    cp: context.ContextParallel,
-    key: Any,
-    head_offset: int,
-    window: int | None,
-    documents: torch.Tensor | None,
-):
-    """core(q, k, v, sinks=None) of a layer with sinks or a sliding window (ops.sink_attention).
-    Under context parallelism each rank's queries attend to the whole sequence's keys and values,
-    gathered as --cp-comm-type all_gather gathers them (whatever the comm type: the windows and
-    sinks are in the mask and the softmax, which that core writes out)."""
-
-    def core(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        seq = q.shape[2] * cp.size
-        q_pos = context.positions(seq, cp.size, cp.rank, q.device)
-        k_pos = torch.arange(seq, device=q.device)
-        if cp.size > 1:
-            k, v = context.whole_sequence(k, cp), context.whole_sequence(v, cp)
-        drop = None
-        if key is not None and config.attention.dropout > 0:
-            keyed = context.AttentionDropout(
-                config.attention.dropout, key, head_offset, config.num_heads
-            )
-            drop = functools.partial(keyed, seq=seq)
-        keep = ops.visible(q_pos, k_pos, window, documents)
-        return ops.sink_attention(q, k, v, keep, sinks=sinks, drop=drop, q_pos=q_pos, k_pos=k_pos)
-
-    return core
-
-
-def project_qkv(
-    p: Params,
-    x_BSH: torch.Tensor,
-    config: GPTConfig,
-    rope: tuple | None,
-    tp: TensorParallel = NO_TP,
-    recompute_up: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention's input projection: q [b, N, s, d] and k, v [b, G, s, d] for the heads held in p
-    (column- parallel: this rank's N/t and G/t), RoPE applied to q and k when rope is given.
-    Multi-latent attention's (fmeg.models.mla) where p has its latent projections (recompute_up: its
-    up-projections recomputed)."""
-    if "kv_down" in p:
-        return mla.project_qkv(
-            p, x_BSH, config, rope, lambda q, x: norm(q, x, config, tp), tp, recompute_up
-        )
-    d, per_group = config.head_dim, config.heads_per_group
-    qkv = column_parallel_linear(x_BSH, p["qkv"]["weight"], p["qkv"].get("bias"), tp, site="qkv")
-    qkv = rearrange(qkv, "b s (g r d) -> b g r s d", r=per_group + 2, d=d)
-    q = rearrange(qkv[:, :, :per_group], "b g r s d -> b (g r) s d")
-    k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
-    if (
-        config.attention.qk_norm
-        # each head's queries and keys, before RoPE (Qwen3, Megatron's qk_layernorm)
-    ):
-        q, k = head_norm(p["q_norm"], q, config, tp), head_norm(p["k_norm"], k, config, tp)
-    if rope is not None:
-        q, k = _rotate(q, rope, config.rotary_dim), _rotate(k, rope, config.rotary_dim)
-    return q, k, v
-
-
-def head_norm(
-    p: Params, x_BNSD: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP
-) -> torch.Tensor:
-    """The norm over each head's dimensions. Its weight is replicated while the heads are split over
-    tp, so each rank's gradient covers its own heads only: copy_to sums them over tp in backward."""
-    weight, bias = p["weight"], p.get("bias")
-    if tp.size > 1:
-        weight, bias = (
-            C.copy_to(weight, tp.group),
-            None if bias is None else C.copy_to(bias, tp.group),
-        )
-    if config.norm_zero_centered:
-        weight = weight + 1.0
-    if config.norm == "rmsnorm":
-        return ops.rms_norm(x_BNSD, weight, config.norm_eps)
-    return ops.layer_norm(x_BNSD, weight, bias, config.norm_eps)
-
-
-def rope_tables(positions: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin for these positions (Llama 3.1's frequency scaling, or YaRN's, when the
-    config has it)."""
-    c = config
-    yarn = (
-        (
-            c.rope.yarn.factor,
-            c.rope.yarn.original_max_position_embeddings,
-            c.rope.yarn.beta_fast,
-            c.rope.yarn.beta_slow,
-            c.rope.yarn.mscale,
-            c.rope.yarn.mscale_all_dim,
-            c.rope.yarn.round_to_int,
-        )
-        if c.rope.kind == "yarn"
-        else None
-    )
-    return ops.rope_cos_sin(positions, c.rotary_dim, c.rope.theta, c.rope.scaling, yarn)
-
-
-def project_out(p: Params, out_BNSD: torch.Tensor, tp: TensorParallel = NO_TP) -> torch.Tensor:
-    """Attention's output projection (row-parallel) of the heads' outputs [b, N, s, d] -> [b, s,
-    h]."""
-    out = rearrange(out_BNSD, "b n s d -> b s (n d)")
-    return row_parallel_linear(out, p["proj"]["weight"], p["proj"].get("bias"), tp, site="proj")
-
-
-def _rotate(x_BNSD: torch.Tensor, rope: tuple, rotary_dim: int) -> torch.Tensor:
-    """RoPE on the first rotary_dim dimensions of each head; the rest pass through
-    (--rotary-percent)."""
-    if rotary_dim == x_BNSD.shape[-1]:
-        return ops.apply_rope(x_BNSD, *rope)
-    return torch.cat(
-        [ops.apply_rope(x_BNSD[..., :rotary_dim], *rope), x_BNSD[..., rotary_dim:]], dim=-1
-    )
 
 
 def mlp(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fmeg.models import gpt
+from fmeg.models import gpt, self_attention
 
 # the word and position embeddings, the output layer and the MTP depths' embedding copy
 SCALAR_TABLES = ("embedding.", "output.", "mtp_embedding.")
@@ -51,7 +51,7 @@ class GPTMatrices:
         return parts[0].reshape(whole.shape)
 
     def row_blocks(self, path: str, rows: int) -> list[torch.Tensor] | None:
-        """The query, key and value rows of the grouped qkv weight (gpt.split_qkv's order)."""
+        """The query, key and value rows of the grouped qkv weight (split_qkv's order)."""
         if not (self.split_qkv and path.endswith("attn.qkv.weight")):
             return None
-        return list(gpt.split_qkv(torch.arange(rows), self.config))
+        return list(self_attention.split_qkv(torch.arange(rows), self.config))

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fmeg import ops, tree
-from fmeg.models import gpt
+from fmeg.models import gpt, self_attention
 
 TINY = dict(vocab_size=37, max_seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
 
@@ -99,8 +99,8 @@ def test_fuse_and_split_qkv_round_trip(heads, rows_per_dim, seed):
     d = c.head_dim
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(m * d, rows_per_dim, generator=gen) for m in (n, g, g))
-    fused = gpt.fuse_qkv(q, k, v, g)
-    for got, want in zip(gpt.split_qkv(fused, c), (q, k, v)):
+    fused = self_attention.fuse_qkv(q, k, v, g)
+    for got, want in zip(self_attention.split_qkv(fused, c), (q, k, v)):
         assert torch.equal(got, want)
     # Group 0 comes first and holds query heads 0..n/g-1, then its key, then its value.
     assert torch.equal(fused[: (n // g) * d], q[: (n // g) * d])

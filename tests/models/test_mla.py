@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness import megatron_mla
-from fmeg.models import gpt
+from fmeg.models import gpt, self_attention
 from harness.parallel import gloo
 
 
@@ -40,12 +40,12 @@ def mla_config(**overrides) -> gpt.GPTConfig:
 
 def ours(attn, x, dout, config):
     positions = torch.arange(x.shape[1])
-    rope = gpt.rope_tables(positions, config)
+    rope = self_attention.rope_tables(positions, config)
     x = x.clone().requires_grad_()
     leaves = {
         k: {leaf: t.clone().requires_grad_() for leaf, t in sub.items()} for k, sub in attn.items()
     }
-    out = gpt.attention(leaves, x, config, rope)
+    out = self_attention.attention(leaves, x, config, rope)
     out.backward(dout)
     return (
         out.detach(),

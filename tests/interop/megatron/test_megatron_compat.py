@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fmeg import tree
-from fmeg.models import gpt
+from fmeg.models import gpt, self_attention
 from fmeg.config.arguments import lr_steps, parse_args
 from fmeg.config.validation import validate
 from fmeg.config.megatron_flags import ignored_flags
@@ -379,7 +379,8 @@ def test_rotary_percent_rotates_the_leading_dimensions_as_megatron_core():
     t_SBND = torch.randn(8, 2, 3, 16)
     want = core._apply_rotary_pos_emb_bshd(t_SBND, torch.cat([freqs, freqs], -1)[:, None, None, :])
     rope = ops.rope_cos_sin(torch.arange(8), config.rotary_dim, config.rope.theta)
-    got = gpt._rotate(t_SBND.permute(1, 2, 0, 3), rope, config.rotary_dim).permute(2, 0, 1, 3)
+    t_BNSD = t_SBND.permute(1, 2, 0, 3)
+    got = self_attention._rotate(t_BNSD, rope, config.rotary_dim).permute(2, 0, 1, 3)
     torch.testing.assert_close(got, want)
     assert torch.equal(got[..., 8:], t_SBND[..., 8:])
 
