@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fmeg.models import mla, moe
+from fmeg.models import mla, moe_rules
 from fmeg.ops.activations import GATES
 
 NORMS = ("layernorm", "rmsnorm")
@@ -156,4 +156,4 @@ def _validate_variants(c: Any) -> None:
             "learned position table)",
         )
     if c.experts is not None:
-        moe.validate(c, need)
+        moe_rules.validate(c, need)

@@ -41,16 +41,19 @@ from typing import Any
 import torch
 
 from fmeg import ops
+from fmeg.models.expert_dispatch import (
+    allgather_experts,
+    alltoall_experts,
+    dispatch_groups,
+    fp8_experts,
+)
 from fmeg.models.mlp import dense_mlp
-from fmeg.fp8.grouped import EXPERT_RECIPES, fp8_grouped_linear
 from fmeg.ops import moe as moe_ops
 from fmeg.parallel import collectives as C
 from fmeg.parallel.sharding import Partition
 from fmeg.parallel.tensor import NO_TP, SEQ_DIM, TensorParallel, replicated_param, token_positions
 
 Params = dict[str, Any]
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-DISPATCHERS = ("allgather", "alltoall")
 # Megatron's names: aux.metrics' last axis
 METRICS = ("load_balancing_loss", "z_loss", "global_load_balancing_loss")
 
@@ -97,124 +100,6 @@ def moe_layers(config, mtp: bool = False) -> tuple[bool, ...]:
 
 def expert_ffn(config) -> int:
     return config.experts.ffn_hidden_size or config.ffn_hidden_size
-
-
-def validate(config, need) -> None:
-    """GPTConfig's MoE fields, each a ValueError naming the field (need(ok, field, why))."""
-    e, k = config.experts.num_experts, config.experts.router.topk
-    need(e >= 1, "num_experts", f"must be positive, got {e}")
-    need(1 <= k <= e, "moe_router_topk", f"must be in [1, num_experts={e}], got {k}")
-    freq = config.experts.layer_freq
-    if isinstance(freq, int):
-        need(freq >= 1, "moe_layer_freq", f"must be positive, got {freq}")
-    else:
-        need(
-            len(freq) == config.num_layers and all(f in (0, 1) for f in freq),
-            "moe_layer_freq",
-            f"a list must hold one 0 or 1 per layer ({config.num_layers}), got {list(freq)}",
-        )
-    need(
-        config.experts.ffn_hidden_size is None or config.experts.ffn_hidden_size > 0,
-        "moe_ffn_hidden_size",
-        f"must be positive, got {config.experts.ffn_hidden_size}",
-    )
-    need(
-        config.experts.router.score_function in moe_ops.SCORE_FUNCTIONS,
-        "moe_router_score_function",
-        f"must be one of {moe_ops.SCORE_FUNCTIONS}, got {config.experts.router.score_function!r}",
-    )
-    need(
-        config.experts.token_dispatcher_type in DISPATCHERS,
-        "moe_token_dispatcher_type",
-        f"must be one of {DISPATCHERS}, got {config.experts.token_dispatcher_type!r}",
-    )
-    need(
-        config.experts.router.load_balancing_type in LOAD_BALANCING_TYPES,
-        "moe_router_load_balancing_type",
-        f"must be one of {LOAD_BALANCING_TYPES}, got {config.experts.router.load_balancing_type!r}",
-    )
-    need(
-        config.experts.token_drop_policy in moe_ops.DROP_POLICIES,
-        "moe_token_drop_policy",
-        f"must be one of {moe_ops.DROP_POLICIES}, got {config.experts.token_drop_policy!r}",
-    )
-    need(
-        config.experts.capacity_factor is None or config.experts.capacity_factor > 0,
-        "moe_expert_capacity_factor",
-        f"must be positive, got {config.experts.capacity_factor}",
-    )
-    need(
-        not config.experts.pad_expert_input_to_capacity
-        or config.experts.capacity_factor is not None,
-        "moe_pad_expert_input_to_capacity",
-        "needs moe_expert_capacity_factor",
-    )
-    need(
-        config.experts.aux_loss_coeff >= 0,
-        "moe_aux_loss_coeff",
-        f"must be >= 0, got {config.experts.aux_loss_coeff}",
-    )
-    validate_router(config, need)
-
-
-def validate_router(config, need) -> None:
-    """GPTConfig's routing fields: group-limited routing and the score function's options."""
-    e, k = config.experts.num_experts, config.experts.router.topk
-    groups, group_topk = config.experts.router.num_groups, config.experts.router.group_topk
-    if groups or group_topk:
-        need(
-            bool(groups) and bool(group_topk),
-            "moe_router_group_topk",
-            "group-limited routing needs both moe_router_num_groups and moe_router_group_topk",
-        )
-        need(e % groups == 0, "moe_router_num_groups", f"{groups} must divide num_experts={e}")
-        need(
-            group_topk <= groups,
-            "moe_router_group_topk",
-            f"{group_topk} exceeds moe_router_num_groups={groups}",
-        )
-        ranked_by = config.experts.router.group_score_topk
-        if ranked_by is None:
-            need(
-                k % group_topk == 0 and k // group_topk <= e // groups,
-                "moe_router_group_topk",
-                f"moe_router_topk={k} must be a multiple of {group_topk}, with at most "
-                f"{e // groups} (experts per group) taken from each group",
-            )
-        else:
-            need(
-                1 <= ranked_by <= e // groups,
-                "moe_router_group_score_topk",
-                f"must be in [1, {e // groups}] (experts per group), got {ranked_by}",
-            )
-            need(
-                k <= group_topk * (e // groups),
-                "moe_router_topk",
-                f"{k} exceeds the {group_topk * (e // groups)} experts of "
-                f"moe_router_group_topk={group_topk} groups",
-            )
-    need(
-        config.experts.router.norm_topk or config.experts.router.score_function == "sigmoid",
-        "moe_router_norm_topk",
-        "False applies to the sigmoid score function only (softmax weights are normalised by "
-        "their softmax)",
-    )
-    need(
-        not config.experts.router.pre_softmax or config.experts.router.score_function == "softmax",
-        "moe_router_pre_softmax",
-        "applies to the softmax score function only",
-    )
-    need(
-        config.experts.router.dtype in (None, "fp32", "fp64"),
-        "moe_router_dtype",
-        f"must be fp32 or fp64, got {config.experts.router.dtype!r}",
-    )
-    need(
-        not config.experts.router.enable_expert_bias
-        or config.experts.router.score_function == "sigmoid",
-        "moe_router_enable_expert_bias",
-        "needs the sigmoid score function",
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -487,31 +372,6 @@ def inject_gradient(
     return _InjectGradient.apply(x, loss, seed)
 
 
-def _dispatch_groups(tp: TensorParallel) -> tuple[bool, Any, tuple]:
-    """(every tp rank holds all the tokens?, the group tokens are dispatched over or None, the
-    experts' (tp group, rank, size)); a ValueError for layouts Megatron-core does not run."""
-    ep = tp.experts
-    # every tp rank holds (and routes) all the tokens
-    replicated = tp.size > 1 and not tp.sp
-    if replicated and ep.size > 1:
-        raise ValueError(
-            "expert parallelism with tensor parallelism needs sequence parallelism "
-            "(--sequence-parallel), as in Megatron-core"
-        )
-    if replicated and ep.tp_size not in (None, tp.size):
-        raise ValueError("an expert tensor-parallel size other than tp needs sequence parallelism")
-    # tokens move over the experts' tp x ep group (by default, tp's under sequence parallelism)
-    if replicated:
-        dispatch = None
-    elif ep.tp_size is not None or ep.size > 1:
-        dispatch = ep.group
-    else:
-        dispatch = tp.group if tp.sp else None
-    if ep.tp_size is None:
-        return replicated, dispatch, (tp.group, tp.rank, tp.size)
-    return replicated, dispatch, (ep.tp_group, ep.tp_rank, ep.tp_size)
-
-
 def _tokens_per_expert(probs, experts, valid, num_experts: int, counts: torch.Tensor):
     """How many tokens each expert took here; padded tokens are routed but not counted
     (megatron-core's padding_mask)."""
@@ -559,7 +419,7 @@ def moe_mlp(
     they are [tokens, E] and the losses' values are logged once), "moe_act" the experts' activation
     only, "shared_experts" the shared experts."""
     ep = tp.experts
-    replicated, dispatch, expert_tp = _dispatch_groups(tp)
+    replicated, dispatch, expert_tp = dispatch_groups(tp)
     logits = router_logits(p, x_BSH, config, tp)
     if config.experts.router.force_load_balancing:
         logits = random_logits(
@@ -613,154 +473,6 @@ def moe_mlp(
     if "moe" in recompute:
         return ops.recomputed_with(experts_and_shared, held, x_BSH, probs)
     return experts_and_shared(held, x_BSH, probs)
-
-
-def fp8_experts(tp: TensorParallel, expert_tp: tuple):
-    """expert_rows' grouped(site, rows, weight, counts, expert_of_row, source_of_row) for this
-    layer's FP8 recipe (fmeg.fp8.grouped), or None (the compute dtype)."""
-    if tp.fp8 is None or tp.fp8.recipe.recipe not in EXPERT_RECIPES:
-        return None
-    ep, fp8 = tp.experts, tp.fp8
-
-    def grouped(site, rows, weight, counts, expert_of_row, source_of_row):
-        held = weight.shape[0]
-        spec = fp8.experts(
-            site, ep.rank * held, held, ep.num_sources, (ep.amax_group,), (expert_tp[0],)
-        )
-        return fp8_grouped_linear(rows, weight, counts, expert_of_row, source_of_row, spec)
-
-    return grouped
-
-
-def _sources(ep, members: int, device) -> torch.Tensor:
-    """The microbatch id of each of the dispatch group's members."""
-    ids = ep.sources if len(ep.sources) == members else (ep.microbatch,) * members
-    return torch.tensor(ids, device=device)
-
-
-def allgather_experts(
-    p: Params,
-    x_BSH: torch.Tensor,
-    probs: torch.Tensor,
-    experts: torch.Tensor,
-    dispatch,
-    ep,
-    expert_tp: tuple,
-    activation,
-    grouped=None,
-) -> torch.Tensor:
-    """Megatron's allgather dispatcher: every rank's tokens gathered over the dispatch group (None:
-    the tokens here, or all tokens replicated over tp without sequence parallelism), each rank's
-    experts (its F-slice of them) run on all of them, and a reduce-scatter returns each rank the sum
-    for its own tokens. grouped: FP8 grouped GEMMs (fp8_experts), told each token's microbatch."""
-    tp_group, tp_rank, tp_size = expert_tp
-    replicated = dispatch is None and tp_size > 1
-    if dispatch is not None:
-        x_all = C.gather_from_sp(x_BSH, dispatch, SEQ_DIM)
-        probs = C.gather_from_sp(probs, dispatch, SEQ_DIM)
-        experts = C.all_gather_constant(experts, dispatch, SEQ_DIM)
-    # each rank's F-slice gives partial sums: their gradients are summed over tp
-    elif replicated:
-        x_all, probs = C.copy_to(x_BSH, tp_group), C.copy_to(probs, tp_group)
-    else:
-        x_all = x_BSH
-    b, s, h = x_all.shape
-    source = None
-    if grouped is not None:
-        # the gathered sequence is each dispatch member's piece in turn
-        members = 1 if dispatch is None else dispatch.size
-        piece = (torch.arange(b * s, device=x_all.device) % s) // (s // members)
-        source = _sources(ep, members, x_all.device)[piece]
-    fc1, fc2 = p["fc1"], p["fc2"]
-    bias = fc2.get("bias")
-    # added by one rank (the reduction sums the F-slices' partials)
-    if bias is not None and tp_size > 1:
-        bias = C.copy_to(bias, tp_group) * (1.0 if tp_rank == 0 else 0.0)
-    y = moe_ops.expert_mlp(
-        x_all.reshape(b * s, h),
-        probs.reshape(b * s, -1).to(x_all.dtype),
-        experts.reshape(b * s, -1),
-        fc1["weight"],
-        fc2["weight"],
-        activation,
-        fc1.get("bias"),
-        bias,
-        first_expert=ep.rank * fc1["weight"].shape[0],
-        grouped=grouped,
-        source_of_token=source,
-    )
-    y = y.reshape(b, s, h)
-    if dispatch is not None:
-        return C.reduce_scatter_to(y, dispatch, SEQ_DIM)
-    return C.reduce_from(y, tp_group) if replicated else y
-
-
-def alltoall_experts(
-    p: Params,
-    x_BSH: torch.Tensor,
-    probs: torch.Tensor,
-    experts: torch.Tensor,
-    ep,
-    activation,
-    grouped=None,
-) -> torch.Tensor:
-    """Megatron's alltoall dispatcher (experts not split over tp): each (token, expert) assignment
-    here travels to the ep rank holding its expert, by one uneven all-to-all over ep.group, and its
-    expert's output comes back by the reverse one; each rank weighs and sums its own tokens'
-    outputs. The counts every pair of ranks exchanges are all-gathered and read on the host first
-    (one sync, as Megatron's dispatcher makes)."""
-    b, s, h = x_BSH.shape
-    fc1, fc2 = p["fc1"], p["fc2"]
-    held, k = fc1["weight"].shape[0], experts.shape[-1]
-    chosen = experts.reshape(-1)
-    if ep.group is None:
-        return moe_ops.expert_mlp(
-            x_BSH.reshape(b * s, h),
-            probs.reshape(b * s, k).to(x_BSH.dtype),
-            experts.reshape(b * s, k),
-            fc1["weight"],
-            fc2["weight"],
-            activation,
-            fc1.get("bias"),
-            fc2.get("bias"),
-            grouped=grouped,
-            source_of_token=None if grouped is None else _sources(ep, 1, x_BSH.device),
-        ).reshape(b, s, h)
-    me, size = ep.rank, ep.size
-    # by expert, so by the rank that holds it
-    order = torch.argsort(chosen, stable=True)
-    token = order // k
-    counts = torch.bincount(chosen, minlength=held * size)
-    # [rank][expert]: assignments made there
-    table = C.all_gather_constant(counts[None], ep.group, 0).tolist()
-    send = [sum(table[me][j * held : (j + 1) * held]) for j in range(size)]
-    recv = [sum(table[i][me * held : (me + 1) * held]) for i in range(size)]
-    rows = C.all_to_all_rows(x_BSH.reshape(b * s, h)[token], ep.group, send, recv)
-    # arrived: from each rank, its rows for each of our experts in turn; regroup them by expert
-    arrived = torch.tensor(
-        [table[i][me * held + e] for i in range(size) for e in range(held)], device=rows.device
-    )
-    expert_of = torch.arange(held, device=rows.device).repeat(size).repeat_interleave(arrived)
-    regroup = torch.argsort(expert_of, stable=True)
-    source = _sources(ep, size, rows.device).repeat_interleave(held).repeat_interleave(arrived)
-    y = moe_ops.expert_rows(
-        rows[regroup],
-        expert_of[regroup],
-        torch.bincount(expert_of, minlength=held),
-        fc1["weight"],
-        fc2["weight"],
-        activation,
-        fc1.get("bias"),
-        fc2.get("bias"),
-        grouped,
-        source[regroup],
-    )
-    y = C.all_to_all_rows(y[torch.argsort(regroup)], ep.group, recv, send)
-    weight = probs.reshape(-1)[order].to(y.dtype)
-    out = torch.zeros(b * s, h, dtype=y.dtype, device=y.device).index_add(
-        0, token, y * weight[:, None]
-    )
-    return out.to(x_BSH.dtype).reshape(b, s, h)
 
 
 def shared_expert(
