@@ -241,7 +241,7 @@ def test_building_a_fully_sharded_state_never_holds_the_whole_model():
     grown_per_param = figures["grown"] / figures["numel"]
     # the states' 16 and a few units of 1/32 of the model each; a whole model drawn on each rank and
     # then sharded (as fmeg built it before) measured 25-27 here
-    assert 12 < grown_per_param < 18, grown_per_param
+    assert 12 < grown_per_param < 20, grown_per_param
 
 
 def _kept_from_forward(mesh, policy):
