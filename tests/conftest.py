@@ -63,10 +63,11 @@ _OURS = ("recipes.", "fmeg.launch", "torch.distributed.run", "bench/")
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test(monkeypatch):
     """Every fmeg command a test starts (recipes, the launcher, torchrun) runs in a session of its
-    own, and its whole process group (torchrun's workers included) is killed when the test ends,
-    pass, fail or timeout."""
-    import signal
+    own, and its whole process group and every process below it (torchrun's workers, each in a
+    session of its own) are killed when the test ends, pass, fail or timeout."""
     import subprocess
+
+    from fmeg.testing.processes import kill_tree
 
     started, real_init = [], subprocess.Popen.__init__
 
@@ -92,6 +93,6 @@ def no_process_outlives_its_test(monkeypatch):
     )
     for pid in started:
         try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            kill_tree(pid)
+        except PermissionError:
             pass

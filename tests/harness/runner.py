@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
-from fmeg.testing.processes import run_in_own_group
+from fmeg.testing.processes import kill_tree, run_in_own_group
 
 COMMON = [
     "--train-iters",
@@ -52,8 +50,11 @@ def run_group(
     return run_in_own_group(argv, timeout, env)
 
 
-def run_recipe(tmp_path, name, nproc, flags, common=COMMON) -> tuple[list[dict], str]:
-    """(metrics.jsonl records, stdout) of common + flags on nproc ranks."""
+def run_recipe(
+    tmp_path, name, nproc, flags, common=COMMON, not_on_stderr=()
+) -> tuple[list[dict], str]:
+    """(metrics.jsonl records, stdout) of common + flags on nproc ranks; not_on_stderr: texts the
+    run must not print there (warnings it should not give)."""
     log_dir = tmp_path / name
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -64,14 +65,15 @@ def run_recipe(tmp_path, name, nproc, flags, common=COMMON) -> tuple[list[dict],
         launcher + ["-m", "recipes.gpt_pretrain", *common, "--log-dir", str(log_dir), *flags]
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert not [text for text in not_on_stderr if text in out.stderr], out.stderr[-4000:]
     return [
         json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()
     ], out.stdout
 
 
-def run_layout(tmp_path, name, nproc, flags):
+def run_layout(tmp_path, name, nproc, flags, not_on_stderr=()):
     """The lm_loss of each training iteration."""
-    records, _ = run_recipe(tmp_path, name, nproc, flags)
+    records, _ = run_recipe(tmp_path, name, nproc, flags, not_on_stderr=not_on_stderr)
     return [r["lm_loss"] for r in records if "lm_loss" in r]
 
 
@@ -327,8 +329,5 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(self.proc.pid)
         self.proc.wait()
