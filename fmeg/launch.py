@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     # each refusal printed once, by the rank first to it
     refusals = tempfile.mkdtemp(prefix="fmeg-refusals-")
     os.environ[REFUSALS] = refusals
+    # torchrun keeps its own directory (torchelastic_*) under /tmp after every run: ours goes
+    # with the refusals' unless the user named one
+    if args.log_dir is None:
+        args.log_dir = os.path.join(refusals, "torchelastic")
     try:
         torchrun.run(args)
     except ChildFailedError as e:
