@@ -34,7 +34,12 @@ from fmeg.config.mtp_flags import MTPFlags
 from fmeg.config.fp8_flags import Fp8Flags
 from fmeg.config.parallel_flags import OverlapFlags, ParallelFlags
 from fmeg.config.optimizer_flags import OptimizerChoiceFlags
-from fmeg.config.training_flags import OptimizerFlags, PrecisionFlags, TrainingFlags
+from fmeg.config.training_flags import (
+    DEFAULT_TRAIN_ITERS,
+    OptimizerFlags,
+    PrecisionFlags,
+    TrainingFlags,
+)
 
 
 def batch_geometry(a: argparse.Namespace, world_size: int) -> tuple[int, int]:
@@ -121,8 +126,9 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
             steps = None
         args.train_iters = iterations_for(args.train_samples, gbs, ramp, steps) if gbs > 0 else 0
     elif args.train_iters is None:
-        args.train_iters = 100
+        args.train_iters = DEFAULT_TRAIN_ITERS
     args.notices = megatron_leniencies(args) + moe_flags.leniencies(args)
+    args.notices += pipeline_layout.v_schedule_stages(args)
     # validate() names them
     args.layout_problems = pipeline_layout.apply(args)
     from fmeg.config.checkpoint_args import router_without_bias

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fmeg.config.arguments import as_given, build_parser, parse_args
+from fmeg.config.training_flags import DEFAULT_TRAIN_ITERS
 from fmeg.config.validation import validate
 
 # the layout the user's own run had: every row sets its own
@@ -193,7 +194,7 @@ def plan(
     settings = given_settings(argv)
     settings, shrank, changed = _made_safe(settings, iterations, shrink, keep_precision)
     reference = _row("1 rank", 1, settings)
-    problems = _problems(reference)
+    problems = _problems(reference) or _load_problems(reference)
     if problems:
         raise PlanError(*problems)
     rows, not_run = [], []
@@ -203,6 +204,11 @@ def plan(
         dense = not settings.get("num_experts") and "ep" in name
         if (world > max_ranks or dense) and not layouts:
             continue
+        if world > max_ranks:
+            raise PlanError(
+                f"--layouts {name}: {world} ranks, above --max-ranks {max_ranks} (each rank is a "
+                "process on this machine; raise --max-ranks to run it)"
+            )
         row = _row(name, world, settings | layout)
         problems = _problems(row)
         if problems and layouts:
@@ -211,6 +217,11 @@ def plan(
             not_run.append(f"{name}: {problems[0]}")
         else:
             rows.append(row)
+    if not rows:
+        raise PlanError(
+            f"no layout to compare with one rank within --max-ranks {max_ranks}"
+            + (f": {'; '.join(not_run)}" if not_run else "")
+        )
     return Plan(reference, tuple(rows), tuple(shrank), tuple(changed), tuple(not_run))
 
 
@@ -292,9 +303,49 @@ def _made_safe(
         micro = out.get("micro_batch_size") or _default("micro_batch_size")
         out["global_batch_size"] = micro * 8
         changed.append(f"--global-batch-size {out['global_batch_size']}, the same at every layout")
-    out |= {"train_iters": iterations, "eval_iters": 0, "device": "cpu"}
-    out["log_interval"] = iterations
+    out, scheduled = _schedule_shrunk(out, settings, iterations)
+    shrank += scheduled
+    out |= {"eval_iters": 0, "device": "cpu", "log_interval": iterations}
     return out, shrank, changed
+
+
+def _schedule_shrunk(
+    out: dict[str, Any], given: dict[str, Any], iterations: int
+) -> tuple[dict[str, Any], list[str]]:
+    """The run's length set to the check's iterations, and its learning-rate warmup and decay
+    scaled with it (the same fractions of the run, in iterations, the warmup below the decay), each
+    change named. given: the user's settings, --train-samples among them."""
+    out, said = dict(out), []
+    length, unit = given.get("train_iters"), "iterations"
+    if given.get("train_samples") is not None:
+        length, unit = given["train_samples"], "samples"
+    elif given.get("lr_decay_samples") is not None:
+        length, unit = given["lr_decay_samples"], "samples"
+    length = length or DEFAULT_TRAIN_ITERS
+    if given.get("train_iters") not in (None, iterations):
+        said.append(f"--train-iters {given['train_iters']} -> {iterations}")
+    elif given.get("train_samples") is not None:
+        said.append(f"--train-samples {given['train_samples']} -> --train-iters {iterations}")
+    out["train_iters"] = iterations
+
+    def scaled(value: int) -> int:
+        return round(value * iterations / length)
+
+    decay_dest = "lr_decay_samples" if unit == "samples" else "lr_decay_iters"
+    decay = iterations
+    if out.get(decay_dest) is not None:
+        value = out.pop(decay_dest)
+        decay = max(1, scaled(value))
+        out["lr_decay_iters"] = decay
+        said.append(f"{_renamed(decay_dest, 'lr_decay_iters', value)}{decay}")
+    warmup_dest = "lr_warmup_samples" if unit == "samples" else "lr_warmup_iters"
+    if out.get(warmup_dest) and out.get("lr_warmup_fraction") is None:
+        value = out.pop(warmup_dest)
+        # a warmup as long as the decay would leave no decay to compare
+        warmup = min(scaled(value), decay - 1)
+        out["lr_warmup_iters"] = warmup
+        said.append(f"{_renamed(warmup_dest, 'lr_warmup_iters', value)}{warmup}")
+    return out, said
 
 
 def _shrunk(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -325,6 +376,23 @@ def _row(name: str, world: int, settings: dict[str, Any]) -> Row:
 def _problems(row: Row) -> list[str]:
     a = parse_args(list(row.argv), world_size=row.world)
     return validate(a, row.world)
+
+
+def _renamed(dest: str, to: str, value: Any) -> str:
+    """ "--flag value ->", with the new flag where it is another one."""
+    return f"{_flag(dest)} {value} -> " + ("" if dest == to else f"{_flag(to)} ")
+
+
+def _load_problems(row: Row) -> list[str]:
+    """What the runner's load finds beyond the flags' rules (a tokenizer file that is missing or
+    unreadable, a padded vocabulary too small), before any row starts."""
+    from fmeg.config.load import BadInput, load
+
+    try:
+        load(list(row.argv), row.world)
+    except BadInput as e:
+        return list(e.lines)
+    return []
 
 
 def _default(dest: str) -> Any:

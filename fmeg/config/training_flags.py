@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from fmeg.config.declare import flag, group, not_positive, outside, switch
 
+# the run's length when neither --train-iters nor --train-samples is given
+DEFAULT_TRAIN_ITERS = 100
+
 
 @group("batches and run length")
 class TrainingFlags:
@@ -33,7 +36,7 @@ class TrainingFlags:
         "'0:256 100M:512'; the last batch is the final one (--global-batch-size is ignored)",
     )
     train_iters: int | None = flag(
-        "--train-iters", type=int, help="default 100", exclusive="length"
+        "--train-iters", type=int, help=f"default {DEFAULT_TRAIN_ITERS}", exclusive="length"
     )
     train_samples: int | None = flag(
         "--train-samples",

@@ -2,8 +2,13 @@
 out and runs), and the check itself on the real runner, passing where the layouts agree and
 failing, naming the layout, where a planted bug makes one differ."""
 
+import os
+import re
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -119,9 +124,47 @@ def test_differences_are_relative_and_a_missing_metric_or_iteration_is_infinite(
     assert relative_difference(float("nan"), 1.0) == float("inf")
 
 
-def test_a_dense_check_prints_its_table_and_passes():
-    out = check("--layouts", "tp2,dp2-zero", *DENSE)
+def test_the_plan_shrinks_the_schedule_with_the_iterations_and_names_each_flag():
+    long_run = "--lr-warmup-iters 2000 --train-iters 500000".split()
+    plan = layout_check.plan([*DENSE, *long_run], iterations=20)
+    said = "\n".join(layout_check.describe(plan))
+    assert "--train-iters 500000 -> 20" in said and "--lr-warmup-iters 2000 -> 0" in said
+    reference = parse_args(list(plan.reference.argv))
+    assert (reference.train_iters, reference.lr_warmup_iters) == (20, 0)
+    # the same fractions of the run: warmup 5%, decay 80%
+    cosine = "--lr-warmup-iters 50 --lr-decay-iters 800 --train-iters 1000".split()
+    reference = parse_args(list(layout_check.plan([*DENSE, *cosine], iterations=20).reference.argv))
+    assert (reference.lr_warmup_iters, reference.lr_decay_iters) == (1, 16)
+    # a schedule in samples becomes one in iterations
+    samples = "--lr-warmup-samples 10000 --lr-decay-samples 90000 --train-samples 100000".split()
+    plan = layout_check.plan([*DENSE, *samples], iterations=10)
+    said = "\n".join(layout_check.describe(plan))
+    assert "--lr-decay-samples 90000 -> --lr-decay-iters 9" in said
+    assert "--lr-warmup-samples 10000 -> --lr-warmup-iters 1" in said
+    reference = parse_args(list(plan.reference.argv))
+    assert (reference.train_iters, reference.lr_warmup_iters, reference.lr_decay_iters) == (
+        10,
+        1,
+        9,
+    )
+    assert reference.train_samples is None and reference.lr_decay_samples is None
+
+
+def test_a_dense_check_prints_its_table_and_progress_and_passes():
+    # a Megatron-sized schedule: the check runs 5 iterations of it and says so
+    long_run = ["--lr-warmup-iters", "2000", "--train-iters", "500000"]
+    out = check("--layouts", "tp2,dp2-zero", *DENSE, *long_run)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "--train-iters 500000 -> 5; --lr-warmup-iters 2000 -> 0" in out.stdout
+    # a line on stderr as each layout starts and ends, with an estimate of the rest
+    progress = out.stderr.strip().splitlines()
+    assert progress[0] == "[1/3] running 1 rank ...", out.stderr
+    assert re.fullmatch(
+        r"\[1/3\] 1 rank done; \d+ s so far, about \d+ s left; "
+        r"\[2/3\] running tp2 on 2 ranks \.\.\.",
+        progress[1],
+    ), progress
+    assert re.fullmatch(r"\[3/3\] dp2-zero done; \d+ s so far", progress[-1]), progress
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
     assert rows["tp2"].endswith("same") and rows["dp2-zero"].endswith("same")
     # each rank's persistent state, in MB: ZeRO-1 slices the optimizer's part over the 2 ranks
@@ -165,6 +208,103 @@ def test_bad_layouts_and_flags_are_one_line_and_exit_2():
     ]
     out = check("--num-layers", "0", timeout=120)
     assert out.returncode == 2 and "--num-layers" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        (["--iterations", "0"], "--iterations must be at least 1, got 0"),
+        (["--tolerance", "nan"], "--tolerance must be a finite number >= 0, got nan"),
+        (["--tolerance", "-1"], "--tolerance must be a finite number >= 0, got -1"),
+        (["--max-ranks", "0"], "--max-ranks must be at least 2"),
+        (["--max-ranks", "-1"], "--max-ranks must be at least 2"),
+        (["--timeout", "0"], "--timeout must be a number of seconds above 0, got 0"),
+        (["--layouts", "tp2-pp2-dp2"], "--layouts tp2-pp2-dp2: 8 ranks, above --max-ranks 4"),
+        (["--layouts", "tp4-pp2-cp16-dp8", "--max-ranks", "8"], "1024 ranks, above --max-ranks 8"),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "{tmp}/none.json"],
+            "--tokenizer-model {tmp}/none.json: no such file",
+        ),
+    ],
+    ids=lambda v: "_".join(v) if isinstance(v, list) else None,
+)
+def test_the_checks_own_bad_options_are_one_line_and_exit_2_before_any_run(
+    options, needle, tmp_path, capsys
+):
+    from fmeg import check as fmeg_check
+
+    argv = [o.replace("{tmp}", str(tmp_path)) for o in [*options, *DENSE]]
+    assert fmeg_check.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("error:") == 1, out.err
+    assert needle.replace("{tmp}", str(tmp_path)) in out.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_shows_the_defaults_without_importing_torch():
+    program = "import sys; from fmeg import check; check.main(['--help'])"
+    out = subprocess.run(
+        [sys.executable, "-c", program + "\n"], capture_output=True, text=True, timeout=60
+    )
+    assert "(default: 5)" in out.stdout and "(default: 1e-05)" in out.stdout, out
+    program = (
+        "import sys\nfrom fmeg import check\ntry:\n    check.main(['--help'])\n"
+        "except SystemExit:\n    print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert out.stdout.strip().endswith("False"), out
+
+
+def test_sigterm_and_ctrl_c_stop_every_rank_and_leave_no_directory_behind(tmp_path):
+    """A stopped check kills the running layout's launcher and its ranks (each torchrun worker is in
+    a session of its own) and removes its temporary directories: one line, 128 + the signal."""
+    from fmeg.testing.processes import _descendants
+
+    def stopped_at(wanted: str, sig: int):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fmeg.check", "--layouts", "tp2", *DENSE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )
+        try:
+            for line in proc.stderr:
+                if wanted in line:
+                    break
+            # the ranks have started when the launcher has children of its own
+            deadline = time.time() + 120
+            while time.time() < deadline and len(_descendants(proc.pid)) < (3 if sig == 15 else 1):
+                time.sleep(0.2)
+            tree = _descendants(proc.pid)
+            assert tree, "nothing was running"
+            proc.send_signal(sig)
+            code = proc.wait(timeout=60)
+            err = proc.stderr.read()
+        finally:
+            proc.kill()
+        # a SIGKILLed process is gone once its parent or init has reaped it
+        deadline = time.time() + 20
+        while time.time() < deadline and any(map(running, tree)):
+            time.sleep(0.2)
+        return code, err, [pid for pid in tree if running(pid)]
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    code, err, alive = stopped_at("running tp2 on 2 ranks", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM and alive == [], (code, err, alive)
+    assert err.strip().splitlines() == [
+        "error: stopped by SIGTERM; the running layout's ranks were stopped"
+    ]
+    code, err, alive = stopped_at("[1/2] running 1 rank", signal.SIGINT)
+    assert code == 130 and alive == [] and "Traceback" not in err, (code, err, alive)
+    assert err.strip().endswith("error: stopped by Ctrl-C; the running layout's ranks were stopped")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
