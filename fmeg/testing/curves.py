@@ -131,17 +131,47 @@ def random_microbatches(
 
 
 def largest_difference(got: dict, want: dict) -> float:
-    """The largest relative difference of the losses and grad norms of two curves."""
-    pairs = [
-        (g, w) for key in ("losses", "grad_norms") for g, w in zip(got[key], want[key], strict=True)
-    ]
-    return max(abs(g - w) / (abs(w) or 1.0) if math.isfinite(g) else math.inf for g, w in pairs)
+    """The largest relative difference of the losses and grad norms of two curves (inf where
+    either curve's value is not finite). ValueError naming both lengths if the curves differ in
+    length, or naming the key if one lacks "losses" or "grad_norms"."""
+    problem = _unlike(got, want)
+    if problem:
+        raise ValueError(problem)
+    return max(
+        (
+            abs(g - w) / (abs(w) or 1.0) if math.isfinite(g) and math.isfinite(w) else math.inf
+            for key in ("losses", "grad_norms")
+            for g, w in zip(got[key], want[key])
+        ),
+        default=0.0,
+    )
 
 
 def assert_same_curve(got: dict, want: dict, rtol: float = 1e-5) -> None:
-    """AssertionError naming the difference unless got's curve is want's within rtol."""
+    """Raise AssertionError naming the difference unless got's curve is want's within rtol: the
+    same number of losses and of grad norms, each within rtol relative of want's (a value that is
+    not finite on either side differs). Raised explicitly, so it holds under python -O."""
+    problem = _unlike(got, want)
+    if problem:
+        raise AssertionError(problem)
     worst = largest_difference(got, want)
-    assert worst <= rtol, (
-        f"the curves differ by {worst:.3g} (relative), beyond {rtol:g}: losses {got['losses']} "
-        f"against {want['losses']}, grad norms {got['grad_norms']} against {want['grad_norms']}"
-    )
+    if not worst <= rtol:
+        raise AssertionError(
+            f"the curves differ by {worst:.3g} (relative), beyond {rtol:g}: losses "
+            f"{got['losses']} against {want['losses']}, grad norms {got['grad_norms']} against "
+            f"{want['grad_norms']}"
+        )
+
+
+def _unlike(got: dict, want: dict) -> str:
+    """Why two curves cannot be compared value by value, or ""."""
+    for key in ("losses", "grad_norms"):
+        for side, curve in (("got", got), ("want", want)):
+            if key not in curve:
+                return f"the curves cannot be compared: {side} has no {key!r}"
+        if len(got[key]) != len(want[key]):
+            return (
+                f"the curves differ in length: got has {len(got[key])} {key}, want has "
+                f"{len(want[key])}"
+            )
+    return ""
