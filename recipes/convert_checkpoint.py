@@ -135,6 +135,27 @@ def refuse_filled(flag: str, directory: Path) -> None:
         )
 
 
+def model_summary(config: gpt.GPTConfig, family: str) -> str:
+    """One line of what was imported: "llama: 2 layers, hidden 64, 4 heads (2 kv), vocab 256"
+    (with experts and MTP depths where it has them); the checkpoint holds the whole config."""
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" + ("" if n == 1 else "s")
+
+    heads = count(config.num_heads, "head")
+    if config.num_kv_heads != config.num_heads:
+        heads += f" ({config.num_kv_heads} kv)"
+    parts = [count(config.num_layers, "layer"), f"hidden {config.hidden_size}", heads]
+    parts.append(f"vocab {config.vocab_size}")
+    if config.experts is not None:
+        parts.append(
+            f"{count(config.experts.num_experts, 'expert')} (top {config.experts.router.topk})"
+        )
+    if config.mtp_depth:
+        parts.append(count(config.mtp_depth, "MTP depth"))
+    return f"{family}: " + ", ".join(parts)
+
+
 def consolidate(args) -> None:
     config, params = load_full(args.load)
     params, config = (
@@ -191,7 +212,11 @@ def import_hf(args) -> None:
     mesh, layout = Mesh.single(), Layout()
     state = init_state(shard_params(params, config, layout, mesh), config, layout, mesh)
     save_single_rank(args.save, 0, state, config, {"imported_from": str(args.input)})
-    print(f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: {config}")
+    family = json.loads((Path(args.input) / "config.json").read_text())["model_type"]
+    print(
+        f"wrote {checkpoint.iteration_dir(args.save, 0)} from {args.input}: "
+        f"{model_summary(config, family)}"
+    )
 
 
 def export_megatron(args) -> None:
@@ -276,7 +301,10 @@ def import_megatron(args) -> None:
             "imported_from": str(args.input),
         },
     )
-    print(f"wrote {path} from {args.input} (the weights; the optimizer starts fresh): {config}")
+    print(
+        f"wrote {path} from {args.input} (the weights; the optimizer starts fresh): "
+        f"{model_summary(config, 'Megatron GPT')}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
+    from fmeg.interop import quiet_torchao
+
+    # building the model imports torchao (through transformers), whose import logs four lines
+    quiet_torchao()
     directory = Path(a.output)
     directory.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(directory)

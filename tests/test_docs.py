@@ -133,6 +133,17 @@ def test_the_docs_python_example_runs():
     }  # fmt: skip
 
 
+def test_the_generation_pages_openai_client_starts_without_an_openai_key(monkeypatch):
+    """The page's client, as written, with no OPENAI_API_KEY set (openai refuses to build one
+    without a key: "Missing credentials"); tests/inference/test_serve_chat.py talks to the server
+    through the same client."""
+    openai = pytest.importorskip("openai")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    (client,) = re.findall(r"`(openai\.OpenAI\(.*?\))\.chat", PAGES["generation.md"])
+    made = eval(client, {"openai": openai})
+    assert str(made.base_url).rstrip("/") == "http://127.0.0.1:5000/v1"
+
+
 # 25 s; tests/check/test_layout_check.py runs the same check in the default suite
 @pytest.mark.slow
 def test_the_layout_check_of_the_docs(tmp_path):
@@ -227,13 +238,15 @@ def test_docs_open_models(tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
 
-@pytest.mark.slow  # 2 minutes; --sft's layouts run in tests/layouts/test_sft_layouts.py
+@pytest.mark.slow  # 2 to 10 minutes; --sft's layouts run in tests/layouts/test_sft_layouts.py
 def test_docs_fine_tuning(tmp_path):
-    """A tiny Qwen3 imported, fine-tuned with --sft at tp 2, exported; transformers answers a
-    trained question."""
+    """A tiny Qwen3 imported, fine-tuned with --sft at tp 2 without the dropout it never had,
+    exported; transformers answers a trained question."""
     pytest.importorskip("transformers")
     _, _, train, export, answer = run_block(page("fine-tuning.md"), tmp_path)
     first, last = loss_fall(train)
     assert first > 5.0 and last < 0.2 and "fine-tuning from" in train
+    # the imported model's dropout (none) is kept: no line says it changed on load
+    assert "_dropout 0.0 -> " not in train
     assert "wrote qwen3_chat_sft_hf (Qwen3ForCausalLM)" in export
     assert answer.strip() == "Lima.<|im_end|>"

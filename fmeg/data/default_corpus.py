@@ -36,11 +36,21 @@ def default_corpus(directory: str | os.PathLike | None = None) -> IndexedDataset
     if not files:
         raise ValueError(f"no .py files under {sysconfig.get_paths()['stdlib']}; pass --data-path")
     root = Path(sysconfig.get_paths()["stdlib"])
-    listing = "\n".join(f"{p.relative_to(root)} {p.stat().st_size}" for p in files)
+    sizes = [p.stat().st_size for p in files]
+    listing = "\n".join(f"{p.relative_to(root)} {n}" for p, n in zip(files, sizes))
     key = hashlib.md5(f"{sys.version}\n{listing}".encode()).hexdigest()[:12]
     directory = Path(directory) if directory is not None else cache_dir()
     prefix = directory / f"stdlib-py{sys.version_info.major}{sys.version_info.minor}-{key}"
     if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
+        # the first run pauses here, writing tens of MB under the cache: every rank builds its
+        # own copy (renamed into place), the first says what and where
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"tokenizing the default corpus once (Python {sys.version_info.major}."
+                f"{sys.version_info.minor}'s standard library: {len(files):,} files, "
+                f"{sum(sizes) / 1e6:.0f} MB) into {prefix}.bin and .idx; later runs reuse it",
+                flush=True,
+            )
         directory.mkdir(parents=True, exist_ok=True)
         builder = IndexedDatasetBuilder(f"{prefix}.{os.getpid()}", np.uint16)
         eod = ByteTokenizer.eod

@@ -44,6 +44,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch 2.13 renamed the flat collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single): the old names warn on every call
+_ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_INTO = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 # dtype code, ndim, up to 7 sizes
 _HEADER = 9
@@ -97,10 +101,10 @@ class TorchGroup:
         return out
 
     def all_gather_into_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
-        return dist.all_gather_into_tensor(out, x, group=self.pg, async_op=True)
+        return _ALL_GATHER_INTO(out, x, group=self.pg, async_op=True)
 
     def reduce_scatter_async(self, out: torch.Tensor, x: torch.Tensor) -> Any:
-        return dist.reduce_scatter_tensor(out, x, group=self.pg, async_op=True)
+        return _REDUCE_SCATTER_INTO(out, x, group=self.pg, async_op=True)
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
         # chunks stacked on a new leading dim travel as one tensor

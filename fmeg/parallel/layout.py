@@ -190,3 +190,36 @@ class Layout:
             )
             + (f", recompute {recompute}" if recompute else "")
         )
+
+
+def describe_saved(meta: object) -> str:
+    """A layout as a checkpoint records it (Layout.checkpoint_meta), in the start line's words:
+    'tp 2 x pp 1 (x1 virtual) x dp 2, distributed optimizer, bfloat16'. Keys a newer fmeg may add
+    are named as they are."""
+    if not isinstance(meta, dict):
+        return "a layout the checkpoint does not record"
+    rest = dict(meta)
+    take = rest.pop
+    words = f"tp {take('tp', 1)} x pp {take('pp', 1)} (x{take('chunks', 1)} virtual"
+    words += (", in a V" if take("placement", None) == "v" else "") + f") x dp {take('dp', 1)}"
+    cp = take("cp", 1)
+    words += f" x cp {cp}" if cp > 1 else ""
+    if "ep" in rest:
+        words += f" (experts: ep {take('ep')}, tp {take('etp', meta.get('tp', 1))})"
+    parts = [words]
+    stages = take("stage_layers", None)
+    if stages:
+        parts.append(f"layers per stage {'|'.join(map(str, stages))}")
+    sharding, zero = take("sharding", None), take("zero", False)
+    if sharding:
+        parts.append(f"sharded {sharding}")
+    elif zero:
+        parts.append("distributed optimizer")
+    dp_outer = take("dp_outer", 1)
+    if dp_outer > 1:
+        parts.append(f"hybrid: {dp_outer} replicas of the state")
+    dtype = take("dtype", None)
+    parts += [f"{key} {value}" for key, value in rest.items()]
+    if dtype:
+        parts.append(str(dtype))
+    return ", ".join(parts)

@@ -226,7 +226,7 @@ class ShardedParams:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
                 self.fp8.unpack(self._index[unit], packed, buffer)
         if handles:
-            # an asynchronous all_gather_into_tensor counts versions when it completes, after
+            # an asynchronous all_gather_single counts versions when it completes, after
             # _start has returned (torch 2.13, gloo): the version from before it, as in _start
             buffer = self.buffers[unit]
             torch._C._autograd._unsafe_set_version_counter((buffer,), (self._versions[unit],))

@@ -42,6 +42,7 @@ from fmeg.training.checkpoint_state import (
     save_pieces,
     saved_count,
 )
+from fmeg.parallel.layout import describe_saved
 from fmeg.state.flat import FlatState
 from fmeg.training.parallel_step import init_state, initialized_state, local_shapes
 
@@ -193,13 +194,14 @@ def build_or_restore(cfg, session) -> tuple[FlatState, policies.Progress, list[s
             )
         if not (weights_only or ck.finetune or ck.no_load_optim):
             _same_optimizer(ckpt.meta, cfg, f"--load {load}: {found.name}")
+        saved_layout = describe_saved(ckpt.meta.get("layout"))
         plan = policies.resume(
             ckpt.meta,
             finetune=ck.finetune and not own,
             no_load_optim=weights_only or (ck.no_load_optim and not own),
             in_samples=cfg.training.schedules_in_samples,
             scaler=cfg.precision.scaler,
-            layout_note="layout unchanged" if same else f"resharded from {ckpt.meta['layout']}",
+            layout_note="layout unchanged" if same else f"resharded from {saved_layout}",
             path=str(found),
         )
         state = new_state(cfg, session)

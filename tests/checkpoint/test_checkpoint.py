@@ -122,8 +122,9 @@ def test_keep_last(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
 
 
-def resume(tmp_path, name, save_nproc, save_flags, load_nproc, load_flags):
-    """Losses of iterations 11..20 after saving at 10 in one layout and loading in another."""
+def resume(tmp_path, name, save_nproc, save_flags, load_nproc, load_flags, said=None):
+    """Losses of iterations 11..20 after saving at 10 in one layout and loading in another; said:
+    a list the second run's stdout is appended to."""
     ckpt = tmp_path / f"{name}_ckpt"
     run_layout(
         tmp_path,
@@ -131,7 +132,12 @@ def resume(tmp_path, name, save_nproc, save_flags, load_nproc, load_flags):
         save_nproc,
         save_flags + ["--save", str(ckpt), "--train-iters", "10", "--lr-decay-iters", "20"],
     )
-    return run_layout(tmp_path, f"{name}_second", load_nproc, load_flags + ["--load", str(ckpt)])
+    records, stdout = run_recipe(
+        tmp_path, f"{name}_second", load_nproc, load_flags + ["--load", str(ckpt)]
+    )
+    if said is not None:
+        said.append(stdout)
+    return [r["lm_loss"] for r in records if "lm_loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +150,7 @@ def test_single_rank_resume_is_bitwise(tmp_path, uninterrupted):
 
 
 def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
+    said = []
     got = resume(
         tmp_path,
         "tp2",
@@ -151,8 +158,11 @@ def test_resharding_tp2_to_dp2_zero1(tmp_path, uninterrupted):
         ["--tensor-model-parallel-size", "2"],
         2,
         ["--tensor-model-parallel-size", "1", "--use-distributed-optimizer"],
+        said,
     )
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, uninterrupted[10:])) and len(got) == 10
+    # the saved layout in the start line's words, not the metadata's dict
+    assert "(iteration 10, 80 samples; resharded from tp 2 x pp 1 (x1 virtual) x dp 1, " in said[0]
 
 
 # fp16 starts below overflow: whether a step near the threshold overflows depends on the layout's

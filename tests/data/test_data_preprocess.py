@@ -191,8 +191,13 @@ def test_padded_vocab_size():
     assert padded_vocab_size(50257) == 50304 and padded_vocab_size(50257, tp=8) == 51200
 
 
-def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path):
+def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
     ds = default_corpus(tmp_path)
+    # the first build says, in one line, what it tokenizes, where, and that it happens once
+    (said,) = capsys.readouterr().out.splitlines()
+    assert said.startswith("tokenizing the default corpus once (Python ")
+    assert f"{ds.prefix}.bin and .idx; later runs reuse it" in said
     files = stdlib_sources()
     assert ds.num_documents == len(files) > 100
     assert (
@@ -202,6 +207,7 @@ def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path):
     built = sorted(p.name for p in tmp_path.iterdir())
     again = default_corpus(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == built and again.prefix == ds.prefix
+    assert capsys.readouterr().out == ""
 
 
 def test_a_full_disk_or_a_read_only_directory_is_one_line_and_leaves_nothing(

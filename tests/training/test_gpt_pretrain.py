@@ -314,7 +314,10 @@ FULL = [
 
 @pytest.mark.parametrize("name, nproc, flags, ref", SMALL, ids=[s[0] for s in SMALL])
 def test_layout_invariance(tmp_path, reference, name, nproc, flags, ref):
-    assert_same_curve(run_layout(tmp_path, name, nproc, flags), reference[ref])
+    # the distributed optimizer's collectives are torch's current ones: torch 2.13 warns on every
+    # rank of all_gather_into_tensor and reduce_scatter_tensor
+    quiet = ("FutureWarning",) if "--use-distributed-optimizer" in flags else ()
+    assert_same_curve(run_layout(tmp_path, name, nproc, flags, quiet), reference[ref])
 
 
 @pytest.mark.slow

@@ -106,9 +106,29 @@ def test_resume_at_another_layout_says_so_and_an_old_checkpoint_counts_its_sched
             no_load_optim=False,
             in_samples=in_samples,
             scaler=None,
-            layout_note="resharded from {'tp': 2}",
+            layout_note="resharded from tp 2 x pp 1 (x1 virtual) x dp 1",
         )
         assert plan.progress.scheduled == scheduled and "resharded from" in plan.description
+
+
+def test_the_saved_layout_reads_as_the_start_line_words_not_a_dict():
+    import torch
+
+    from fmeg.parallel.layout import Layout, describe_saved
+
+    meta = Layout(tp=2, pp=2, chunks=2, dp=2, sharding="optim").checkpoint_meta(torch.bfloat16)
+    assert describe_saved(meta) == (
+        "tp 2 x pp 2 (x2 virtual) x dp 2, distributed optimizer, bfloat16"
+    )
+    apart = Layout(dp=2, ep=2, etp=1, cp=2, stage_layers=(1, 3), sharding="optim_grads")
+    assert describe_saved(apart.checkpoint_meta(torch.float32)) == (
+        "tp 1 x pp 1 (x1 virtual) x dp 2 x cp 2 (experts: ep 2, tp 1), layers per stage 1|3, "
+        "sharded optim_grads, float32"
+    )
+    # an older checkpoint's few keys, a newer one's unknown key, none at all
+    assert describe_saved({"tp": 2}) == "tp 2 x pp 1 (x1 virtual) x dp 1"
+    assert describe_saved({"tp": 1, "dtype": "float32", "new": 3}).endswith(", new 3, float32")
+    assert "{" not in describe_saved(None)
 
 
 def test_a_static_loss_scale_is_the_flags_whatever_the_checkpoint_saved():
