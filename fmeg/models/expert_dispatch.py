@@ -146,6 +146,9 @@ def alltoall_experts(
     held, k = fc1["weight"].shape[0], experts.shape[-1]
     chosen = experts.reshape(-1)
     if ep.group is None:
+        # every token here is this rank's microbatch's, and expert_mlp takes one source per token
+        # (a one-member vector indexed by token fails past token 0)
+        source = None if grouped is None else _sources(ep, 1, x_BSH.device).expand(b * s)
         return moe_ops.expert_mlp(
             x_BSH.reshape(b * s, h),
             probs.reshape(b * s, k).to(x_BSH.dtype),
@@ -156,7 +159,7 @@ def alltoall_experts(
             fc1.get("bias"),
             fc2.get("bias"),
             grouped=grouped,
-            source_of_token=None if grouped is None else _sources(ep, 1, x_BSH.device),
+            source_of_token=source,
         ).reshape(b, s, h)
     me, size = ep.rank, ep.size
     # by expert, so by the rank that holds it

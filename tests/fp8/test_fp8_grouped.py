@@ -184,6 +184,50 @@ def test_a_microbatch_split_over_ranks_quantizes_as_one_device():
     close(halves[0][2] + halves[1][2], dw.double(), 1e-6)
 
 
+def one_ranks_experts(dispatcher: str, microbatch: int, sources: int):
+    """(y, dx, dfc1, dfc2) of a model's two experts top-2 run here (ep 1) by the named token
+    dispatcher, their grouped GEMMs tensor-wise FP8, this rank data-parallel rank `microbatch`
+    of `sources`."""
+    import torch.nn.functional as F
+
+    from fmeg.models.expert_dispatch import allgather_experts, alltoall_experts
+    from fmeg.ops.moe import route
+    from fmeg.parallel.tensor import ExpertParallel
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 8, generator=gen).requires_grad_()
+    fc1 = torch.randn(2, 12, 8, generator=gen).requires_grad_()
+    fc2 = torch.randn(2, 8, 12, generator=gen).requires_grad_()
+    probs, experts = route(torch.randn(2, 6, 2, generator=gen), topk=2)
+    p = {"fc1": {"weight": fc1}, "fc2": {"weight": fc2}}
+    ep = ExpertParallel(sources=(microbatch,), microbatch=microbatch, num_sources=sources)
+    spec = Fp8Experts(Fp8Recipe("hybrid", "tensorwise"), sources=sources)
+
+    def grouped(site, rows, w, counts, expert_of_row, source_of_row):
+        return fp8_grouped_linear(rows, w, counts, expert_of_row, source_of_row, spec)
+
+    if dispatcher == "alltoall":
+        y = alltoall_experts(p, x, probs, experts, ep, F.gelu, grouped)
+    else:
+        y = allgather_experts(p, x, probs, experts, None, ep, (None, 0, 1), F.gelu, grouped)
+    g = torch.randn(y.shape, generator=gen)
+    return (y.detach(), *torch.autograd.grad(y, (x, fc1, fc2), g))
+
+
+def test_one_ranks_alltoall_dispatcher_gives_its_fp8_experts_a_microbatch_per_token():
+    """Issue 67: GPT-OSS's script with FP8 kept (pp 2, two experts top-2, alltoall) stopped in
+    expert_mlp, handed one microbatch id for all of a rank's tokens where it takes one per token.
+    At ep 1 every token is this rank's microbatch's: the alltoall dispatcher's FP8 experts give
+    the allgather dispatcher's numbers (forward and every gradient), and a second data-parallel
+    rank's (microbatch 1 of 2) are one rank's (microbatch 0 of 1), each group its own scale."""
+    want = one_ranks_experts("allgather", 0, 1)
+    for microbatch, sources in ((0, 1), (1, 2)):
+        for dispatcher in ("alltoall", "allgather"):
+            got = one_ranks_experts(dispatcher, microbatch, sources)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (dispatcher, microbatch)
+
+
 @pytest.mark.parametrize(
     "world, sizes, sources, joined",
     [

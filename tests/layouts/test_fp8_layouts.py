@@ -154,7 +154,12 @@ def test_a_delayed_run_saved_at_zero1_resumes_at_tp2_on_its_curve(tmp_path, sing
 EXPERT_ROWS = [
     (recipe, row, band)
     for recipe in ("tensorwise", "delayed")
-    for row, band in (("ep2", 1e-5), ("cp2", FP8_BAND), ("tp2_sp", FP8_BAND))
+    for row, band in (
+        ("ep2", 1e-5),
+        ("ep2_alltoall", 1e-5),
+        ("cp2", FP8_BAND),
+        ("tp2_sp", FP8_BAND),
+    )
 ] + [("blockwise", "ep2", 1e-5), ("mxfp8", "ep2", 1e-5)]
 
 
@@ -167,9 +172,10 @@ def test_the_model_with_fp8_experts_follows_one_ranks_curve(
     device's scale: ep 2 (an expert's rows from both ranks' microbatches, by all-gather) within
     1e-5 of one rank (measured 6.1e-6 tensor-wise, 2.0e-6 delayed; one scale per expert over
     both microbatches, as Transformer Engine's grouped linear takes it, gave 7.1e-5 and moved
-    iteration 1); cp 2 (a microbatch's rows on two holders, their amaxes joined) and tp 2 + sp
-    within the FP8 band (they split the dense layer's sums); the block recipes at ep 2 within
-    1e-5 (measured 2.2e-7 blockwise, 2.6e-6 mxfp8)."""
+    iteration 1), by all-to-all too (measured 5.7e-6 tensor-wise, 5.9e-6 delayed); cp 2 (a
+    microbatch's rows on two holders, their amaxes joined) and tp 2 + sp within the FP8 band (they
+    split the dense layer's sums); the block recipes at ep 2 within 1e-5 (measured 2.2e-7
+    blockwise, 2.6e-6 mxfp8)."""
     flags = [
         *layouts.EXPERTS_MODEL,
         *RECIPES.get(recipe, ["--fp8-format", "hybrid", "--fp8-recipe", recipe]),
