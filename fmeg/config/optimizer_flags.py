@@ -1,12 +1,13 @@
-"""Megatron's --optimizer and the flags of SGD, Muon, adaptive Muon and Lion, with Megatron-LM's
-defaults (megatron/training/arguments.py) and meanings (megatron/core/optimizer)."""
+"""Megatron's --optimizer and the flags of SGD, Muon, adaptive Muon, Lion and SOAP, with
+Megatron-LM's defaults (megatron/training/arguments.py) and meanings (megatron/core/optimizer);
+optimizer_config() is the one place they become each optimizer's settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fmeg.config.declare import flag, group, not_positive, outside, switch
-from fmeg.optim import MuonSettings
+from fmeg.optim import MuonSettings, SoapSettings
 from fmeg.optim.newton_schulz import COEFFICIENTS, SCALE_MODES
 
 # Megatron's --optimizer choices; dist_muon is Megatron's deprecated name for muon with the
@@ -70,9 +71,19 @@ class OptimizerChoiceFlags:
         help="the optimizer of the embeddings, the output layer, biases and norms under Muon",
     )
     lion_beta1: float = flag(
-        "--lion-beta1", type=float, default=0.95, help="Lion's sign-update interpolation"
+        "--lion-beta1",
+        type=float,
+        default=0.95,
+        help="the sign-update interpolation of --muon-scalar-optimizer lion (--optimizer lion "
+        "takes --adam-beta1, as Megatron)",
     )
-    lion_beta2: float = flag("--lion-beta2", type=float, default=0.98, help="Lion's momentum EMA")
+    lion_beta2: float = flag(
+        "--lion-beta2",
+        type=float,
+        default=0.98,
+        help="the momentum EMA of --muon-scalar-optimizer lion (--optimizer lion takes "
+        "--adam-beta2, as Megatron)",
+    )
     ACCEPTED = {
         "--muon-use-syrk": dict(
             action="store_true",
@@ -103,13 +114,16 @@ class OptimizerConfig:
 
     # adam, sgd, lion, muon, adaptive_muon or soap (dist_muon is muon)
     name: str = "adam"
-    # Adam's (b1, b2, eps): Adam's, and Muon's scalar optimizer's
+    # Adam's (b1, b2, eps): Adam's, and that of the leaves Lion, Muon and SOAP leave to Adam
     adam: tuple[float, float, float] = (0.9, 0.999, 1e-8)
     sgd_momentum: float = 0.9
-    lion: tuple[float, float] = (0.95, 0.98)
+    # --optimizer lion's (b1, b2), of the Lion on the matrices
+    lion: tuple[float, float] = (0.9, 0.999)
+    soap: SoapSettings = SoapSettings()
     muon: MuonSettings = MuonSettings()
-    # Muon's scalar optimizer: adam or lion
+    # Muon's scalar optimizer: adam or lion, that Lion's (b1, b2)
     muon_scalar: str = "adam"
+    muon_scalar_lion: tuple[float, float] = (0.95, 0.98)
     muon_split_qkv: bool = True
     # each tensor-parallel shard orthogonalized alone (layout-dependent)
     blockwise: bool = False
@@ -133,17 +147,43 @@ class OptimizerConfig:
             )
         if self.name == "soap":
             return "soap (KL-Shampoo factors, Adam in their eigenbasis; adam on the rest)"
+        if self.name == "lion":
+            return "lion (on the matrices; adam on the rest)"
         return self.name
 
 
 def optimizer_config(a, adam: tuple[float, float, float]) -> OptimizerConfig:
-    """The optimizer's configuration from the flags (a: their namespace)."""
+    """The optimizer's configuration from the flags (a: their namespace; adam: --adam-beta1,
+    --adam-beta2, --adam-eps), each optimizer's settings as Megatron-LM main gives them.
+
+    Megatron routes every --optimizer but adam and sgd through its emerging optimizers
+    (megatron/core/optimizer/__init__.py, emerging_optimizers.py): the word embedding, the output
+    layer and every parameter that is not 2-D go to Adam (--adam-*), under Muon to
+    --muon-scalar-optimizer. Lion and SOAP are built by _default_adam_based_eopt_config_to_kwargs:
+    betas (--adam-beta1, --adam-beta2), every other argument of the class from the OptimizerConfig
+    field named <optimizer>_<argument> or <argument>, else the class' default. Checked against
+    emerging-optimizers 0.3.0 (the release Megatron-LM pins in pyproject.toml),
+    scalar_optimizers/lion.py and soap/soap.py:
+
+    - Lion(lr, betas, weight_decay, weight_decay_method="decoupled"): lr and weight_decay are
+      the run's; --lion-beta1/2 reach only the Lion of --muon-scalar-optimizer lion
+      (_get_megatron_optimizer_based_on_param_groups).
+    - SOAP: shampoo_beta from soap_shampoo_beta (0.95) and use_kl_shampoo from
+      soap_use_kl_shampoo (True), OptimizerConfig fields no flag sets; SOAP's own defaults for the
+      rest: eps 1e-8 (OptimizerConfig has adam_eps, no eps), decoupled weight decay, no Nesterov,
+      correct_bias (and the shampoo_beta bias correction), use_eigh False (eigh at the first step
+      only, then power_iter_steps 1 of QR), fp32_matmul_prec and qr_fp32_matmul_prec "high",
+      max_update_rms 0 (no clip), the eigenbasis updated every step; those SoapSettings has no
+      field for are what fmeg.optim.soap always does.
+    """
     name = "muon" if a.optimizer == "dist_muon" else a.optimizer
+    b1, b2, _ = adam
     return OptimizerConfig(
         name=name,
         adam=adam,
         sgd_momentum=a.sgd_momentum,
-        lion=(a.lion_beta1, a.lion_beta2),
+        lion=(b1, b2),
+        soap=SoapSettings(b1, b2, eps=1e-8, shampoo_beta=0.95, kl_shampoo=True, power_iter_steps=1),
         muon=MuonSettings(
             momentum=a.muon_momentum,
             nesterov=a.muon_nesterov,
@@ -155,6 +195,7 @@ def optimizer_config(a, adam: tuple[float, float, float]) -> OptimizerConfig:
             adaptive=ADAPTIVE_MUON if name == "adaptive_muon" else None,
         ),
         muon_scalar=a.muon_scalar_optimizer,
+        muon_scalar_lion=(a.lion_beta1, a.lion_beta2),
         muon_split_qkv=a.muon_split_qkv,
         blockwise=a.muon_tp_mode == "blockwise",
     )

@@ -1,6 +1,6 @@
 """Optimizers in optax's shape (init and update over pytrees; nothing is mutated): AdamW, SGD,
-Lion, Muon and adaptive Muon, SOAP; their flat-buffer forms; the learning-rate and weight-decay
-schedules."""
+Lion (alone, or on the matrices with Adam on the rest), Muon and adaptive Muon, SOAP; their
+flat-buffer forms; the learning-rate and weight-decay schedules."""
 
 from fmeg.optim.adam import FusedAdamW, adamw, clip_scale
 from fmeg.optim.base import (
@@ -16,7 +16,7 @@ from fmeg.optim.muon import LeafMatrices, MuonSettings, MuonState, TwoDimensiona
 from fmeg.optim.newton_schulz import newton_schulz, scale_factor
 from fmeg.optim.schedules import LRSchedule, WeightDecaySchedule
 from fmeg.optim.soap import SoapSettings, soap
-from fmeg.optim.sgd import MomentumState, lion, sgd
+from fmeg.optim.sgd import MomentumState, lion, lion_on_matrices, sgd
 from fmeg.optim.transforms import (
     AdamState,
     ClipState,
@@ -51,6 +51,7 @@ __all__ = [
     "clip_scale",
     "default_decay_mask",
     "lion",
+    "lion_on_matrices",
     "muon",
     "newton_schulz",
     "partition",

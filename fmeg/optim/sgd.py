@@ -4,21 +4,30 @@ over pytrees and the same update over the runner's flat buffers.
     sgd(momentum=0.9)       torch.optim.SGD's update (Megatron builds its SGD from it): the
                             weight decay coupled (added to the gradient), b <- momentum b + g,
                             p <- p - lr b
-    lion(b1=0.95, b2=0.98)  emerging-optimizers' Lion: p <- p (1 - lr wd) - lr sign(b1 m +
-                            (1 - b1) g), then m <- b2 m + (1 - b2) g
+    lion(b1=0.95, b2=0.98)  emerging-optimizers' Lion on every leaf: p <- p (1 - lr wd) -
+                            lr sign(b1 m + (1 - b1) g), then m <- b2 m + (1 - b2) g (Megatron's
+                            --muon-scalar-optimizer lion, --lion-beta1/2)
+    lion_on_matrices(b1=0.9, b2=0.999, scalar=adamw())
+                            Megatron's --optimizer lion (its emerging-optimizer path): that Lion,
+                            with --adam-beta1/2, on the matrices; scalar (Adam) on the
+                            embeddings, the output layer, norms and biases
 
-Both keep one buffer per parameter (mu). The decay mask is Megatron's (adamw's): no decay on biases
-and norms.
+sgd and lion keep one buffer per parameter (mu); lion_on_matrices keeps Adam's second moment (nu)
+too. The decay mask is Megatron's (adamw's): no decay on biases and norms.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from fmeg import tree
-from fmeg.optim.base import GradientTransformation, chain
+from fmeg.optim.adam import adamw
+from fmeg.optim.base import GradientTransformation, chain, without_stage
+from fmeg.optim.matrix_flat import matrices_and_the_rest
+from fmeg.optim.muon import LeafMatrices, TwoDimensional
 from fmeg.optim.transforms import (
     Mask,
     add_decayed_weights,
@@ -148,3 +157,43 @@ def lion(
         scale_by_lion(b1, b2), add_decayed_weights(decay_mask), scale_by_learning_rate(decoupled)
     )
     return pytree._replace(flat=ElementwiseFlat("lion", b1, b2, decay_mask, decoupled))
+
+
+@dataclass(frozen=True)
+class LionOnMatricesFlat:
+    """lion_on_matrices' update over the runner's flat buffers: the matrix leaves by Lion's flat
+    form, the others by the scalar optimizer's, each group of leaves by one of them (groups
+    ("lion", Lion's group) and ("scalar", the scalar optimizer's group))."""
+
+    lion: ElementwiseFlat
+    scalar: Any
+    matrices: LeafMatrices
+    moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
+    kinds: ClassVar[tuple[str, ...]] = ("mu", "nu")
+    name: ClassVar[str] = "lion"
+
+    def group(self, path: str, leaf: torch.Tensor) -> tuple[str, Any]:
+        if self.matrices.is_matrix(without_stage(path), leaf):
+            return "lion", self.lion.group(path, leaf)
+        return "scalar", self.scalar.group(path, leaf)
+
+    def step_(self, views, steps, group: tuple[str, Any], **hyper: Any) -> None:
+        which, inner = group
+        (self.lion if which == "lion" else self.scalar).step_(views, steps, inner, **hyper)
+
+
+def lion_on_matrices(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    scalar: GradientTransformation | None = None,
+    matrices: LeafMatrices = TwoDimensional(),
+    decay_mask: Mask = default_decay_mask,
+) -> GradientTransformation:
+    """emerging-optimizers' Lion (decoupled weight decay where decay_mask says) on
+    matrices.is_matrix's leaves, scalar (default: adamw(b1, b2)) on the others."""
+    scalar = adamw(b1, b2, decay_mask=decay_mask) if scalar is None else scalar
+    flat = LionOnMatricesFlat(
+        ElementwiseFlat("lion", b1, b2, decay_mask, None), scalar.flat, matrices
+    )
+    direction = scale_by_lion(b1, b2)
+    return matrices_and_the_rest("lion", direction, scalar, matrices, decay_mask, flat)

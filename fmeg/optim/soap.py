@@ -1,16 +1,20 @@
 """SOAP (Shampoo with Adam in the preconditioner's eigenbasis), Megatron's --optimizer soap, as
-emerging-optimizers' SOAP defines it with the settings Megatron gives it: Adam's betas from
---adam-beta1/2, shampoo_beta 0.95, KL-Shampoo factors, bias correction, the eigenbasis from eigh
-at the first step and one step of orthogonal (QR) iteration after; the matrices by SOAP, every
-other leaf by Adam.
+emerging-optimizers 0.3.0's SOAP (soap/soap.py, soap/soap_utils.py, utils/eig.py; the release
+Megatron-LM pins) defines it with the settings Megatron gives it (fmeg.config.optimizer_flags'
+optimizer_config): Adam's betas from --adam-beta1/2, SOAP's own eps 1e-8, shampoo_beta 0.95,
+KL-Shampoo factors, bias correction, the eigenbasis from eigh at the first step and one step of
+orthogonal (QR) iteration after, its matmuls at torch's "high" float32 precision; the matrices by
+SOAP, every other leaf by Adam.
 
-For a matrix G (m x n) with factors L (m x m), R (n x n), eigenbases Q_L, Q_R and their
-eigenvalues, at step t:
+For a matrix G (m x n) with factors L (m x m), R (n x n) and eigenbases Q_L, Q_R, at step t:
 
     beta = 1 - (1 - shampoo_beta) / (1 - shampoo_beta^t)
-    L <- beta L + (1 - beta) / n * G Q_R diag(1 / max(ev_R, eps)) Q_R^T G^T      (KL-Shampoo)
-    R <- beta R + (1 - beta) / m * G^T Q_L diag(1 / max(ev_L, eps)) Q_L^T G
-    Q_L, Q_R from L, R (eigh at t = 1, else Q <- qr(L Q)), exp_avg moved to the new basis
+    d_L = max(diag(Q_L^T L Q_L), eps), d_R likewise                (before L, R take G)
+    L <- beta L + (1 - beta) / n * G Q_R diag(1 / d_R) Q_R^T G^T      (KL-Shampoo)
+    R <- beta R + (1 - beta) / m * G^T Q_L diag(1 / d_L) Q_L^T G
+    exp_avg back to the parameter's basis; Q_L's columns sorted by diag(Q_L^T L Q_L) descending
+    (Q_R's by R's), exp_avg_sq's rows and columns permuted alike; Q_L, Q_R from L, R (eigh at
+    t = 1, else Q <- qr(L Q)); exp_avg into the new basis
     update = Q_L adam(Q_L^T G Q_R) Q_R^T         (Adam's moments kept in the rotated basis)
     W <- W (1 - lr wd) - lr update
 
@@ -20,8 +24,10 @@ its home rank (fmeg.state.matrix_step), where the matrix's state lives.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Iterator, NamedTuple
 
 import torch
 
@@ -32,12 +38,20 @@ from fmeg.optim.muon import LeafMatrices, TwoDimensional
 from fmeg.optim.transforms import Mask, default_decay_mask
 
 Tree = Any
-# a matrix's state, by name: exp_avg, exp_avg_sq (in the eigenbasis), L, R, Q_L, Q_R, ev_L, ev_R,
-# step (0-d)
+# a matrix's state, by name: exp_avg, exp_avg_sq (in the eigenbasis), L, R, Q_L, Q_R, step (0-d)
 MatrixState = dict[str, torch.Tensor]
+
+# SOAP's fp32_matmul_prec and qr_fp32_matmul_prec defaults (Megatron sets neither): torch's
+# "high", TF32 matmuls on a GPU that has them (plain fp32 where the hardware has no faster form)
+MATMUL_PRECISION = "high"
+# torch's float32 matmul precision is one setting of the process: SOAP's steps on thread ranks
+# (fmeg.parallel.spmd) take turns setting and restoring it
+_precision_lock = threading.Lock()
 
 
 class SoapSettings(NamedTuple):
+    """SOAP's settings as Megatron passes them (fmeg.config.optimizer_flags.optimizer_config)."""
+
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
@@ -56,10 +70,21 @@ def matrix_state(m: int, n: int, device: Any = None) -> MatrixState:
         "R": torch.zeros(n, n, **z),
         "Q_L": torch.eye(m, **z),
         "Q_R": torch.eye(n, **z),
-        "ev_L": torch.zeros(m, **z),
-        "ev_R": torch.zeros(n, **z),
         "step": torch.zeros((), dtype=torch.int64, device=device),
     }
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
+    """torch's float32 matmul precision set to precision inside, restored after (as
+    emerging-optimizers' fp32_matmul_precision)."""
+    with _precision_lock:
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
 
 
 def _project_in(x: torch.Tensor, bases: list[torch.Tensor]) -> torch.Tensor:
@@ -75,24 +100,19 @@ def _project_out(x: torch.Tensor, bases: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
-def _eigh(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues and eigenvectors, largest first (in fp64 if fp32 fails, as emerging's
+def _diagonal(k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """diag(q^T k q): k's approximate eigenvalues in the basis q."""
+    return ((q.T @ k) * q.T).sum(dim=1)
+
+
+def _eigenvectors(k: torch.Tensor) -> torch.Tensor:
+    """k's eigenvectors, largest eigenvalue first (in fp64 if fp32 fails, as emerging's
     eigh_with_fallback)."""
     try:
-        values, vectors = torch.linalg.eigh(k)
+        vectors = torch.linalg.eigh(k)[1]
     except (torch.linalg.LinAlgError, RuntimeError):
-        values, vectors = torch.linalg.eigh(k.double())
-    return values.float().flip(-1), vectors.float().flip(-1)
-
-
-def _orthogonal_iteration(
-    k: torch.Tensor, q: torch.Tensor, steps: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    for _ in range(steps):
-        q = torch.linalg.qr(k @ q).Q
-    values = ((q.mT @ k) * q.mT).sum(dim=-1)
-    order = torch.argsort(values, descending=True)
-    return values[order], q[:, order]
+        vectors = torch.linalg.eigh(k.double())[1].float()
+    return vectors.flip(-1)
 
 
 def _factors(g: torch.Tensor, st: MatrixState, beta: float, s: SoapSettings) -> tuple:
@@ -100,13 +120,40 @@ def _factors(g: torch.Tensor, st: MatrixState, beta: float, s: SoapSettings) -> 
     if not s.kl_shampoo:
         return st["L"].lerp(g @ g.T, 1 - beta), st["R"].lerp(g.T @ g, 1 - beta)
     updates = []
-    for dim, (q, ev) in enumerate(((st["Q_L"], st["ev_L"]), (st["Q_R"], st["ev_R"]))):
-        scale = 1 / g.shape[dim] * ev.clamp_min(s.eps) ** -1.0
+    for dim, (k, q) in enumerate(((st["L"], st["Q_L"]), (st["R"], st["Q_R"]))):
+        scale = 1 / g.shape[dim] * _diagonal(k, q).clamp_min(s.eps) ** -1.0
         correction = (q * scale[None, :]) @ q.T
         p = g.T if dim == 1 else g
-        updates.append(p.mT @ correction @ p)
+        updates.append(p.T @ correction @ p)
     # the left factor takes the right basis' correction and the other way round
     return st["L"].lerp(updates[1], 1 - beta), st["R"].lerp(updates[0], 1 - beta)
+
+
+def _sorted(
+    factors: tuple[torch.Tensor, ...], bases: tuple[torch.Tensor, ...], exp_avg_sq: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each basis' columns by the new factor's approximate eigenvalues, largest first, and
+    exp_avg_sq's axes permuted alike (0.3.0's sort_eigenbasis_by_approx_eigvals): the columns the
+    orthogonal iteration starts from, and the second moment's slots, follow the eigenvalues."""
+    out = []
+    for dim, (k, q) in enumerate(zip(factors, bases)):
+        order = torch.argsort(_diagonal(k, q), descending=True)
+        out.append(q[:, order])
+        exp_avg_sq = exp_avg_sq.index_select(dim, order)
+    return out, exp_avg_sq
+
+
+def _bases(factors: tuple, bases: list[torch.Tensor], first: bool, steps: int) -> list:
+    """The new eigenbases: eigh at the first step, else steps of orthogonal iteration from the
+    sorted bases."""
+    if first:
+        return [_eigenvectors(k) for k in factors]
+    out = []
+    for k, q in zip(factors, bases):
+        for _ in range(steps):
+            q = torch.linalg.qr(k @ q).Q
+        out.append(q)
+    return out
 
 
 def matrix_direction(
@@ -116,21 +163,20 @@ def matrix_direction(
     g = g.float()
     t = int(st["step"]) + 1
     beta = 1 - (1 - s.shampoo_beta) / (1 - s.shampoo_beta**t)
-    big_l, big_r = _factors(g, st, beta, s)
-    exp_avg = _project_out(st["exp_avg"], [st["Q_L"], st["Q_R"]])
-    if t == 1:
-        (ev_l, q_l), (ev_r, q_r) = _eigh(big_l), _eigh(big_r)
-    else:
-        ev_l, q_l = _orthogonal_iteration(big_l, st["Q_L"], s.power_iter_steps)
-        ev_r, q_r = _orthogonal_iteration(big_r, st["Q_R"], s.power_iter_steps)
-    exp_avg = _project_in(exp_avg, [q_l, q_r])
-    projected = _project_in(g, [q_l, q_r])
-    exp_avg = exp_avg.lerp(projected, 1 - s.b1)
-    exp_avg_sq = st["exp_avg_sq"].lerp(projected.square(), 1 - s.b2)
-    adam = (exp_avg / (1 - s.b1**t)) / ((exp_avg_sq / (1 - s.b2**t)).sqrt() + s.eps)
-    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "L": big_l, "R": big_r}
-    new.update(Q_L=q_l, Q_R=q_r, ev_L=ev_l, ev_R=ev_r, step=st["step"] + 1)
-    return _project_out(adam, [q_l, q_r]), new
+    with _matmul_precision(MATMUL_PRECISION):
+        factors = _factors(g, st, beta, s)
+        exp_avg = _project_out(st["exp_avg"], [st["Q_L"], st["Q_R"]])
+        bases, exp_avg_sq = _sorted(factors, (st["Q_L"], st["Q_R"]), st["exp_avg_sq"])
+        bases = _bases(factors, bases, t == 1, s.power_iter_steps)
+        exp_avg = _project_in(exp_avg, bases)
+        projected = _project_in(g, bases)
+        exp_avg = exp_avg.lerp(projected, 1 - s.b1)
+        exp_avg_sq = exp_avg_sq.lerp(projected.square(), 1 - s.b2)
+        adam = (exp_avg / (1 - s.b1**t)) / ((exp_avg_sq / (1 - s.b2**t)).sqrt() + s.eps)
+        direction = _project_out(adam, bases)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "L": factors[0], "R": factors[1]}
+    new.update(Q_L=bases[0], Q_R=bases[1], step=st["step"] + 1)
+    return direction, new
 
 
 def leaf_direction(

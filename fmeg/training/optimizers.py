@@ -7,8 +7,9 @@ a leaf whole under tensor parallelism.
     gather = TensorParallelLeaves(layout, mesh)
 
 Every optimizer takes Megatron's decay mask (no decay on biases and norms) and --decoupled-lr's
-leaves (the word embedding and the output layer). Muon's matrices are GPTMatrices' (Megatron's 2-D
-parameters; q, k and v apart unless --muon-no-split-qkv); the rest is stepped by Adam or Lion.
+leaves (the word embedding and the output layer). Lion's, SOAP's and Muon's matrices are
+GPTMatrices' (Megatron's 2-D parameters; for Muon q, k and v apart unless --muon-no-split-qkv);
+the rest is stepped by Adam (Muon's: Adam or Lion), as Megatron's emerging optimizers do.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ def build(
     """The transform `choice` names; decoupled(path, leaf): the leaves --decoupled-lr applies to."""
     b1, b2, eps = choice.adam
     adam = optim.adamw(b1, b2, eps, moment_dtypes=moment_dtypes, decoupled=decoupled)
-    lion = optim.lion(*choice.lion, decoupled=decoupled)
     if choice.name == "adam":
         return adam
     if choice.name == "sgd":
         return optim.sgd(choice.sgd_momentum, decoupled=decoupled)
+    # Lion and SOAP see each parameter whole: no q/k/v split
+    matrices = GPTMatrices(config, split_qkv=False)
     if choice.name == "lion":
-        return lion
+        return optim.lion_on_matrices(*choice.lion, scalar=adam, matrices=matrices)
     if choice.name == "soap":
-        # Megatron's SOAP: Adam's betas and eps, no q/k/v split; Adam on the rest
-        settings = optim.SoapSettings(b1, b2, eps)
-        return optim.soap(settings, scalar=adam, matrices=GPTMatrices(config, split_qkv=False))
+        return optim.soap(choice.soap, scalar=adam, matrices=matrices)
     if choice.name in ("muon", "adaptive_muon"):
+        lion = optim.lion(*choice.muon_scalar_lion, decoupled=decoupled)
         return optim.muon(
             choice.muon,
             scalar=lion if choice.muon_scalar == "lion" else adam,

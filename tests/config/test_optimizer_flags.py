@@ -1,8 +1,9 @@
 """--optimizer and its settings as Megatron-LM reads them: its defaults, dist_muon as muon with
-the distributed optimizer, --muon-fp32-matmul-prec's precisions, Muon's scalar optimizer."""
+the distributed optimizer, --muon-fp32-matmul-prec's precisions, Muon's scalar optimizer, the
+betas and eps Lion and SOAP take."""
 
 from fmeg.config.load import load
-from fmeg.optim import MuonSettings
+from fmeg.optim import MuonSettings, SoapSettings
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 
@@ -57,7 +58,18 @@ def test_muon_flags_reach_its_settings():
     assert "blockwise" in muon.label
 
 
-def test_sgd_and_lion_take_their_flags():
+def test_sgd_lion_and_soap_take_megatrons_flags():
     sgd, _ = choice("--optimizer", "sgd", "--sgd-momentum", "0.5")
-    lion, _ = choice("--optimizer", "lion", "--lion-beta1", "0.9", "--lion-beta2", "0.99")
-    assert sgd.sgd_momentum == 0.5 and lion.lion == (0.9, 0.99)
+    assert sgd.sgd_momentum == 0.5
+    lion, _ = choice("--optimizer", "lion")
+    assert lion.lion == (0.9, 0.999) and lion.label == "lion (on the matrices; adam on the rest)"
+    # Megatron's emerging path gives Lion and SOAP --adam-beta1/2; --lion-beta1/2 reach only
+    # Muon's scalar Lion; SOAP's eps is its own
+    flags = ("--adam-beta1", "0.8", "--adam-beta2", "0.9", "--adam-eps", "1e-6")
+    flags += ("--lion-beta1", "0.5", "--lion-beta2", "0.6")
+    lion, _ = choice("--optimizer", "lion", *flags)
+    assert lion.lion == (0.8, 0.9) and lion.adam == (0.8, 0.9, 1e-6)
+    soap, _ = choice("--optimizer", "soap", *flags)
+    assert soap.soap == SoapSettings(0.8, 0.9, 1e-8, 0.95, True, 1)
+    muon, _ = choice("--optimizer", "muon", "--muon-scalar-optimizer", "lion", *flags)
+    assert muon.muon_scalar_lion == (0.5, 0.6)
