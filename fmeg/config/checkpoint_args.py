@@ -185,6 +185,21 @@ def _megatron_model(found) -> dict:
         raise checkpoint.CheckpointError(f"{found / 'common.pt'}: {e}") from None
 
 
+def _megatron_seq_length(args: argparse.Namespace, found) -> None:
+    """Megatron's load_args_from_checkpoint takes seq_length from the checkpoint's args unless
+    --seq-length is given (megatron/training/checkpointing.py's _set_arg): do the same, so that a
+    run of the checkpoint's positions is not refused for fmeg's default --seq-length."""
+    saved = getattr(megatron.saved_args(found), "seq_length", None)
+    if "seq_length" in getattr(args, "given", ()) or saved is None:
+        return
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved <= 0:
+        raise checkpoint.CheckpointError(
+            f"{found / 'common.pt'}: args.seq_length is {saved!r}, not a positive integer; the "
+            "file is damaged (give --seq-length)"
+        )
+    args.seq_length = saved
+
+
 def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
     """Set the model's flags from the newest checkpoint under --load; a one-line problem, or
     None."""
@@ -205,6 +220,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
         saved_model(model, str(found))
         for dest, value in model_flags(model).items():
             setattr(args, dest, value)
+        if megatron.is_megatron(found):
+            _megatron_seq_length(args, found)
     except checkpoint.CheckpointError as e:
         return f"--use-checkpoint-args: {e}"
     except (OSError, ValueError, KeyError) as e:

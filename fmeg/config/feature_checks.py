@@ -7,6 +7,8 @@ import argparse
 
 
 from fmeg.config import moe_flags
+from fmeg.config.declare import flags_of
+from fmeg.config.optimizer_flags import OptimizerChoiceFlags
 
 
 def optimizer_precision_problems(a: argparse.Namespace) -> list[str]:
@@ -96,6 +98,51 @@ def unused_flag_problems(a: argparse.Namespace) -> list[str]:
             "--recompute-modules shared_experts recomputes the shared experts, and the model has "
             "none (--moe-shared-expert-intermediate-size): drop it"
         )
+    return out
+
+
+MUONS = ("muon", "dist_muon", "adaptive_muon")
+# the optimizers that read each prefix's flags of OptimizerChoiceFlags (sgd_momentum, muon_*,
+# lion_*, soap_*); lion_*: Muon's --muon-scalar-optimizer lion, and kept accepted under lion and
+# soap, which take --adam-beta1/2 instead (as Megatron does; tests/config/test_optimizer_flags.py
+# passes them there)
+_READERS = {"sgd": ("sgd",), "muon": MUONS, "lion": MUONS, "soap": ("soap",)}
+_KEPT = {"lion": ("lion", "soap")}
+
+
+def _optimizer_flags() -> dict[str, str]:
+    """{dest: flag} of the flags of the optimizers other than Adam."""
+    out = {dest: f.names[0] for dest, f in flags_of(OptimizerChoiceFlags)}
+    out |= {name[2:].replace("-", "_"): name for name in OptimizerChoiceFlags.ACCEPTED}
+    return {dest: flag for dest, flag in out.items() if dest.split("_")[0] in _READERS}
+
+
+def optimizer_flag_problems(a: argparse.Namespace) -> list[str]:
+    """A flag given that only an optimizer other than --optimizer's reads, one line each naming
+    the flag and the optimizer that reads it (a silent no-op hides a mistaken command). --adam-*
+    are accepted under every optimizer: Megatron's scripts pass them whatever --optimizer is, and
+    Adam steps the leaves Lion, SOAP and Muon leave to it."""
+    given = set(getattr(a, "given", ()))
+    out = []
+    for dest, flag in _optimizer_flags().items():
+        kind = dest.split("_")[0]
+        readers = _READERS[kind]
+        if dest not in given or a.optimizer in _KEPT.get(kind, ()):
+            continue
+        if kind == "lion" and a.optimizer in MUONS and a.muon_scalar_optimizer != "lion":
+            out.append(
+                f"{flag} is read by --muon-scalar-optimizer lion, and this run's Muon steps the "
+                f"other leaves with {a.muon_scalar_optimizer}: add --muon-scalar-optimizer lion "
+                "or drop the flag"
+            )
+        elif a.optimizer not in readers:
+            which = f"--optimizer {' / '.join(readers)}"
+            if kind == "lion":
+                which += " with --muon-scalar-optimizer lion"
+            out.append(
+                f"{flag} is read by {which}, and this run's --optimizer is {a.optimizer}: give "
+                "that optimizer or drop the flag"
+            )
     return out
 
 

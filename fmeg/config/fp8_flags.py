@@ -4,13 +4,15 @@ argument factory names them), their defaults, and the run's Fp8Plan."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 
 import torch
 
-from fmeg.config.declare import flag, group, switch
+from fmeg.config.declare import flag, flag_name, group, switch
 from fmeg.fp8.linear import BLOCK
 from fmeg.fp8.plan import Fp8Plan
-from fmeg.fp8.recipe import RECIPES, Fp8Recipe
+from fmeg.fp8.recipe import E4M3, E5M2, RECIPES, Fp8Recipe
 
 
 @group("FP8")
@@ -66,7 +68,7 @@ class Fp8Flags:
 
     def problems(self) -> list[str]:
         if self.fp8 is None:
-            return []
+            return self._without_fp8()
         if self.fp8_recipe == "delayed" and self.first_last_layers_bf16:
             return [
                 "--first-last-layers-bf16 with --fp8-recipe delayed: Megatron's delayed scaling "
@@ -83,7 +85,48 @@ class Fp8Flags:
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if self.first_last_layers_bf16 and getattr(self, name) < 0:
                 out.append(f"--{name.replace('_', '-')} must be at least 0")
+            # without the switch the counts keep no layer out of FP8: a mistaken command
+            elif not self.first_last_layers_bf16 and getattr(self, name) != 1:
+                out.append(
+                    f"--{name.replace('_', '-')} applies to --first-last-layers-bf16, which is "
+                    "not given: add it or drop this flag"
+                )
+        if self.fp8_recipe == "delayed":
+            out.extend(self._margin_problems())
         return out
+
+    def _without_fp8(self) -> list[str]:
+        """Each FP8 flag given without --fp8-format, whose run has no FP8 GEMM for it to change."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "fp8" or value == f.default:
+                continue
+            given = flag_name(self, f.name)
+            if f.metadata["flag"].options.get("action") is None:
+                given += f" {value}"
+            out.append(
+                f"{given} applies to --fp8-format, which is not given: add --fp8-format e4m3 or "
+                "hybrid, or drop this flag"
+            )
+        return out
+
+    def _margin_problems(self) -> list[str]:
+        """Delayed scaling's scale is fp8_max / amax / 2^margin (Transformer Engine's; Megatron
+        bounds no margin): one whose scale leaves fp32's normal range even at an amax of 1
+        overflows to inf (a negative margin) or vanishes (a positive one), and the loss turns NaN
+        at the first renewed scale."""
+        formats = (E4M3, E5M2) if self.fp8 == "hybrid" else (E4M3,)
+        fp32 = torch.finfo(torch.float32)
+        low = max(math.ceil(math.log2(torch.finfo(d).max / fp32.max)) for d in formats)
+        high = min(math.floor(math.log2(torch.finfo(d).max / fp32.tiny)) for d in formats)
+        if low <= self.fp8_margin <= high:
+            return []
+        return [
+            f"--fp8-margin {self.fp8_margin}: delayed scaling's scale fp8_max / amax / "
+            f"2^margin leaves fp32's range at this margin (inf or 0 even for an amax of 1, and "
+            f"NaN losses); give a margin in [{low}, {high}] (Megatron's default: 0)"
+        ]
 
 
 def plan(a: argparse.Namespace) -> Fp8Plan | None:
@@ -133,18 +176,10 @@ def problems(a: argparse.Namespace, config) -> list[str]:
             f"{torch.__version__}, whose compiler drops the amaxes the backward records); give "
             "--no-compile or --fp8-recipe tensorwise"
         ]
+    out = _bf16_layer_problems(a)
     if a.fp8_recipe not in BLOCK or config is None:
-        return []
+        return out
     block, tp, cp = BLOCK[a.fp8_recipe], a.tensor_model_parallel_size, a.context_parallel_size
-    out = []
-    if a.first_last_layers_bf16:
-        most = a.num_layers // a.pipeline_model_parallel_size
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            if getattr(a, name) > most:
-                out.append(
-                    f"--{name.replace('_', '-')} {getattr(a, name)}: at most the layers per "
-                    f"pipeline stage ({most}), as Megatron allows"
-                )
     if tp > 1:
         d, n, g = config.head_dim, config.num_heads, config.num_kv_heads
         shares = {
@@ -168,6 +203,27 @@ def problems(a: argparse.Namespace, config) -> list[str]:
             "weight gradient; change --seq-length or cp"
         )
     return out
+
+
+def _bf16_layer_problems(a: argparse.Namespace) -> list[str]:
+    """--first-last-layers-bf16's counts: at most the layers of a pipeline stage each (Megatron's
+    rule), and together fewer than the decoder's layers, or no layer would run FP8."""
+    start, end = a.num_layers_at_start_in_bf16, a.num_layers_at_end_in_bf16
+    if not a.first_last_layers_bf16 or min(start, end) < 0 or a.num_layers <= 0:
+        return []
+    if start + end >= a.num_layers:
+        return [
+            f"--num-layers-at-start-in-bf16 {start} + --num-layers-at-end-in-bf16 {end} keep "
+            f"all --num-layers {a.num_layers} in BF16: no layer would run FP8; keep fewer in "
+            "BF16, or drop --fp8-format"
+        ]
+    most = a.num_layers // max(a.pipeline_model_parallel_size, 1)
+    return [
+        f"--{name.replace('_', '-')} {getattr(a, name)}: at most the layers per pipeline stage "
+        f"({most}), as Megatron allows"
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+        if getattr(a, name) > most
+    ]
 
 
 def _expert_blocks(a: argparse.Namespace, config, block: int) -> list[str]:

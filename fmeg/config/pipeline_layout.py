@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from fmeg.parallel.pipeline.schedules import V_SCHEDULES
 from fmeg.parallel.pipeline.stage_layers import flag_stage_layers, layout_stage_layers
 
 
@@ -113,10 +114,31 @@ def _flag_problems(a: argparse.Namespace) -> list[str]:
                 "account_for_embedding_in_pipeline_split",
                 "account_for_loss_in_pipeline_split",
             )
-            if getattr(a, name) not in (None, False)
+            # 0 is a count given (0 == False, so `not in (None, False)` would drop it)
+            if getattr(a, name) is not None and getattr(a, name) is not False
         ]
         return [f"{' '.join(names)}: {e}"]
     return []
+
+
+def v_schedule_stages(a: argparse.Namespace) -> list[str]:
+    """A V schedule (--pipeline-schedule zero_bubble_v or dualpipe_v) places exactly two virtual
+    stages on each pipeline rank: --num-virtual-stages-per-pipeline-rank 2 when nothing else gives
+    the virtual stages (in place), and the start line's notice that says so. A value given stays
+    (validate() refuses any other than 2)."""
+    if (
+        a.pipeline_schedule not in V_SCHEDULES
+        or a.pipeline_model_parallel_size <= 1
+        or a.num_virtual_stages_per_pipeline_rank is not None
+        or a.num_layers_per_virtual_pipeline_stage is not None
+        or a.pipeline_model_parallel_layout is not None
+    ):
+        return []
+    a.num_virtual_stages_per_pipeline_rank = 2
+    return [
+        f"--pipeline-schedule {a.pipeline_schedule} places two stages on each pipeline rank in a "
+        "V: --num-virtual-stages-per-pipeline-rank 2 set"
+    ]
 
 
 def apply(a: argparse.Namespace) -> list[str]:

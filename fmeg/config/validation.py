@@ -37,6 +37,7 @@ from fmeg.config.layout_checks import (
 )
 from fmeg.config.feature_checks import (
     moe_problems,
+    optimizer_flag_problems,
     optimizer_precision_problems,
     recompute_problems,
     unused_flag_problems,
@@ -115,12 +116,18 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
     dp, gbs = batch_geometry(a, world_size)
     vp_chunks, microbatches = virtual_chunks(a), microbatches_per_step(a, world_size)
     v_shaped = a.pipeline_schedule in V_SCHEDULES
-    if v_shaped:
+    if v_shaped and pp <= 1:
+        problems.append(
+            f"--pipeline-schedule {a.pipeline_schedule} places two stages on each pipeline rank in "
+            "a V: it needs --pipeline-model-parallel-size > 1"
+        )
+    elif v_shaped:
+        # 2 unless given otherwise (pipeline_layout.v_schedule_stages)
         need(
             vp_chunks == 2,
             f"--pipeline-schedule {a.pipeline_schedule} places two stages on each pipeline rank in "
-            f"a V, got {vp_chunks}: give --num-virtual-stages-per-pipeline-rank 2 (or a "
-            "--pipeline-model-parallel-layout of 2 x pp stages)",
+            f"a V, got {vp_chunks}: give --num-virtual-stages-per-pipeline-rank 2 or leave it out "
+            "(or a --pipeline-model-parallel-layout of 2 x pp stages)",
         )
         need(
             a.pipeline_schedule != "dualpipe_v" or not microbatches or microbatches >= 2 * pp,
@@ -156,9 +163,10 @@ def _run_problems(a: argparse.Namespace, world_size: int) -> list[str]:
 
 
 def _optimizer_problems(a: argparse.Namespace, world_size: int) -> list[str]:
-    """The learning-rate warmup against the run's length, and the vocabulary against tp (the
-    optimizer's and model's own flags: their groups' problems())."""
+    """Flags only another optimizer reads, the learning-rate warmup against the run's length, and
+    the vocabulary against tp (the optimizer's and model's own flags: their groups' problems())."""
     problems, need = Problems.start()
+    problems.extend(optimizer_flag_problems(a))
     decay = a.lr_decay_iters or a.train_iters
     need(
         a.lr_warmup_iters < decay

@@ -313,8 +313,8 @@ def runner_cases() -> list[tuple[list[str], str]]:
         ),
         (
             ["--pipeline-schedule", "zero_bubble_v"],
-            "--pipeline-schedule zero_bubble_v places two stages on each pipeline rank in a V, "
-            "got 1: give --num-virtual-stages-per-pipeline-rank 2",
+            "--pipeline-schedule zero_bubble_v places two stages on each pipeline rank in a V: it "
+            "needs --pipeline-model-parallel-size > 1",
         ),
         (
             ["--global-batch-size", "8", "--eval-global-batch-size", "7"],
@@ -331,6 +331,47 @@ def runner_cases() -> list[tuple[list[str], str]]:
             ["--optimizer", "muon", "--muon-coefficient-type", "cubic5"]
             + ["--muon-num-ns-steps", "4"],
             "--muon-coefficient-type cubic5 is a fixed 5-step schedule",
+        ),
+        # the audit of issue 67: flags another optimizer or FP8 reads, FP8 scales out of range,
+        # messages without their subject
+        (
+            ["--sgd-momentum", "0.5"],
+            "--sgd-momentum is read by --optimizer sgd, and this run's --optimizer is adam",
+        ),
+        (
+            ["--muon-num-ns-steps", "3"],
+            "--muon-num-ns-steps is read by --optimizer muon / dist_muon / adaptive_muon, and "
+            "this run's --optimizer is adam",
+        ),
+        (
+            ["--optimizer", "muon", "--lion-beta1", "0.9"],
+            "--lion-beta1 is read by --muon-scalar-optimizer lion, and this run's Muon steps the "
+            "other leaves with adam",
+        ),
+        (
+            ["--fp8-recipe", "tensorwise"],
+            "--fp8-recipe tensorwise applies to --fp8-format, which is not given",
+        ),
+        (
+            ["--fp8-format", "hybrid", "--fp8-margin", "-200"],
+            "--fp8-margin -200: delayed scaling's scale fp8_max / amax / 2^margin leaves fp32's "
+            "range",
+        ),
+        (
+            ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16"]
+            + ["--num-layers", "2", "--num-layers-at-start-in-bf16", "5"],
+            "--num-layers-at-start-in-bf16 5 + --num-layers-at-end-in-bf16 1 keep all "
+            "--num-layers 2 in BF16: no layer would run FP8",
+        ),
+        (
+            ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+            + ["--num-layers-at-end-in-bf16", "2"],
+            "--num-layers-at-end-in-bf16 applies to --first-last-layers-bf16, which is not given",
+        ),
+        (
+            ["--decoder-first-pipeline-num-layers", "0"],
+            "--decoder-first-pipeline-num-layers 0: an uneven first or last stage needs "
+            "--pipeline-model-parallel-size > 1",
         ),
     ]
 

@@ -1,6 +1,8 @@
 """Each group of flags checks itself (problems()), and the run still reports every problem at
 once: a group's own lines and the lines of checks across groups together."""
 
+import pytest
+
 from fmeg.config.arguments import GROUPS, parse_args
 from fmeg.config.model_flags import ModelFlags
 from fmeg.config.training_flags import OptimizerFlags, TrainingFlags
@@ -53,3 +55,19 @@ def test_the_v_schedules_name_their_needs():
     three = [*v[:2], "--num-layers", "6", "--num-virtual-stages-per-pipeline-rank", "3"]
     lines = validate(parse_args([*three, "--pipeline-schedule", "zero_bubble_v"], 2), 2)
     assert lines[0].startswith("--pipeline-schedule zero_bubble_v places two stages on each")
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble_v", "dualpipe_v"])
+def test_the_v_schedules_take_their_two_virtual_stages_unasked(schedule):
+    """Both V schedules need exactly two virtual stages per rank: the plain command sets them and
+    says so at start (issue 67: it was refused until --num-virtual-stages-per-pipeline-rank 2)."""
+    argv = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    argv += ["--pipeline-schedule", schedule, "--micro-batch-size", "1", "--global-batch-size", "4"]
+    a = parse_args(argv, world_size=2)
+    assert validate(a, world_size=2) == []
+    assert a.num_virtual_stages_per_pipeline_rank == 2
+    assert a.num_layers_per_virtual_pipeline_stage == 1
+    assert (
+        f"--pipeline-schedule {schedule} places two stages on each pipeline rank in a V: "
+        "--num-virtual-stages-per-pipeline-rank 2 set"
+    ) in a.notices
