@@ -106,13 +106,73 @@ def _unsupported(hf: Any, rope: dict) -> list[str]:
     ]
 
 
+def _routing_problems(hf: Any) -> list[str]:
+    """config.json's routing fields that contradict one another, in its own names: transformers'
+    router splits n_routed_experts into n_group groups, keeps the best topk_group of them and takes
+    num_experts_per_tok experts from those (n_group 1: no groups)."""
+    e, k, groups, top = hf.n_routed_experts, hf.num_experts_per_tok, hf.n_group, hf.topk_group
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, groups))
+    if not ints or groups < 1:
+        given = f" with topk_group {top}, which would be dropped" if top is not None else ""
+        return [f"n_group {groups}{given}: give n_group >= 1 (1: routing without groups)"]
+    if not 1 <= k <= e:
+        return [f"num_experts_per_tok {k} must be in [1, n_routed_experts {e}]"]
+    if groups == 1 and top in (None, 1):
+        return []
+    if e % groups:
+        return [f"n_group {groups} must divide n_routed_experts {e}"]
+    if not isinstance(top, int) or isinstance(top, bool) or not 1 <= top <= groups:
+        return [f"topk_group {top} must be in [1, n_group {groups}]"]
+    if k > top * (e // groups):
+        return [
+            f"num_experts_per_tok {k} exceeds the {top * (e // groups)} experts of topk_group "
+            f"{top} groups of {e // groups} (n_routed_experts / n_group)"
+        ]
+    return []
+
+
+# GPTConfig's fields as config.json names them, for its checks' messages
+_HF_NAMES = {
+    "moe_router_num_groups": "n_group",
+    "moe_router_group_topk": "topk_group",
+    "moe_router_topk": "num_experts_per_tok",
+    "num_experts": "n_routed_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "max_seq_len": "max_position_embeddings",
+    "qk_head_dim": "qk_nope_head_dim",
+    "qk_pos_emb_head_dim": "qk_rope_head_dim",
+    "moe_router_topk_scaling_factor": "routed_scaling_factor",
+    "init_std": "initializer_range",
+    "norm_eps": "rms_norm_eps",
+}
+
+
+def _in_hf_names(message: str) -> str:
+    """A GPTConfig check's message with config.json's names for its fields."""
+    message = message.replace("GPTConfig.", "")
+    return re.sub(r"\b(" + "|".join(_HF_NAMES) + r")\b", lambda m: _HF_NAMES[m.group(1)], message)
+
+
 def config_from(hf: Any, mtp_depths: int = 0) -> GPTConfig:
     """The GPTConfig of a transformers DeepseekV3Config (mtp_depths: how many MTP depths the files
-    hold); ValueError naming what fmeg cannot hold."""
+    hold); ValueError naming, in config.json's names, what fmeg cannot hold or what contradicts."""
     rope = dict(hf.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    wrong = _routing_problems(hf)
+    if wrong:
+        raise ValueError(f"from_hf: DeepSeek-V3 config.json: {wrong[0]}")
     problems = _unsupported(hf, rope)
     if problems:
         raise ValueError(f"from_hf: DeepSeek-V3 {problems[0]} is not supported")
+    try:
+        return _config(hf, rope, mtp_depths)
+    except ValueError as e:
+        raise ValueError(f"from_hf: DeepSeek-V3 config.json: {_in_hf_names(str(e))}") from None
+
+
+def _config(hf: Any, rope: dict, mtp_depths: int) -> GPTConfig:
     yarn = rope.get("rope_type") == "yarn"
     dense = min(hf.first_k_dense_replace, hf.num_hidden_layers)
     return GPTConfig(

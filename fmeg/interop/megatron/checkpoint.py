@@ -34,7 +34,7 @@ from fmeg import tree
 from fmeg.checkpoint import CheckpointError, Request
 from fmeg.checkpoint.boxes import Box
 from fmeg.interop.megatron import bucket_state, gpt_keys, legacy, model_args
-from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
+from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, plain_state, read_common
 from fmeg.interop.megatron.torch_dist import TorchDistDir
 
 
@@ -114,6 +114,9 @@ def saved_args(path: Path) -> Any:
 class MegatronCheckpoint:
     def __init__(self, path: Path, dist: TorchDistDir, common: dict, config: Any):
         self.path, self.dist, self.common, self.config = path, dist, common, config
+        # the files as opened: _decode_buckets wraps self.dist in the optimizer's buckets, and a
+        # legacy directory must still be described (and its optimizer's sharding named) as one
+        self.files = dist
         self.args = common.get("args")
         # why a dp_reshardable optimizer state could not be placed, once tried
         self.unplaced: str | None = None
@@ -145,7 +148,7 @@ class MegatronCheckpoint:
 
     def describe(self) -> str:
         lay = self.meta["layout"]
-        legacy_files = isinstance(self.dist, legacy.LegacyTorchDir)
+        legacy_files = isinstance(self.files, legacy.LegacyTorchDir)
         kind = "--ckpt-format torch" if legacy_files else "torch_dist"
         return f"a Megatron {kind} checkpoint (tp {lay['tp']}, pp {lay['pp']}, ep {lay['ep']})"
 
@@ -197,7 +200,7 @@ class MegatronCheckpoint:
     def sharding(self) -> str | None:
         """How the distributed optimizer's state is laid out (fully_reshardable, dp_reshardable,
         ...), as the save recorded it, or None."""
-        if getattr(self.dist, "streams", None):
+        if getattr(self.files, "streams", None):
             # a legacy directory's distributed optimizer, gathered beside each rank's file
             return "distrib_optim.pt"
         content = self.common.get("content_metadata") or {}
@@ -210,12 +213,16 @@ class MegatronCheckpoint:
     def optimizer_step(self) -> int | None:
         """The distributed optimizer's step (its param groups': in common.pt, or in the first
         model-parallel rank's saved object when dp_reshardable), or None."""
-        groups = _param_groups(self.common.get("optimizer"))
-        if groups is None and self.sharding() == "dp_reshardable":
-            if "groups" not in self._saved:
-                saved = (self.dist.read_object(k) for k in _OPTIMIZER_OBJECTS)
-                self._saved["groups"] = _param_groups(next((x for x in saved if x), None))
-            groups = self._saved["groups"]
+        try:
+            where = f"{self.path / 'common.pt'} (its optimizer)"
+            groups = _param_groups(plain_state(self.common.get("optimizer"), where))
+            if groups is None and self.sharding() == "dp_reshardable":
+                if "groups" not in self._saved:
+                    saved = (self.dist.read_object(k) for k in _OPTIMIZER_OBJECTS)
+                    self._saved["groups"] = _param_groups(next((x for x in saved if x), None))
+                groups = self._saved["groups"]
+        except MegatronCheckpointError as e:
+            raise CheckpointError(str(e)) from None
         steps = [g.get("step") for g in groups or () if isinstance(g, dict)]
         steps = [int(s) for s in steps if s is not None]
         return max(steps) if steps else None

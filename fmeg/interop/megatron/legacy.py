@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fmeg.checkpoint.boxes import Box
-from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, read_common
+from fmeg.interop.megatron.safe_pickle import MegatronCheckpointError, plain_state, read_common
 
 FILE = "model_optim_rng.pt"
 OPTIMIZER_FILE = "distrib_optim.pt"
@@ -111,7 +111,7 @@ class LegacyTorchDir:
     def _add_streams(self, path: Path, domain: int) -> None:
         """A distrib_optim.pt's buffers as flat tensors (a chained optimizer's list: the
         first's)."""
-        saved = read_common(path)
+        saved = plain_state(read_common(path), path)
         if not saved.get("buckets_coalesced"):
             raise MegatronCheckpointError(
                 f"{path}: an older layout of the distributed optimizer's state (buckets not "

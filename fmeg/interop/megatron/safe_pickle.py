@@ -246,8 +246,36 @@ def read_common(path: Path) -> dict:
 
 def read_object(raw: bytes, where: str) -> Any:
     """A torch.save'd object in a distributed checkpoint (Megatron's ShardedObject: its distributed
-    optimizer's param groups, its buckets' sizes), read as common.pt is: every class inert."""
-    return _unpickled(io.BytesIO(raw), where)
+    optimizer's param groups, its buckets' sizes), read as common.pt is: every class inert, and one
+    naming any is refused (plain_state)."""
+    return plain_state(_unpickled(io.BytesIO(raw), where), where)
+
+
+def plain_state(value: Any, where: Any) -> Any:
+    """value, when it holds only what an optimizer's saved state holds (numbers, strings, lists,
+    dicts, tensors, dtypes); a MegatronCheckpointError naming `where` when its pickle named a
+    class or function (an inert stand-in here): unpickled by torch, that would have run code."""
+    name = _named_global(value)
+    if name is not None:
+        raise MegatronCheckpointError(
+            f"{where}: refused, it holds a pickle that would run code ({name}), which fmeg refuses "
+            "to run; nothing was run (a damaged or crafted file, not Megatron's optimizer state)"
+        )
+    return value
+
+
+def _named_global(value: Any) -> str | None:
+    """The name of the first global a read object holds (a MegatronValue), or None; each container
+    is looked at once (a pickle may make one hold itself)."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, MegatronValue):
+            return item.qualified
+        if isinstance(item, (dict, list, tuple, set, frozenset)) and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
+    return None
 
 
 def _unpickled(source: Any, where: Any) -> Any:

@@ -258,6 +258,34 @@ def config_from_hf(hf_config):
     return config_from(hf_config)
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        # transformers' router would divide by it; it imported as ungrouped, topk_group dropped
+        (dict(n_group=0), "n_group 0 with topk_group 2, which would be dropped: give n_group >= 1"),
+        (dict(n_group=-1, topk_group=None), "n_group -1: give n_group >= 1"),
+        (dict(n_group=3), "n_group 3 must divide n_routed_experts 8"),
+        (dict(topk_group=5), "topk_group 5 must be in [1, n_group 4]"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok 9 must be in [1, n_routed_experts 8]"),
+        (
+            dict(n_group=2, topk_group=1, num_experts_per_tok=6),
+            "num_experts_per_tok 6 exceeds the 4 experts of topk_group 1 groups of 4",
+        ),
+        # GPTConfig's own checks, in config.json's names
+        (dict(moe_intermediate_size=0), "moe_intermediate_size: must be positive, got 0"),
+    ],
+)
+def test_contradicting_config_json_fields_are_refused_in_its_own_names(fields, message):
+    hf_config = tiny_config()
+    for name, value in fields.items():
+        setattr(hf_config, name, value)
+    with pytest.raises(ValueError) as e:
+        config_from_hf(hf_config)
+    line = str(e.value)
+    assert line.startswith("from_hf: DeepSeek-V3 config.json: ") and message in line, line
+    assert "GPTConfig" not in line and "moe_router" not in line, line
+
+
 # transformers' routing: a group ranked by its best two scores, top-k weights normalised by
 # norm_topk_prob
 ROUTING_RULES = {

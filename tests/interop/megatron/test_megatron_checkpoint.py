@@ -615,6 +615,22 @@ def test_use_checkpoint_args_reads_a_megatron_directorys_args(tmp_path_factory, 
         assert abs(a - b) <= 1e-5 * abs(b), (one, two)
 
 
+def test_use_checkpoint_args_takes_megatrons_seq_length_unless_given(tmp_path_factory):
+    """Megatron's load_args_from_checkpoint sets seq_length from the checkpoint's args when
+    --seq-length is not given, as it sets max_position_embeddings (issue 67: fmeg's default 128 was
+    refused against the checkpoint's 32 positions)."""
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.validation import validate
+
+    root = megatron_checkpoint(tmp_path_factory, "llama", 2, 1, 1)
+    flags = ["--load", str(root), "--use-checkpoint-args", "--mock-data"]
+    flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]
+    a = parse_args(flags, world_size=1)
+    assert (a.seq_length, a.max_position_embeddings) == (32, 32)
+    assert validate(a, world_size=1) == []
+    assert parse_args([*flags, "--seq-length", "16"], world_size=1).seq_length == 16
+
+
 def test_the_dest_kinds_checked_on_reading_are_the_parsers():
     """model_args.damaged_dest keeps its own table of what Megatron writes for each model dest
     (interop sits below the flags); it agrees with the parser's switches and numbers."""

@@ -155,6 +155,72 @@ def test_buckets_that_cannot_be_placed_are_named(megatron, monkeypatch):
         )
 
 
+@pytest.fixture(scope="module")
+def one_rank_saves(tmp_path_factory):
+    """megatron-core's gpt2 trained on one rank, saved dp_reshardable and as --ckpt-format torch
+    (with distrib_optim.pt): ROOT/<sharding>/iter_NNNNNNN."""
+    root = tmp_path_factory.mktemp("one_rank")
+    torchrun(1, "train", str(root), "gpt2", "1", "1", "1", str(SAVED_AT), "dp_reshardable,legacy")
+    return root
+
+
+def test_a_legacy_directory_stays_described_as_one_once_its_buckets_are_read(one_rank_saves):
+    """The start line's words for a --ckpt-format torch directory with its distributed optimizer
+    (issue 67: once its buckets were decoded it was "torch_dist ... saved None")."""
+    with MegatronCheckpoint.open(one_rank_saves / "legacy" / f"iter_{SAVED_AT:07d}", CONFIG) as ck:
+        assert ck.holds_optimizer_state() and ck.optimizer_step() == SAVED_AT
+        assert ck.describe() == "a Megatron --ckpt-format torch checkpoint (tp 1, pp 1, ep 1)"
+        assert ck.sharding() == "distrib_optim.pt" and ck.meta["iteration"] == SAVED_AT
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_in_the_optimizers_objects_is_named(one_rank_saves, tmp_path):
+    """os.system in the distributed optimizer's saved param groups (a ShardedObject's bytes) runs
+    nothing and is refused in one line saying so (issue 67: it read as "no optimizer state fmeg
+    reads", with Megatron's advice to resave)."""
+    import dataclasses
+    import io
+    import pickle
+    import shutil
+
+    from fmeg.checkpoint import CheckpointError
+
+    directory = tmp_path / f"iter_{SAVED_AT:07d}"
+    shutil.copytree(one_rank_saves / "dp_reshardable" / directory.name, directory)
+    marker = tmp_path / "ran"
+    # the object's bytes replaced: the crafted ones appended to its file, .metadata pointed there
+    # (this test's own files: read back with pickle)
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    index = next(i for i in metadata.storage_data if i.fqn == key)
+    info, crafted = metadata.storage_data[index], io.BytesIO()
+    torch.save(_RunsCode(marker), crafted)
+    offset = (directory / info.relative_path).stat().st_size
+    with open(directory / info.relative_path, "ab") as f:
+        f.write(crafted.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(
+        info, offset=offset, length=len(crafted.getvalue())
+    )
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with MegatronCheckpoint.open(directory, CONFIG) as ck:
+        with pytest.raises(CheckpointError) as e:
+            ck.holds_optimizer_state()
+    assert (
+        f"({key}): refused, it holds a pickle that would run code (posix.system), which fmeg "
+        "refuses to run; nothing was run"
+    ) in str(e.value)
+    assert not marker.exists()
+
+
 @pytest.mark.slow  # 35 s each: megatron-core trains on 4 ranks and saves three ways
 @pytest.mark.parametrize("bucket_size", [None, 20000], ids=["one-bucket", "buckets-of-20000"])
 def test_buckets_at_tp2_hold_what_the_per_parameter_state_holds(tmp_path, monkeypatch, bucket_size):
