@@ -45,11 +45,21 @@ from recipes.generate import (
     model_flags,
     refuse,
 )
-from recipes.serve_api import BadRequest, Job, chat_job, megatron_job, openai_job, parse_json
+from recipes.serve_api import (
+    BadRequest,
+    Job,
+    ModelNotFound,
+    chat_job,
+    check_model,
+    megatron_job,
+    openai_job,
+    parse_json,
+)
 from recipes.serve_ranks import (
     KEEP_ALIVE_S,
     STOP_SERVING,
     STOP_SIGNALS,
+    STOPPED_BY,
     Broadcast,
     follow,
     follower_stop,
@@ -238,6 +248,7 @@ def completions_answer(gen: Generation, body: bytes, who: str) -> dict | Iterato
 def chat_answer(gen: Generation, body: bytes, who: str) -> dict | Iterator[str]:
     """POST /v1/chat/completions: OpenAI's chat completion, or its stream of server-sent events."""
     request = parse_json(body)
+    check_model(request, gen.name)
     tokenizer = gen.tokenizer
     if not serve_openai.has_template(tokenizer):
         raise BadRequest(
@@ -289,6 +300,12 @@ def make_app(model: LoadedModel, broadcast: Broadcast, name: str):
             }, 400
         # Megatron's text_generation_cli prints response.json()["message"]
         return {"message": str(e)}, 400
+
+    @app.errorhandler(ModelNotFound)
+    def model_not_found(e: ModelNotFound):
+        # OpenAI's answer to a model it does not serve
+        error = {"message": str(e), "type": "invalid_request_error", "param": "model"}
+        return {"error": {**error, "code": "model_not_found"}}, 404
 
     @app.errorhandler(Exception)
     # a request that failed inside generation: one line, and the server goes on
@@ -412,6 +429,9 @@ def _main(argv: list[str] | None = None) -> int:
         # a rank already gone, which the launcher names: nothing is left to tell
         except RuntimeError:
             pass
+    # a stop asked for is a clean exit (0), said in one line so that a log shows why it ended
+    if STOPPED_BY:
+        print(f"stopped by {STOPPED_BY[0]}", flush=True)
     return 0
 
 

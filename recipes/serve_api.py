@@ -61,6 +61,24 @@ class BadRequest(ValueError):
     """A request the server answers with HTTP 400 and this one-line message."""
 
 
+class ModelNotFound(BadRequest):
+    """A request naming a model other than the one served: OpenAI's HTTP 404, code
+    model_not_found."""
+
+
+def check_model(body: dict, served: str) -> None:
+    """An OpenAI request's "model", when given (null or left out: the served one), must be the id
+    GET /v1/models lists: a client asking for another model must not get this one's answer."""
+    model = body.get("model")
+    if model is None or model == served:
+        return
+    _check(isinstance(model, str), f"model must be a string (this server serves {served!r})")
+    raise ModelNotFound(
+        f"The model {model!r} does not exist here: this server serves {served!r} (the id GET "
+        "/v1/models lists)"
+    )
+
+
 @dataclass
 class Job:
     """One generation for every rank: what to run, independent of the API that asked."""
@@ -431,7 +449,15 @@ def chat_job(body: dict, render: Callable[[list[dict]], list[int]], context: int
         f"messages are {len(ids)} tokens, which leaves none of the model's {context} positions to "
         "answer in",
     )
-    tokens = body.get("max_completion_tokens", body.get("max_tokens", context - len(ids)))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    tokens = body.get(name, context - len(ids))
+    # the bound that matters here: the rest of the model's positions (openai_job's 2**31 - 1 is
+    # for prompts it has not seen yet)
+    _check(
+        not _is_int(tokens) or tokens <= context - len(ids),
+        f"{name} {tokens} exceeds the model's {context} positions less the messages' {len(ids)} "
+        f"tokens: ask for at most {context - len(ids)}",
+    )
     passed = {
         k: body[k]
         for k in CHAT_FIELDS

@@ -98,11 +98,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FOLLOWER_GRACE_S = 5
 
 
-def interrupt(*_: Any) -> None:
-    """Rank 0's first SIGTERM or SIGINT ends serve_forever; later ones (a launcher forwarding the
-    same stop) are ignored while the ranks are told to finish."""
+# the signal that stopped rank 0's server (interrupt), for its last line; werkzeug's serve_forever
+# swallows the KeyboardInterrupt that carries the stop
+STOPPED_BY: list[str] = []
+
+
+def interrupt(signum: int, _: Any) -> None:
+    """Rank 0's first SIGTERM or SIGINT ends serve_forever (named in STOPPED_BY); later ones (a
+    launcher forwarding the same stop) are ignored while the ranks are told to finish."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    STOPPED_BY.append(signal.Signals(signum).name)
     raise KeyboardInterrupt
 
 

@@ -347,6 +347,41 @@ def test_chat_needs_a_tokenizer_with_a_chat_template(server):
     )
 
 
+def test_chat_naming_another_model_is_openais_404_model_not_found(server):
+    """A chat request naming a model other than the one served (the id GET /v1/models lists) gets
+    OpenAI's 404 with code model_not_found, not this model's answer (issue 67); the listed id and
+    a request without a model go on (here to the template this tokenizer lacks)."""
+    status, body = server.request("GET", "/v1/models", None)
+    served = json.loads(body)["data"][0]["id"]
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    status, body = server.request("POST", "/v1/chat/completions", {**hi, "model": "gpt-4"})
+    error = json.loads(body)["error"]
+    assert status == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+    assert (
+        f"The model 'gpt-4' does not exist here: this server serves {served!r}"
+        in (error["message"])
+    )
+    for request in ({**hi, "model": served}, hi, {**hi, "model": None}):
+        status, body = server.request("POST", "/v1/chat/completions", request)
+        assert status == 400 and "has no chat template" in json.loads(body)["error"]["message"]
+
+
+def test_a_chat_asking_for_more_tokens_than_positions_is_told_the_bound():
+    """max_tokens far past any model (10**12) names the model's positions left after the messages,
+    as 10**6 does (issue 67: it was "must be an integer >= 0")."""
+    from recipes.serve_api import BadRequest, chat_job
+
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    for name in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(BadRequest) as e:
+            chat_job({**hi, name: 10**12}, lambda messages: [1, 2, 3], 64)
+        assert str(e.value) == (
+            f"{name} {10**12} exceeds the model's 64 positions less the messages' 3 tokens: ask "
+            "for at most 61"
+        )
+    assert chat_job({**hi, "max_tokens": 61}, lambda messages: [1, 2, 3], 64).max_new_tokens == 61
+
+
 def test_scoring_request_returns_the_prompts_logprobs_as_megatron(server):
     """Megatron's scoring request: tokens_to_generate 0 with logprobs gives the prompt's
     log-probabilities (every token but the first), the same as a generating request reports for its
@@ -557,8 +592,8 @@ def test_an_idle_tensor_parallel_server_outlives_its_timeout_and_sigterm_stops_i
 ):
     """Rank 1 of an idle server waits in a broadcast; rank 0's keep-alive keeps that wait within
     --distributed-timeout-minutes (3 s here, idle for 9), and SIGTERM to the launcher ends every
-    rank with exit 0 and nothing on stderr (it used to be a KeyboardInterrupt traceback on rank 1
-    and 143)."""
+    rank with exit 0, nothing on stderr (it used to be a KeyboardInterrupt traceback on rank 1 and
+    143) and one last line saying so."""
     s = Server(
         trained_checkpoint,
         nproc=2,
@@ -577,6 +612,7 @@ def test_an_idle_tensor_parallel_server_outlives_its_timeout_and_sigterm_stops_i
         s.stop()
     assert status == 200, body
     assert code == 0 and "Traceback" not in said and "error" not in said, said
+    assert "stopped by SIGTERM" in said.splitlines(), said
 
 
 @pytest.mark.slow  # 15 s; the clean stop is in the default suite
