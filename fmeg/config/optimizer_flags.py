@@ -131,8 +131,12 @@ class OptimizerConfig:
     @property
     def state_kind(self) -> str:
         """What its state holds, as checkpoints record it: a run resumes only a state of its own
-        kind (Muon's first moments are momentum buffers; with Lion on the rest there is no nu)."""
+        kind (Muon's first moments are momentum buffers; with Lion on the rest there is no nu).
+        --optimizer lion's is "lion+adam" (Lion on the matrices, Adam's moments on the rest):
+        "lion", Lion on every leaf, is what fmeg stepped before it followed Megatron-LM."""
         muon = self.name in ("muon", "adaptive_muon")
+        if self.name == "lion":
+            return "lion+adam"
         return f"{self.name}+lion" if muon and self.muon_scalar == "lion" else self.name
 
     @property

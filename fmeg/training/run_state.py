@@ -230,6 +230,12 @@ def _same_optimizer(meta: dict, cfg, where: str) -> None:
     """A CheckpointError unless the checkpoint's optimizer state is the kind this run steps
     (checkpoints from before it was recorded are Adam's)."""
     kind, mine = meta.get("optimizer", "adam"), cfg.training.optimizer.state_kind
+    if (kind, mine) == ("lion", "lion+adam"):
+        raise checkpoint.CheckpointError(
+            f"{where} holds the Lion state fmeg stepped before 2026-12-01 (Lion on every leaf, "
+            "--lion-beta1/2); --optimizer lion now steps Megatron-LM's (Lion on the matrices with "
+            "--adam-beta1/2, Adam on the rest): start its state fresh with --no-load-optim"
+        )
     if kind != mine:
         raise checkpoint.CheckpointError(
             f"{where} holds {kind}'s optimizer state and this run steps {mine}: resume with "

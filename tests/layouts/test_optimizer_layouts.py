@@ -199,3 +199,22 @@ def test_blockwise_muon_is_muon_at_tp1_and_depends_on_the_layout_at_tp2(tmp_path
     assert "blockwise" in stdout
     assert max(abs(a - b) / b for a, b in zip(whole, one)) <= 1e-5
     assert max(abs(a - b) / b for a, b in zip(shards["lm_loss"], one)) > 1e-4
+
+
+def test_the_lion_state_of_fmeg_before_it_followed_megatron_is_refused_in_one_line():
+    """--optimizer lion's state was Lion on every leaf ("lion"); it is now Megatron-LM's, Lion on
+    the matrices and Adam on the rest ("lion+adam"), which the old state cannot continue."""
+    from types import SimpleNamespace
+
+    from fmeg.checkpoint import CheckpointError
+    from fmeg.config.arguments import parse_args
+    from fmeg.config.optimizer_flags import optimizer_config
+    from fmeg.training.run_state import _same_optimizer
+
+    a = parse_args(["--optimizer", "lion"])
+    lion = optimizer_config(a, (a.adam_beta1, a.adam_beta2, a.adam_eps))
+    cfg = SimpleNamespace(training=SimpleNamespace(optimizer=lion))
+    _same_optimizer({"optimizer": "lion+adam"}, cfg, "--load ck")
+    with pytest.raises(CheckpointError, match="holds the Lion state fmeg stepped before") as e:
+        _same_optimizer({"optimizer": "lion"}, cfg, "--load ck")
+    assert str(e.value).endswith("start its state fresh with --no-load-optim")
