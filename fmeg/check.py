@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds as Ctrl-C does: the running layout's ranks are killed and the temporary
     # directories removed on the way out
     signal.signal(signal.SIGTERM, _terminated)
+    # and Ctrl-C stops it even where the caller ignores SIGINT (a child started from a background
+    # job or a test runner's worker inherits the ignoring)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _rows(plan, own)
     except KeyboardInterrupt:
