@@ -22,7 +22,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# one thread in each of pytest-xdist's workers (they share the machine's cores), else at most 2
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads()))
+)
 # every command a test starts (the session's one-rank reference curves too) computes with one
 # thread, as torchrun gives each worker: float32 reductions split by the thread count, so a one-rank
 # run with the machine's count and its resumed or multi-rank counterpart with one summed differently
