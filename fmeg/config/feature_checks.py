@@ -103,11 +103,9 @@ def unused_flag_problems(a: argparse.Namespace) -> list[str]:
 
 MUONS = ("muon", "dist_muon", "adaptive_muon")
 # the optimizers that read each prefix's flags of OptimizerChoiceFlags (sgd_momentum, muon_*,
-# lion_*, soap_*); lion_*: Muon's --muon-scalar-optimizer lion, and kept accepted under lion and
-# soap, which take --adam-beta1/2 instead (as Megatron does; tests/config/test_optimizer_flags.py
-# passes them there)
+# lion_*, soap_*); lion_*: only Muon's --muon-scalar-optimizer lion (--optimizer lion and soap
+# take --adam-beta1/2, as Megatron-LM's emerging optimizers do)
 _READERS = {"sgd": ("sgd",), "muon": MUONS, "lion": MUONS, "soap": ("soap",)}
-_KEPT = {"lion": ("lion", "soap")}
 
 
 def _optimizer_flags() -> dict[str, str]:
@@ -127,7 +125,14 @@ def optimizer_flag_problems(a: argparse.Namespace) -> list[str]:
     for dest, flag in _optimizer_flags().items():
         kind = dest.split("_")[0]
         readers = _READERS[kind]
-        if dest not in given or a.optimizer in _KEPT.get(kind, ()):
+        if dest not in given:
+            continue
+        if kind == "lion" and a.optimizer in ("lion", "soap"):
+            beta = "--adam-beta1" if dest.endswith("1") else "--adam-beta2"
+            out.append(
+                f"{flag} is read by --muon-scalar-optimizer lion; --optimizer {a.optimizer} takes "
+                f"its betas from --adam-beta1/2, as Megatron-LM's does: give {beta} instead"
+            )
             continue
         if kind == "lion" and a.optimizer in MUONS and a.muon_scalar_optimizer != "lion":
             out.append(

@@ -326,7 +326,10 @@ def runner_cases() -> list[tuple[list[str], str]]:
         ),
         (["--optimizer", "muon", "--muon-num-ns-steps", "0"], "--muon-num-ns-steps must be"),
         (["--optimizer", "sgd", "--sgd-momentum", "1.5"], "--sgd-momentum"),
-        (["--optimizer", "lion", "--lion-beta2", "-0.1"], "--lion-beta2"),
+        (
+            ["--optimizer", "muon", "--muon-scalar-optimizer", "lion", "--lion-beta2", "-0.1"],
+            "--lion-beta2",
+        ),
         (
             ["--optimizer", "muon", "--muon-coefficient-type", "cubic5"]
             + ["--muon-num-ns-steps", "4"],

@@ -2,7 +2,9 @@
 the distributed optimizer, --muon-fp32-matmul-prec's precisions, Muon's scalar optimizer, the
 betas and eps Lion and SOAP take."""
 
-from fmeg.config.load import load
+import pytest
+
+from fmeg.config.load import BadInput, load
 from fmeg.optim import MuonSettings, SoapSettings
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
@@ -66,10 +68,18 @@ def test_sgd_lion_and_soap_take_megatrons_flags():
     # Megatron's emerging path gives Lion and SOAP --adam-beta1/2; --lion-beta1/2 reach only
     # Muon's scalar Lion; SOAP's eps is its own
     flags = ("--adam-beta1", "0.8", "--adam-beta2", "0.9", "--adam-eps", "1e-6")
-    flags += ("--lion-beta1", "0.5", "--lion-beta2", "0.6")
     lion, _ = choice("--optimizer", "lion", *flags)
     assert lion.lion == (0.8, 0.9) and lion.adam == (0.8, 0.9, 1e-6)
     soap, _ = choice("--optimizer", "soap", *flags)
     assert soap.soap == SoapSettings(0.8, 0.9, 1e-8, 0.95, True, 1)
-    muon, _ = choice("--optimizer", "muon", "--muon-scalar-optimizer", "lion", *flags)
+    lion_betas = ("--lion-beta1", "0.5", "--lion-beta2", "0.6")
+    muon, _ = choice("--optimizer", "muon", "--muon-scalar-optimizer", "lion", *flags, *lion_betas)
     assert muon.muon_scalar_lion == (0.5, 0.6)
+    # where they would do nothing, they are refused, naming the flag that does it
+    for name in ("lion", "soap"):
+        with pytest.raises(BadInput) as e:
+            choice("--optimizer", name, *flags, "--lion-beta1", "0.5")
+        assert e.value.lines == (
+            f"--lion-beta1 is read by --muon-scalar-optimizer lion; --optimizer {name} takes its "
+            "betas from --adam-beta1/2, as Megatron-LM's does: give --adam-beta1 instead",
+        )

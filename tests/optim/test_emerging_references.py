@@ -380,9 +380,8 @@ MODEL = [
     "--vocab-size", "32", "--make-vocab-size-divisible-by", "8", "--seq-length", "8",
     "--max-position-embeddings", "8",
 ]  # fmt: skip
-# Adam's flags away from their defaults, and Lion's flags, which --optimizer lion ignores
+# Adam's flags away from their defaults: Lion and SOAP take the betas, Adam the eps too
 FLAGS = ["--adam-beta1", "0.85", "--adam-beta2", "0.99", "--adam-eps", "1e-6"]
-FLAGS += ["--lion-beta1", "0.5", "--lion-beta2", "0.6"]
 
 
 @pytest.mark.parametrize("name", ["lion", "soap"])
