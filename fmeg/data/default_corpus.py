@@ -27,7 +27,13 @@ def cache_dir() -> Path:
 def stdlib_sources() -> list[Path]:
     """The standard library's .py files in a fixed order (site-packages and bytecode excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    found = []
+    # site-packages pruned, not walked and filtered: it holds many times the standard library's
+    # files (torch's among them), and every rank of every run lists the sources for the cache key
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in ("site-packages", "__pycache__")]
+        found += [Path(directory, n) for n in names if n.endswith(".py")]
+    return sorted(p for p in found if "site-packages" not in p.parts and p.is_file())
 
 
 def default_corpus(directory: str | os.PathLike | None = None) -> IndexedDataset:

@@ -1,6 +1,8 @@
 """recipes.preprocess_data and the tokenizers; the embedded default corpus."""
 
 import json
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,6 +206,11 @@ def test_default_corpus_is_the_standard_library_and_is_cached(tmp_path, capsys, 
         bytes(ds[0][:-1].astype(np.uint8)) == files[0].read_bytes()
         and ds[0][-1] == ByteTokenizer.eod
     )
+    # every .py file of the standard library outside site-packages, as a plain walk finds them
+    # (the listing prunes site-packages rather than walking it)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    everything = root.rglob("*.py")
+    assert files == sorted(p for p in everything if "site-packages" not in p.parts and p.is_file())
     built = sorted(p.name for p in tmp_path.iterdir())
     again = default_corpus(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == built and again.prefix == ds.prefix
