@@ -15,22 +15,9 @@ import pytest
 import torch
 
 from harness.bad_input import T, assert_one_line_exit_2_nothing_left
+from harness.hf_models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def _llama(root: Path) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
 
 
 def _mixtral(root: Path) -> None:
@@ -100,7 +87,7 @@ def _deepseek_v3(root: Path) -> None:
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_dirs")
     makers = {
-        "llama": _llama,
+        "llama": tiny_llama,
         "mixtral": _mixtral,
         "gpt_oss": _gpt_oss,
         "deepseek_v3": _deepseek_v3,

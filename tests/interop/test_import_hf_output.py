@@ -8,22 +8,15 @@ import sys
 
 import pytest
 
+from harness.hf_models import tiny_llama
+
 # what torchao's import wrote to stderr before fmeg.interop silenced it
 TORCHAO_LINES = ("Failed to load", "_C_mxfp8", "_C_cutlass", "register_constant")
 
 
 def test_import_hf_prints_one_short_line_and_nothing_of_torchao(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    pytest.importorskip("transformers")
+    tiny_llama(tmp_path / "hf")
     out = subprocess.run(
         [sys.executable, "-m", "recipes.convert_checkpoint", "import-hf"]
         + ["--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ck")],
