@@ -34,8 +34,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_sessionfinish(session, exitstatus):
     from harness.parallel import close_pools
+    from harness.runner import WARM
 
     close_pools()
+    WARM.close()
 
 
 @pytest.fixture(scope="session")

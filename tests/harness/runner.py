@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 from fmeg.testing.processes import kill_tree, run_in_own_group
+from fmeg.testing.warm_pool import WarmPool
 
 COMMON = [
     "--train-iters",
@@ -41,13 +42,38 @@ COMMON = [
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
+# the recipes the tests run most: imported once a pytest process, each run's ranks forked
+WARM = WarmPool(preload=["recipes.gpt_pretrain", "recipes.generate", "recipes.convert_checkpoint"])
+_WARM_MODULES = ("recipes.gpt_pretrain", "recipes.generate", "recipes.convert_checkpoint")
+
+
 def run_group(
     argv: list[str], timeout: float = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """fmeg.testing's run_in_own_group: on a timeout or any failure the whole process group
     (torchrun and its workers) is killed, so no worker outlives its test. The timeout is sized for
-    a loaded 2-core machine; env: variables set beside this process's."""
+    a loaded 2-core machine; env: variables set beside this process's. `python -m recipe ...` and
+    `python -m torch.distributed.run --standalone --nproc-per-node=N -m recipe ...` of the recipes
+    above run on the warm pool (fmeg.testing.warm_pool: the same ranks, their imports paid once);
+    tests of torchrun's or fmeg.launch's own behaviour start those themselves."""
+    warm = _warm_form(argv) if env is None else None
+    if warm is not None:
+        module, args, nproc = warm
+        return WARM.run(module, args, nproc, timeout)
     return run_in_own_group(argv, timeout, env)
+
+
+def _warm_form(argv: list[str]) -> tuple[str, list[str], int] | None:
+    """(module, its arguments, ranks) of a command the warm pool runs as given, else None."""
+    if not argv or argv[0] != sys.executable:
+        return None
+    rest, nproc = list(argv[1:]), 1
+    torchrun = ["-m", "torch.distributed.run", "--standalone"]
+    if rest[:3] == torchrun and len(rest) > 3 and rest[3].startswith("--nproc-per-node="):
+        nproc, rest = int(rest[3].split("=", 1)[1]), rest[4:]
+    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _WARM_MODULES:
+        return rest[1], rest[2:], nproc
+    return None
 
 
 def run_recipe(
