@@ -85,7 +85,7 @@ def test_every_command_of_the_readme_and_docs_is_run_by_a_test():
         + page("parallelism.md")
     )
     everything = bash_commands(README) + [c for text in PAGES.values() for c in bash_commands(text)]
-    assert sorted(tested) == sorted(everything) and len(tested) == 25
+    assert sorted(tested) == sorted(everything) and len(tested) == 28
     # several processes start under fmeg.launch, whose refusals are one line
     assert not [c for c in everything if c.startswith("torchrun")]
     # nothing recommends signalling runs by a name pattern, which reaches other users' runs
@@ -144,10 +144,17 @@ def test_the_generation_pages_openai_client_starts_without_an_openai_key(monkeyp
     assert str(made.base_url).rstrip("/") == "http://127.0.0.1:5000/v1"
 
 
+def test_the_deterministic_runs_of_the_docs_agree_bit_for_bit(tmp_path):
+    commands = [c for c in page("testing.md") if "fmeg.check" not in c]
+    assert len(commands) == 3 and all("--deterministic-mode" in c for c in commands[:2])
+    *_, compared = run_block(commands, tmp_path)
+    assert compared.strip() == "bitwise"
+
+
 # 25 s; tests/check/test_layout_check.py runs the same check in the default suite
 @pytest.mark.slow
 def test_the_layout_check_of_the_docs(tmp_path):
-    (stdout,) = run_block(page("testing.md"), tmp_path)
+    (stdout,) = run_block([c for c in page("testing.md") if "fmeg.check" in c], tmp_path)
     rows = [line for line in stdout.splitlines() if line.endswith("same")]
     assert [row.split()[0] for row in rows] == ["tp2", "pp2-vp2", "dp2-zero"]
     assert "every layout equals one rank within 1e-05" in stdout

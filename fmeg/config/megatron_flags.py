@@ -89,8 +89,6 @@ IGNORED_SWITCHES.update(
         "checkpoint, their shape from the flags",
         "--check-for-spiky-loss": "fmeg's NaN check covers non-finite values only",
         "--check-for-large-grads": "fmeg's NaN check covers non-finite values only",
-        "--deterministic-mode": "fmeg's CPU runs are deterministic; on CUDA call "
-        "torch.use_deterministic_algorithms",
         "--no-async-tensor-model-parallel-allreduce": "an overlap policy of Megatron's kernels",
         "--tp-comm-overlap": "an overlap policy of Transformer Engine's kernels",
         "--overlap-param-gather-with-optimizer-step": "an overlap policy: the distributed "
@@ -362,6 +360,22 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
             "--group-query-attention (as in Megatron): multi-head attention"
         )
         a.num_query_groups = None
+    others = [
+        name
+        for name, size in (
+            ("tensor", a.tensor_model_parallel_size),
+            ("pipeline", a.pipeline_model_parallel_size),
+            ("context", a.context_parallel_size),
+            ("expert", a.expert_model_parallel_size),
+        )
+        if size > 1
+    ]
+    if a.deterministic_mode and others:
+        notices.append(
+            "--deterministic-mode: the sums over data parallelism are exact; those over "
+            f"{', '.join(others)} parallelism are not yet (the curve is within rounding of one "
+            "rank's, not its bits)"
+        )
     if a.sequence_parallel and a.tensor_model_parallel_size == 1:
         notices.append(
             "--sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron)"

@@ -160,6 +160,8 @@ class TrainingConfig:
     # the signal's name: SIGTERM (Megatron's default), SIGINT, SIGUSR1, SIGUSR2
     exit_signal: str
     dropout: bool
+    # --deterministic-mode: the step's sums over data parallelism exact (StepSettings)
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -423,6 +425,7 @@ def _training(a, world: int) -> TrainingConfig:
         exit_signal_handler=a.exit_signal_handler,
         exit_signal=a.exit_signal,
         dropout=bool(a.hidden_dropout or a.attention_dropout),
+        deterministic=a.deterministic_mode,
     )
 
 

@@ -49,6 +49,12 @@ class TrainingFlags:
         help="the loss is the global batch's token losses over its token count, not a mean of "
         "microbatch means",
     )
+    deterministic_mode: bool = switch(
+        "--deterministic-mode",
+        help="the sums over data parallelism exact: the same bits at any data-parallel size, "
+        "ZeRO-1 or not, and any number of microbatches a rank (fmeg.parallel.exact); those over "
+        "tensor, context, pipeline and expert parallelism not yet",
+    )
     seed: int = flag(
         "--seed", type=int, default=1234, help="the seed of initialization, data order and dropout"
     )

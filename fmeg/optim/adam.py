@@ -16,6 +16,8 @@ The flat form divides the gradient by grad_scale inside the kernel: global-norm 
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import torch
@@ -62,9 +64,11 @@ class FusedAdamW(NamedTuple):
         weight_decay: float,
         decoupled_lr: float | None = None,
         grad_scale: torch.Tensor | None = None,
+        exact: bool = False,
     ) -> None:
         """One group's [master, grad, mu, nu] lists of views stepped in place; steps: the step count
-        per view, device tensors already advanced."""
+        per view, device tensors already advanced. exact (--deterministic-mode): each element's
+        result the same bits however the buffers are cut into views (_step_rounded_each)."""
         decoupled, decays = group
         options = dict(
             lr=decoupled_lr if decoupled and decoupled_lr is not None else lr,
@@ -76,7 +80,9 @@ class FusedAdamW(NamedTuple):
             maximize=False,
             grad_scale=grad_scale,
         )
-        if self.moment_dtypes == (torch.float32, torch.float32):
+        if exact:
+            _step_rounded_each(views, steps, options)
+        elif self.moment_dtypes == (torch.float32, torch.float32):
             torch._fused_adamw_(*views, [], steps, **options)
         else:
             _step_narrow_moments(views, steps, options)
@@ -106,6 +112,30 @@ def clip_scale(norm: torch.Tensor, clip_grad: float) -> torch.Tensor | None:
     """The fused kernel's grad_scale for global-norm clipping (it divides the gradient by it): the
     clip of clip_by_global_norm with no pass of its own and no host sync."""
     return ((norm + 1e-6) / clip_grad).clamp(min=1.0).float() if clip_grad else None
+
+
+def _step_rounded_each(
+    views: list[list[torch.Tensor]], steps: list[torch.Tensor], options: dict
+) -> None:
+    """The fused kernel's AdamW as single operations, each rounded once: the fused kernel's vector
+    loop contracts multiply-adds that its scalar tail rounds twice, so an element's bits depend on
+    where its view starts and ends, which ZeRO's slices move. Slower (a pass per operation), for
+    --deterministic-mode; moments of any dtype, computed in fp32."""
+    b1, b2, eps, lr, wd = (options[k] for k in ("beta1", "beta2", "eps", "lr", "weight_decay"))
+    scale = options["grad_scale"]
+    for master, grad, mu, nu, step in zip(*views, steps):
+        g = grad / scale if scale is not None else grad
+        m, v = mu.float(), nu.float()
+        if wd:
+            master.mul_(1 - lr * wd)
+        m.mul_(b1).add_(g * (1 - b1))
+        v.mul_(b2).add_((g * g).mul_(1 - b2))
+        count = step.item()
+        denom = v.sqrt().div_(math.sqrt(1 - b2**count)).add_(eps)
+        master.sub_((m / denom).mul_(lr / (1 - b1**count)))
+        if m.data_ptr() != mu.data_ptr():
+            mu.copy_(m)
+            nu.copy_(v)
 
 
 def _step_narrow_moments(

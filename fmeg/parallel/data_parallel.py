@@ -22,6 +22,12 @@ across pipeline stages afterwards) are then units of their own, whose owned elem
 bucket starts when depends only on the schedule, so every data-parallel rank issues the same
 collectives in the same order. Without overlap (overlap=False) buckets start at finish(), in tree
 order: the same numbers.
+
+exact=True (--deterministic-mode): the contributions go into an ExactAccumulator instead, which
+finish() sums over the group (and the replicas) and writes into the buffer: the same bits for any
+data-parallel size and any number of microbatches a rank. Its collectives wait for finish() (no
+overlap), and the divisor should be 1, the mean taken by the backward's seed over the global
+batch (a division would round differently at each dp).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg import tree
+from fmeg.parallel.exact import ExactAccumulator
 from fmeg.parallel.zero import FlatBuffer, alone_in_unit, owned_view
 
 
@@ -58,6 +65,7 @@ class GradSync:
         divisor: int | None = None,
         replicas: Any = None,
         unit_of: Callable[[str], str] | None = None,
+        exact: bool = False,
     ):
         """unit_of: the units of ZeRO's layout (zero.FlatBuffer; None: one); buffer: a persistent
         flat gradient buffer to fill (zero in its padding), else a fresh
@@ -66,7 +74,8 @@ class GradSync:
         ranks, whose gradients are their tokens' shares, divide by the data-parallel size alone);
         replicas: hybrid sharding's group of the ranks holding the same slices (None: none): what
         this rank holds of the sum over group (its owned slice, the replicated leaves) is summed
-        over it at finish(), as Megatron sums over its distributed-optimizer instances."""
+        over it at finish(), as Megatron sums over its distributed-optimizer instances; exact: the
+        sums in an ExactAccumulator (above)."""
         self.group, self.dp = group, 1 if group is None else group.size
         self.replicas = replicas
         self.divisor = self.dp if divisor is None else divisor
@@ -116,13 +125,16 @@ class GradSync:
             self.buffer[start : start + shape.numel()].view(shape)
             for start, shape in zip(self.offsets, self.shapes)
         ]
-        self.overlap = overlap
+        self.exact = ExactAccumulator(self.padded, device=self.buffer.device) if exact else None
+        self.overlap = overlap and not exact
         self._index_cache: dict[tuple, list[int]] = {}
         self.reset()
 
     def reset(self) -> "GradSync":
         """Ready for an iteration: no gradient arrived yet (the buffer's old values are overwritten
         by each leaf's first contribution)."""
+        if self.exact is not None:
+            self.exact.reset()
         self._waiting = [len(leaves_of) for _, _, leaves_of, _ in self.buckets]
         self._arrived = [False] * len(self.paths)
         # received a contribution this iteration
@@ -148,6 +160,11 @@ class GradSync:
             raise RuntimeError(
                 f"GradSync: gradient of {self.paths[late[0]]} given after its final one"
             )
+        if self.exact is not None:
+            for i, grad in zip(indices, grads.values()):
+                self.exact.add_(self.offsets[i], grad)
+                self._touched[i] = True
+            return
         copy: tuple[list, list] = ([], [])
         add: tuple[list, list] = ([], [])
         for i, grad in zip(indices, grads.values()):
@@ -193,12 +210,15 @@ class GradSync:
         for i, arrived in enumerate(self._arrived):
             if not arrived:
                 self._arrive(i)
+        if self.exact is not None:
+            self.exact.sum_over((self.group, self.replicas))
+            self.buffer.copy_(self.exact.value(self.buffer.dtype))
         for handle, mine, target in self._handles:
             handle.wait()
             if target is not None:
                 target.copy_(mine)
         self._handles = []
-        if self.replicas is not None:
+        if self.replicas is not None and self.exact is None:
             for a, b in self._held_ranges():
                 # a clone: thread peers may still read it
                 self.buffer[a:b].copy_(self.replicas.all_reduce(self.buffer[a:b].clone()))
@@ -251,7 +271,7 @@ class GradSync:
     def _start(self, b: int) -> None:
         start, end, _, scatter = self.buckets[b]
         self.started_with_pending.append(self._arrived.count(False))
-        if self.group is None:
+        if self.group is None or self.exact is not None:
             return
         piece = self.buffer[start:end]
         if not scatter:

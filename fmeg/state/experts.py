@@ -207,6 +207,7 @@ class ExpertSplitState(Parts):
         bucket_numel: int | None = None,
         overlap: bool = False,
         divisor: int | None = None,
+        exact: bool = False,
     ) -> _SplitSync:
         """group: the dense leaves' data-parallel group (within the instance); the experts reduce
         over the mesh's expert_dp_shard group (expert_dp without hybrid sharding), then over the
@@ -219,6 +220,7 @@ class ExpertSplitState(Parts):
             bucket_numel=bucket_numel,
             overlap=overlap,
             divisor=divisor,
+            exact=exact,
         )
         if not self.experts:
             return dense
@@ -227,6 +229,7 @@ class ExpertSplitState(Parts):
             bucket_numel=bucket_numel,
             overlap=overlap,
             divisor=divisor,
+            exact=exact,
         )
         return _SplitSync(dense, experts)
 
@@ -242,9 +245,12 @@ class ExpertSplitState(Parts):
         weight_decay: float,
         clip_grad: float,
         decoupled_lr: float | None = None,
+        exact: bool = False,
     ) -> torch.Tensor:
+        # exact: each part's sum of squares is exact, their sum rounds once more (with experts
+        # apart, not yet one rank's bits)
         experts = (
-            self.experts.norm_squared(mesh, ("expert_dp_shard",) if self.zero else ())
+            self.experts.norm_squared(mesh, ("expert_dp_shard",) if self.zero else (), exact)
             if self.experts
             else torch.zeros((), dtype=torch.float64, device=self.dense.grad.device)
         )
@@ -252,7 +258,8 @@ class ExpertSplitState(Parts):
         group = mesh.group("tp_ep_pp")
         experts = group.all_reduce(experts) if group is not None else experts
         norm = (
-            self.dense.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",)) + experts
+            self.dense.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",), exact)
+            + experts
         ).sqrt()
         groups = tuple(mesh.group(name) for name in ("dp_cp_shard", "expert_dp_shard"))
         return step_parts(
@@ -263,4 +270,5 @@ class ExpertSplitState(Parts):
             lr=lr,
             weight_decay=weight_decay,
             decoupled_lr=decoupled_lr,
+            exact=exact,
         )

@@ -56,6 +56,7 @@ from fmeg import tree
 from fmeg import optim
 from fmeg.optim.loss_scale import scaler_of
 from fmeg.parallel.data_parallel import GradSync
+from fmeg.parallel.exact import fixed_point_total
 from fmeg.parallel.sharded_grads import ShardedGradSync
 from fmeg.parallel.sharded_params import ShardedParams
 from fmeg.parallel.zero import FlatBuffer, OwnedView
@@ -308,15 +309,21 @@ class FlatState:
         bucket_numel: int | None = None,
         overlap: bool = False,
         divisor: int | None = None,
+        exact: bool = False,
     ) -> GradSync:
         """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), the
         sum over group divided by divisor (default: the group's size), ready for an iteration: built
-        on first use and reset on every later call with the same arguments."""
-        key = (group, replicated, bucket_numel, overlap, divisor)
+        on first use and reset on every later call with the same arguments. exact: the sums in
+        fmeg.parallel.exact's accumulator (--deterministic-mode; not with sharded gradients)."""
+        key = (group, replicated, bucket_numel, overlap, divisor, exact)
         cached = getattr(self, "_grad_sync", None)
         if cached is not None and cached[0] == key:
             return cached[1].reset()
         if self.shard_grads:
+            if exact:
+                raise NotImplementedError(
+                    "--deterministic-mode: exact gradient sums with sharded gradients (FSDP)"
+                )
             sync = ShardedGradSync(
                 self.params,
                 group,
@@ -338,6 +345,7 @@ class FlatState:
                 divisor=divisor,
                 replicas=self.replica_group,
                 unit_of=unit_of,
+                exact=exact,
             )
         self._grad_sync = (key, sync)
         return sync
@@ -493,13 +501,16 @@ class FlatState:
         weight_decay: float,
         clip_grad: float,
         decoupled_lr: float | None = None,
+        exact: bool = False,
     ) -> torch.Tensor:
         """Global norm of the owned gradient (returned, a device tensor), clip, AdamW on the owned
         slice, then the compute weights from the master. The owned gradient is main_grad()'s, taken
         after the data-parallel mean (GradSync.finish). decoupled_lr: the learning rate of the
-        leaves marked decoupled (default lr)."""
+        leaves marked decoupled (default lr); exact: the norm's sum of squares by
+        fmeg.parallel.exact (the same bits for any split of the gradient over ranks)."""
         # the slices of one instance (their replicas hold the same gradient)
-        norm = self.norm_squared(mesh, ("dp_cp_shard", "mp") if self.zero else ("mp",)).sqrt()
+        groups = ("dp_cp_shard", "mp") if self.zero else ("mp",)
+        norm = self.norm_squared(mesh, groups, exact).sqrt()
         return step_parts(
             (self,),
             (self.dp_group,),
@@ -508,11 +519,19 @@ class FlatState:
             lr=lr,
             weight_decay=weight_decay,
             decoupled_lr=decoupled_lr,
+            exact=exact,
         )
 
-    def norm_squared(self, mesh: Any, groups: tuple[str, ...]) -> torch.Tensor:
+    def norm_squared(self, mesh: Any, groups: tuple[str, ...], exact: bool = False) -> torch.Tensor:
         """The squared norm of the owned gradient, each parameter counted once, summed over mesh's
-        groups."""
+        groups; exact: by fixed_point_total (a float32 element's square is exact in float64)."""
+        if exact:
+            squares = [
+                piece.to(torch.float64).square()
+                for piece, weight in zip(self._norm_pieces, self._norm_weight.tolist())
+                if weight
+            ]
+            return fixed_point_total(squares, tuple(mesh.group(name) for name in groups))
         total = torch.zeros((), dtype=torch.float64, device=self.grad.device)
         if self._norm_pieces:
             # accumulated in fp64: a leaf's norm from its slices' is then its whole norm but for
@@ -531,9 +550,10 @@ class FlatState:
         lr: float,
         weight_decay: float,
         decoupled_lr: float | None = None,
+        exact: bool = False,
     ) -> None:
         """The optimizer's flat form on the owned slice, the gradient divided by grad_scale (the
-        clip)."""
+        clip); exact: its elementwise results the same however the buffer is sliced (Adam's)."""
         self.steps += 1
         self.count.fill_(self.steps)
         self._step.fill_(self.steps)
@@ -546,6 +566,7 @@ class FlatState:
                 weight_decay=weight_decay,
                 decoupled_lr=decoupled_lr,
                 grad_scale=grad_scale,
+                **({"exact": True} if exact else {}),
             )
         if self._has_matrices:
             self._matrices.run(

@@ -48,6 +48,7 @@ class TrainingState(Protocol):
         bucket_numel: int | None = None,
         overlap: bool = False,
         divisor: int | None = None,
+        exact: bool = False,
     ) -> Any: ...
     def use(self, stage: int, keys: tuple[str, ...] | None, backward: bool = False) -> Any: ...
     def all_weights(self) -> Any: ...
@@ -62,6 +63,7 @@ class TrainingState(Protocol):
         weight_decay: float,
         clip_grad: float,
         decoupled_lr: float | None = None,
+        exact: bool = False,
     ) -> torch.Tensor: ...
     def set_count(self, count: int) -> None: ...
     def fresh_optimizer(self) -> None: ...
@@ -78,12 +80,14 @@ def step_parts(
     lr: float,
     weight_decay: float,
     decoupled_lr: float | None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """The optimizer on every part, all clipped by the one global norm, then each part's compute
-    weights refreshed over its data-parallel group (groups: one per part); returns norm."""
+    weights refreshed over its data-parallel group (groups: one per part); returns norm. exact:
+    the parts' updates independent of their slicing (FlatState.update)."""
     scale = optim.clip_scale(norm, clip_grad)
     for part, group in zip(parts, groups):
-        part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr)
+        part.update(scale, lr=lr, weight_decay=weight_decay, decoupled_lr=decoupled_lr, exact=exact)
         part.refresh(group)
     return norm
 

@@ -20,6 +20,7 @@ from fmeg import optim, tree
 from fmeg.optim import loss_scale
 from fmeg.models import gpt, moe
 from fmeg.models import gpt_pipeline as gp
+from fmeg.parallel.exact import fixed_point_sum
 from fmeg.parallel.layout import Layout
 from fmeg.parallel.mesh import Mesh
 from fmeg.parallel.pipeline import execute, schedules
@@ -343,7 +344,7 @@ def train_iteration(
     s = settings or StepSettings(**fields)
     scaler = state.scaler
     scale = scaler.scale if scaler is not None else 1.0
-    per_token, compile = s.per_token, s.compile
+    per_token, compile, exact = s.per_token, s.compile, s.deterministic
     overlap_grad_reduce = s.overlap_grad_reduce
     t0 = time.perf_counter()
     hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=scale, per_token=per_token)
@@ -351,14 +352,14 @@ def train_iteration(
     fns = stage_functions(
         state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8
     )
-    reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel)
+    reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel, exact=exact)
     loss, sync = forward_backward(
         state, microbatches, fns, config, layout, mesh, scale, per_token=per_token, **reduce
     )
     _finish_fp8(s.fp8, mesh)
     t1 = time.perf_counter()
     _finish_reduction(sync, config, layout, mesh, state.params)
-    loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token)
+    loss, grads = mean_gradients(state, microbatches, loss, layout, mesh, scale, per_token, exact)
     t2 = time.perf_counter()
 
     def timers(t3: float) -> dict:
@@ -383,13 +384,8 @@ def train_iteration(
             "loss_scale": scale,
             "timers_ms": timers(time.perf_counter()),
         }
-    norm = state.step(
-        mesh,
-        lr=s.lr,
-        weight_decay=s.weight_decay,
-        clip_grad=s.clip_grad,
-        decoupled_lr=s.decoupled_lr,
-    )
+    hyper = dict(lr=s.lr, weight_decay=s.weight_decay, clip_grad=s.clip_grad)
+    norm = state.step(mesh, **hyper, decoupled_lr=s.decoupled_lr, exact=exact)
     for hook in hooks:
         hook.after_step(state)
     per_layer: dict = {}
@@ -431,6 +427,7 @@ def forward_backward(
     overlap_grad_reduce: bool,
     bucket_numel: int | None,
     per_token: bool,
+    exact: bool = False,
 ) -> tuple[torch.Tensor | None, Any]:
     """This rank's pipeline schedule over its microbatches. overlap_grad_reduce starts each
     data-parallel bucket's reduction as soon as the backward has finished its gradients (same
@@ -438,7 +435,9 @@ def forward_backward(
     state.grad and reduced over data parallelism (summed over dp x cp, divided by dp: each cp rank's
     gradient is its tokens' share, so the sum over cp of the data-parallel mean); the tied
     embedding's copies summed. Returns (the loss where this rank holds the last stage, else None;
-    the gradient reduction, to be finished)."""
+    the gradient reduction, to be finished). exact (--deterministic-mode): the gradients summed
+    exactly over microbatches and data parallelism, of the loss over the global batch's microbatch
+    count, and the loss returned per microbatch (mean_gradients sums it exactly)."""
     params = state.params
     actions = rank_schedule(layout, len(microbatches), mesh.coord("pp"))
     sync = state.grad_sync(
@@ -447,7 +446,8 @@ def forward_backward(
         bucket_numel=bucket_numel,
         overlap=overlap_grad_reduce,
         replicated=tied_paths(config, layout, params) if state.zero else frozenset(),
-        divisor=layout.dp,
+        divisor=1 if exact else layout.dp,
+        exact=exact,
     )
     # --fp8-param-gather: this step's weight amaxes and scales, from the owned chunks
     record_fp8_weights(state)
@@ -463,6 +463,8 @@ def forward_backward(
         microbatch_mean=not per_token,
         use=state.use,
         placement=layout.placement,
+        mean_over=len(microbatches) * layout.dp if exact else None,
+        loss_per_microbatch=exact,
     )
     state.end_iteration()
     return loss, sync
@@ -476,13 +478,17 @@ def mean_gradients(
     mesh: Mesh,
     loss_scale: float,
     per_token: bool,
+    exact: bool = False,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """(the data-parallel loss, this rank's owned gradient slices in fp32) as the optimizer takes
     them: unscaled, and with per-token losses divided by the global batch's tokens; the loss on the
-    last pipeline rank (to_last_rank)."""
+    last pipeline rank (to_last_rank). exact: the gradients are sums, not means, over dp
+    (forward_backward's), and the loss comes per microbatch and is summed by fixed_point_sum."""
     data_group = mesh.group("dp_cp")
     # each cp rank's loss is its tokens' share: summed over cp
-    if data_group is not None and loss is not None:
+    if exact and loss is not None:
+        loss = fixed_point_sum(loss, 0, data_group)
+    elif data_group is not None and loss is not None:
         loss = data_group.all_reduce(loss) / layout.dp
     # this rank's owned slices, in fp32 (copies where gradients are reduced in fp16/bf16)
     grads = state.main_grads()
@@ -490,7 +496,7 @@ def mean_gradients(
     if per_token:
         tokens = sum(gpt.loss_tokens(mb) for mb in microbatches).to(grads[0].device)
         tokens = data_group.all_reduce(tokens) if data_group is not None else tokens
-        factor = layout.dp / tokens.clamp_min(1.0)
+        factor = (1 if exact else layout.dp) / tokens.clamp_min(1.0)
         torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         loss = None if loss is None else loss * factor
     if loss_scale != 1.0:

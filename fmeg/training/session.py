@@ -110,6 +110,10 @@ class Session:
         compiled = device.type == "cuda" if cfg.runtime.compile is None else cfg.runtime.compile
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        elif cfg.training.deterministic:
+            # a CPU kernel splits its reductions by the thread count, which a one-process run and
+            # torchrun's workers (one thread each) set differently
+            torch.set_num_threads(1)
         if world > 1:
             timeout = datetime.timedelta(minutes=cfg.runtime.distributed_timeout_minutes)
             dist.init_process_group(

@@ -31,5 +31,8 @@ class StepSettings:
     overlap_grad_reduce: bool = False
     bucket_numel: int | None = None
     compile: str | None = None
+    # --deterministic-mode: the sums over data parallelism (gradients, loss, grad norm) exact, so
+    # the same bits at any dp and any number of microbatches a rank (fmeg.parallel.exact)
+    deterministic: bool = False
     # the run's fmeg.fp8.plan.Fp8Plan: which layers' GEMMs run in FP8, and how (None: none)
     fp8: Any = None

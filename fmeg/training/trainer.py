@@ -180,6 +180,7 @@ class Trainer:
             decoupled_lr=decoupled_lr,
             per_token=t.per_token_loss,
             fp8=self.fp8,
+            deterministic=t.deterministic,
         )
 
     def iterate(self, iteration: int) -> str | None:

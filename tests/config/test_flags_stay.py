@@ -42,7 +42,7 @@ def current() -> dict:
 
 
 # accepted and ignored before (hidden, no default), honoured since with Megatron's defaults, shown
-# in --help: Muon's (issue 52), FP8's (issue 53)
+# in --help: Muon's (issue 52), FP8's (issue 53), --deterministic-mode (issue 69)
 HONOURED_SINCE = {
     "--muon-momentum",
     "--muon-scale-mode",
@@ -57,6 +57,7 @@ HONOURED_SINCE = {
     "--decoder-last-pipeline-num-layers",
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
+    "--deterministic-mode",
 }
 # --fp8-format was refused at any value but its default; since issue 53 it runs, under Megatron's
 # dest (args.fp8), which Megatron's saved arguments use

@@ -15,3 +15,18 @@ def sum_of_my_part(mesh, x, cuts, order):
 def total_of_my_tensors(mesh, tensors):
     """fixed_point_total over the tp group of rank r's list tensors[r]."""
     return fixed_point_total(tensors[mesh.coord("tp")], mesh.group("tp"))
+
+
+def accumulate_my_contributions(mesh, contributions, owner, order):
+    """ExactAccumulator: rank r adds contributions[i] (i with owner[i] == r) in `order`, then the
+    sum over the tp group."""
+    from fmeg.parallel.exact import ExactAccumulator
+
+    rank = mesh.coord("tp") if mesh is not None else 0
+    acc = ExactAccumulator(contributions[0][1].numel())
+    for i in order:
+        if owner[i] == rank:
+            start, x = contributions[i]
+            acc.add_(start, x)
+    acc.sum_over(mesh.group("tp") if mesh is not None else None)
+    return acc.value()

@@ -214,6 +214,8 @@ class _Execution:
         # weight-gradient steps done per stage
         self.finished = {s: 0 for s in stage_params}
         self.loss: torch.Tensor | None = None
+        # each microbatch's loss / divisor, in microbatch order (for sums taken exactly)
+        self.losses: dict[int, torch.Tensor] = {}
 
     def run(self, a: Action) -> None:
         s, m, rank_of = a.stage, a.microbatch, self.rank_of
@@ -250,7 +252,9 @@ class _Execution:
                 self.split_backward,
             )
         if s == self.last:
-            self.loss = (0.0 if self.loss is None else self.loss) + out.detach() / self.divisor
+            share = out.detach() / self.divisor
+            self.losses[m] = share
+            self.loss = (0.0 if self.loss is None else self.loss) + share
         # the next stage is ours: hand over without communication
         elif self.rank_of[s + 1] == self.rank_of[s]:
             self.inbox[("F", s + 1, m)] = out.detach()
@@ -307,6 +311,8 @@ def execute(
     microbatch_mean: bool = True,
     use: Callable = _always,
     placement: tuple[int, ...] | None = None,
+    mean_over: int | None = None,
+    loss_per_microbatch: bool = False,
 ) -> tuple[torch.Tensor | None, dict[int, Any]]:
     """Run `actions` (this rank's list, communication included) and return (mean loss if this rank
     holds the last stage, else None; {stage: gradient of its params}, empty when grads_into takes
@@ -318,7 +324,10 @@ def execute(
     microbatch losses (per-token losses divide later). use(stage, segment keys, backward) -> a
     context inside which each segment's forward and backward run: where sharded weights are gathered
     (fmeg.parallel.sharded_params). placement: the pipeline rank of each stage (actions.looped,
-    Megatron's, by default; actions.v_shape for the V schedules)."""
+    Megatron's, by default; actions.v_shape for the V schedules). mean_over: what the microbatch
+    mean divides by (default: these microbatches' count; --deterministic-mode gives the global
+    batch's, the same seed at every data-parallel size). loss_per_microbatch: the loss returned is
+    each microbatch's share of it, stacked in microbatch order, not their float sum."""
     segments = {s: as_segments(stage_fns[s]) for s in stage_params}
     pp = 1 if pp_group is None else pp_group.size
     if not forward_only:
@@ -333,7 +342,7 @@ def execute(
         loss_scale=loss_scale,
         forward_only=forward_only,
         grads_into=grads_into,
-        divisor=len(microbatches) if microbatch_mean else 1,
+        divisor=(mean_over or len(microbatches)) if microbatch_mean else 1,
         use=use,
         split_backward=any(a.kind == "W" for a in actions),
         placement=placement or looped(pp, -(-num_stages // pp)),
@@ -345,9 +354,12 @@ def execute(
             trace.append((a, start, time.perf_counter()))
     if pp_group is not None:
         pp_group.finish()
+    loss = run.loss
+    if loss_per_microbatch and run.losses:
+        loss = torch.stack([run.losses[m] for m in sorted(run.losses)])
     if grads_into is not None or forward_only:
-        return run.loss, {}
-    return run.loss, {s: _as_tree(run.sums[s], stage_params[s]) for s in stage_params}
+        return loss, {}
+    return loss, {s: _as_tree(run.sums[s], stage_params[s]) for s in stage_params}
 
 
 def _as_tree(flat: dict[str, torch.Tensor], like: Any) -> Any:
