@@ -54,8 +54,10 @@ def run_group(
     (torchrun and its workers) is killed, so no worker outlives its test. The timeout is sized for
     a loaded 2-core machine; env: variables set beside this process's. `python -m recipe ...` and
     `python -m torch.distributed.run --standalone --nproc-per-node=N -m recipe ...` of the recipes
-    above run on the warm pool (fmeg.testing.warm_pool: the same ranks, their imports paid once);
-    tests of torchrun's or fmeg.launch's own behaviour start those themselves."""
+    above run on the warm pool (fmeg.testing.warm_pool: the same ranks, their imports paid once),
+    compiled runs (--compile) excepted: their compilation dwarfs the imports, and inductor's
+    compile workers are left to the process torchrun starts; tests of torchrun's or fmeg.launch's
+    own behaviour start those themselves."""
     warm = _warm_form(argv) if env is None else None
     if warm is not None:
         module, args, nproc = warm
@@ -71,7 +73,7 @@ def _warm_form(argv: list[str]) -> tuple[str, list[str], int] | None:
     torchrun = ["-m", "torch.distributed.run", "--standalone"]
     if rest[:3] == torchrun and len(rest) > 3 and rest[3].startswith("--nproc-per-node="):
         nproc, rest = int(rest[3].split("=", 1)[1]), rest[4:]
-    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _WARM_MODULES:
+    if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _WARM_MODULES and "--compile" not in rest:
         return rest[1], rest[2:], nproc
     return None
 
