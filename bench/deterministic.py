@@ -1,7 +1,8 @@
 """What --deterministic-mode costs on CPU: the README's model (default flags) trained for a few
-iterations with and without the mode, at one rank and at dp 2 (with and without ZeRO-1), side by
-side in this run. Each row's time is the median of the iterations' elapsed_ms after the first two
-(metrics.jsonl); every rank computes with one thread in both modes, as torchrun's workers do.
+iterations with and without the mode, at one rank, at dp 2 (with and without ZeRO-1) and at tp 2
+(with and without sequence parallelism), side by side in this run. Each row's time is the median of
+the iterations' elapsed_ms after the first two (metrics.jsonl); every rank computes with one thread
+in both modes, as torchrun's workers do.
 
     python bench/deterministic.py [--iters 8]
 
@@ -27,6 +28,8 @@ LAYOUTS = {
     "one rank": (1, []),
     "dp 2": (2, []),
     "dp 2 ZeRO-1": (2, ["--use-distributed-optimizer"]),
+    "tp 2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp 2 + sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 
 

@@ -85,7 +85,7 @@ def test_every_command_of_the_readme_and_docs_is_run_by_a_test():
         + page("parallelism.md")
     )
     everything = bash_commands(README) + [c for text in PAGES.values() for c in bash_commands(text)]
-    assert sorted(tested) == sorted(everything) and len(tested) == 28
+    assert sorted(tested) == sorted(everything) and len(tested) == 30
     # several processes start under fmeg.launch, whose refusals are one line
     assert not [c for c in everything if c.startswith("torchrun")]
     # nothing recommends signalling runs by a name pattern, which reaches other users' runs
@@ -146,9 +146,9 @@ def test_the_generation_pages_openai_client_starts_without_an_openai_key(monkeyp
 
 def test_the_deterministic_runs_of_the_docs_agree_bit_for_bit(tmp_path):
     commands = [c for c in page("testing.md") if "fmeg.check" not in c]
-    assert len(commands) == 3 and all("--deterministic-mode" in c for c in commands[:2])
-    *_, compared = run_block(commands, tmp_path)
-    assert compared.strip() == "bitwise"
+    assert len(commands) == 5 and all("--deterministic-mode" in c for c in commands[:3])
+    *_, zero3, tp2 = run_block(commands, tmp_path)
+    assert zero3.strip() == tp2.strip() == "bitwise"
 
 
 # 25 s; tests/check/test_layout_check.py runs the same check in the default suite

@@ -360,22 +360,8 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
             "--group-query-attention (as in Megatron): multi-head attention"
         )
         a.num_query_groups = None
-    others = [
-        name
-        for name, size in (
-            ("tensor", a.tensor_model_parallel_size),
-            ("pipeline", a.pipeline_model_parallel_size),
-            ("context", a.context_parallel_size),
-            ("expert", a.expert_model_parallel_size),
-        )
-        if size > 1
-    ]
-    if a.deterministic_mode and others:
-        notices.append(
-            "--deterministic-mode: the sums over data parallelism are exact; those over "
-            f"{', '.join(others)} parallelism are not yet (the curve is within rounding of one "
-            "rank's, not its bits)"
-        )
+    if a.deterministic_mode:
+        notices += _deterministic_leniencies(a)
     if a.sequence_parallel and a.tensor_model_parallel_size == 1:
         notices.append(
             "--sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron)"
@@ -394,6 +380,38 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
         if getattr(a, flag) and a.load is None:
             notices.append(f"--{flag.replace('_', '-')} has no effect without --load DIR")
     return notices + _precision_data_and_schedule_leniencies(a)
+
+
+def _deterministic_leniencies(a: argparse.Namespace) -> list[str]:
+    """--deterministic-mode's sums not yet exact in this run: by parallelism, and by the layers
+    whose replicated weights meet split tokens under tensor parallelism."""
+    others = [
+        name
+        for name, size in (
+            ("pipeline", a.pipeline_model_parallel_size),
+            ("context", a.context_parallel_size),
+            ("expert", a.expert_model_parallel_size),
+        )
+        if size > 1
+    ]
+    layers = [
+        name
+        for name, used in (
+            ("mixture-of-experts", a.num_experts),
+            ("multi-latent attention", a.multi_latent_attention),
+            ("FP8", a.fp8),
+        )
+        if used and a.tensor_model_parallel_size > 1
+    ]
+    if not others and not layers:
+        return []
+    what = [f"{', '.join(others)} parallelism"] if others else []
+    what += [f"{', '.join(layers)} layers under tensor parallelism"] if layers else []
+    return [
+        "--deterministic-mode: the sums over data, tensor and sequence parallelism are exact; "
+        f"those of {' and '.join(what)} are not yet (the curve is within rounding of one rank's, "
+        "not its bits)"
+    ]
 
 
 def _precision_data_and_schedule_leniencies(a: argparse.Namespace) -> list[str]:

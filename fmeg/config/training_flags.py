@@ -51,9 +51,10 @@ class TrainingFlags:
     )
     deterministic_mode: bool = switch(
         "--deterministic-mode",
-        help="the sums over data parallelism exact: the same bits at any data-parallel size, "
-        "ZeRO-1 or not, and any number of microbatches a rank (fmeg.parallel.exact); those over "
-        "tensor, context, pipeline and expert parallelism not yet",
+        help="every sum a layout splits taken exactly (fmeg.parallel.exact, exact_regions): the "
+        "same bits at any data-parallel size, ZeRO-1 or not, any number of microbatches a rank, "
+        "and any tensor-parallel size dividing 8, with or without sequence parallelism; those "
+        "over context, pipeline and expert parallelism not yet",
     )
     seed: int = flag(
         "--seed", type=int, default=1234, help="the seed of initialization, data order and dropout"

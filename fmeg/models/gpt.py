@@ -289,7 +289,8 @@ def apply(
     weight = output_weight(params, config)
     if tp.group is None:
         return ops.linear(x, weight[: config.vocab_size])
-    return mask_vocab_padding(column_parallel_linear(x, weight, None, tp), config.vocab_size, tp)
+    logits = column_parallel_linear(x, weight, None, tp, vocab=True)
+    return mask_vocab_padding(logits, config.vocab_size, tp)
 
 
 def loss(
@@ -349,7 +350,8 @@ def output_loss(
             loss_tokens(batch).to(total.device), tp.context.group
         ).clamp_min(1.0)
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
-    if tp.group is None:
+    # --deterministic-mode's one rank takes tp's path: the same pieces, so the same bits
+    if tp.group is None and not tp.exact:
         return ops.linear_cross_entropy(
             x,
             weight,
@@ -359,7 +361,7 @@ def output_loss(
             label_smoothing=label_smoothing,
             reduction=reduction,
         )
-    logits = column_parallel_linear(x, weight, None, tp)
+    logits = column_parallel_linear(x, weight, None, tp, vocab=True)
     losses = vocab_parallel_cross_entropy(
         logits, labels, tp, label_smoothing=label_smoothing, vocab_size=vocab_size
     )

@@ -15,12 +15,15 @@ import torch
 from fmeg import ops
 from fmeg.models.gpt_config import GPTConfig
 from fmeg.parallel import collectives as C
+from fmeg.parallel import exact_regions
 from fmeg.parallel.tensor import NO_TP, TensorParallel, replicated_param
 
 Params = dict[str, Any]
 
 
 def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP) -> torch.Tensor:
+    if tp.exact_sums:
+        return _exact_norm(p, x, config, tp.group if tp.sp else None)
     weight, bias = replicated_param(p["weight"], tp), replicated_param(p.get("bias"), tp)
     if config.norm_zero_centered:
         weight = weight + 1.0
@@ -29,11 +32,27 @@ def norm(p: Params, x: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_
     return ops.layer_norm(x, weight, bias, config.norm_eps)
 
 
+def _exact_norm(p: Params, x: torch.Tensor, config: GPTConfig, group: Any) -> torch.Tensor:
+    """--deterministic-mode's norm: the weight (and bias) applied a token at a time, so that their
+    gradients are exact sums over the tokens and over group (the ranks splitting them): the same
+    bits however the tokens are split (exact_regions.per_token)."""
+    weight = exact_regions.per_token(p["weight"], x, group)
+    bias = exact_regions.per_token(p["bias"], x, group) if "bias" in p else None
+    if config.norm_zero_centered:
+        weight = weight + 1.0
+    if config.norm == "rmsnorm":
+        return ops.rms_norm(x, None, config.norm_eps) * weight
+    y = ops.layer_norm(x, None, None, config.norm_eps) * weight
+    return y if bias is None else y + bias
+
+
 def head_norm(
     p: Params, x_BNSD: torch.Tensor, config: GPTConfig, tp: TensorParallel = NO_TP
 ) -> torch.Tensor:
     """The norm over each head's dimensions. Its weight is replicated while the heads are split over
     tp, so each rank's gradient covers its own heads only: copy_to sums them over tp in backward."""
+    if tp.exact_sums:
+        return _exact_norm(p, x_BNSD, config, tp.group)
     weight, bias = p["weight"], p.get("bias")
     if tp.size > 1:
         weight, bias = (

@@ -8,14 +8,16 @@ import torch.nn.functional as F
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias."""
-    return F.layer_norm(
-        x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps
-    )
+    """(x - mean) / sqrt(var + eps) * weight + bias (None: no scale, no shift)."""
+    return F.layer_norm(x, x.shape[-1:], _cast(weight, x), _cast(bias, x), eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight (Llama's RMSNorm)."""
-    return F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight (Llama's RMSNorm; None: no scale)."""
+    return F.rms_norm(x, x.shape[-1:], _cast(weight, x), eps)
+
+
+def _cast(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    return None if p is None else p.to(x.dtype)

@@ -37,19 +37,24 @@ import torch
 _BITS = 62
 
 
-def fixed_point_sum(x: torch.Tensor, dim: int | None = None, group: Any = None) -> torch.Tensor:
-    """The sum of x over dim (every element where None) and over the group, in x's dtype."""
+def fixed_point_sum(
+    x: torch.Tensor, dim: int | None = None, group: Any = None, count: int | None = None
+) -> torch.Tensor:
+    """The sum of x over dim (every element where None) and over the group, in x's dtype. count:
+    a bound on the number of summed elements that sets the scale instead of their count over the
+    group (so that zero operands a layout adds, vocabulary padding, change no bit; no collective
+    and no host sync for it)."""
     x64 = x.detach().to(torch.float64)
     if dim is None:
         x64, dim = x64.reshape(-1), 0
     # the summed dim first: [count, *kept]
     x64 = x64.movedim(dim, 0)
-    count = torch.tensor(x64.shape[0], dtype=torch.int64)
-    magnitude = (
-        x64.abs().amax(0) if x64.shape[0] else torch.zeros(x64.shape[1:], dtype=torch.float64)
-    )
+    magnitude = x64.abs().amax(0) if x64.shape[0] else x64.new_zeros(x64.shape[1:])
     groups = _groups(group)
-    count, magnitude = _over(groups, count), _over(groups, magnitude, "max")
+    if count is None:
+        held = torch.tensor(x64.shape[0], dtype=torch.int64, device=x.device)
+        count = int(_over(groups, held).item())
+    magnitude = _over(groups, magnitude, "max")
     shift = _shift(magnitude, count)
     total = _over(groups, torch.ldexp(x64, shift).round().to(torch.int64).sum(0))
     out = torch.ldexp(total.to(torch.float64), -shift).to(x.dtype)
@@ -73,15 +78,41 @@ def _over(groups: tuple, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 def fixed_point_total(xs: Sequence[torch.Tensor], group: Any = None) -> torch.Tensor:
     """Every element of every tensor in xs summed over the group (a float64 scalar): the same bits
-    for any split of the elements over the tensors, the ranks and their order."""
+    for any split of the elements over the tensors, the ranks and their order, and for any number
+    of zero elements (vocabulary padding): each element's digits at fixed positions below the
+    largest magnitude's leading bit (_TOTAL_DIGITS digits of _TOTAL_BITS bits, truncated) are
+    summed as integers, so no count sets the scale. One all-reduce of the maximum, one of the
+    digits' sums."""
     flat = [x.detach().to(torch.float64).reshape(-1) for x in xs]
     joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
-    return fixed_point_sum(joined, 0, group)
+    groups = _groups(group)
+    peak = _over(groups, joined.abs().amax() if joined.numel() else joined.new_zeros(()), "max")
+    if not bool(torch.isfinite(peak)):
+        return _over(groups, joined.sum())
+    top = int(torch.frexp(peak).exponent)
+    digits, rest = [], joined
+    for i in range(_TOTAL_DIGITS):
+        scale = top - _TOTAL_BITS * (i + 1)
+        digit = torch.trunc(torch.ldexp(rest, torch.tensor(-scale)))
+        digits.append(digit.to(torch.int64).sum())
+        rest = rest - torch.ldexp(digit, torch.tensor(scale))
+    sums = _over(groups, torch.stack(digits))
+    total = torch.zeros((), dtype=torch.float64, device=joined.device)
+    for i in range(_TOTAL_DIGITS):
+        total = total + torch.ldexp(
+            sums[i].to(torch.float64), torch.tensor(top - _TOTAL_BITS * (i + 1))
+        )
+    return total
 
 
-def _shift(magnitude: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+# fixed_point_total's digits: 90 bits below the largest magnitude, and room in an int64 for the
+# digits of 2^33 elements
+_TOTAL_BITS, _TOTAL_DIGITS = 30, 3
+
+
+def _shift(magnitude: torch.Tensor, count: int) -> torch.Tensor:
     """The power of two that puts the largest magnitude just under 2^(62 - ceil(log2 count))."""
-    headroom = max(1, int(count.item()) - 1).bit_length()
+    headroom = max(1, count - 1).bit_length()
     finite = torch.where(torch.isfinite(magnitude), magnitude, torch.zeros_like(magnitude))
     # frexp's exponent e: magnitude < 2^e (0 for a zero magnitude)
     exponent = torch.frexp(finite).exponent.to(torch.int64)

@@ -32,6 +32,7 @@ from fmeg import ops
 from fmeg.fp8.linear import fp8_linear
 from fmeg.ops.precision import upcast
 from fmeg.parallel import collectives as C
+from fmeg.parallel import exact_regions
 from fmeg.parallel.context import NO_CP, ContextParallel
 from fmeg.parallel.context import positions as context_positions
 
@@ -81,6 +82,9 @@ class TensorParallel:
     fp8_plan: Any = None
     # this layer's fmeg.fp8.plan.Fp8Layer (its linears' GEMMs in FP8), or None
     fp8: Any = None
+    # --deterministic-mode: the sums tp splits taken as fixed pieces, summed exactly
+    # (fmeg.parallel.exact_regions), at tp 1 too, so that every tp gives one rank's bits
+    exact: bool = False
 
     @property
     def size(self) -> int:
@@ -108,6 +112,12 @@ class TensorParallel:
     @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.group is not None
+
+    @property
+    def exact_sums(self) -> bool:
+        """Whether this layer's linears, norms and vocabulary sums run exactly (not yet with FP8,
+        whose sums are the default mode's)."""
+        return self.exact and self.fp8 is None
 
 
 def _layer_view(tp: TensorParallel, index: int) -> TensorParallel:
@@ -197,10 +207,19 @@ def column_parallel_linear(
     *,
     gather_output: bool = False,
     site: str = "",
+    vocab: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T + b for this rank's rows of w (output features); optionally gathered to all.
-    site: which of a layer's linears (fmeg.fp8.delayed.SITES), for FP8."""
-    y = _linear(enter(x, tp), weight, bias, tp, x_split=False, y_split=True, site=site)
+    site: which of a layer's linears (fmeg.fp8.delayed.SITES), for FP8; vocab: w's rows are the
+    padded vocabulary's (exact sums cut them in pieces of fixed size)."""
+    if tp.exact_sums:
+        rows = weight.shape[-2]
+        n = exact_regions.pieces_held(rows, tp.size, exact_regions.VOCAB_ROWS if vocab else None)
+        # the whole sequence on every rank; its gradient's sum over ranks is exact_copy's
+        x = C.gather_from(x, tp.group, SEQ_DIM) if tp.sp else x
+        y = exact_regions.column_linear(x, weight, bias, n, tp.group)
+    else:
+        y = _linear(enter(x, tp), weight, bias, tp, x_split=False, y_split=True, site=site)
     return C.gather_from(y, tp.group, -1) if gather_output else y
 
 
@@ -217,6 +236,15 @@ def row_parallel_linear(
     reduction)."""
     if not input_is_parallel:
         x = C.scatter_to(x, tp.group, -1)
+    if tp.exact_sums:
+        n = exact_regions.pieces_held(weight.shape[-1], tp.size)
+        y = exact_regions.row_linear(x, weight, n, tp.group)
+        # the whole sum on every rank; each keeps its sequence chunk
+        y = C.scatter_to(y, tp.group, SEQ_DIM) if tp.sp else y
+        bias = (
+            None if bias is None else exact_regions.per_token(bias, y, tp.group if tp.sp else None)
+        )
+        return y if bias is None else y + bias
     y = leave(_linear(x, weight, None, tp, x_split=True, y_split=False, site=site), tp)
     return y if bias is None else y + replicated_param(bias, tp)
 
@@ -282,13 +310,22 @@ def vocab_parallel_cross_entropy(
         logits = logits.masked_fill(padding, float("-inf"))
     shift = C.all_reduce_max_constant(logits.max(dim=-1).values, tp.group)
     shifted = logits - shift.unsqueeze(-1)
-    lse = torch.log(C.reduce_from(shifted.exp().sum(-1), tp.group))
+    vocab_sum = _vocab_sum(tp)
+    lse = torch.log(vocab_sum(shifted.exp()))
     in_shard = (labels >= start) & (labels < end)
     local_label = torch.where(in_shard, labels - start, 0).unsqueeze(-1)
     target = torch.where(in_shard, shifted.gather(-1, local_label).squeeze(-1), 0.0)
     nll = lse - C.reduce_from(target, tp.group)
     if label_smoothing:
         real = shifted if padding is None else shifted.masked_fill(padding, 0.0)
-        mean_logit = C.reduce_from(real.sum(-1), tp.group) / (vocab_size or vocab_shard * tp.size)
+        mean_logit = vocab_sum(real) / (vocab_size or vocab_shard * tp.size)
         nll = (1.0 - label_smoothing) * nll + label_smoothing * (lse - mean_logit)
     return torch.where(labels == ignore_index, 0.0, nll)
+
+
+def _vocab_sum(tp: TensorParallel) -> Any:
+    """x [..., V/t] -> the sum over the whole vocabulary [...]: exact under exact sums (each
+    vocabulary entry a piece), else each rank's float sum, then the ranks'."""
+    if tp.exact and tp.fp8 is None:
+        return lambda x: exact_regions.exact_reduce(x.movedim(-1, 0), tp.group)
+    return lambda x: C.reduce_from(x.sum(-1), tp.group)

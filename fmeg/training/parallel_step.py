@@ -350,7 +350,7 @@ def train_iteration(
     hooks = step_hooks.step_hooks(config, layout, mesh, loss_scale=scale, per_token=per_token)
     microbatches = step_hooks.prepare(hooks, microbatches)
     fns = stage_functions(
-        state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8
+        state.params, config, layout, mesh, compile, overlap_grad_reduce, per_token, s.fp8, exact
     )
     reduce = dict(overlap_grad_reduce=overlap_grad_reduce, bucket_numel=s.bucket_numel, exact=exact)
     loss, sync = forward_backward(

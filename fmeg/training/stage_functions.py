@@ -14,9 +14,12 @@ from fmeg.parallel.mesh import Mesh, group_of
 from fmeg.parallel.tensor import NO_EP, ExpertParallel, TensorParallel
 
 
-def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParallel:
+def model_parallel(
+    layout: Layout, mesh: Mesh, fp8: Any = None, exact: bool = False
+) -> TensorParallel:
     """The groups the model's transforms talk to: tensor (and sequence) parallelism, and the
-    experts' ranks; fp8: the run's fmeg.fp8.plan.Fp8Plan (None: no FP8)."""
+    experts' ranks; fp8: the run's fmeg.fp8.plan.Fp8Plan (None: no FP8); exact:
+    --deterministic-mode's exact tensor-parallel sums."""
     experts = (
         ExpertParallel(
             mesh.group("tp_ep"),
@@ -40,6 +43,7 @@ def model_parallel(layout: Layout, mesh: Mesh, fp8: Any = None) -> TensorParalle
             mesh.group("cp"), layout.cp_comm_type, mesh.group("cp_a2a"), mesh.group("cp_p2p")
         ),
         fp8_plan=fp8,
+        exact=exact,
     )
 
 
@@ -86,11 +90,13 @@ def stage_functions(
     overlap_grad_reduce: bool,
     per_token: bool,
     fp8: Any = None,
+    exact: bool = False,
 ) -> dict:
     """{stage: its segments}. compile: a torch.compile backend (None: eager). Compiled, each stage
     is one graph (fused), unless its layers' gradients must be handed over one by one (data-parallel
-    overlap), whole layers are recomputed or the weights are gathered a unit at a time."""
-    tp = model_parallel(layout, mesh, fp8)
+    overlap), whole layers are recomputed or the weights are gathered a unit at a time. exact:
+    --deterministic-mode's tensor-parallel sums."""
+    tp = model_parallel(layout, mesh, fp8, exact)
     compile, fused = stage_compilation(compile, layout, overlap_grad_reduce, fp8)
     return {
         s: gp.stage_segments(

@@ -30,3 +30,38 @@ def accumulate_my_contributions(mesh, contributions, owner, order):
             acc.add_(start, x)
     acc.sum_over(mesh.group("tp") if mesh is not None else None)
     return acc.value()
+
+
+def exact_mlp(mesh, x, w1, b1, w2):
+    """(y, the gradients of sum(y * y) for x and this rank's w1, b1, w2 slices) of
+    fmeg.parallel.exact_regions' column then row linear, w1's rows [..., rows, in] and w2's
+    columns [out, ..., rows] (the same features) split over the tp group. One intra-op thread:
+    a GEMM's bits may depend on how many threads share it."""
+    import torch
+
+    from fmeg.parallel.exact_regions import column_linear, pieces_held, row_linear
+
+    torch.set_num_threads(1)
+    t, r = (mesh.group("tp").size, mesh.coord("tp")) if mesh.group("tp") else (1, 0)
+    group = mesh.group("tp")
+    x = x.detach().requires_grad_()
+    w1, b1 = w1.chunk(t, -2)[r].detach().requires_grad_(), b1.chunk(t, -1)[r].detach()
+    b1, w2 = b1.requires_grad_(), w2.chunk(t, -1)[r].detach().requires_grad_()
+    h = torch.tanh(column_linear(x, w1, b1.flatten(), pieces_held(w1.shape[-2], t), group))
+    y = row_linear(h, w2.flatten(1), pieces_held(w2.flatten(1).shape[-1], t), group)
+    return (y.detach(), *torch.autograd.grad(y.square().sum(), (x, w1, b1, w2)))
+
+
+def token_scaled(mesh, x, w):
+    """(this rank's tokens of x times w, w's gradient of their sum of squares): the tokens (dim 0)
+    split over the tp group, w applied by exact_regions.per_token."""
+    import torch
+
+    from fmeg.parallel.exact_regions import per_token
+
+    group = mesh.group("tp")
+    t, r = (group.size, mesh.coord("tp")) if group else (1, 0)
+    w = w.detach().requires_grad_()
+    part = x.chunk(t, 0)[r]
+    y = part * per_token(w, part, group)
+    return y.detach(), torch.autograd.grad(y.square().sum(), w)[0]

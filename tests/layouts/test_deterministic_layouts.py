@@ -1,7 +1,9 @@
-"""--deterministic-mode: the sums over data parallelism are exact, so every data-parallel layout
-gives one rank's losses, grad norms and weights bit for bit (compared with ==, not a tolerance):
-dp 2 with three microbatches a rank, ZeRO-1 over 3 ranks (uneven slices), dp 4 with ZeRO-1; fp32
-in the default suite, bf16, Muon and per-token losses in the slow tier. Three iterations are
+"""--deterministic-mode: the sums over data, tensor and sequence parallelism are exact, so every
+such layout gives one rank's losses, grad norms and weights bit for bit (compared with ==, not a
+tolerance): dp 2 with three microbatches a rank, ZeRO-1 over 3 ranks (uneven slices), tp 2 with
+sequence parallelism (its vocabulary padded to 512 rows, one rank's to 384); tp 2 alone, tp 4,
+tp 2 x dp 2 with ZeRO-1 and dp 4 with ZeRO-1 in the slow tier; fp32 in the default suite, bf16,
+Muon and per-token losses in the slow tier. Three iterations are
 enough: any difference in a sum shows in the first step's grad norm. A notice names the
 parallelisms whose sums are not exact yet, and sharded gradients (FSDP) are refused."""
 
@@ -15,8 +17,18 @@ from harness.runner import COMMON, run_group, run_recipe
 
 # 12 sequences a step in microbatches of 2: 6 on one rank, 3 a rank at dp 2, 2 at dp 3
 FLAGS = [*COMMON, "--train-iters", "3", "--global-batch-size", "12", "--deterministic-mode"]
-ROWS = {"dp2": (2, []), "dp3_zero1": (3, ["--use-distributed-optimizer"])}
-SLOW_ROWS = {"dp4_zero1": (4, ["--use-distributed-optimizer", "--micro-batch-size", "1"])}
+TP2 = ["--tensor-model-parallel-size", "2"]
+ROWS = {
+    "dp2": (2, []),
+    "dp3_zero1": (3, ["--use-distributed-optimizer"]),
+    "tp2_sp": (2, [*TP2, "--sequence-parallel"]),
+}
+SLOW_ROWS = {
+    "tp2": (2, TP2),
+    "tp4": (4, ["--tensor-model-parallel-size", "4"]),
+    "tp2_dp2_zero1": (4, [*TP2, "--use-distributed-optimizer"]),
+}
+DP4 = (4, ["--use-distributed-optimizer", "--micro-batch-size", "1"])
 VARIANTS = {"fp32": [], "bf16": ["--bf16"], "muon": ["--optimizer", "muon"]}
 VARIANTS["per_token"] = ["--calculate-per-token-loss"]
 
@@ -67,8 +79,15 @@ def one_rank(tmp_path_factory):
 
 
 @pytest.mark.parametrize("row", list(ROWS))
-def test_a_data_parallel_layout_gives_one_ranks_bits(tmp_path, one_rank, row):
+def test_a_layout_gives_one_ranks_bits(tmp_path, one_rank, row):
     nproc, flags = ROWS[row]
+    _assert_bitwise(_run(tmp_path, row, nproc, flags), one_rank("fp32"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", list(SLOW_ROWS))
+def test_each_tensor_parallel_layout_gives_one_ranks_bits(tmp_path, one_rank, row):
+    nproc, flags = SLOW_ROWS[row]
     _assert_bitwise(_run(tmp_path, row, nproc, flags), one_rank("fp32"))
 
 
@@ -84,7 +103,7 @@ def test_each_precision_and_optimizer_at_each_layout_gives_one_ranks_bits(
 
 @pytest.mark.slow
 def test_dp4_with_zero1_and_one_microbatch_a_rank_gives_one_ranks_bits(tmp_path, one_rank):
-    nproc, flags = SLOW_ROWS["dp4_zero1"]
+    nproc, flags = DP4
     want = one_rank("fp32", ["--micro-batch-size", "1"])
     _assert_bitwise(_run(tmp_path, "dp4_zero1", nproc, flags), want)
 
@@ -92,11 +111,13 @@ def test_dp4_with_zero1_and_one_microbatch_a_rank_gives_one_ranks_bits(tmp_path,
 def test_the_parallelisms_not_yet_exact_are_named():
     from fmeg.config.load import load
 
-    cfg, _ = load([*FLAGS, "--tensor-model-parallel-size", "2"], 2)
+    cfg, _ = load([*FLAGS, "--pipeline-model-parallel-size", "2"], 2)
     assert cfg.training.deterministic
     assert [n for n in cfg.notices if n.startswith("--deterministic-mode")] == [
-        "--deterministic-mode: the sums over data parallelism are exact; those over tensor "
-        "parallelism are not yet (the curve is within rounding of one rank's, not its bits)"
+        "--deterministic-mode: the sums over data, tensor and sequence parallelism are exact; "
+        "those of pipeline parallelism are not yet (the curve is within rounding of one rank's, "
+        "not its bits)"
     ]
-    cfg, _ = load(FLAGS, 2)
-    assert not [n for n in cfg.notices if n.startswith("--deterministic-mode")]
+    for layout in ([], [*TP2, "--sequence-parallel"]):
+        cfg, _ = load([*FLAGS, *layout], 2)
+        assert not [n for n in cfg.notices if n.startswith("--deterministic-mode")]
