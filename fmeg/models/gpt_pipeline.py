@@ -286,10 +286,7 @@ def _compiled_pieces(
     """_pieces under torch.compile(fullgraph=True), made once per arguments so that every iteration
     and stage reuses the compiled graphs (the layer index becomes a symbolic int at the second
     layer, so all layers share one graph after the first)."""
-    return tuple(
-        torch.compile(fn, backend=backend, fullgraph=True)
-        for fn in _pieces(config, tp, recompute, per_token)
-    )
+    return tuple(_compile(fn, backend) for fn in _pieces(config, tp, recompute, per_token))
 
 
 @functools.cache
@@ -315,7 +312,20 @@ def _fused_stage(
             x = layer(layer_params, x, batch, first_layer + i)
         return head(params, x, batch) if last else x
 
-    return torch.compile(stage, backend=backend, fullgraph=True) if backend else stage
+    return _compile(stage, backend) if backend else stage
+
+
+# Inductor inlines a pointwise node into each of its readers, so a chain whose steps read their
+# input twice (dropout's counter hash: x ^ (x >> 16), ...) is expanded once per path through it,
+# 2^k times: minutes of codegen for each dropout site. Realizing any node of more than this many
+# ops bounds the expansion (a dropout site compiles in seconds) and leaves ordinary chains fused.
+_REALIZE_OPCOUNT = 30
+
+
+def _compile(fn: Callable, backend: str) -> Callable:
+    """fn under torch.compile(fullgraph=True), inductor's expansion bounded."""
+    options = {"realize_opcount_threshold": _REALIZE_OPCOUNT} if backend == "inductor" else None
+    return torch.compile(fn, backend=backend, fullgraph=True, options=options)
 
 
 def stage_fn(config: GPTConfig, stage: int, stages: Stages, tp: TensorParallel = NO_TP) -> Callable:
