@@ -385,24 +385,17 @@ def megatron_leniencies(a: argparse.Namespace) -> list[str]:
 def _deterministic_leniencies(a: argparse.Namespace) -> list[str]:
     """--deterministic-mode's sums not yet exact in this run: by parallelism, and by the layers
     whose replicated weights meet split tokens under tensor parallelism."""
-    others = [
-        name
-        for name, size in (
-            ("pipeline", a.pipeline_model_parallel_size),
-            ("context", a.context_parallel_size),
-            ("expert", a.expert_model_parallel_size),
-        )
-        if size > 1
-    ]
-    layers = [
-        name
-        for name, used in (
-            ("mixture-of-experts", a.num_experts),
-            ("multi-latent attention", a.multi_latent_attention),
-            ("FP8", a.fp8),
-        )
-        if used and a.tensor_model_parallel_size > 1
-    ]
+    others = _named(
+        ("pipeline", a.pipeline_model_parallel_size > 1),
+        ("context", a.context_parallel_size > 1),
+        ("expert", a.expert_model_parallel_size > 1),
+    )
+    under_tp = a.tensor_model_parallel_size > 1
+    layers = _named(
+        ("mixture-of-experts", under_tp and bool(a.num_experts)),
+        ("multi-latent attention", under_tp and bool(a.multi_latent_attention)),
+        ("FP8", under_tp and bool(a.fp8)),
+    )
     if not others and not layers:
         return []
     what = [f"{', '.join(others)} parallelism"] if others else []
@@ -412,6 +405,10 @@ def _deterministic_leniencies(a: argparse.Namespace) -> list[str]:
         f"those of {' and '.join(what)} are not yet (the curve is within rounding of one rank's, "
         "not its bits)"
     ]
+
+
+def _named(*pairs: tuple[str, bool]) -> list[str]:
+    return [name for name, used in pairs if used]
 
 
 def _precision_data_and_schedule_leniencies(a: argparse.Namespace) -> list[str]:
