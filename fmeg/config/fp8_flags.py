@@ -10,6 +10,7 @@ import math
 import torch
 
 from fmeg.config.declare import flag, flag_name, group, switch
+from fmeg.config.parallel_flags import compiles
 from fmeg.fp8.linear import BLOCK
 from fmeg.fp8.plan import Fp8Plan
 from fmeg.fp8.recipe import E4M3, E5M2, RECIPES, Fp8Recipe
@@ -169,7 +170,7 @@ def problems(a: argparse.Namespace, config) -> list[str]:
     compiler drops its backward's amax records. config: the model (fmeg.models.gpt.GPTConfig)."""
     if a.fp8 is None:
         return []
-    compiled = a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
+    compiled = compiles(a)
     if a.fp8_recipe == "delayed" and compiled and _torch_release() < DELAYED_COMPILE_TORCH:
         return [
             f"--fp8-recipe delayed with compiled stages needs torch 2.13 or later (this is torch "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from fmeg.config.declare import group
+from fmeg.config.parallel_flags import compile_asked
 
 # Megatron flags that choose a kernel or an implementation, not the model or the numbers: accepted
 # so that Megatron scripts run unchanged, and named once at start as ignored, with the reason.
@@ -396,11 +397,16 @@ def _deterministic_leniencies(a: argparse.Namespace) -> list[str]:
         ("multi-latent attention", under_tp and bool(a.multi_latent_attention)),
         ("FP8", under_tp and bool(a.fp8)),
     )
+    eager = (
+        ["--deterministic-mode runs the stages eagerly: its exact sums are not compiled yet"]
+        if compile_asked(a)
+        else []
+    )
     if not others and not layers:
-        return []
+        return eager
     what = [f"{', '.join(others)} parallelism"] if others else []
     what += [f"{', '.join(layers)} layers under tensor parallelism"] if layers else []
-    return [
+    return eager + [
         "--deterministic-mode: the sums over data, tensor and sequence parallelism are exact; "
         f"those of {' and '.join(what)} are not yet (the curve is within rounding of one rank's, "
         "not its bits)"

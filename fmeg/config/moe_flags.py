@@ -7,9 +7,9 @@ import argparse
 import ast
 from typing import Any
 
-import torch
 
 from fmeg.config.declare import add_group, flag, group, switch
+from fmeg.config.parallel_flags import compiles
 
 # Flags that choose a kernel or an overlap, not a number: accepted with --num-experts and named as
 # ignored.
@@ -321,7 +321,7 @@ def ignored(a: argparse.Namespace) -> list[str]:
         for f, why in {**IGNORED, **IGNORED_SETTINGS}.items()
         if getattr(a, f.lstrip("-").replace("-", "_")) not in (None, False)
     ]
-    compiled = a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
+    compiled = compiles(a)
     if a.num_experts is not None and a.moe_token_dispatcher_type == "alltoall" and compiled:
         given.append(
             (

@@ -156,8 +156,22 @@ class OverlapFlags:
         action=argparse.BooleanOptionalAction,
         help="run each pipeline stage torch.compile'd as one graph (each layer, the embedding and "
         "the loss head apart under --overlap-grad-reduce with dp > 1 or full recomputation; "
-        "default: on with CUDA, off on CPU, where compiling takes longer than short runs train)",
+        "default: on with CUDA, off on CPU, where compiling takes longer than short runs train; "
+        "off under --deterministic-mode, whose exact sums run eagerly)",
     )
 
     def problems(self) -> list[str]:
         return not_positive(self, "ddp_bucket_size")
+
+
+def compile_asked(a: argparse.Namespace) -> bool:
+    """Whether the flags ask for compiled stages: --compile, or by default with CUDA."""
+    return bool(
+        a.compile or (a.compile is None and a.device != "cpu" and torch.cuda.is_available())
+    )
+
+
+def compiles(a: argparse.Namespace) -> bool:
+    """Whether the run's stages are compiled: as asked, but never under --deterministic-mode (its
+    exact sums, fmeg.parallel.exact_regions, read host values)."""
+    return compile_asked(a) and not a.deterministic_mode

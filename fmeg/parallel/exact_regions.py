@@ -88,15 +88,12 @@ class _ExactCopy(torch.autograd.Function):
         return _ExactCopy.apply(x.movedim(in_dims[0], 0), n, group), 1
 
 
-# eager inside a compiled graph: the fixed point's scale is a host value
-@torch.compiler.disable
 def exact_reduce(pieces: torch.Tensor, group: Any) -> torch.Tensor:
     """pieces [n, ...] (this rank's) summed over n and the group's ranks, exactly; the backward
     hands each piece the whole gradient (Megatron's reduce_from, piece by piece)."""
     return _ExactReduce.apply(pieces, group)
 
 
-@torch.compiler.disable
 def exact_copy(x: torch.Tensor, n: int, group: Any) -> torch.Tensor:
     """x [...] replicated -> [n, ...], one copy a piece; the backward sums the pieces' gradients
     over n and the group's ranks, exactly (Megatron's copy_to, piece by piece)."""

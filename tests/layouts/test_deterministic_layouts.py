@@ -121,3 +121,20 @@ def test_the_parallelisms_not_yet_exact_are_named():
     for layout in ([], [*TP2, "--sequence-parallel"]):
         cfg, _ = load([*FLAGS, *layout], 2)
         assert not [n for n in cfg.notices if n.startswith("--deterministic-mode")]
+
+
+def test_compiled_stages_asked_for_run_eagerly_and_a_notice_says_so():
+    import argparse
+
+    from fmeg.config.load import load
+    from fmeg.config.parallel_flags import compiles
+
+    cfg, _ = load([*FLAGS, "--compile"], 1)
+    assert "--deterministic-mode runs the stages eagerly: its exact sums are not compiled yet" in (
+        cfg.notices
+    )
+    asked = dict(compile=True, device="cpu")
+    assert not compiles(argparse.Namespace(**asked, deterministic_mode=True))
+    assert compiles(argparse.Namespace(**asked, deterministic_mode=False))
+    cfg, _ = load(FLAGS, 1)
+    assert not [n for n in cfg.notices if "eagerly" in n]
