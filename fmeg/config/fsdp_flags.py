@@ -166,12 +166,6 @@ def problems(a: argparse.Namespace) -> list[str]:
                 else "expected auto, true, false or a number of ranks"
             )
         )
-    if a.deterministic_mode and sharding(a) in ("optim_grads", "optim_grads_params"):
-        out.append(
-            f"--deterministic-mode with {sharding(a)} sharding: exact gradient sums over sharded "
-            "gradients are not supported by fmeg yet; use --use-distributed-optimizer (ZeRO-1) "
-            "or drop --deterministic-mode"
-        )
     n = a.num_distributed_optimizer_instances
     if n < 1:
         out.append(f"--num-distributed-optimizer-instances must be positive, got {n}")

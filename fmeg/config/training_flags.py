@@ -52,7 +52,8 @@ class TrainingFlags:
     deterministic_mode: bool = switch(
         "--deterministic-mode",
         help="every sum a layout splits taken exactly (fmeg.parallel.exact, exact_regions): the "
-        "same bits at any data-parallel size, ZeRO-1 or not, any number of microbatches a rank, "
+        "same bits at any data-parallel size, ZeRO-1, FSDP or neither, any number of microbatches "
+        "a rank, "
         "and any tensor-parallel size dividing 8, with or without sequence parallelism; those "
         "over context, pipeline and expert parallelism not yet",
     )

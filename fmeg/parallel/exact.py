@@ -6,6 +6,7 @@ are added: the building block of --deterministic-mode's reductions (bitwise acro
     acc = ExactAccumulator(numel)     a flat sum built a contribution at a time (gradients, one
     acc.add_(start, x)                microbatch after another), then summed over groups:
     acc.sum_over(group); acc.value()  the same bits for any split of the contributions
+    acc.scatter_over(group, units)    the sum's chunks a rank owns (sharded gradients, FSDP)
 
 A float sum rounds after every addition, so its bits follow the order of the additions, and a
 layout that splits the operands over ranks changes that order. Here every operand is rounded once
@@ -170,16 +171,33 @@ class ExactAccumulator:
     def sum_over(self, group: Any) -> None:
         """Every rank of group (or of each group of a tuple, in turn) holds the sum over it."""
         for g in _groups(group):
-            state = torch.tensor(
-                [-(2**40) if self.top is None else self.top, int(self.non_finite)],
-                dtype=torch.int64,
-                device=self.bins.device,
-            )
-            top, non_finite = g.all_reduce(state, "max").tolist()
-            self.non_finite = bool(non_finite)
-            if top > -(2**40):
-                self._raise_top(top)
+            self._agree(g)
             self.bins = g.all_reduce(self.bins)
+
+    def scatter_over(self, group: Any, units: Sequence[tuple[int, int]]) -> "ExactAccumulator":
+        """This rank's chunks of the sum over group (None: one rank), a new accumulator: each unit
+        [a, b) of the flat sum cut into group.size chunks, the rank-th summed over the group (one
+        reduce-scatter of the int64 bins a unit), the units' chunks concatenated in order."""
+        out = ExactAccumulator(0, device=self.bins.device)
+        if group is not None:
+            self._agree(group)
+        out.top, out.non_finite = self.top, self.non_finite
+        pieces = [self.bins[:, a:b] for a, b in units]
+        chunks = [p.clone() if group is None else group.reduce_scatter(p, 1) for p in pieces]
+        out.bins = torch.cat(chunks, 1) if chunks else self.bins[:, :0]
+        return out
+
+    def _agree(self, g: Any) -> None:
+        """The top bin and the non-finite flag made the group's (a scalar all-reduce)."""
+        state = torch.tensor(
+            [-(2**40) if self.top is None else self.top, int(self.non_finite)],
+            dtype=torch.int64,
+            device=self.bins.device,
+        )
+        top, non_finite = g.all_reduce(state, "max").tolist()
+        self.non_finite = bool(non_finite)
+        if top > -(2**40):
+            self._raise_top(top)
 
     def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The sum, rounded once to dtype (each bin is exact in float64; their sum rounds once)."""

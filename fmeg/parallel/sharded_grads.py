@@ -21,6 +21,13 @@ hold the same elements of each copy, and the copies are summed chunk by chunk (l
 
 Arithmetic: the accumulator holds sum over microbatches of (sum over ranks), where ZeRO-1 reduces
 the sum over microbatches once; with one microbatch per rank the two are the same numbers.
+
+exact=True (--deterministic-mode): every microbatch's gradients go into an ExactAccumulator of the
+whole flat gradient instead (no staging, no overlap), and finish() reduce-scatters its int64 bins a
+unit at a time (fmeg.parallel.exact): the owned chunks are then the same bits as ZeRO-1's, for
+any data-parallel size and any number of microbatches a rank; the divisor should be 1 (the mean
+taken by the backward's seed over the global batch). It holds 24 bytes an element of the whole
+gradient, as ZeRO-1's exact sums do.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from fmeg import tree
+from fmeg.parallel.exact import ExactAccumulator
 from fmeg.parallel.zero import FlatBuffer, alone_in_unit, owned_view
 
 
@@ -45,12 +53,13 @@ class ShardedGradSync:
         divisor: int | None = None,
         in_flight: int = 2,
         replicas: Any = None,
+        exact: bool = False,
     ):
         """params: this rank's {stage: tree} (shapes only are read); accumulator: this rank's owned
         elements of the flat gradient (padded / dp, any float dtype); unit_of(path): the unit a
         leaf belongs to; divisor: what the group's sum is divided by (default its size); replicas:
         hybrid sharding's group of the ranks holding the same chunks, over which the owned
-        elements are summed at finish() (None: none)."""
+        elements are summed at finish() (None: none); exact: the sums exact (above)."""
         self.replicas = replicas
         self.group, self.dp = group, 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
@@ -74,6 +83,7 @@ class ShardedGradSync:
         ]
         alone_in_unit(replicated, self.index, self.reduced, "ShardedGradSync")
         self._index_cache: dict[tuple, list[int]] = {}
+        self.exact = ExactAccumulator(layout.padded, accumulator.device) if exact else None
         self.reset()
 
     def reset(self) -> "ShardedGradSync":
@@ -83,6 +93,8 @@ class ShardedGradSync:
         self._rounds = [0] * len(self.reduced)
         self._touched = [False] * len(self.paths)
         self._pending: list[tuple[Any, int, torch.Tensor]] = []
+        if self.exact is not None:
+            self.exact.reset()
         return self
 
     def add(self, stage: int, grads: dict[str, torch.Tensor], final: bool = False) -> None:
@@ -94,6 +106,9 @@ class ShardedGradSync:
             indices = self._index_cache[key] = [self.index[f"{stage}.{p}"] for p in grads]
         for i, grad in zip(indices, grads.values()):
             self._touched[i] = True
+            if self.exact is not None:
+                self.exact.add_(self.starts[i], grad)
+                continue
             flat = grad.reshape(-1)
             k = self.unit_of_leaf[i]
             a, b = self.layout.units[k]
@@ -143,8 +158,19 @@ class ShardedGradSync:
             )
         while self._pending:
             self._complete()
+        if self.exact is not None:
+            return self._finish_exact()
         if self.replicas is not None:
             self.accumulator.copy_(self.replicas.all_reduce(self.accumulator.clone()))
+        if self.divisor != 1:
+            self.accumulator.div_(self.divisor)
+        return self
+
+    def _finish_exact(self) -> "ShardedGradSync":
+        """The owned chunks of the exact sum over the group (and the replicas), rounded once."""
+        chunks = self.exact.scatter_over(self.group, self.layout.units)
+        chunks.sum_over(self.replicas)
+        self.accumulator.copy_(chunks.value(self.accumulator.dtype))
         if self.divisor != 1:
             self.accumulator.div_(self.divisor)
         return self

@@ -314,16 +314,12 @@ class FlatState:
         """The data-parallel gradient reduction into self.grad (ZeRO-1: into this rank's slice), the
         sum over group divided by divisor (default: the group's size), ready for an iteration: built
         on first use and reset on every later call with the same arguments. exact: the sums in
-        fmeg.parallel.exact's accumulator (--deterministic-mode; not with sharded gradients)."""
+        fmeg.parallel.exact's accumulator (--deterministic-mode)."""
         key = (group, replicated, bucket_numel, overlap, divisor, exact)
         cached = getattr(self, "_grad_sync", None)
         if cached is not None and cached[0] == key:
             return cached[1].reset()
         if self.shard_grads:
-            if exact:
-                raise NotImplementedError(
-                    "--deterministic-mode: exact gradient sums with sharded gradients (FSDP)"
-                )
             sync = ShardedGradSync(
                 self.params,
                 group,
@@ -332,6 +328,7 @@ class FlatState:
                 replicated=replicated,
                 divisor=divisor,
                 replicas=self.replica_group,
+                exact=exact,
             )
         else:
             sync = GradSync(

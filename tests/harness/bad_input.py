@@ -253,12 +253,6 @@ BAD = [
         "--outer-dp-sharding-strategy optim: hybrid sharding is not supported by fmeg yet",
     ),
     (
-        {"WORLD_SIZE": "2"},
-        ["--use-torch-fsdp2", "--deterministic-mode"],
-        "--deterministic-mode with optim_grads_params sharding: exact gradient sums over sharded "
-        "gradients are not supported by fmeg yet",
-    ),
-    (
         {"WORLD_SIZE": "1"},
         ["--use-torch-fsdp2", "--torch-fsdp2-reshard-after-forward", "4"],
         "--torch-fsdp2-reshard-after-forward 4: resharding to a smaller group after forward is "

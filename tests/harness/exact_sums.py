@@ -32,6 +32,20 @@ def accumulate_my_contributions(mesh, contributions, owner, order):
     return acc.value()
 
 
+def scatter_my_contributions(mesh, contributions, owner, order, units):
+    """As accumulate_my_contributions, then this rank's chunks of each unit of the sum over the
+    tp group (ExactAccumulator.scatter_over, FSDP's sharded gradients)."""
+    from fmeg.parallel.exact import ExactAccumulator
+
+    rank = mesh.coord("tp")
+    acc = ExactAccumulator(contributions[0][1].numel())
+    for i in order:
+        if owner[i] == rank:
+            start, x = contributions[i]
+            acc.add_(start, x)
+    return acc.scatter_over(mesh.group("tp"), units).value()
+
+
 def exact_mlp(mesh, x, w1, b1, w2):
     """(y, the gradients of sum(y * y) for x and this rank's w1, b1, w2 slices) of
     fmeg.parallel.exact_regions' column then row linear, w1's rows [..., rows, in] and w2's

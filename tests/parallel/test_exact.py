@@ -112,6 +112,18 @@ def test_an_accumulated_sum_does_not_depend_on_who_adds_what_or_when(case):
     assert bool(((want.double() - exact).abs() <= bound).all())
 
 
+@given(contributions())
+def test_a_scattered_sum_is_each_ranks_chunks_of_the_whole_sum(case):
+    """The units' rank-th chunks of the sum (FSDP's owned gradient) are the whole sum's bits."""
+    world, parts, owner, order = case
+    want = P.accumulate_my_contributions(None, parts, [0] * len(parts), range(len(parts)))
+    units = [(0, 8), (8, 40)]
+    got = run("threads", world, P.scatter_my_contributions, parts, owner, order, units)
+    for rank, chunks in enumerate(got):
+        mine = [want[a:b].chunk(world)[rank] for a, b in units]
+        assert torch.equal(chunks, torch.cat(mine))
+
+
 def test_a_non_finite_contribution_on_any_rank_makes_the_sum_nan():
     parts = [(0, torch.ones(3)), (0, torch.tensor([1.0, math.inf, 0.0]))]
     for got in run("threads", 2, P.accumulate_my_contributions, parts, [0, 1], [0, 1]):
